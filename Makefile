@@ -1,0 +1,39 @@
+# Two commands set up everything: `make lab` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Extra arguments for JupyterLab, e.g. `make lab LAB_ARGS="--port=9999 --no-browser"`.
+LAB_ARGS ?=
+# Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
+PYTEST_ARGS ?=
+
+.PHONY: lab test .venv labs doctor clean-venv
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(LAB_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n auto --dist loadgroup $(PYTEST_ARGS)
+
+# The virtual environment: created when missing, reinstalled when pyproject.toml changes,
+# a no-op otherwise.
+.venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is needed; found " + sys.version.split()[0])'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
+	touch $@
+
+# Regenerate the learner notebooks in labs/ from the instructor notebooks in solutions/.
+labs: $(STAMP)
+	$(BIN)/infra-lab release
+
+doctor: $(STAMP)
+	$(BIN)/infra-lab doctor
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,360 @@
+"""Checks for lab 01 (GEMM profiling): FLOP count, timer, dominant op, achieved rate."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+from grading.registry import Check, Mismatch, register
+
+
+def _reference(name: str):
+    def load():
+        from infra_lib.kernels import profiling
+
+        return getattr(profiling, name)
+
+    return load
+
+
+def _call_each(fn, cases: list[list]) -> list:
+    return [fn(*case) for case in cases]
+
+
+def _number_mismatch(got: list, expected: list, cases: list, what: str, fmt, rel: float) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"{what}: expected {len(expected)} results, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        if type(g) not in (int, float) or not math.isclose(g, e, rel_tol=rel, abs_tol=0.0):
+            return Mismatch(what, f"on {fmt(case)}: expected {e!r}, got {g!r}")
+    return None
+
+
+# --- task 1: gemm_flops -------------------------------------------------------------------
+
+def _mnk(case) -> str:
+    return "m={}, n={}, k={}".format(*case)
+
+
+def _small_shapes(rng: random.Random) -> list[list[int]]:
+    return [[1, 1, 1]] + [[rng.randint(1, 64), rng.randint(1, 64), rng.randint(1, 64)] for _ in range(5)]
+
+
+def _large_shapes(rng: random.Random) -> list[list[int]]:
+    return [
+        [rng.choice([4096, 8192]), rng.choice([4096, 8192]), rng.choice([4096, 8192])],
+        [1, rng.randint(2000, 9000), rng.randint(2000, 9000)],  # decode: one token, a GEMV
+        [rng.randint(100, 999), 1, rng.randint(100, 999)],
+        [rng.randint(2, 50), rng.randint(2, 50), 1],
+        [0, rng.randint(1, 50), rng.randint(1, 50)],
+    ]
+
+
+def _compare_flops(got, expected, cases) -> Mismatch | None:
+    return _number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
+
+
+register(Check(
+    check_id="lab01.gemm_flops",
+    task="lab01 task 1: gemm_flops",
+    reference=_reference("gemm_flops"),
+    make_inputs=_small_shapes,
+    drive=_call_each,
+    compare=_compare_flops,
+    hint="each of the m*n outputs is a length-k dot product: k multiplies and k adds.",
+))
+
+register(Check(
+    check_id="lab01.gemm_flops_shapes",
+    task="lab01 task 1: gemm_flops",
+    reference=_reference("gemm_flops"),
+    make_inputs=_large_shapes,
+    drive=_call_each,
+    compare=_compare_flops,
+    hint="the count must hold for any shape: skinny (m=1), k=1, an empty dimension, and sizes "
+    "whose count does not fit in 32 bits.",
+))
+
+
+# --- task 2: time_op -------------------------------------------------------------------------
+
+def _timing_plan(rng: random.Random) -> dict:
+    iters = rng.choice([5, 7])
+    timed = [rng.randint(8, 14) for _ in range(iters)]
+    timed[rng.randrange(iters)] = 90  # one outlier: the median ignores it, the mean does not
+    return {"warmup": rng.choice([2, 3]), "iters": iters, "cold_ms": rng.randint(45, 60), "timed_ms": timed}
+
+
+class _Workload:
+    """A stand-in operation whose cost per call is known in advance.
+
+    The first ``warmup`` calls are slow (a cold start); later calls cost ``timed_ms`` in
+    turn. With ``asynchronous`` the call only queues its cost, as a GPU launch does, and
+    ``sync`` waits for whatever is queued.
+    """
+
+    def __init__(self, plan: dict, asynchronous: bool):
+        self.plan = plan
+        self.asynchronous = asynchronous
+        self.calls = 0
+        self.queued_s = 0.0
+        self.lock = threading.Lock()
+
+    def cost_s(self, index: int) -> float:
+        warmup, timed = self.plan["warmup"], self.plan["timed_ms"]
+        if index < warmup:
+            return self.plan["cold_ms"] / 1000
+        return timed[(index - warmup) % len(timed)] / 1000
+
+    def fn(self) -> None:
+        with self.lock:
+            cost = self.cost_s(self.calls)
+            self.calls += 1
+            if self.asynchronous:
+                self.queued_s += cost
+                return
+        time.sleep(cost)
+
+    def sync(self) -> None:
+        with self.lock:
+            queued, self.queued_s = self.queued_s, 0.0
+        time.sleep(queued)
+
+
+def _drive_timer(asynchronous: bool):
+    def drive(time_op, plan: dict) -> dict:
+        workload = _Workload(plan, asynchronous)
+        seconds = time_op(workload.fn, warmup=plan["warmup"], iters=plan["iters"],
+                          sync=workload.sync if asynchronous else None)
+        return {"seconds": seconds, "calls": workload.calls}
+
+    return drive
+
+
+def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
+    setting = f"warmup={plan['warmup']}, iters={plan['iters']}, per-call costs {plan['timed_ms']} ms after a {plan['cold_ms']} ms cold start"
+    if got["calls"] != expected["calls"]:
+        return Mismatch(
+            "time_op called fn the wrong number of times",
+            f"with {setting}: expected {expected['calls']} calls (warmup + iters), got {got['calls']}",
+        )
+    seconds = got["seconds"]
+    if type(seconds) not in (int, float):
+        return Mismatch("time_op must return seconds as a float", f"got {seconds!r:.80}")
+    want = expected["seconds"]
+    if abs(seconds - want) > 0.003 + 0.25 * want:
+        return Mismatch(
+            "time_op returned the wrong time",
+            f"with {setting}: expected about {want * 1000:.1f} ms (the median timed call), got {seconds * 1000:.1f} ms",
+        )
+    return None
+
+
+register(Check(
+    check_id="lab01.time_op_warmup",
+    task="lab01 task 2: time_op",
+    reference=_reference("time_op"),
+    make_inputs=_timing_plan,
+    drive=_drive_timer(asynchronous=False),
+    compare=_compare_timer,
+    hint="call fn warmup times untimed, then time each of iters calls separately with "
+    "time.perf_counter and return the median (statistics.median), in seconds.",
+))
+
+register(Check(
+    check_id="lab01.time_op_sync",
+    task="lab01 task 2: time_op",
+    reference=_reference("time_op"),
+    make_inputs=_timing_plan,
+    drive=_drive_timer(asynchronous=True),
+    compare=_compare_timer,
+    hint="fn may only queue work, as a GPU launch does: when sync is not None, call it after "
+    "warm-up and after every timed call, before you stop the clock.",
+))
+
+
+# --- task 3: dominant_op ------------------------------------------------------------------------
+
+def _real_workload(rng: random.Random) -> dict:
+    return {"kind": rng.choice(["mm", "bmm"]), "n": rng.choice([256, 320, 384]), "extra_ops": rng.randint(1, 3)}
+
+
+def _drive_real_profile(dominant_op, spec: dict) -> str:
+    """Profile a GEMM next to a few small elementwise ops; the GEMM does >95% of the work."""
+    import torch
+
+    from infra_lib.kernels.profiling import profile_op
+
+    n = spec["n"]
+    gen = torch.Generator().manual_seed(n)
+    batch = () if spec["kind"] == "mm" else (2,)
+    a, b = torch.randn(*batch, n, n, generator=gen), torch.randn(*batch, n, n, generator=gen)
+    x, bias = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+    def step():
+        out = torch.matmul(a, b)  # aten::matmul -> aten::mm or aten::bmm
+        for _ in range(spec["extra_ops"]):
+            x.add_(bias).relu_()
+        return out
+
+    return dominant_op(profile_op(step, "cpu"))
+
+
+def _synthetic_rows(rng: random.Random, device: bool) -> list[dict]:
+    """Profile rows where the largest *total* time and the largest *self* time differ."""
+    parent_total = rng.randint(9000, 12000)
+    child_self = parent_total - rng.randint(50, 200)
+    rows = [
+        {"key": "aten::linear", "count": 1, "cpu_total": parent_total + 300, "cpu_self": 40},
+        {"key": "aten::addmm", "count": 1, "cpu_total": child_self + 30, "cpu_self": child_self},
+        {"key": "aten::gelu", "count": 1, "cpu_total": rng.randint(1500, 2500), "cpu_self": rng.randint(1200, 1400)},
+        {"key": "aten::softmax", "count": 2, "cpu_total": rng.randint(800, 1000), "cpu_self": rng.randint(100, 300)},
+        {"key": "aten::_softmax", "count": 2, "cpu_total": rng.randint(500, 700), "cpu_self": rng.randint(450, 499)},
+        {"key": "aten::empty", "count": 6, "cpu_total": 60, "cpu_self": 60},
+    ]
+    if device:
+        # On a GPU the CPU side only launches; the kernels' device time is what matters,
+        # and the kernel with most device time is not the op with most CPU time.
+        kernel_us = rng.randint(3000, 5000)
+        rows += [
+            {"key": "cudaLaunchKernel", "count": 3, "cpu_total": 9000, "cpu_self": 9000},
+            {"key": "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "count": 1,
+             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us},
+            {"key": "void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "count": 1,
+             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us // rng.randint(3, 6)},
+            {"key": "void at::native::softmax_warp_forward<float, float, float, 10, false>", "count": 2,
+             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us // rng.randint(4, 8)},
+        ]
+    rng.shuffle(rows)
+    return rows
+
+
+class SyntheticProfile:
+    """Stands in for a ``torch.profiler.profile`` result with chosen times.
+
+    ``key_averages()`` returns real torch ``FunctionEventAvg`` rows in a real ``EventList``,
+    so every attribute a learner may read exists and means what it means in torch.
+    """
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def key_averages(self, *args, **kwargs):
+        from torch.autograd.profiler_util import EventList, FunctionEventAvg
+
+        events = []
+        for row in self.rows:
+            event = FunctionEventAvg()
+            event.key = row["key"]
+            event.count = row["count"]
+            event.cpu_time_total = row["cpu_total"]
+            event.self_cpu_time_total = row["cpu_self"]
+            event.device_time_total = row.get("device_self", 0)
+            event.self_device_time_total = row.get("device_self", 0)
+            events.append(event)
+        return EventList(events)
+
+
+def _drive_synthetic(dominant_op, rows: list[dict]) -> str:
+    return dominant_op(SyntheticProfile(rows))
+
+
+def _compare_names(got, expected, inputs) -> Mismatch | None:
+    if got == expected:
+        return None
+    if type(got) is not str:
+        return Mismatch("dominant_op must return the op's name as a str", f"got {got!r:.80}")
+    return Mismatch("dominant_op named the wrong op", f"expected {expected!r}, got {got!r}")
+
+
+register(Check(
+    check_id="lab01.dominant_op_real",
+    task="lab01 task 3: dominant_op",
+    reference=_reference("dominant_op"),
+    make_inputs=_real_workload,
+    drive=_drive_real_profile,
+    compare=_compare_names,
+    hint="use prof.key_averages() and pick the row (its .key) with the largest self time, "
+    "not the largest total time.",
+))
+
+register(Check(
+    check_id="lab01.dominant_op_self_time",
+    task="lab01 task 3: dominant_op",
+    reference=_reference("dominant_op"),
+    make_inputs=lambda rng: _synthetic_rows(rng, device=False),
+    drive=_drive_synthetic,
+    compare=_compare_names,
+    hint="a parent op's total time includes its children; self time (self_cpu_time_total) "
+    "does not, and self time is what names the op doing the work.",
+))
+
+register(Check(
+    check_id="lab01.dominant_op_device",
+    task="lab01 task 3: dominant_op",
+    reference=_reference("dominant_op"),
+    make_inputs=lambda rng: _synthetic_rows(rng, device=True),
+    drive=_drive_synthetic,
+    compare=_compare_names,
+    hint="when any row has self_device_time_total > 0 the work ran on a GPU: rank by device "
+    "self time there, since CPU time only measures launches.",
+))
+
+
+# --- task 4: achieved_tflops ----------------------------------------------------------------------
+
+def _rate_cases(rng: random.Random) -> list[list]:
+    cases = []
+    for _ in range(5):
+        m, n, k = (rng.choice([1, 64, 512, 4096, 8192]) for _ in range(3))
+        cases.append([m, n, k, rng.uniform(1e-6, 2.0)])
+    return cases
+
+
+def _bad_seconds(rng: random.Random) -> list[list]:
+    return [[rng.randint(1, 99), rng.randint(1, 99), rng.randint(1, 99), s] for s in (0.0, -rng.uniform(0.001, 1.0))]
+
+
+def _drive_rejects(achieved_tflops, cases: list[list]) -> list[str]:
+    outcomes = []
+    for case in cases:
+        try:
+            value = achieved_tflops(*case)
+        except ValueError:
+            outcomes.append("ValueError")
+        else:
+            outcomes.append(f"returned {value!r:.40}")
+    return outcomes
+
+
+def _compare_rejects(got, expected, cases) -> Mismatch | None:
+    for case, g, e in zip(cases, got, expected):
+        if g != e:
+            return Mismatch("achieved_tflops must raise ValueError when seconds <= 0",
+                            f"on seconds={case[3]!r}: expected {e}, got {g}")
+    return None
+
+
+register(Check(
+    check_id="lab01.achieved_tflops",
+    task="lab01 task 4: achieved_tflops",
+    reference=_reference("achieved_tflops"),
+    make_inputs=_rate_cases,
+    drive=_call_each,
+    compare=lambda got, expected, cases: _number_mismatch(
+        got, expected, cases, "achieved_tflops returned the wrong rate",
+        lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c), 1e-9),
+    hint="TFLOP/s = FLOPs / seconds / 1e12; reuse your gemm_flops.",
+))
+
+register(Check(
+    check_id="lab01.achieved_tflops_rejects_bad_time",
+    task="lab01 task 4: achieved_tflops",
+    reference=_reference("achieved_tflops"),
+    make_inputs=_bad_seconds,
+    drive=_drive_rejects,
+    compare=_compare_rejects,
+    hint="a time of zero or less is a measuring bug: raise ValueError instead of returning a rate.",
+))

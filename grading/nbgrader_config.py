@@ -1,0 +1,31 @@
+"""nbgrader configuration for this course: `nbgrader <command> --config grading/nbgrader_config.py`.
+
+solutions/ is nbgrader's source directory (instructor notebooks with hidden tests) and
+labs/ its release directory (what learners get). Run nbgrader from the repository root.
+"""
+
+import os
+
+c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
+
+c.CourseDirectory.course_id = "infra-course"
+c.CourseDirectory.root = os.environ.get("INFRA_COURSE_ROOT", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "labs"
+
+# The learner's stub: the solution region becomes this comment, and the line after the
+# region, `raise NotImplementedError("labNN task N: name")`, names the task.
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE"}
+
+# torch imports and profiles take longer than nbgrader's 30 s default.
+c.Execute.timeout = 300
+c.Execute.startup_timeout = 120
+c.Execute.interrupt_on_timeout = True
+
+# nbgrader scores a test cell zero when it wrote anything to stderr; torch's profiler and
+# library warnings write there without anything being wrong.
+c.IgnorePattern.enabled = True
+c.IgnorePattern.pattern = r"(?i)warn|USDT:|STAGE:|profiler_(start|stop)"
+
+# A learner who deleted a test cell gets it back rather than a silent zero.
+c.OverwriteCells.add_missing_cells = True

@@ -1,0 +1,91 @@
+"""The registry of checks: seeded inputs, a driver, and a comparison against the reference."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Modules under grading.checks that register checks; a lab adds its module here.
+CHECK_MODULES = ("grading.checks.lab01",)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a learner's data differs from the reference's.
+
+    ``what`` never contains inputs or expected values (it is shown for hidden checks);
+    ``detail`` does (shown only for visible checks and interactively).
+    """
+
+    what: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One registered check.
+
+    Attributes:
+        check_id: "labNN.behaviour", unique.
+        task: the lab task it exercises, as the stub names it ("lab01 task 1: gemm_flops").
+        reference: returns the infra_lib implementation (imported lazily).
+        make_inputs: seeded ``random.Random`` -> inputs as plain data.
+        drive: (implementation, inputs) -> plain data (numbers, strings, lists, dicts).
+        compare: (learner data, reference data, inputs) -> Mismatch or None when equal.
+        hint: what to look at when the check fails.
+    """
+
+    check_id: str
+    task: str
+    reference: Callable[[], Any]
+    make_inputs: Callable[[random.Random], Any]
+    drive: Callable[[Any, Any], Any]
+    compare: Callable[[Any, Any, Any], Mismatch | None]
+    hint: str
+
+    def inputs(self, seed: int) -> Any:
+        return self.make_inputs(random.Random(seed_for(seed, self.check_id)))
+
+
+_REGISTRY: dict[str, Check] = {}
+
+
+def register(check: Check) -> Check:
+    if check.check_id in _REGISTRY:
+        raise ValueError(f"check {check.check_id!r} is registered twice")
+    _REGISTRY[check.check_id] = check
+    return check
+
+
+def _load() -> None:
+    for module in CHECK_MODULES:
+        importlib.import_module(module)
+
+
+def get_check(check_id: str) -> Check:
+    """The registered check with this id.
+
+    Raises:
+        KeyError: no check has that id (the message lists the ids of the same lab).
+    """
+    _load()
+    if check_id not in _REGISTRY:
+        lab = check_id.split(".")[0]
+        known = sorted(c for c in _REGISTRY if c.startswith(lab + "."))
+        raise KeyError(f"no check named {check_id!r}; checks of {lab}: {', '.join(known) or 'none'}")
+    return _REGISTRY[check_id]
+
+
+def all_checks() -> dict[str, Check]:
+    _load()
+    return dict(_REGISTRY)
+
+
+def seed_for(seed: int, check_id: str) -> int:
+    """The seed one check uses, derived from a run's seed so checks do not share inputs."""
+    digest = hashlib.sha256(f"{seed}:{check_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")

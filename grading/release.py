@@ -1,0 +1,48 @@
+"""Generating the learner notebooks in labs/ from the instructor notebooks in solutions/ with nbgrader."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = REPO_ROOT / "grading" / "nbgrader_config.py"
+
+
+def lab_ids(source_dir: Path = REPO_ROOT / "solutions") -> list[str]:
+    return sorted(p.parent.name for p in Path(source_dir).glob("*/*.ipynb") if p.stem == p.parent.name)
+
+
+def generate(lab_id: str, out_dir: Path, source_dir: Path = REPO_ROOT / "solutions") -> Path:
+    """Run ``nbgrader generate_assignment`` on one lab in a scratch course directory.
+
+    Returns:
+        The folder holding the generated lab (``out_dir/lab_id``), replaced if it existed.
+    """
+    source = Path(source_dir) / lab_id
+    if not (source / f"{lab_id}.ipynb").is_file():
+        raise FileNotFoundError(f"no instructor notebook {source / (lab_id + '.ipynb')}")
+    with tempfile.TemporaryDirectory(prefix="release-") as scratch:
+        shutil.copytree(source, Path(scratch) / "solutions" / lab_id,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        (Path(scratch) / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
+        env = {**os.environ, "INFRA_COURSE_ROOT": scratch}
+        result = subprocess.run(
+            [sys.executable, "-m", "nbgrader", "generate_assignment", lab_id, "--force", "--no-db", "--log-level=WARN"],
+            cwd=scratch, env=env, capture_output=True, text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nbgrader generate_assignment {lab_id} failed:\n{result.stdout}\n{result.stderr}")
+        target = Path(out_dir) / lab_id
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(Path(scratch) / "labs" / lab_id, target)
+    return target
+
+
+def release_all(out_dir: Path = REPO_ROOT / "labs") -> list[Path]:
+    return [generate(lab_id, out_dir) for lab_id in lab_ids()]

@@ -1,0 +1,96 @@
+"""Reports of a graded notebook: a terminal table, markdown feedback and Gradescope's results.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grading.grader import GradeReport
+
+
+def _points(value: float) -> str:
+    return f"{value:g}"
+
+
+def table(report: GradeReport) -> str:
+    """A plain-text table, one row per graded test cell, then the total."""
+    rows = [("test", "points", "checks")]
+    for test in report.tests:
+        passed = sum(c.passed for c in test.checks)
+        rows.append((test.grade_id, f"{_points(test.score)}/{_points(test.max_score)}",
+                     f"{passed}/{len(test.checks)} passed"))
+    rows.append(("total", f"{_points(report.score)}/{_points(report.max_score)}", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    line = "  ".join("-" * w for w in widths)
+    out = [f"{report.lab_id}: {report.notebook}"]
+    for i, row in enumerate(rows):
+        if i in (1, len(rows) - 1):
+            out.append(line)
+        out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    failures = [c for t in report.tests for c in t.checks if not c.passed]
+    if failures:
+        out.append("")
+        out.append("What to fix (first failure of each test; all of them in feedback.md):")
+        seen = set()
+        for test in report.tests:
+            first = next((c for c in test.checks if not c.passed), None)
+            if first is not None and test.grade_id not in seen:
+                seen.add(test.grade_id)
+                out.append(first.message)
+    for note in report.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)
+
+
+def feedback_markdown(report: GradeReport) -> str:
+    """Feedback for the learner: every check's verdict; hidden checks without inputs or answers."""
+    lines = [f"# Feedback: {report.lab_id}", "",
+             f"**Score: {_points(report.score)} / {_points(report.max_score)}**", "",
+             f"Graded `{report.notebook}` in {report.seconds:.0f} s.", ""]
+    for note in report.notes:
+        lines.append(f"> note: {note}")
+    if report.notes:
+        lines.append("")
+    for test in report.tests:
+        mark = "passed" if test.passed else "failed"
+        lines += [f"## {test.grade_id}: {_points(test.score)}/{_points(test.max_score)} ({mark})", ""]
+        for c in test.checks:
+            kind = "hidden check" if c.hidden else "check"
+            if c.passed:
+                lines.append(f"- {kind} `{c.check_id}`: passed")
+            else:
+                lines.append(f"- {kind} `{c.check_id}`: **failed**")
+                lines += ["", "  ```", *("  " + m for m in c.message.splitlines()), "  ```", ""]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def gradescope_results(report: GradeReport) -> dict:
+    """Gradescope's autograder results: score, max_score and one entry per test cell."""
+    return {
+        "score": report.score,
+        "max_score": report.max_score,
+        "execution_time": round(report.seconds, 1),
+        "output": f"{report.lab_id}: {_points(report.score)}/{_points(report.max_score)}",
+        "tests": [
+            {
+                "name": test.grade_id,
+                "score": test.score,
+                "max_score": test.max_score,
+                "status": "passed" if test.passed else "failed",
+                "output": "\n".join(c.message for c in test.checks),
+                "visibility": "visible",
+            }
+            for test in report.tests
+        ],
+    }
+
+
+def write_reports(report: GradeReport, out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(gradescope_results(report), indent=2) + "\n", encoding="utf-8")
+    feedback = out_dir / "feedback.md"
+    feedback.write_text(feedback_markdown(report), encoding="utf-8")
+    return [results, feedback]
