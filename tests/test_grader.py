@@ -1,0 +1,200 @@
+"""The notebook grader end to end: real kernels, real lab 01, learner notebooks built per test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import nbformat
+import pytest
+
+from conftest import LAB01, SOLUTION01, write_learner_notebook
+from grading.grader import GradingError, grade_notebook
+from grading.notebook import NotebookError, clear_solutions, read_notebook, splice
+from grading.report import feedback_markdown, gradescope_results, table, write_reports
+
+TASKS = {
+    "task1_gemm_flops": ("test_task1_gemm_flops", 2),
+    "task2_time_op": ("test_task2_time_op", 3),
+    "task3_dominant_op": ("test_task3_dominant_op", 3),
+    "task4_achieved_tflops": ("test_task4_achieved_tflops", 2),
+}
+
+
+def _scores(report) -> dict[str, float]:
+    return {t.grade_id: t.score for t in report.tests}
+
+
+def _with(solution_answers, **replace) -> dict[str, str]:
+    answers = dict(solution_answers)
+    answers.update(replace)
+    return answers
+
+
+def test_one_wrong_answer_costs_exactly_its_points(tmp_path, solution_answers):
+    wrong = solution_answers["task1_gemm_flops"].replace("return 2 * m * n * k", "return m * n * k")
+    assert wrong != solution_answers["task1_gemm_flops"]
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task1_gemm_flops=wrong))
+    report = grade_notebook(path, seed=7)
+    assert report.score == 8
+    assert _scores(report)["test_task1_gemm_flops"] == 0
+    failed = [c for c in report.tests[0].checks if not c.passed]
+    assert failed and "gemm_flops returned the wrong count" in failed[0].message
+
+
+def test_hidden_failures_name_the_check_but_not_inputs_or_expected(tmp_path, solution_answers):
+    # A dominant_op that ignores device time passes the visible check, fails a hidden one.
+    cpu_only = solution_answers["task3_dominant_op"].replace("on_device = any(", "on_device = False and any(")
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task3_dominant_op=cpu_only))
+    report = grade_notebook(path, seed=11)
+    assert report.score == 7
+    checks = {c.check_id: c for t in report.tests for c in t.checks}
+    assert checks["lab01.dominant_op_real"].passed
+    hidden = checks["lab01.dominant_op_device"]
+    assert hidden.hidden and not hidden.passed
+    assert "dominant_op named the wrong op" in hidden.message
+    out = tmp_path / "report"
+    write_reports(report, out)
+    for text in ((out / "feedback.md").read_text(), (out / "results.json").read_text(), table(report)):
+        assert "lab01.dominant_op_device" in text
+        assert "sm90_xmma" not in text and "expected" not in text.split("dominant_op_device")[1][:400]
+
+
+def test_hard_coded_answers_fail_at_grade_time(tmp_path, solution_answers):
+    """Answers that memorise the visible inputs pass interactively, not under the grader."""
+    from grading.registry import get_check
+
+    visible = get_check("lab01.gemm_flops").inputs(0)
+    table_src = {tuple(case): 2 * case[0] * case[1] * case[2] for case in visible}
+    memorised = (
+        "def gemm_flops(m, n, k):\n"
+        f"    return {table_src!r}.get((m, n, k), 0)\n"
+    )
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task1_gemm_flops=memorised))
+    from grading import check
+
+    namespace = {}
+    exec(memorised, namespace)
+    check("lab01.gemm_flops", namespace["gemm_flops"])  # passes on the visible seed
+    report = grade_notebook(path, seed=2024)
+    assert _scores(report)["test_task1_gemm_flops"] == 0
+
+
+def test_a_crashing_answer_does_not_cost_the_others(tmp_path, solution_answers):
+    crash = solution_answers["task2_time_op"].replace("    ### BEGIN SOLUTION", "    import os; os._exit(3)\n    ### BEGIN SOLUTION")
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task2_time_op=crash))
+    report = grade_notebook(path, seed=3)
+    assert _scores(report) == {"test_task1_gemm_flops": 2, "test_task2_time_op": 0,
+                               "test_task3_dominant_op": 3, "test_task4_achieved_tflops": 2}
+    message = next(c.message for c in report.tests[1].checks)
+    assert "kernel died" in message
+    assert any("stopped the run" in note for note in report.notes)
+
+
+def test_a_hanging_answer_is_interrupted_and_grading_goes_on(tmp_path, solution_answers):
+    hang = "def dominant_op(prof):\n    while True:\n        pass\n"
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task3_dominant_op=hang))
+    report = grade_notebook(path, seed=5, cell_timeout=8)
+    assert report.score == 7
+    message = report.tests[2].checks[0].message
+    assert "KeyboardInterrupt" in message or "time" in message
+
+
+def test_an_answer_that_ignores_the_interrupt_is_stopped(tmp_path, solution_answers):
+    stubborn = (
+        "def achieved_tflops(m, n, k, seconds):\n"
+        "    import time\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(0.1)\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass\n"
+    )
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task4_achieved_tflops=stubborn))
+    report = grade_notebook(path, seed=5, cell_timeout=4)
+    assert _scores(report) == {"test_task1_gemm_flops": 2, "test_task2_time_op": 3,
+                               "test_task3_dominant_op": 3, "test_task4_achieved_tflops": 0}
+    assert "ignored the interrupt" in report.tests[3].checks[0].message
+
+
+def test_learner_edits_outside_answer_cells_are_ignored(tmp_path, solution_answers):
+    nb = read_notebook(LAB01)
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in solution_answers:
+            cell.source = solution_answers[gid]
+        if gid and gid.startswith("test_"):
+            cell.source = "pass  # tests deleted"
+            cell.metadata["tags"] = ["raises-exception", "injected-parameters"]
+            cell.metadata["nbgrader"]["points"] = 100
+    nb.cells.insert(0, nbformat.v4.new_code_cell("raise SystemExit(0)", metadata={"tags": ["parameters"]}))
+    path = tmp_path / "lab01_gemm.ipynb"
+    nbformat.write(nb, path)
+    report = grade_notebook(path, seed=9)
+    assert (report.score, report.max_score) == (10, 10)
+    assert all(c.passed for t in report.tests for c in t.checks)
+
+
+def test_grading_never_modifies_the_learner_file(tmp_path, solution_answers):
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", solution_answers)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    grade_notebook(path, seed=1)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lab01_gemm.ipynb"]
+
+
+def test_reports_have_gradescope_fields(tmp_path):
+    report = grade_notebook(LAB01, seed=1)
+    results = gradescope_results(report)
+    assert results["score"] == 0 and results["max_score"] == 10
+    for test in results["tests"]:
+        assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
+        assert test["status"] == "failed"
+    paths = write_reports(report, tmp_path)
+    assert json.loads(paths[0].read_text()) == results
+    md = feedback_markdown(report)
+    assert md.startswith("# Feedback: lab01_gemm") and "**Score: 0 / 10**" in md
+
+
+def test_missing_answer_cell_is_graded_as_the_stub(tmp_path, solution_answers):
+    nb = read_notebook(LAB01)
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") != "task4_achieved_tflops"]
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in solution_answers:
+            cell.source = solution_answers[gid]
+    path = tmp_path / "lab01_gemm.ipynb"
+    nbformat.write(nb, path)
+    spliced = splice(read_notebook(SOLUTION01), read_notebook(path))
+    assert any("task4_achieved_tflops" in n and "missing" in n for n in spliced.notes)
+    report = grade_notebook(path, seed=2)
+    assert report.score == 8
+
+
+def test_clear_solutions_matches_what_nbgrader_releases():
+    released = {c.metadata["nbgrader"]["grade_id"]: c.source for c in read_notebook(LAB01).cells
+                if c.metadata.get("nbgrader", {}).get("solution")}
+    trusted = {c.metadata["nbgrader"]["grade_id"]: c.source for c in read_notebook(SOLUTION01).cells
+               if c.metadata.get("nbgrader", {}).get("solution")}
+    assert released.keys() == trusted.keys()
+    for gid, source in trusted.items():
+        assert clear_solutions(source) == released[gid]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid notebook JSON"),
+    ('{"cells": 3, "nbformat": 4, "nbformat_minor": 5, "metadata": {}}', "notebook"),
+    ("", "not valid notebook JSON"),
+])
+def test_malformed_notebooks_get_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "lab01_gemm.ipynb"
+    path.write_text(content)
+    with pytest.raises(NotebookError, match=message):
+        grade_notebook(path)
+
+
+def test_unknown_lab_and_missing_file():
+    with pytest.raises(GradingError, match="lab01_gemm"):
+        grade_notebook(LAB01, lab_id="lab99_nothing")
+    with pytest.raises(NotebookError, match="no notebook"):
+        grade_notebook(LAB01.with_name("missing.ipynb"), lab_id="lab01_gemm")

@@ -1,0 +1,101 @@
+"""Course-wide lab contract: every solution scores full marks under both graders, every
+untouched lab scores zero with its tasks named, and labs/ is exactly what nbgrader releases."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, write_learner_notebook
+from grading.grader import grade_notebook
+from grading.notebook import read_notebook
+from grading.release import CONFIG, generate, lab_ids
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def test_every_solution_has_a_released_lab():
+    assert lab_ids() == [p.stem for p in LABS], "run `make labs` to regenerate labs/ from solutions/"
+    assert LABS, "no labs found"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_solution_scores_full_marks(solution):
+    report = grade_notebook(solution)
+    failed = [c.message for t in report.tests for c in t.checks if not c.passed]
+    assert report.score == report.max_score > 0, failed
+    assert len(report.tests) >= 4
+    assert any(c.hidden for t in report.tests for c in t.checks), "a lab needs hidden checks"
+    assert any(not c.hidden for t in report.tests for c in t.checks), "a lab needs visible checks"
+
+
+@pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
+def test_untouched_lab_scores_zero_naming_each_task(lab):
+    report = grade_notebook(lab)
+    assert report.score == 0 and report.max_score > 0
+    prefix = lab.stem.split("_")[0]  # "lab01"
+    for test in report.tests:
+        for c in test.checks:
+            assert not c.passed
+            assert re.search(rf"NotImplementedError: {prefix} task \d+: \w+", c.message), c.message
+
+
+@pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
+def test_labs_equal_what_nbgrader_generates(lab, tmp_path):
+    fresh = generate(lab.stem, tmp_path) / lab.name
+    assert json.loads(fresh.read_text()) == json.loads(lab.read_text()), \
+        f"{lab} differs from nbgrader's output: run `make labs`"
+    assert "BEGIN HIDDEN TESTS" not in lab.read_text()
+    assert "BEGIN SOLUTION" not in lab.read_text()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS + LABS, ids=_ids(NOTEBOOKS + SOLUTIONS + LABS))
+def test_notebooks_are_committed_without_outputs(path):
+    nb = read_notebook(path)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, f"{path} has outputs in cells {dirty}; clear them before committing"
+
+
+def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
+    # nbgrader runs `alembic` by name: the venv's bin must be on PATH, as it is once activated.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "INFRA_COURSE_ROOT": str(course), "PATH": path}
+    result = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_nbgrader_autograde_agrees_with_the_course_grader(tmp_path):
+    """An instructor's nbgrader run and `infra-lab grade` give the same scores on the same submissions."""
+    from nbgrader.api import Gradebook
+
+    course = tmp_path / "course"
+    (course / "solutions").mkdir(parents=True)
+    shutil.copytree(REPO / "solutions" / "lab01_gemm", course / "solutions" / "lab01_gemm")
+    (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
+    _nbgrader(course, "generate_assignment", "lab01_gemm", "--force")
+
+    answers = answer_cells(REPO / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb")
+    wrong = dict(answers)
+    wrong["task3_dominant_op"] = answers["task3_dominant_op"].replace("self_cpu_time_total", "cpu_time_total")
+    submissions = {"complete": answers, "untouched": {}, "one_wrong": wrong}
+    for student, filled in submissions.items():
+        write_learner_notebook(course / "submitted" / student / "lab01_gemm" / "lab01_gemm.ipynb", filled, base=LAB01)
+    _nbgrader(course, "autograde", "lab01_gemm", "--create", "--force")
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="infra-course") as gradebook:
+        nbgrader_scores = {s: gradebook.find_submission("lab01_gemm", s).score for s in submissions}
+    ours = {s: grade_notebook(course / "submitted" / s / "lab01_gemm" / "lab01_gemm.ipynb", lab_id="lab01_gemm").score
+            for s in submissions}
+    assert nbgrader_scores == {"complete": 10, "untouched": 0, "one_wrong": 7}
+    assert ours == nbgrader_scores
