@@ -18,8 +18,17 @@ from grading.registry import Check, Mismatch, get_check
 
 RECORD_ENV = "INFRA_LAB_RECORD"
 SEED_ENV = "INFRA_LAB_SEED"
+CHECK_TIMEOUT_ENV = "INFRA_LAB_CHECK_TIMEOUT"
 INTERACTIVE_SEED = 0
 _MAX_ERROR_CHARS = 400
+
+
+# Kinds of outcome besides plain data; the grader reports them as failure reasons.
+ERROR = "error"
+TIMEOUT = "time-out"
+MEMORY = "memory limit"
+SHORTCUT = "reference shortcut"
+TAMPERING = "tampering detected"
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,14 @@ class Outcome:
 
     data: Any = None
     error: str | None = None
+    kind: str | None = None  # None for data; ERROR, TIMEOUT, MEMORY, SHORTCUT or TAMPERING
+
+
+class CheckTimeout(BaseException):
+    """Raised in the learner's code when a check runs past its time limit.
+
+    A BaseException, so that ``except Exception`` in the learner's code cannot swallow it.
+    """
 
 
 @dataclass(frozen=True)
@@ -36,12 +53,17 @@ class Verdict:
     passed: bool
     what: str = ""
     detail: str = ""
+    kind: str = ""  # "passed", "wrong result", or an Outcome kind
 
     def message(self, check: Check, *, hidden: bool) -> str:
-        """The feedback text; for hidden checks, without inputs or expected values."""
+        """The feedback text; for hidden checks, without inputs, expected values or error text
+        (an error message can echo an input), except the stub's own NotImplementedError."""
         if self.passed:
             return f"{self.check_id} passed"
-        lines = [f"{self.check_id} failed [{check.task}]", f"  {self.what}"]
+        what = self.what
+        if hidden and self.kind == ERROR and f"NotImplementedError: {check.task}" not in what:
+            what = what.split(":", 1)[0] + " (the message is hidden: this check's inputs are secret)"
+        lines = [f"{self.check_id} failed [{check.task}] ({self.kind or 'failed'})", f"  {what}"]
         if self.detail and not hidden:
             lines.append(f"  {self.detail}")
         lines.append(f"  hint: {check.hint}")
@@ -78,30 +100,91 @@ def to_plain(value: Any, _depth: int = 0) -> Any:
     )
 
 
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text[:_MAX_ERROR_CHARS] + "..." if len(text) > _MAX_ERROR_CHARS else text
+
+
 def drive(check: Check, implementation: Any, inputs: Any) -> Outcome:
     """Run the check's driver on an implementation; never raises for the implementation's errors."""
     try:
         return Outcome(data=to_plain(check.drive(implementation, inputs)))
-    except Exception as exc:  # the learner's code may raise anything
-        text = f"{type(exc).__name__}: {exc}"
-        if len(text) > _MAX_ERROR_CHARS:
-            text = text[:_MAX_ERROR_CHARS] + "..."
-        return Outcome(error=text)
+    except CheckTimeout as exc:
+        return Outcome(error=str(exc), kind=TIMEOUT)
+    except MemoryError as exc:
+        return Outcome(error=_error_text(exc), kind=MEMORY)
+    except (Exception, SystemExit) as exc:  # the learner's code may raise anything
+        text = _error_text(exc)
+        if "can't allocate memory" in text or "out of memory" in text.lower():
+            return Outcome(error=text, kind=MEMORY)
+        return Outcome(error=text, kind=ERROR)
+
+
+class _Watch:
+    """While a learner's implementation runs: a time limit, and a monitor of calls into
+    the reference implementation (a shortcut). Both are per check and in-process: they
+    catch honest mistakes and naive shortcuts; the grader's own process and limits are
+    what a determined adversary meets."""
+
+    def __init__(self, lab: str, timeout: float):
+        from grading.registry import shortcut_functions
+
+        self.codes = {fn.__code__: f"{fn.__module__}.{fn.__name__}" for fn in shortcut_functions(lab)}
+        self.timeout = timeout
+        self.hits: list[str] = []
+
+    def _monitor(self, frame, event, arg):
+        if event == "call" and frame.f_code in self.codes:
+            self.hits.append(self.codes[frame.f_code])
+
+    def _alarm(self, signum, frame):
+        raise CheckTimeout(f"the check ran past its limit of {self.timeout:g} s")
+
+    def run(self, check: Check, implementation: Any, inputs: Any) -> Outcome:
+        import signal
+        import sys
+        import threading
+
+        previous = signal.signal(signal.SIGALRM, self._alarm)
+        signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        sys.setprofile(self._monitor)
+        threading.setprofile(self._monitor)
+        try:
+            outcome = drive(check, implementation, inputs)
+        finally:
+            still_ours = sys.getprofile() == self._monitor
+            sys.setprofile(None)
+            threading.setprofile(None)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        if self.hits:
+            return Outcome(error=f"your code called the reference {self.hits[0]}", kind=SHORTCUT)
+        if not still_ours:
+            return Outcome(error="your code removed the grader's call monitor", kind=TAMPERING)
+        return outcome
 
 
 def judge(check: Check, learner: Outcome, expected: Outcome, inputs: Any) -> Verdict:
     """Compare the learner's outcome with the reference's, for one check."""
     if expected.error is not None:
         raise RuntimeError(f"the reference failed check {check.check_id}: {expected.error}")
+    if learner.kind == SHORTCUT:
+        return Verdict(check.check_id, False, learner.error or "your code called the reference implementation", kind=SHORTCUT)
+    if learner.kind == TAMPERING:
+        return Verdict(check.check_id, False, learner.error or "tampering", kind=TAMPERING)
+    if learner.kind == TIMEOUT:
+        return Verdict(check.check_id, False, f"your code ran too long: {learner.error}", kind=TIMEOUT)
+    if learner.kind == MEMORY:
+        return Verdict(check.check_id, False, f"your code ran out of memory: {learner.error}", kind=MEMORY)
     if learner.error is not None:
-        return Verdict(check.check_id, False, f"your code raised {learner.error}")
+        return Verdict(check.check_id, False, f"your code raised {learner.error}", kind=ERROR)
     try:
         mismatch = check.compare(learner.data, expected.data, inputs)
     except Exception as exc:  # malformed learner data (wrong shapes, types)
         mismatch = Mismatch(f"your result has the wrong form ({type(exc).__name__}: {exc})")
     if mismatch is None:
-        return Verdict(check.check_id, True)
-    return Verdict(check.check_id, False, mismatch.what, mismatch.detail)
+        return Verdict(check.check_id, True, kind="passed")
+    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind="wrong result")
 
 
 def check(check_id: str, implementation: Any) -> None:
@@ -119,8 +202,10 @@ def check(check_id: str, implementation: Any) -> None:
     record_path = os.environ.get(RECORD_ENV)
     if record_path:
         seed = int(os.environ.get(SEED_ENV, "0"))
-        outcome = drive(registered, implementation, registered.inputs(seed))
-        line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error})
+        watch = _Watch(check_id.split(".")[0], float(os.environ.get(CHECK_TIMEOUT_ENV, "60")))
+        outcome = watch.run(registered, implementation, registered.inputs(seed))
+        line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error,
+                           "kind": outcome.kind})
         with open(record_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
         print(f"{check_id}: answer recorded; the grader compares it with the reference")

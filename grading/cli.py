@@ -21,22 +21,73 @@ def _cmd_doctor(args) -> int:
     return code
 
 
+def _limits(args):
+    from grading.sandbox import Limits
+
+    return Limits(cell_timeout=args.cell_timeout, check_timeout=args.check_timeout, budget=args.budget,
+                  memory_mb=args.memory_mb, max_processes=args.max_processes, file_size_mb=args.file_size_mb,
+                  output_kb=args.output_kb, isolate_network=not args.allow_network)
+
+
 def _cmd_grade(args) -> int:
+    if args.submissions is not None:
+        return _cmd_grade_batch(args)
+    if args.notebook is None:
+        print("infra-lab grade: give a notebook, or --submissions DIR --lab LAB for a class", file=sys.stderr)
+        return EXIT_USAGE
     from grading.grader import GradingError, grade_notebook
-    from grading.notebook import NotebookError
     from grading.report import table, write_reports
 
+    out_dir = Path(args.out) if args.out else Path("grades") / (args.lab or args.notebook.stem)
     try:
+        limits = _limits(args)
         print(f"grading {args.notebook} (a fresh kernel runs the lab; about 10-30 s)...", file=sys.stderr, flush=True)
-        report = grade_notebook(args.notebook, lab_id=args.lab, source_dir=args.source, seed=args.seed,
-                                cell_timeout=args.cell_timeout, budget=args.budget, memory_mb=args.memory_mb)
-    except (GradingError, NotebookError) as exc:
+        report = grade_notebook(args.notebook, lab_id=args.lab, source_dir=args.source, seed=args.seed, limits=limits)
+    except (GradingError, ValueError) as exc:
+        _write_failure(out_dir, str(exc))
         print(f"infra-lab grade: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # the grader must always leave a results.json behind
+        _write_failure(out_dir, f"internal grader error: {type(exc).__name__}: {exc}")
+        print(f"infra-lab grade: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_PROBLEM
     out_dir = Path(args.out) if args.out else Path("grades") / report.lab_id
     written = write_reports(report, out_dir)
     print(table(report))
     print(f"\nwrote {', '.join(str(p) for p in written)}")
+    return EXIT_OK
+
+
+def _write_failure(out_dir: Path, message: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"score": 0.0, "max_score": 0.0, "output": message, "tests": []}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+def _cmd_grade_batch(args) -> int:
+    from grading.batch import grade_batch
+
+    if not args.lab:
+        print("infra-lab grade --submissions needs --lab LAB_ID", file=sys.stderr)
+        return EXIT_USAGE
+    out_dir = Path(args.out) if args.out else Path("grades") / args.lab
+    try:
+        rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source, limits=_limits(args),
+                           workers=args.workers, seed=args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"infra-lab grade: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not rows:
+        print(f"infra-lab grade: no notebooks found in {args.submissions}", file=sys.stderr)
+        return EXIT_USAGE
+    width = max(len(r.learner) for r in rows)
+    for row in rows:
+        print(f"{row.learner.ljust(width)}  {row.score:g}/{row.max_score:g}  {row.status}  {row.note}".rstrip())
+    graded = sum(r.status == "graded" for r in rows)
+    cached = sum(r.status == "cached" for r in rows)
+    failed = sum(r.status == "failed" for r in rows)
+    print(f"\n{len(rows)} learners: {graded} graded, {cached} unchanged (cached), {failed} failed; "
+          f"scores in {out_dir / 'scores.csv'}")
     return EXIT_OK
 
 
@@ -75,7 +126,7 @@ def _cmd_progress(args) -> int:
                 results, note = json.loads(cache.read_text()), "(unchanged since last grade)"
             else:
                 print(f"grading {path}...", file=sys.stderr, flush=True)
-                report = grade_notebook(path, cell_timeout=args.cell_timeout, budget=args.budget)
+                report = grade_notebook(path, limits=_limits(args))
                 write_reports(report, out_dir)
                 stamp.write_text(digest)
                 results, note = gradescope_results(report), ""
@@ -105,6 +156,21 @@ def _cmd_release(args) -> int:
     return EXIT_OK
 
 
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    from grading.sandbox import Limits
+
+    d = Limits()
+    group = parser.add_argument_group("limits on the learner's kernel")
+    group.add_argument("--check-timeout", type=float, default=d.check_timeout, help=f"seconds per check ({d.check_timeout:g})")
+    group.add_argument("--cell-timeout", type=float, default=d.cell_timeout, help=f"seconds per cell ({d.cell_timeout:g})")
+    group.add_argument("--budget", type=float, default=d.budget, help=f"seconds per notebook ({d.budget:g})")
+    group.add_argument("--memory-mb", type=int, default=d.memory_mb, help=f"address space in MiB ({d.memory_mb})")
+    group.add_argument("--max-processes", type=int, default=d.max_processes, help=f"live processes ({d.max_processes})")
+    group.add_argument("--file-size-mb", type=int, default=d.file_size_mb, help=f"largest file in MiB ({d.file_size_mb})")
+    group.add_argument("--output-kb", type=int, default=d.output_kb, help=f"output kept per cell in KiB ({d.output_kb})")
+    group.add_argument("--allow-network", action="store_true", help="do not isolate the kernel from the network")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from grading.grader import DEFAULT_SOURCE
     from grading.release import REPO_ROOT
@@ -116,23 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--skip-triton", action="store_true", help="skip the Triton interpreter kernel")
     doctor.set_defaults(func=_cmd_doctor)
 
-    grade = sub.add_parser("grade", help="grade one lab notebook")
-    grade.add_argument("notebook", type=Path, help="the lab notebook, e.g. labs/lab01_gemm/lab01_gemm.ipynb")
-    grade.add_argument("--out", help="folder for results.json and feedback.md (default grades/<lab>)")
-    grade.add_argument("--lab", help="lab id, when the file name does not say it")
+    grade = sub.add_parser("grade", help="grade one lab notebook, or a class with --submissions")
+    grade.add_argument("notebook", type=Path, nargs="?", help="the lab notebook, e.g. labs/lab01_gemm/lab01_gemm.ipynb")
+    grade.add_argument("--submissions", type=Path, help="a folder with one notebook (or folder) per learner")
+    grade.add_argument("--workers", type=int, help="parallel grading processes for --submissions (default: cores/2)")
+    grade.add_argument("--out", help="folder for the reports (default grades/<lab>)")
+    grade.add_argument("--lab", help="lab id, when the file name does not say it (required with --submissions)")
     grade.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="instructor notebooks (default solutions/)")
     grade.add_argument("--seed", type=int, help="grade-time seed (default: random)")
-    grade.add_argument("--cell-timeout", type=float, default=120.0, help="seconds per cell (default 120)")
-    grade.add_argument("--budget", type=float, default=600.0, help="seconds for the whole notebook (default 600)")
-    grade.add_argument("--memory-mb", type=int, default=4096, help="kernel memory limit in MiB (default 4096)")
+    _add_limit_options(grade)
     grade.set_defaults(func=_cmd_grade)
 
     progress = sub.add_parser("progress", help="grade every lab and show a table")
     progress.add_argument("--labs", default=str(REPO_ROOT / "labs"), help="folder of labs (default labs/)")
     progress.add_argument("--out", default="grades", help="where each lab's reports go (default grades/)")
     progress.add_argument("--regrade", action="store_true", help="grade even labs unchanged since last time")
-    progress.add_argument("--cell-timeout", type=float, default=120.0)
-    progress.add_argument("--budget", type=float, default=600.0)
+    _add_limit_options(progress)
     progress.set_defaults(func=_cmd_progress)
 
     release = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader")

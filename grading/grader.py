@@ -3,7 +3,8 @@
 Verdicts are computed here, in the grader's process: the learner's kernel only records
 what the learner's code produced for grade-time inputs. A test earns its points only on
 positive evidence: every check in it has a recorded answer and every answer matches the
-reference.
+reference. Each failed check carries a reason: wrong result, error, time-out, memory
+limit, crash, process limit, reference shortcut, tampering detected, or not run.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grading.check import RECORD_ENV, SEED_ENV, Outcome, drive, judge
-from grading.notebook import Spliced, TestCell, grade_id, read_notebook, splice
-from grading.registry import get_check
-from grading.runner import Execution, execute
+from grading import tamper
+from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MEMORY, RECORD_ENV, SEED_ENV, SHORTCUT, TAMPERING, TIMEOUT,
+                           Outcome, drive, judge)
+from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
+from grading.registry import get_check, shortcut_modules
+from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute
+from grading.sandbox import Limits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = REPO_ROOT / "solutions"
-MAX_RESTARTS = 5
+MAX_RESTARTS = 6
+NOT_RUN = "not run"
+_OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, SHORTCUT, TAMPERING}
 
 
 class GradingError(RuntimeError):
@@ -36,6 +42,7 @@ class CheckResult:
     hidden: bool
     passed: bool
     message: str
+    reason: str = "passed"  # why it failed, one word or two; "passed" when it passed
 
 
 @dataclass
@@ -58,6 +65,7 @@ class GradeReport:
     tests: list[TestResult]
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    sandbox: dict = field(default_factory=dict)
 
     @property
     def score(self) -> float:
@@ -97,9 +105,10 @@ def read_records(path: Path) -> dict[str, list[Outcome]]:
             continue
         if not isinstance(row, dict) or not isinstance(row.get("check_id"), str):
             continue
-        error = row.get("error")
-        records.setdefault(row["check_id"], []).append(
-            Outcome(data=row.get("data"), error=error if isinstance(error, str) or error is None else str(error)))
+        error, kind = row.get("error"), row.get("kind")
+        error = error if isinstance(error, str) or error is None else str(error)
+        kind = kind if kind in _OUTCOME_KINDS else (ERROR if error is not None else None)
+        records.setdefault(row["check_id"], []).append(Outcome(data=row.get("data"), error=error, kind=kind))
     return records
 
 
@@ -108,49 +117,104 @@ def _roundtrip(outcome: Outcome) -> Outcome:
     return Outcome(data=json.loads(json.dumps(outcome.data)), error=outcome.error)
 
 
+def _failed(check_id: str, task: str, reason: str, text: str) -> str:
+    return f"{check_id} failed [{task}] ({reason})\n  {text}"
+
+
 def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int,
-             why_missing: dict[int, str]) -> list[TestResult]:
-    """Judge every check of every test cell against the reference, in this process."""
+             missing: dict[int, tuple[str, str]], findings: dict[str, tamper.Finding]) -> list[TestResult]:
+    """Judge every check of every test cell against the reference, in this process.
+
+    Args:
+        missing: test cell index -> (reason, text) for cells that may have recorded nothing.
+        findings: answer grade_id -> what the static scan found (the answer was not run).
+    """
     expected_cache: dict[str, Outcome] = {}
     results = []
     for test in tests:
         checks = []
+        finding = findings.get(test.answer) if test.answer else None
         for call in test.checks:
             registered = get_check(call.check_id)
-            inputs = registered.inputs(seed)
             answers = records.get(call.check_id, [])
-            if not answers:
-                reason = why_missing.get(test.index, "the test cell did not run")
+            if finding is not None:
+                text = f"answer {test.answer} was not run: it {finding.detail} (line {finding.line})"
                 checks.append(CheckResult(call.check_id, call.hidden, False,
-                                          f"{call.check_id} failed [{registered.task}]\n  no answer was recorded: {reason}"))
+                                          _failed(call.check_id, registered.task, finding.kind, text), finding.kind))
                 continue
+            if not answers:
+                reason, text = missing.get(test.index, (NOT_RUN, "the test cell did not run"))
+                checks.append(CheckResult(call.check_id, call.hidden, False, _failed(
+                    call.check_id, registered.task, reason, f"no answer was recorded: {text}"), reason))
+                continue
+            inputs = registered.inputs(seed)
             if call.check_id not in expected_cache:
                 expected_cache[call.check_id] = _roundtrip(drive(registered, registered.reference(), inputs))
             verdicts = [judge(registered, answer, expected_cache[call.check_id], inputs) for answer in answers]
             verdict = next((v for v in verdicts if not v.passed), verdicts[0])
             checks.append(CheckResult(call.check_id, call.hidden, verdict.passed,
-                                      verdict.message(registered, hidden=call.hidden)))
+                                      verdict.message(registered, hidden=call.hidden), verdict.kind))
         passed = all(c.passed for c in checks)
         results.append(TestResult(test.grade_id, test.points if passed else 0.0, test.points, checks))
     return results
 
 
-def _why_missing(spliced: Spliced, runs: list[Execution]) -> dict[int, str]:
-    """For each test cell, why it may have produced no answer (its error, a time-out, a crash)."""
-    reasons: dict[int, str] = {}
+def _error_reason(ename: str, evalue: str) -> str:
+    if ename == "KeyboardInterrupt":
+        return TIMEOUT
+    if ename == "MemoryError" or "can't allocate memory" in evalue:
+        return MEMORY
+    return ERROR
+
+
+def _why_missing(spliced: Spliced, runs: list[Execution]) -> dict[int, tuple[str, str]]:
+    """For each test cell, why it may have produced no answer: its own error, its answer
+    cell's failure, a time-out, a crash, a limit, or the end of the budget."""
+    reasons: dict[int, tuple[str, str]] = {}
+    answer_of = {t.index: t.answer for t in spliced.tests}
     for run in runs:
+        if not run.complete and run.stopped_at is not None:
+            stopped = run.stopped_at
+            for test in spliced.tests:
+                if test.index == stopped or (test.answer and spliced.answers.get(test.answer) == stopped):
+                    reasons.setdefault(test.index, (run.stop, run.reason))
         for test in spliced.tests:
             error = run.cell_error(test.index)
             if error and test.index not in reasons:
-                reasons[test.index] = f"the test cell raised {error}"
-        if not run.complete and run.stopped_at is not None:
-            reasons.setdefault(run.stopped_at, run.reason)
+                reasons[test.index] = (_error_reason(*error), f"the test cell raised {error[0]}: {error[1]}")
+            answer_index = spliced.answers.get(answer_of[test.index] or "")
+            answer_error = run.cell_error(answer_index) if answer_index is not None else None
+            if answer_error and test.index not in reasons:
+                reasons[test.index] = (_error_reason(*answer_error),
+                                       f"its answer cell raised {answer_error[0]}: {answer_error[1]}")
     last = runs[-1] if runs else None
     if last is not None and not last.complete:
         for test in spliced.tests:
             if last.stopped_at is None or test.index > last.stopped_at:
-                reasons.setdefault(test.index, f"not reached: {last.reason}")
+                reasons.setdefault(test.index, (NOT_RUN if last.stop != STOP_CRASH else STOP_CRASH,
+                                                f"not reached: {last.reason}"))
+    if last is not None and last.notebook is not None:
+        for test in spliced.tests:
+            cell = last.notebook.cells[test.index]
+            ran = cell.get("execution_count") is not None and spliced.notebook.cells[test.index].source.strip()
+            if ran and test.index not in reasons and last.cell_error(test.index) is None:
+                reasons[test.index] = (TAMPERING, "the test cell ran without error but recorded nothing "
+                                                  "(the check machinery in the kernel was altered)")
     return reasons
+
+
+def scan_answers(spliced: Spliced, lab_id: str) -> dict[str, tamper.Finding]:
+    """Static findings per answer cell (the first one found), before anything runs."""
+    modules, names = shortcut_modules(lab_id)
+    trusted_code = [c.source for i, c in enumerate(spliced.notebook.cells)
+                    if c.cell_type == "code" and i not in spliced.answers.values()]
+    aliases = tamper.module_aliases(trusted_code)
+    findings = {}
+    for answer, index in spliced.answers.items():
+        found = tamper.scan(spliced.notebook.cells[index].source, modules, names, aliases)
+        if found:
+            findings[answer] = found[0]
+    return findings
 
 
 def grade_notebook(
@@ -159,9 +223,7 @@ def grade_notebook(
     lab_id: str | None = None,
     source_dir: str | Path = DEFAULT_SOURCE,
     seed: int | None = None,
-    cell_timeout: float = 120.0,
-    budget: float = 600.0,
-    memory_mb: int = 4096,
+    limits: Limits | None = None,
     parameters: dict | None = None,
 ) -> GradeReport:
     """Grade a learner's lab notebook (never modified) against its trusted source.
@@ -171,37 +233,67 @@ def grade_notebook(
         lab_id: which lab it is; by default taken from the file or folder name.
         source_dir: the instructor notebooks (nbgrader's source directory).
         seed: the grade-time seed for the checks' inputs; random when None.
-        cell_timeout: seconds one cell may run before it is interrupted.
-        budget: seconds the whole notebook may run, restarts included.
-        memory_mb: memory limit of the kernel.
+        limits: time, memory, process, file and output limits (defaults: ``Limits()``).
         parameters: papermill parameters (default ``{"QUICK": True}``).
+
+    Raises:
+        GradingError: the lab cannot be found.
+        NotebookError: the learner's notebook cannot be read.
     """
     started = time.monotonic()
+    limits = limits or Limits()
     notebook = Path(notebook)
     lab_id, source_path = trusted_source(notebook, lab_id, Path(source_dir))
-    spliced = splice(read_notebook(source_path), read_notebook(notebook))
+    trusted = read_notebook(source_path)
+    try:
+        learner = read_notebook(notebook)
+    except NotebookError as exc:
+        return unreadable_report(lab_id, notebook, trusted, str(exc), time.monotonic() - started)
+    spliced = splice(trusted, learner)
+    findings = scan_answers(spliced, lab_id)
+    for answer, finding in findings.items():
+        spliced.neutralise(answer)
+        spliced.notes.append(f"answer {answer} was not run: it {finding.detail} ({finding.kind})")
     seed = secrets.randbits(31) if seed is None else int(seed)
     params = {"QUICK": True} if parameters is None else parameters
-    deadline = started + budget
+    deadline = started + limits.budget
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
         record_path = Path(work) / "answers.jsonl"
-        env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed)}
+        env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout)}
         to_run = spliced.notebook
         for _ in range(MAX_RESTARTS + 1):
-            run = execute(to_run, Path(work), parameters=params, env=env, cell_timeout=cell_timeout,
-                          budget=deadline - time.monotonic(), memory_mb=memory_mb)
+            run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
+                          budget=deadline - time.monotonic())
             runs.append(run)
-            if run.complete or run.stopped_at is None or time.monotonic() >= deadline - 1:
+            if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
-            # The kernel died in one cell: skip that cell and the tests already answered,
-            # then run the rest again so one crashing answer cannot cost the others.
-            to_run = _without_cells(to_run, run, {t.index for t in spliced.tests})
+            # One cell stopped the run: skip it and the tests already answered, then run the
+            # rest again, so that one crashing answer cannot cost the others.
             culprit = grade_id(to_run.cells[run.stopped_at]) or f"cell {run.stopped_at + 1}"
-            spliced.notes.append(f"{culprit} stopped the run: {run.reason}; grading went on without it")
+            spliced.notes.append(f"{culprit} stopped the run ({run.stop}: {run.reason}); grading went on without it")
+            to_run = _without_cells(to_run, run, {t.index for t in spliced.tests})
         records = read_records(record_path)
-    tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs))
-    return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started)
+    for index in sorted({i for run in runs for i in run.truncated}):
+        spliced.notes.append(f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
+                             f"{limits.output_kb} KiB was dropped")
+    tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings)
+    sandbox = {**(runs[0].sandbox if runs else {}),
+               "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
+               "time": f"{limits.check_timeout:g} s per check, {limits.cell_timeout:g} s per cell, "
+                       f"{limits.budget:g} s per notebook"}
+    return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox)
+
+
+def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, seconds: float) -> GradeReport:
+    """A zero report for a notebook that cannot be read: every check fails, saying why."""
+    tests = []
+    for test in test_cells(trusted):
+        checks = [CheckResult(call.check_id, call.hidden, False, _failed(
+            call.check_id, get_check(call.check_id).task, "unreadable notebook", problem), "unreadable notebook")
+            for call in test.checks]
+        tests.append(TestResult(test.grade_id, 0.0, test.points, checks))
+    return GradeReport(lab_id, str(notebook), 0, tests, [f"the notebook could not be graded: {problem}"], seconds)
 
 
 def _without_cells(nb, run: Execution, test_indices: set[int]):

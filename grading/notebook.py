@@ -112,6 +112,7 @@ class TestCell:
     points: float
     checks: list[CheckCall]
     index: int  # position in the trusted notebook
+    answer: str | None = None  # grade_id of the answer cell it tests (the nearest one above)
 
 
 @dataclass
@@ -119,18 +120,28 @@ class Spliced:
     notebook: NotebookNode
     tests: list[TestCell]
     notes: list[str] = field(default_factory=list)
+    answers: dict[str, int] = field(default_factory=dict)  # answer grade_id -> cell index
+
+    def neutralise(self, answer: str) -> None:
+        """Grade an answer as the untouched stub (its code never runs)."""
+        cell = self.notebook.cells[self.answers[answer]]
+        cell.source = clear_solutions(self.trusted_sources[answer])
+
+    trusted_sources: dict[str, str] = field(default_factory=dict)
 
 
 def test_cells(trusted: NotebookNode) -> list[TestCell]:
-    tests = []
+    tests, answer = [], None
     for index, cell in enumerate(trusted.cells):
+        if is_solution_cell(cell):
+            answer = grade_id(cell)
         if not is_test_cell(cell):
             continue
         gid = grade_id(cell) or f"cell {index}"
         calls = check_calls(cell.source)
         if not calls:
             raise NotebookError(f"test cell {gid} calls no check(); the grader scores checks only")
-        tests.append(TestCell(gid, float(nbgrader_meta(cell).get("points", 0)), calls, index))
+        tests.append(TestCell(gid, float(nbgrader_meta(cell).get("points", 0)), calls, index, answer))
     return tests
 
 
@@ -143,24 +154,35 @@ def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
     """
     answers: dict[str, str] = {}
     notes: list[str] = []
+    trusted_ids = {grade_id(c) for c in trusted.cells if grade_id(c)}
+    extra = 0
     for cell in learner.cells:
         gid = grade_id(cell)
+        if gid not in trusted_ids and cell.get("cell_type") == "code" and str(cell.get("source", "")).strip():
+            extra += 1
         if gid is None or not is_solution_cell(cell) or not isinstance(cell.get("source"), str):
             continue
         if gid in answers:
             notes.append(f"your notebook has more than one cell with grade_id {gid!r}; the first one was graded")
             continue
         answers[gid] = cell.source
+    if extra:
+        notes.append(f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "
+                     "(keep helpers inside the answer cells)")
     graded = copy.deepcopy(trusted)
-    for cell in graded.cells:
+    positions, sources = {}, {}
+    for index, cell in enumerate(graded.cells):
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         if not is_solution_cell(cell):
             continue
         gid = grade_id(cell)
+        positions[gid], sources[gid] = index, cell.source
         if gid in answers:
             cell.source = answers[gid]
         else:
             notes.append(f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub")
             cell.source = clear_solutions(cell.source)
-    return Spliced(graded, test_cells(trusted), notes)
+    if positions and not set(positions) & set(answers):
+        notes.append("none of this lab's answer cells were found: is this the right lab's notebook?")
+    return Spliced(graded, test_cells(trusted), notes, positions, sources)

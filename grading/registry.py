@@ -52,6 +52,44 @@ class Check:
 
 
 _REGISTRY: dict[str, Check] = {}
+_SHORTCUTS: dict[str, tuple[str, ...]] = {}
+
+
+def register_shortcuts(lab: str, targets: list[str]) -> None:
+    """Name the reference functions a lab's answers must not call ("module:function")."""
+    for target in targets:
+        if ":" not in target:
+            raise ValueError(f"shortcut target {target!r} must look like 'package.module:function'")
+    _SHORTCUTS[lab] = tuple(targets)
+
+
+def shortcut_functions(lab: str) -> list[Any]:
+    """The reference functions of a lab, imported: calling one from an answer is a shortcut."""
+    _load()
+    functions = []
+    for target in _SHORTCUTS.get(lab, ()):
+        module, name = target.split(":")
+        functions.append(getattr(importlib.import_module(module), name))
+    return functions
+
+
+def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
+    """(modules that define or re-export a lab's reference functions, the functions' names)."""
+    import pkgutil
+    import sys
+
+    functions = shortcut_functions(lab)
+    for target in _SHORTCUTS.get(lab, ()):
+        package = target.split(".")[0]
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
+            if info.ispkg:
+                importlib.import_module(info.name)
+    modules = {target.split(":")[0] for target in _SHORTCUTS.get(lab, ())}
+    for name, module in list(sys.modules.items()):
+        if module is not None and any(getattr(module, fn.__name__, None) is fn for fn in functions):
+            modules.add(name)
+    return modules, {fn.__name__ for fn in functions}
 
 
 def register(check: Check) -> Check:

@@ -14,13 +14,14 @@ def _points(value: float) -> str:
 
 def table(report: GradeReport) -> str:
     """A plain-text table, one row per graded test cell, then the total."""
-    rows = [("test", "points", "checks")]
+    rows = [("test", "points", "checks", "why")]
     for test in report.tests:
         passed = sum(c.passed for c in test.checks)
+        why = ", ".join(dict.fromkeys(c.reason for c in test.checks if not c.passed))
         rows.append((test.grade_id, f"{_points(test.score)}/{_points(test.max_score)}",
-                     f"{passed}/{len(test.checks)} passed"))
-    rows.append(("total", f"{_points(report.score)}/{_points(report.max_score)}", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+                     f"{passed}/{len(test.checks)} passed", why))
+    rows.append(("total", f"{_points(report.score)}/{_points(report.max_score)}", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     line = "  ".join("-" * w for w in widths)
     out = [f"{report.lab_id}: {report.notebook}"]
     for i, row in enumerate(rows):
@@ -59,9 +60,11 @@ def feedback_markdown(report: GradeReport) -> str:
             if c.passed:
                 lines.append(f"- {kind} `{c.check_id}`: passed")
             else:
-                lines.append(f"- {kind} `{c.check_id}`: **failed**")
+                lines.append(f"- {kind} `{c.check_id}`: **failed** ({c.reason})")
                 lines += ["", "  ```", *("  " + m for m in c.message.splitlines()), "  ```", ""]
-        lines.append("")
+    if report.sandbox:
+        lines += ["## Limits applied while grading", ""]
+        lines += [f"- {name}: {value}" for name, value in report.sandbox.items()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -79,6 +82,7 @@ def gradescope_results(report: GradeReport) -> dict:
                 "max_score": test.max_score,
                 "status": "passed" if test.passed else "failed",
                 "output": "\n".join(c.message for c in test.checks),
+                "tags": sorted({c.reason for c in test.checks if not c.passed}),
                 "visibility": "visible",
             }
             for test in report.tests

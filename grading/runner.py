@@ -1,25 +1,30 @@
 """Executing a notebook with papermill under limits, in a child process the grader can kill.
 
 The child (``python -m grading.runner IN OUT ...``) runs papermill with a per-cell time-out
-(the kernel is interrupted and the next cell runs) and errors allowed (one broken answer
-does not stop the rest). The parent enforces the whole-notebook budget and a memory
-limit, and reports which cell was running if the kernel died or the budget ran out.
+(the kernel is interrupted and the next cell runs), errors allowed (one broken answer does
+not stop the rest) and a cap on each cell's output. The kernel itself starts through the
+sandbox launcher (``grading.sandbox``: memory, file size, network). This parent process
+watches the run: the whole-notebook budget, a cell that ignores its interrupt, and the
+number of processes the kernel spawns; it kills the lot when one is exceeded and reports
+which cell was running.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
-import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 import psutil
+
+from grading.sandbox import Limits, write_kernelspec
 
 POLL_S = 0.25
 INTERRUPT_GRACE_S = 5.0
@@ -27,23 +32,33 @@ EXIT_COMPLETE = 0
 EXIT_KERNEL_DIED = 3
 EXIT_OTHER = 4
 
+# Why a run stopped early; the grader turns these into per-check failure reasons.
+STOP_CRASH = "crash"
+STOP_TIMEOUT = "time-out"
+STOP_PROCESSES = "process limit"
+STOP_BUDGET = "not run"
+STOP_OTHER = "error"
+
 
 @dataclass
 class Execution:
     """What one execution produced."""
 
-    notebook: nbformat.NotebookNode | None  # executed (possibly partly) notebook
+    notebook: nbformat.NotebookNode | None  # executed cells, aligned with the input notebook
     complete: bool  # every cell ran (some may have raised)
-    reason: str = ""  # why it stopped early
+    stop: str = ""  # STOP_* kind when not complete
+    reason: str = ""  # why it stopped early, in words
     stopped_at: int | None = None  # index of the cell running when it stopped
+    sandbox: dict = field(default_factory=dict)  # which kernel limits the OS let us apply
+    truncated: list[int] = field(default_factory=list)  # cells whose output was cut
 
-    def cell_error(self, index: int) -> str | None:
-        """'ExceptionName: message' of a cell that raised, else None."""
+    def cell_error(self, index: int) -> tuple[str, str] | None:
+        """(exception name, message) of a cell that raised, else None."""
         if self.notebook is None or index >= len(self.notebook.cells):
             return None
         for output in self.notebook.cells[index].get("outputs", []):
             if output.get("output_type") == "error":
-                return f"{output.get('ename')}: {output.get('evalue')}"[:400]
+                return str(output.get("ename")), str(output.get("evalue"))[:400]
         return None
 
 
@@ -64,16 +79,35 @@ class _CellWatch:
         return self.index_of.get(cell_id), time.time() - stat.st_mtime
 
 
-def _kill_tree(pid: int) -> None:
+def _descendants(pid: int) -> list[psutil.Process]:
     try:
-        parent = psutil.Process(pid)
-        procs = parent.children(recursive=True) + [parent]
+        return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        return
+        return []
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a process, its descendants, and the process groups they lead (the kernel's session)."""
+    procs = _descendants(pid)
+    try:
+        procs.append(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        pass
+    groups = set()
+    for proc in procs:
+        try:
+            groups.add(os.getpgid(proc.pid))
+        except (ProcessLookupError, PermissionError):
+            pass
     for proc in procs:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
+            pass
+    for group in groups - {os.getpgid(0)}:
+        try:
+            os.killpg(group, 9)
+        except (ProcessLookupError, PermissionError):
             pass
     psutil.wait_procs(procs, timeout=5)
 
@@ -84,78 +118,103 @@ def execute(
     *,
     parameters: dict,
     env: dict[str, str],
-    cell_timeout: float,
+    limits: Limits,
     budget: float,
-    memory_mb: int,
 ) -> Execution:
-    """Run ``notebook`` in ``workdir`` and return what came back.
+    """Run ``notebook`` in ``workdir`` under ``limits`` and return what came back.
 
     Args:
         parameters: papermill parameters injected after the ``parameters`` cell.
         env: extra environment variables for the kernel.
-        cell_timeout: seconds one cell may run before the kernel is interrupted.
-        budget: seconds the whole run may take before it is killed.
-        memory_mb: address-space limit of the kernel, in MiB.
+        limits: the kernel's limits (cell time-out, memory, processes, output...).
+        budget: seconds this run may take before it is killed.
     """
     workdir = Path(workdir)
     source, output = workdir / "graded.ipynb", workdir / "graded.out.ipynb"
-    progress = workdir / "progress"
+    progress, status = workdir / "progress", workdir / "sandbox.json"
     notebook = copy.deepcopy(notebook)
     notebook.nbformat_minor = max(notebook.get("nbformat_minor", 0), 5)  # cell ids exist from 4.5
     for index, cell in enumerate(notebook.cells):
         cell.setdefault("id", f"cell-{index}")
     nbformat.write(notebook, source)
-    output.unlink(missing_ok=True)
-    progress.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "grading.runner", str(source), str(output),
-               "--cell-timeout", str(cell_timeout), "--cwd", str(workdir), "--progress", str(progress)]
+    for stale in (output, progress, status):
+        stale.unlink(missing_ok=True)
+    jupyter_dir = workdir / "jupyter"
+    kernel = write_kernelspec(jupyter_dir, limits, status)
+    command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
+               "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
+               "--cwd", str(workdir), "--progress", str(progress)]
     for name, value in parameters.items():
         command += ["-p", name, repr(value)]
-    limit = memory_mb << 20
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    child_env = {**os.environ, **env, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    jupyter_path = os.pathsep.join(p for p in (str(jupyter_dir), os.environ.get("JUPYTER_PATH", "")) if p)
+    child_env = {**os.environ, **env, "JUPYTER_PATH": jupyter_path, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
     started = time.monotonic()
     log_path = workdir / "runner.log"
     with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT,
-                                preexec_fn=limit_memory)
-        watch = _CellWatch(progress, [cell.get("id", "") for cell in notebook.cells])
-        stuck, over_budget = None, False
+        proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
+        watch = _CellWatch(progress, [cell["id"] for cell in notebook.cells])
+        stop, reason, stuck = "", "", None
         while proc.poll() is None:
-            over_budget = time.monotonic() - started > budget
             index, running_for = watch.running()
-            if index is not None and running_for > cell_timeout + INTERRUPT_GRACE_S:
-                stuck = index
-            if over_budget or stuck is not None:
+            spawned = len(_descendants(proc.pid))
+            if time.monotonic() - started > budget:
+                stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
+            elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
+                stop, reason, stuck = STOP_TIMEOUT, (
+                    f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"), index
+            elif spawned > limits.max_processes + 2:  # + the runner's kernel and its launcher
+                stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
+            if stop:
                 _kill_tree(proc.pid)
                 break
             time.sleep(POLL_S)
         proc.wait()
-    log = log_path.read_text(encoding="utf-8", errors="replace")
-    code = None if (stuck is not None or over_budget) else proc.returncode
+    code = proc.returncode
     executed = nbformat.read(output, as_version=4) if output.exists() else None
+    truncated = []
     if executed is not None:
         # Papermill adds cells (injected parameters, error banners): align by cell id, so
         # cell indices match the notebook we were given.
         by_id = {cell.get("id"): cell for cell in executed.cells}
         executed.cells = [by_id.get(cell["id"], nbformat.v4.new_code_cell()) for cell in notebook.cells]
-    result = Execution(executed, complete=code == EXIT_COMPLETE)
+        truncated = [i for i, cell in enumerate(executed.cells)
+                     if cell.get("metadata", {}).get("infra_lab", {}).get("output_truncated")]
+    sandbox = json.loads(status.read_text()) if status.exists() else {}
+    result = Execution(executed, complete=not stop and code == EXIT_COMPLETE, sandbox=sandbox, truncated=truncated)
     if result.complete:
         return result
-    result.stopped_at = watch.running()[0]
-    if stuck is not None:
-        result.reason = f"the cell ignored the interrupt sent after {cell_timeout:.0f} s and was stopped"
-    elif code is None:
-        result.reason = f"the notebook ran past its time budget of {budget:.0f} s"
+    result.stopped_at = stuck if stuck is not None else watch.running()[0]
+    if stop:
+        result.stop, result.reason = stop, reason
     elif code == EXIT_KERNEL_DIED:
-        result.reason = "the kernel died (a crash, exit or running out of memory)"
+        result.stop, result.reason = STOP_CRASH, "the kernel died (a crash, an exit, or a fatal signal)"
     else:
-        tail = (log or "").strip().splitlines()[-3:]
-        result.reason = f"execution failed after {time.monotonic() - started:.0f} s: {' | '.join(tail)}"
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        result.stop, result.reason = STOP_OTHER, f"execution failed: {' | '.join(tail)}"
     return result
+
+
+def _limit_output(client_class, limit_bytes: int) -> None:
+    """Cap the output kept per cell; errors always pass, so failures stay visible."""
+    original = client_class.output
+
+    def output(self, outs, msg, display_id, cell_index):
+        sizes = self.__dict__.setdefault("_infra_output_bytes", {})
+        if msg.get("msg_type") != "error":
+            size = len(json.dumps(msg.get("content", {}), default=str))
+            sizes[cell_index] = sizes.get(cell_index, 0) + size
+            if sizes[cell_index] > limit_bytes:
+                cell = self.nb.cells[cell_index]
+                if not cell.metadata.get("infra_lab", {}).get("output_truncated"):
+                    cell.metadata.setdefault("infra_lab", {})["output_truncated"] = True
+                    note = nbformat.v4.new_output(
+                        "stream", name="stdout",
+                        text=f"\n[the grader dropped this cell's output past {limit_bytes // 1024} KiB]\n")
+                    outs.append(note)
+                return None
+        return original(self, outs, msg, display_id, cell_index)
+
+    client_class.output = output
 
 
 def _child(argv: list[str] | None = None) -> int:
@@ -166,11 +225,14 @@ def _child(argv: list[str] | None = None) -> int:
     from nbclient.exceptions import DeadKernelError
     from papermill.clientwrap import PapermillNotebookClient
     from papermill.exceptions import PapermillExecutionError
+    from traitlets.config import Config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("source")
     parser.add_argument("output")
+    parser.add_argument("--kernel", required=True)
     parser.add_argument("--cell-timeout", type=float, required=True)
+    parser.add_argument("--output-kb", type=int, required=True)
     parser.add_argument("--cwd", required=True)
     parser.add_argument("--progress", required=True, help="file that gets the id of each cell as it starts")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
@@ -184,13 +246,16 @@ def _child(argv: list[str] | None = None) -> int:
         return execute_cell(self, cell, cell_index, *more, **kwargs)
 
     PapermillNotebookClient.execute_cell = tracked_execute_cell
+    _limit_output(PapermillNotebookClient, args.output_kb * 1024)
+    config = Config()
+    config.KernelManager.transport = "ipc"  # Unix sockets: the kernel may have no network
     try:
         papermill.execute_notebook(
             args.source, args.output,
             parameters={name: ast.literal_eval(value) for name, value in args.p},
-            kernel_name="python3", cwd=args.cwd, progress_bar=False,
+            kernel_name=args.kernel, cwd=args.cwd, progress_bar=False,
             request_save_on_cell_execute=True, execution_timeout=args.cell_timeout,
-            allow_errors=True, interrupt_on_timeout=True,
+            allow_errors=True, interrupt_on_timeout=True, config=config, start_timeout=120,
         )
     except PapermillExecutionError:
         pass  # a cell raised: allowed, the verdicts read it from the output notebook

@@ -163,12 +163,60 @@ def test_recording_mode_writes_data_and_never_judges(tmp_path, monkeypatch, caps
     monkeypatch.setenv(RECORD_ENV, str(record))
     monkeypatch.setenv(SEED_ENV, "1234")
     check("lab01.gemm_flops", lambda m, n, k: 0)  # wrong, yet no AssertionError: the grader judges
-    check("lab01.gemm_flops", profiling.gemm_flops)
+    check("lab01.gemm_flops", lambda m, n, k: 2 * m * n * k)
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     inputs = get_check("lab01.gemm_flops").inputs(1234)
-    assert rows[0] == {"check_id": "lab01.gemm_flops", "data": [0] * len(inputs), "error": None}
+    assert rows[0] == {"check_id": "lab01.gemm_flops", "data": [0] * len(inputs), "error": None, "kind": None}
     assert rows[1]["data"] == [2 * m * n * k for m, n, k in inputs]
     assert "recorded" in capsys.readouterr().out
+
+
+def _recorded(tmp_path, monkeypatch, check_id, implementation, timeout="60"):
+    record = tmp_path / "answers.jsonl"
+    record.unlink(missing_ok=True)
+    monkeypatch.setenv(RECORD_ENV, str(record))
+    monkeypatch.setenv(SEED_ENV, "99")
+    monkeypatch.setenv("INFRA_LAB_CHECK_TIMEOUT", timeout)
+    check(check_id, implementation)
+    return json.loads(record.read_text().splitlines()[-1])
+
+
+def test_calling_the_reference_is_recorded_as_a_shortcut(tmp_path, monkeypatch):
+    row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", profiling.gemm_flops)
+    assert row["kind"] == "reference shortcut" and "infra_lib.hardware.flops.gemm_flops" in row["error"]
+    wrapped = _recorded(tmp_path, monkeypatch, "lab01.achieved_tflops",
+                        lambda m, n, k, s: profiling.gemm_flops(m, n, k) / s / 1e12)
+    assert wrapped["kind"] == "reference shortcut"
+
+
+def test_a_slow_answer_is_stopped_by_the_check_time_limit(tmp_path, monkeypatch):
+    def slow(m, n, k):
+        try:
+            time.sleep(30)
+        except Exception:  # cannot swallow the grader's time-out
+            pass
+        return 0
+
+    started = time.monotonic()
+    row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", slow, timeout="0.5")
+    assert row["kind"] == "time-out" and time.monotonic() - started < 5
+
+
+def test_removing_the_call_monitor_is_tampering(tmp_path, monkeypatch):
+    import sys
+
+    def sneaky(m, n, k):
+        sys.setprofile(None)
+        return 2 * m * n * k
+
+    assert _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", sneaky)["kind"] == "tampering detected"
+
+
+def test_memory_errors_are_reported_as_the_memory_limit(tmp_path, monkeypatch):
+    def hungry(m, n, k):
+        raise MemoryError("simulated")
+
+    assert _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", hungry)["kind"] == "memory limit"
 
 
 def test_hidden_message_hides_inputs_and_expected_values():

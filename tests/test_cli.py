@@ -60,13 +60,15 @@ def test_grade_defaults_to_grades_folder_in_the_working_directory(tmp_path, solu
 def test_grade_rejects_bad_input_clearly(tmp_path):
     broken = tmp_path / "lab01_gemm.ipynb"
     broken.write_text('{"cells": [')
-    result = _run("grade", str(broken))
-    assert result.returncode == 2
-    assert "not valid notebook JSON" in result.stderr and "Traceback" not in result.stderr
-    result = _run("grade", str(tmp_path / "nothing.ipynb"), "--lab", "lab01_gemm")
-    assert result.returncode == 2 and "no notebook at" in result.stderr
-    result = _run("grade", str(LAB01), "--lab", "lab42_missing")
+    result = _run("grade", str(broken), "--out", str(tmp_path / "a"))
+    assert result.returncode == 0 and "Traceback" not in result.stderr  # a zero grade, not a grader failure
+    assert "not valid notebook JSON" in result.stdout
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["score"] == 0
+    result = _run("grade", str(tmp_path / "nothing.ipynb"), "--lab", "lab01_gemm", "--out", str(tmp_path / "b"))
+    assert result.returncode == 0 and "no notebook at" in result.stdout
+    result = _run("grade", str(LAB01), "--lab", "lab42_missing", "--out", str(tmp_path / "c"))
     assert result.returncode == 2 and "lab01_gemm" in result.stderr  # lists the labs there are
+    assert "lab42_missing" in json.loads((tmp_path / "c" / "results.json").read_text())["output"]
 
 
 def test_progress_grades_each_lab_once_until_it_changes(tmp_path, solution_answers):
