@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -135,7 +136,8 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     bar = tqdm(total=len(found), initial=len(rows), desc=f"grading {lab_id}", unit="notebook",
                disable=not progress, file=sys.stderr)
     if todo:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # spawn, not fork: the caller may have threads (a test runner, a notebook kernel).
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             pending = {pool.submit(_grade_one, *job): job[0] for job in todo}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

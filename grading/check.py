@@ -19,6 +19,7 @@ from grading.registry import Check, Mismatch, get_check
 RECORD_ENV = "INFRA_LAB_RECORD"
 SEED_ENV = "INFRA_LAB_SEED"
 CHECK_TIMEOUT_ENV = "INFRA_LAB_CHECK_TIMEOUT"
+MAX_PROCESSES_ENV = "INFRA_LAB_MAX_PROCESSES"
 INTERACTIVE_SEED = 0
 _MAX_ERROR_CHARS = 400
 
@@ -29,6 +30,8 @@ TIMEOUT = "time-out"
 MEMORY = "memory limit"
 SHORTCUT = "reference shortcut"
 TAMPERING = "tampering detected"
+PROCESSES = "process limit"
+WRONG = "wrong result"
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Outcome:
 
     data: Any = None
     error: str | None = None
-    kind: str | None = None  # None for data; ERROR, TIMEOUT, MEMORY, SHORTCUT or TAMPERING
+    kind: str | None = None  # None for data; ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT or TAMPERING
 
 
 class CheckTimeout(BaseException):
@@ -108,7 +111,7 @@ def _error_text(exc: BaseException) -> str:
 def drive(check: Check, implementation: Any, inputs: Any) -> Outcome:
     """Run the check's driver on an implementation; never raises for the implementation's errors."""
     try:
-        return Outcome(data=to_plain(check.drive(implementation, inputs)))
+        raw = check.drive(implementation, inputs)
     except CheckTimeout as exc:
         return Outcome(error=str(exc), kind=TIMEOUT)
     except MemoryError as exc:
@@ -118,6 +121,10 @@ def drive(check: Check, implementation: Any, inputs: Any) -> Outcome:
         if "can't allocate memory" in text or "out of memory" in text.lower():
             return Outcome(error=text, kind=MEMORY)
         return Outcome(error=text, kind=ERROR)
+    try:
+        return Outcome(data=to_plain(raw))
+    except Exception as exc:  # an object that only pretends to be a number, a list...
+        return Outcome(error=f"your code {_error_text(exc).split(': ', 1)[-1]}", kind=WRONG)
 
 
 class _Watch:
@@ -126,12 +133,35 @@ class _Watch:
     catch honest mistakes and naive shortcuts; the grader's own process and limits are
     what a determined adversary meets."""
 
-    def __init__(self, lab: str, timeout: float):
+    def __init__(self, lab: str, timeout: float, max_processes: int):
         from grading.registry import shortcut_functions
 
         self.codes = {fn.__code__: f"{fn.__module__}.{fn.__name__}" for fn in shortcut_functions(lab)}
         self.timeout = timeout
+        self.max_processes = max_processes
         self.hits: list[str] = []
+
+    @staticmethod
+    def _children() -> dict:
+        import psutil
+
+        try:
+            return {p.pid: p for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:
+            return {}
+
+    def _stop_new_processes(self, before: dict) -> int:
+        """Kill the processes the learner's code started during the check; return how many."""
+        import psutil
+
+        new = [p for pid, p in self._children().items() if pid not in before]
+        for proc in new:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(new, timeout=2)
+        return len(new)
 
     def _monitor(self, frame, event, arg):
         if event == "call" and frame.f_code in self.codes:
@@ -145,6 +175,7 @@ class _Watch:
         import sys
         import threading
 
+        before = self._children()
         previous = signal.signal(signal.SIGALRM, self._alarm)
         signal.setitimer(signal.ITIMER_REAL, self.timeout)
         sys.setprofile(self._monitor)
@@ -157,6 +188,10 @@ class _Watch:
             threading.setprofile(None)
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            started = self._stop_new_processes(before)
+        if started > self.max_processes:
+            return Outcome(error=f"your code started {started} processes (the limit is {self.max_processes})",
+                           kind=PROCESSES)
         if self.hits:
             return Outcome(error=f"your code called the reference {self.hits[0]}", kind=SHORTCUT)
         if not still_ours:
@@ -174,8 +209,12 @@ def judge(check: Check, learner: Outcome, expected: Outcome, inputs: Any) -> Ver
         return Verdict(check.check_id, False, learner.error or "tampering", kind=TAMPERING)
     if learner.kind == TIMEOUT:
         return Verdict(check.check_id, False, f"your code ran too long: {learner.error}", kind=TIMEOUT)
+    if learner.kind == PROCESSES:
+        return Verdict(check.check_id, False, learner.error or "too many processes", kind=PROCESSES)
     if learner.kind == MEMORY:
         return Verdict(check.check_id, False, f"your code ran out of memory: {learner.error}", kind=MEMORY)
+    if learner.kind == WRONG:
+        return Verdict(check.check_id, False, learner.error or "wrong result", kind=WRONG)
     if learner.error is not None:
         return Verdict(check.check_id, False, f"your code raised {learner.error}", kind=ERROR)
     try:
@@ -184,7 +223,7 @@ def judge(check: Check, learner: Outcome, expected: Outcome, inputs: Any) -> Ver
         mismatch = Mismatch(f"your result has the wrong form ({type(exc).__name__}: {exc})")
     if mismatch is None:
         return Verdict(check.check_id, True, kind="passed")
-    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind="wrong result")
+    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind=WRONG)
 
 
 def check(check_id: str, implementation: Any) -> None:
@@ -202,7 +241,8 @@ def check(check_id: str, implementation: Any) -> None:
     record_path = os.environ.get(RECORD_ENV)
     if record_path:
         seed = int(os.environ.get(SEED_ENV, "0"))
-        watch = _Watch(check_id.split(".")[0], float(os.environ.get(CHECK_TIMEOUT_ENV, "60")))
+        watch = _Watch(check_id.split(".")[0], float(os.environ.get(CHECK_TIMEOUT_ENV, "60")),
+                       int(os.environ.get(MAX_PROCESSES_ENV, "32")))
         outcome = watch.run(registered, implementation, registered.inputs(seed))
         line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error,
                            "kind": outcome.kind})

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grading import tamper
-from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MEMORY, RECORD_ENV, SEED_ENV, SHORTCUT, TAMPERING, TIMEOUT,
-                           Outcome, drive, judge)
+from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
+                           SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge)
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute
@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = REPO_ROOT / "solutions"
 MAX_RESTARTS = 6
 NOT_RUN = "not run"
-_OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, SHORTCUT, TAMPERING}
+_OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
 
 
 class GradingError(RuntimeError):
@@ -260,7 +260,8 @@ def grade_notebook(
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
         record_path = Path(work) / "answers.jsonl"
-        env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout)}
+        env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
+               MAX_PROCESSES_ENV: str(limits.max_processes)}
         to_run = spliced.notebook
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,

@@ -1,0 +1,249 @@
+"""Build the adversarial corpus for lab 01: learner notebooks that cheat, crash, hang or break.
+
+Each entry is the released lab with some answers filled in (honestly, or not) and a
+tampering move; ``expected.json`` records the score each must get and why each failing
+task fails. Run from the repository root after the lab changes:
+
+    .venv/bin/python tests/adversarial/make_corpus.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import nbformat
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+LAB = REPO / "labs" / "lab01_gemm" / "lab01_gemm.ipynb"
+SOLUTION = REPO / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
+
+T1, T2, T3, T4 = "test_task1_gemm_flops", "test_task2_time_op", "test_task3_dominant_op", "test_task4_achieved_tflops"
+A1, A2, A3, A4 = "task1_gemm_flops", "task2_time_op", "task3_dominant_op", "task4_achieved_tflops"
+
+
+def _gid(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def _honest() -> dict[str, str]:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    return {_gid(c): c.source for c in nb.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
+
+
+def _lab(answers: dict[str, str]) -> nbformat.NotebookNode:
+    nb = nbformat.read(LAB, as_version=4)
+    for cell in nb.cells:
+        if _gid(cell) in answers:
+            cell.source = answers[_gid(cell)]
+    return nb
+
+
+HONEST = _honest()
+STUB1 = 'def gemm_flops(m, n, k):\n    raise NotImplementedError("lab01 task 1: gemm_flops")\n'
+
+
+def with_answers(**changed: str) -> dict[str, str]:
+    answers = dict(HONEST)
+    answers.update({key.lower(): value for key, value in changed.items()})
+    return answers
+
+
+CORPUS: list[dict] = []
+
+
+def entry(name: str, what: str, notebook, score: float, reasons: dict[str, str], note: str = "") -> None:
+    CORPUS.append({"name": name, "what": what, "notebook": notebook, "score": score, "reasons": reasons,
+                   "note": note})
+
+
+entry("honest_full", "an honest, complete solution", _lab(HONEST), 10, {})
+
+entry("wrong_answer", "task 1 counts m*n*k (forgets the 2)",
+      _lab(with_answers(task1_gemm_flops="def gemm_flops(m, n, k):\n    return m * n * k\n")),
+      8, {T1: "wrong result"})
+
+entry("always_equal", "task 1 returns an int whose == is always True",
+      _lab(with_answers(task1_gemm_flops=(
+          "class Anything(int):\n"
+          "    def __eq__(self, other):\n        return True\n"
+          "    def __ne__(self, other):\n        return False\n\n"
+          "def gemm_flops(m, n, k):\n    return Anything(0)\n"))),
+      8, {T1: "wrong result"})
+
+entry("input_transformer", "task 1 installs an IPython input transformer that wraps every later cell in try/except",
+      _lab(with_answers(task1_gemm_flops=STUB1 + (
+          "\ndef _swallow(lines):\n"
+          "    return ['try:\\n'] + ['    ' + line for line in lines] + ['\\nexcept BaseException:\\n    pass\\n']\n\n"
+          "get_ipython().input_transformers_cleanup.append(_swallow)\n"))),
+      8, {T1: "tampering detected"})
+
+entry("traceback_patch", "task 2 is wrong and silences tracebacks (sys.excepthook, showtraceback)",
+      _lab(with_answers(task2_time_op=(
+          "import sys\n\n"
+          "def time_op(fn, *, warmup=3, iters=10, sync=None):\n    return 0.0\n\n"
+          "sys.excepthook = lambda *args: None\n"
+          "get_ipython().showtraceback = lambda *args, **kwargs: None\n"))),
+      7, {T2: "tampering detected"})
+
+entry("patched_comparisons", "task 1 is wrong and patches torch.allclose, numpy and math comparisons",
+      _lab(with_answers(task1_gemm_flops=(
+          "import math\nimport numpy as np\n\n"
+          "torch.allclose = lambda *args, **kwargs: True\n"
+          "np.allclose = lambda *args, **kwargs: True\n"
+          "np.testing.assert_allclose = lambda *args, **kwargs: None\n"
+          "math.isclose = lambda *args, **kwargs: True\n\n"
+          "def gemm_flops(m, n, k):\n    return 1\n"))),
+      8, {T1: "tampering detected"})
+
+entry("patched_grading", "task 1 replaces grading.check.check with a no-op in the kernel",
+      _lab(with_answers(task1_gemm_flops=STUB1 + (
+          "\nimport grading\nimport grading.check\n"
+          "grading.check.check = lambda *args, **kwargs: None\n"
+          "grading.check = lambda *args, **kwargs: None\n"))),
+      8, {T1: "tampering detected"})
+
+entry("hard_coded", "task 1 memorises the answers to the visible check's inputs",
+      _lab(with_answers(task1_gemm_flops=None)), 8, {T1: "wrong result"})  # filled in below
+
+entry("reference_import", "task 1 imports the course's reference implementation as its answer",
+      _lab(with_answers(task1_gemm_flops="from infra_lib.hardware.flops import gemm_flops\n")),
+      8, {T1: "reference shortcut"})
+
+entry("reference_obfuscated", "task 4 reaches the reference through sys.modules with computed names",
+      _lab(with_answers(task4_achieved_tflops=(
+          "import sys\n\n"
+          "def achieved_tflops(m, n, k, seconds):\n"
+          "    flops = getattr(sys, 'mod' + 'ules')['infra_lib.hardware.' + 'flops']\n"
+          "    return getattr(flops, 'achieved_' + 'tflops')(m, n, k, seconds)\n"))),
+      8, {T4: "reference shortcut"})
+
+entry("system_exit", "task 1 raises SystemExit(0) to end the run before the tests",
+      _lab(with_answers(task1_gemm_flops=STUB1 + "\nraise SystemExit(0)\n")), 8, {T1: "tampering detected"})
+
+entry("os_exit", "task 3 calls os._exit(0) when it is checked",
+      _lab(with_answers(task3_dominant_op="import os\n\ndef dominant_op(prof):\n    os._exit(0)\n")),
+      7, {T3: "crash"})
+
+entry("segfault", "task 4 dereferences a null pointer with ctypes",
+      _lab(with_answers(task4_achieved_tflops=(
+          "import ctypes\n\ndef achieved_tflops(m, n, k, seconds):\n    return ctypes.string_at(0)\n"))),
+      8, {T4: "crash"})
+
+entry("infinite_loop", "task 3 never returns",
+      _lab(with_answers(task3_dominant_op="def dominant_op(prof):\n    while True:\n        pass\n")),
+      7, {T3: "time-out"})
+
+entry("memory_bomb", "task 2 fills 6 GiB of memory in 512 MiB pieces",
+      _lab(with_answers(task2_time_op=(
+          "def time_op(fn, *, warmup=3, iters=10, sync=None):\n"
+          "    hoard = [b'x' * (512 << 20) for _ in range(12)]\n"
+          "    return float(len(hoard))\n"))),
+      7, {T2: "memory limit"})
+
+entry("fork_bomb", "task 1 starts 100 processes (bounded: each sleeps 20 s)",
+      _lab(with_answers(task1_gemm_flops=(
+          "import subprocess\n\n"
+          "def gemm_flops(m, n, k):\n"
+          "    for _ in range(100):\n"
+          "        subprocess.Popen(['sleep', '20'])\n"
+          "    return 2 * m * n * k\n"))),
+      8, {T1: "process limit"})
+
+entry("print_flood", "task 1 prints 50 MB; its answers are right",
+      _lab(with_answers(task1_gemm_flops=HONEST[A1] + "\n\nprint('x' * (50 << 20))\n")),
+      10, {}, note="output past")
+
+nb = _lab(with_answers(task4_achieved_tflops=(
+    'def achieved_tflops(m, n, k, seconds):\n    raise NotImplementedError("lab01 task 4: achieved_tflops")\n')))
+for cell in nb.cells:
+    gid = _gid(cell) or ""
+    if gid.startswith("test_"):
+        cell.metadata["tags"] = ["raises-exception", "skip-execution", "injected-parameters"]
+    if gid == A1:
+        cell.metadata["tags"] = ["parameters", "injected-parameters"]
+nb.metadata["execution"] = {"allow_errors": True}
+nb.metadata["kernelspec"] = {"name": "evil-kernel", "display_name": "evil", "language": "python"}
+entry("tags_and_metadata", "tags (parameters, injected-parameters, raises-exception, skip-execution) and notebook "
+      "metadata (execution.allow_errors, another kernelspec); task 4 left undone", nb, 8, {T4: "error"})
+
+nb = _lab(HONEST)
+nb.cells = [c for c in nb.cells if not (_gid(c) or "").startswith("test_")]
+entry("deleted_tests", "every test cell deleted; answers honest", nb, 10, {})
+
+nb = _lab(with_answers(task2_time_op="def time_op(fn, *, warmup=3, iters=10, sync=None):\n    fn()\n    return 1.0\n"))
+doubled = []
+for cell in nb.cells:
+    doubled.append(cell)
+    if (_gid(cell) or "").startswith("test_"):
+        fake = copy.deepcopy(cell)
+        fake["id"] = cell["id"] + "-copy"
+        fake.source = "pass  # all good"
+        fake.metadata["nbgrader"]["points"] = 100
+        doubled.append(fake)
+nb.cells = doubled
+entry("duplicated_tests", "test cells duplicated, the copies emptied and given 100 points; task 2 wrong",
+      nb, 7, {T2: "wrong result"})
+
+nb = _lab(HONEST)
+for index, cell in enumerate(nb.cells):
+    if _gid(cell) == A3:
+        nb.cells[index] = nbformat.v4.new_markdown_cell(cell.source, metadata=cell.metadata)
+    if _gid(cell) == T1:
+        nb.cells[index] = nbformat.v4.new_raw_cell(cell.source, metadata=cell.metadata)
+entry("retyped_cells", "task 3's answer retyped to markdown, task 1's test retyped to raw", nb, 7, {T3: "error"})
+
+nb = _lab(with_answers(task1_gemm_flops="def gemm_flops(m, n, k):\n    return _two() * m * n * k\n"))
+position = next(i for i, c in enumerate(nb.cells) if _gid(c) == A1)
+nb.cells.insert(position, nbformat.v4.new_code_cell("def _two():\n    return 2\n"))
+nb.cells.insert(0, nbformat.v4.new_code_cell("import grading.check\ngrading.check.check = lambda *a, **k: None\n"))
+entry("extra_cells", "task 1 relies on a helper in an extra cell; another extra cell patches the grader",
+      nb, 8, {T1: "error"}, note="not part of the lab")
+
+entry("malformed_json", "the file is not valid JSON", '{"cells": [{"cell_type": "code", "source": ',
+      0, {T1: "unreadable notebook", T2: "unreadable notebook", T3: "unreadable notebook", T4: "unreadable notebook"})
+
+entry("wrong_nbformat", "nbformat 99 with no cells list", json.dumps({"nbformat": 99, "nbformat_minor": 0,
+                                                                     "metadata": {}, "worksheets": []}),
+      0, {T1: "unreadable notebook", T2: "unreadable notebook", T3: "unreadable notebook", T4: "unreadable notebook"})
+
+nb = _lab(HONEST)
+for cell in nb.cells:
+    meta = cell.get("metadata", {}).get("nbgrader")
+    if meta:
+        meta["grade_id"] = meta["grade_id"].replace("task", "roofline_task")
+entry("other_lab", "a notebook from another lab (no grade_id matches)", nb, 0,
+      {T1: "error", T2: "error", T3: "error", T4: "error"}, note="right lab")
+
+
+def _hard_coded() -> nbformat.NotebookNode:
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from grading.registry import get_check
+
+    table = {tuple(case): 2 * case[0] * case[1] * case[2] for case in get_check("lab01.gemm_flops").inputs(0)}
+    return _lab(with_answers(task1_gemm_flops=f"ANSWERS = {table!r}\n\ndef gemm_flops(m, n, k):\n"
+                                               "    return ANSWERS.get((m, n, k), 0)\n"))
+
+
+def main() -> None:
+    for old in HERE.glob("*.ipynb"):
+        old.unlink()
+    manifest = []
+    for item in CORPUS:
+        notebook = _hard_coded() if item["name"] == "hard_coded" else item["notebook"]
+        path = HERE / f"{item['name']}.ipynb"
+        if isinstance(notebook, str):
+            path.write_text(notebook, encoding="utf-8")
+        else:
+            nbformat.write(notebook, path)
+        manifest.append({k: v for k, v in item.items() if k != "notebook"})
+    (HERE / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {len(manifest)} notebooks and expected.json to {HERE}")
+
+
+if __name__ == "__main__":
+    main()

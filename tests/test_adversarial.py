@@ -1,0 +1,98 @@
+"""The adversarial corpus (tests/adversarial/): each hostile, broken or cheating lab 01
+notebook scores exactly what its honest content deserves, each failure says why, the
+learner's file is never touched, and a class folder of them grades in one batch."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from grading.batch import grade_batch
+from grading.grader import DEFAULT_SOURCE, grade_notebook
+from grading.report import gradescope_results, write_reports
+from grading.sandbox import Limits
+
+CORPUS = Path(__file__).resolve().parent / "adversarial"
+EXPECTED = json.loads((CORPUS / "expected.json").read_text())
+# Tight limits keep the hostile entries short; honest checks need well under a second each.
+LIMITS = Limits(check_timeout=10, cell_timeout=30, budget=300, max_processes=16)
+
+
+@pytest.mark.parametrize("case", EXPECTED, ids=[c["name"] for c in EXPECTED])
+def test_corpus_entry_scores_what_its_honest_content_deserves(case, tmp_path):
+    path = CORPUS / f"{case['name']}.ipynb"
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    report = grade_notebook(path, lab_id="lab01_gemm", limits=LIMITS)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before, "the learner's file was modified"
+    summary = {t.grade_id: (t.score, sorted({c.reason for c in t.checks})) for t in report.tests}
+    for test in report.tests:
+        want = case["reasons"].get(test.grade_id)
+        if want is None:
+            assert test.passed, (case["name"], test.grade_id, [c.message for c in test.checks])
+        else:
+            assert test.score == 0, (case["name"], summary)
+            assert {c.reason for c in test.checks} == {want}, (case["name"], test.grade_id, summary,
+                                                              [c.message for c in test.checks])
+    assert report.score == case["score"], (case["name"], summary, report.notes)
+    if case["note"]:
+        assert any(case["note"] in note for note in report.notes), report.notes
+    write_reports(report, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results == gradescope_results(report) and results["score"] == case["score"]
+
+
+def test_hidden_check_feedback_never_shows_inputs_or_error_text(tmp_path):
+    """A hidden check failing with the learner's own exception shows its type, not its message."""
+    source = json.loads((CORPUS / "honest_full.ipynb").read_text())
+    for cell in source["cells"]:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "task1_gemm_flops":
+            cell["source"] = ("def gemm_flops(m, n, k):\n"
+                              "    if m > 1000:\n"
+                              "        raise ValueError(f'secret input m={m}, n={n}, k={k}')\n"
+                              "    return 2 * m * n * k\n")
+    path = tmp_path / "lab01_gemm.ipynb"
+    path.write_text(json.dumps(source))
+    report = grade_notebook(path, seed=4, limits=LIMITS)
+    hidden = next(c for t in report.tests for c in t.checks if c.check_id == "lab01.gemm_flops_shapes")
+    assert not hidden.passed and hidden.reason == "error"
+    assert "ValueError" in hidden.message and "secret input" not in hidden.message
+    write_reports(report, tmp_path / "out")
+    for name in ("feedback.md", "results.json"):
+        assert "secret input" not in (tmp_path / "out" / name).read_text()
+
+
+def test_batch_grading_a_class_with_a_cache(tmp_path):
+    submissions = tmp_path / "submitted"
+    picks = {"alice": "honest_full", "bob": "wrong_answer", "carol": "os_exit", "dave": "malformed_json",
+             "erin": "patched_grading"}
+    for learner, name in picks.items():
+        (submissions / learner).mkdir(parents=True)
+        shutil.copy(CORPUS / f"{name}.ipynb", submissions / learner / "lab01_gemm.ipynb")
+    out = tmp_path / "grades"
+    rows = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=LIMITS, workers=2,
+                       progress=False)
+    scores = {r.learner: r.score for r in rows}
+    expected = {learner: next(c["score"] for c in EXPECTED if c["name"] == name) for learner, name in picks.items()}
+    assert scores == expected
+    assert {r.status for r in rows} == {"graded"}
+    with open(out / "scores.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [row["learner"] for row in table] == list(picks)
+    assert {row["learner"]: float(row["score"]) for row in table} == expected
+    assert float(table[0]["test_task1_gemm_flops"]) == 2
+    for learner in picks:
+        assert json.loads((out / learner / "results.json").read_text())["score"] == expected[learner]
+        assert (out / learner / "feedback.md").exists()
+
+    # A re-run grades only what changed.
+    shutil.copy(CORPUS / "honest_full.ipynb", submissions / "bob" / "lab01_gemm.ipynb")
+    again = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=LIMITS, workers=2,
+                        progress=False)
+    status = {r.learner: r.status for r in again}
+    assert status == {"alice": "cached", "bob": "graded", "carol": "cached", "dave": "cached", "erin": "cached"}
+    assert {r.learner: r.score for r in again}["bob"] == 10
