@@ -156,15 +156,19 @@ def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
     notes: list[str] = []
     trusted_ids = {grade_id(c) for c in trusted.cells if grade_id(c)}
     extra = 0
+    solution_ids = {grade_id(c) for c in trusted.cells if is_solution_cell(c)}
     for cell in learner.cells:
         gid = grade_id(cell)
         if gid not in trusted_ids and cell.get("cell_type") == "code" and str(cell.get("source", "")).strip():
             extra += 1
-        if gid is None or not is_solution_cell(cell) or not isinstance(cell.get("source"), str):
+        if gid not in solution_ids or not isinstance(cell.get("source"), str):
             continue
         if gid in answers:
             notes.append(f"your notebook has more than one cell with grade_id {gid!r}; the first one was graded")
             continue
+        if cell.get("cell_type") != "code":
+            notes.append(f"answer cell {gid!r} had been changed to a {cell.get('cell_type')} cell; "
+                         "it was graded as code")
         answers[gid] = cell.source
     if extra:
         notes.append(f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "

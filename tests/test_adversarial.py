@@ -96,3 +96,59 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
     status = {r.learner: r.status for r in again}
     assert status == {"alice": "cached", "bob": "graded", "carol": "cached", "dave": "cached", "erin": "cached"}
     assert {r.learner: r.score for r in again}["bob"] == 10
+
+
+def _nbgrader_scores(names: list[str], course: Path) -> dict[str, float | str]:
+    """Autograde the named corpus entries with nbgrader, as an instructor would."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from nbgrader.api import Gradebook, MissingEntry
+
+    from grading.release import CONFIG
+
+    (course / "solutions").mkdir(parents=True)
+    shutil.copytree(DEFAULT_SOURCE / "lab01_gemm", course / "solutions" / "lab01_gemm")
+    (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
+    env = {**os.environ, "INFRA_COURSE_ROOT": str(course),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def nbgrader(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,
+                              capture_output=True, text=True, timeout=1200)
+
+    assert nbgrader("generate_assignment", "lab01_gemm", "--force").returncode == 0
+    for name in names:
+        target = course / "submitted" / name / "lab01_gemm"
+        target.mkdir(parents=True)
+        shutil.copy(CORPUS / f"{name}.ipynb", target / "lab01_gemm.ipynb")
+    result = nbgrader("autograde", "lab01_gemm", "--create", "--force", "--Execute.timeout=30")
+    failed = set(re.findall(r"for student '([^']+)'", result.stderr))
+    failed |= set(re.findall(r"submitted/([^/\s]+)/lab01_gemm", result.stderr))
+    scores: dict[str, float | str] = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="infra-course") as gradebook:
+        for name in names:
+            try:
+                scores[name] = "error" if name in failed else gradebook.find_submission("lab01_gemm", name).score
+            except MissingEntry:
+                scores[name] = "error"
+    return scores
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_nbgrader_on_the_corpus_gives_the_documented_scores(half, tmp_path):
+    """The comparison the README shows instructors, measured: where nbgrader can be fooled or fails."""
+    names = [case["name"] for case in EXPECTED][half::2]
+    scores = _nbgrader_scores(names, tmp_path / "course")
+    documented = {case["name"]: case["nbgrader"] for case in EXPECTED if case["name"] in names}
+    assert scores == documented
+
+
+def test_readme_table_matches_the_corpus():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for case in EXPECTED:
+        nbgrader = case["nbgrader"] if isinstance(case["nbgrader"], str) else f"{case['nbgrader']:g}"
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{case['name']}` |")), "")
+        assert f"| {case['score']:g} | {nbgrader} |" in row, f"README's corpus row for {case['name']} is wrong: {row!r}"

@@ -32,17 +32,6 @@ def _with(solution_answers, **replace) -> dict[str, str]:
     return answers
 
 
-def test_one_wrong_answer_costs_exactly_its_points(tmp_path, solution_answers):
-    wrong = solution_answers["task1_gemm_flops"].replace("return 2 * m * n * k", "return m * n * k")
-    assert wrong != solution_answers["task1_gemm_flops"]
-    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task1_gemm_flops=wrong))
-    report = grade_notebook(path, seed=7)
-    assert report.score == 8
-    assert _scores(report)["test_task1_gemm_flops"] == 0
-    failed = [c for c in report.tests[0].checks if not c.passed]
-    assert failed and "gemm_flops returned the wrong count" in failed[0].message
-
-
 def test_hidden_failures_name_the_check_but_not_inputs_or_expected(tmp_path, solution_answers):
     # A dominant_op that ignores device time passes the visible check, fails a hidden one.
     cpu_only = solution_answers["task3_dominant_op"].replace("on_device = any(", "on_device = False and any(")
@@ -59,37 +48,6 @@ def test_hidden_failures_name_the_check_but_not_inputs_or_expected(tmp_path, sol
     for text in ((out / "feedback.md").read_text(), (out / "results.json").read_text(), table(report)):
         assert "lab01.dominant_op_device" in text
         assert "sm90_xmma" not in text and "expected" not in text.split("dominant_op_device")[1][:400]
-
-
-def test_hard_coded_answers_fail_at_grade_time(tmp_path, solution_answers):
-    """Answers that memorise the visible inputs pass interactively, not under the grader."""
-    from grading.registry import get_check
-
-    visible = get_check("lab01.gemm_flops").inputs(0)
-    table_src = {tuple(case): 2 * case[0] * case[1] * case[2] for case in visible}
-    memorised = (
-        "def gemm_flops(m, n, k):\n"
-        f"    return {table_src!r}.get((m, n, k), 0)\n"
-    )
-    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task1_gemm_flops=memorised))
-    from grading import check
-
-    namespace = {}
-    exec(memorised, namespace)
-    check("lab01.gemm_flops", namespace["gemm_flops"])  # passes on the visible seed
-    report = grade_notebook(path, seed=2024)
-    assert _scores(report)["test_task1_gemm_flops"] == 0
-
-
-def test_a_crashing_answer_does_not_cost_the_others(tmp_path, solution_answers):
-    crash = solution_answers["task2_time_op"].replace("    ### BEGIN SOLUTION", "    import os; os._exit(3)\n    ### BEGIN SOLUTION")
-    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task2_time_op=crash))
-    report = grade_notebook(path, seed=3)
-    assert _scores(report) == {"test_task1_gemm_flops": 2, "test_task2_time_op": 0,
-                               "test_task3_dominant_op": 3, "test_task4_achieved_tflops": 2}
-    message = next(c.message for c in report.tests[1].checks)
-    assert "kernel died" in message and report.tests[1].checks[0].reason == "crash"
-    assert any("stopped the run" in note for note in report.notes)
 
 
 def test_a_hanging_answer_is_interrupted_and_grading_goes_on(tmp_path, solution_answers):
@@ -117,24 +75,6 @@ def test_an_answer_that_ignores_the_interrupt_is_stopped(tmp_path, solution_answ
                                "test_task3_dominant_op": 3, "test_task4_achieved_tflops": 0}
     assert "ignored the interrupt" in report.tests[3].checks[0].message
     assert report.tests[3].checks[0].reason == "time-out"
-
-
-def test_learner_edits_outside_answer_cells_are_ignored(tmp_path, solution_answers):
-    nb = read_notebook(LAB01)
-    for cell in nb.cells:
-        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if gid in solution_answers:
-            cell.source = solution_answers[gid]
-        if gid and gid.startswith("test_"):
-            cell.source = "pass  # tests deleted"
-            cell.metadata["tags"] = ["raises-exception", "injected-parameters"]
-            cell.metadata["nbgrader"]["points"] = 100
-    nb.cells.insert(0, nbformat.v4.new_code_cell("raise SystemExit(0)", metadata={"tags": ["parameters"]}))
-    path = tmp_path / "lab01_gemm.ipynb"
-    nbformat.write(nb, path)
-    report = grade_notebook(path, seed=9)
-    assert (report.score, report.max_score) == (10, 10)
-    assert all(c.passed for t in report.tests for c in t.checks)
 
 
 def test_grading_never_modifies_the_learner_file(tmp_path, solution_answers):

@@ -193,7 +193,8 @@ for index, cell in enumerate(nb.cells):
         nb.cells[index] = nbformat.v4.new_markdown_cell(cell.source, metadata=cell.metadata)
     if _gid(cell) == T1:
         nb.cells[index] = nbformat.v4.new_raw_cell(cell.source, metadata=cell.metadata)
-entry("retyped_cells", "task 3's answer retyped to markdown, task 1's test retyped to raw", nb, 7, {T3: "error"})
+entry("retyped_cells", "task 3's (right) answer retyped to markdown, task 1's test retyped to raw", nb, 10, {},
+      note="changed to a markdown cell")
 
 nb = _lab(with_answers(task1_gemm_flops="def gemm_flops(m, n, k):\n    return _two() * m * n * k\n"))
 position = next(i for i, c in enumerate(nb.cells) if _gid(c) == A1)
@@ -229,6 +230,19 @@ def _hard_coded() -> nbformat.NotebookNode:
                                                "    return ANSWERS.get((m, n, k), 0)\n"))
 
 
+# What `nbgrader autograde` (0.9, this repo's config, Execute.timeout=30) gives the same
+# notebooks; "error" where it could not grade the submission at all. tests/test_adversarial.py
+# checks these against a real nbgrader run, and the README's table against this list.
+NBGRADER = {
+    "honest_full": 10, "wrong_answer": 8, "always_equal": 8, "input_transformer": 10, "traceback_patch": 7,
+    "patched_comparisons": 10, "patched_grading": 8, "hard_coded": 8, "reference_import": 10,
+    "reference_obfuscated": 10, "system_exit": 8, "os_exit": "error", "segfault": "error", "infinite_loop": 7,
+    "memory_bomb": 7, "fork_bomb": 10, "print_flood": 10, "tags_and_metadata": 10, "deleted_tests": 10,
+    "duplicated_tests": "error", "retyped_cells": 10, "extra_cells": 10, "malformed_json": "error",
+    "wrong_nbformat": "error", "other_lab": "error",
+}
+
+
 def main() -> None:
     for old in HERE.glob("*.ipynb"):
         old.unlink()
@@ -240,7 +254,7 @@ def main() -> None:
             path.write_text(notebook, encoding="utf-8")
         else:
             nbformat.write(notebook, path)
-        manifest.append({k: v for k, v in item.items() if k != "notebook"})
+        manifest.append({**{k: v for k, v in item.items() if k != "notebook"}, "nbgrader": NBGRADER[item["name"]]})
     (HERE / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {len(manifest)} notebooks and expected.json to {HERE}")
 
