@@ -187,6 +187,9 @@ def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
         else:
             notes.append(f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub")
             cell.source = clear_solutions(cell.source)
+    tests = test_cells(trusted)
+    if tests:  # cells after the last test cannot change a score: grading does not run them
+        graded.cells = graded.cells[: tests[-1].index + 1]
     if positions and not set(positions) & set(answers):
         notes.append("none of this lab's answer cells were found: is this the right lab's notebook?")
-    return Spliced(graded, test_cells(trusted), notes, positions, sources)
+    return Spliced(graded, tests, notes, positions, sources)

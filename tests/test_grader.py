@@ -14,12 +14,6 @@ from grading.notebook import clear_solutions, read_notebook, splice
 from grading.report import feedback_markdown, gradescope_results, table, write_reports
 from grading.sandbox import Limits
 
-TASKS = {
-    "task1_gemm_flops": ("test_task1_gemm_flops", 2),
-    "task2_time_op": ("test_task2_time_op", 3),
-    "task3_dominant_op": ("test_task3_dominant_op", 3),
-    "task4_achieved_tflops": ("test_task4_achieved_tflops", 2),
-}
 
 
 def _scores(report) -> dict[str, float]:
