@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
 
+from grading.checks.common import call_each, number_mismatch, reference
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 
@@ -20,25 +20,7 @@ register_shortcuts("lab01", [
 
 
 def _reference(name: str):
-    def load():
-        from infra_lib.kernels import profiling
-
-        return getattr(profiling, name)
-
-    return load
-
-
-def _call_each(fn, cases: list[list]) -> list:
-    return [fn(*case) for case in cases]
-
-
-def _number_mismatch(got: list, expected: list, cases: list, what: str, fmt, rel: float) -> Mismatch | None:
-    if type(got) is not list or len(got) != len(expected):
-        return Mismatch(f"{what}: expected {len(expected)} results, got {got!r:.80}")
-    for case, g, e in zip(cases, got, expected):
-        if type(g) not in (int, float) or not math.isclose(g, e, rel_tol=rel, abs_tol=0.0):
-            return Mismatch(what, f"on {fmt(case)}: expected {e!r}, got {g!r}")
-    return None
+    return reference("infra_lib.kernels.profiling", name)
 
 
 # --- task 1: gemm_flops -------------------------------------------------------------------
@@ -62,7 +44,7 @@ def _large_shapes(rng: random.Random) -> list[list[int]]:
 
 
 def _compare_flops(got, expected, cases) -> Mismatch | None:
-    return _number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
+    return number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
 
 
 register(Check(
@@ -70,7 +52,7 @@ register(Check(
     task="lab01 task 1: gemm_flops",
     reference=_reference("gemm_flops"),
     make_inputs=_small_shapes,
-    drive=_call_each,
+    drive=call_each,
     compare=_compare_flops,
     hint="each of the m*n outputs is a length-k dot product: k multiplies and k adds.",
 ))
@@ -80,7 +62,7 @@ register(Check(
     task="lab01 task 1: gemm_flops",
     reference=_reference("gemm_flops"),
     make_inputs=_large_shapes,
-    drive=_call_each,
+    drive=call_each,
     compare=_compare_flops,
     hint="the count must hold for any shape: skinny (m=1), k=1, an empty dimension, and sizes "
     "whose count does not fit in 32 bits.",
@@ -351,8 +333,8 @@ register(Check(
     task="lab01 task 4: achieved_tflops",
     reference=_reference("achieved_tflops"),
     make_inputs=_rate_cases,
-    drive=_call_each,
-    compare=lambda got, expected, cases: _number_mismatch(
+    drive=call_each,
+    compare=lambda got, expected, cases: number_mismatch(
         got, expected, cases, "achieved_tflops returned the wrong rate",
         lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c), 1e-9),
     hint="TFLOP/s = (2 * m * n * k) / seconds / 1e12.",
