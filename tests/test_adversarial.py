@@ -74,11 +74,12 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
         (submissions / learner).mkdir(parents=True)
         shutil.copy(CORPUS / f"{name}.ipynb", submissions / learner / "lab01_gemm.ipynb")
     out = tmp_path / "grades"
-    rows = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=LIMITS, workers=2,
+    limits = Limits(check_timeout=30, cell_timeout=60, budget=300, max_processes=16)
+    rows = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
                        progress=False)
     scores = {r.learner: r.score for r in rows}
     expected = {learner: next(c["score"] for c in EXPECTED if c["name"] == name) for learner, name in picks.items()}
-    assert scores == expected
+    assert scores == expected, {r.learner: _failures(out / r.learner) for r in rows}
     assert {r.status for r in rows} == {"graded"}
     with open(out / "scores.csv", newline="") as f:
         table = list(csv.DictReader(f))
@@ -91,11 +92,16 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
 
     # A re-run grades only what changed.
     shutil.copy(CORPUS / "honest_full.ipynb", submissions / "bob" / "lab01_gemm.ipynb")
-    again = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=LIMITS, workers=2,
+    again = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
                         progress=False)
     status = {r.learner: r.status for r in again}
     assert status == {"alice": "cached", "bob": "graded", "carol": "cached", "dave": "cached", "erin": "cached"}
-    assert {r.learner: r.score for r in again}["bob"] == 10
+    assert {r.learner: r.score for r in again}["bob"] == 10, _failures(out / "bob")
+
+
+def _failures(folder: Path) -> list[str]:
+    results = json.loads((folder / "results.json").read_text())
+    return [t["output"] for t in results["tests"] if t["status"] != "passed"]
 
 
 def _nbgrader_scores(names: list[str], course: Path) -> dict[str, float | str]:
