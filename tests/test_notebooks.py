@@ -57,3 +57,14 @@ def test_gemm_sweep_benchmark_writes_json(tmp_path):
     for row in result["results"]:
         assert row["gflops"] > 0
         assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak)
+
+
+def test_glossary_collects_every_lessons_terms():
+    glossary = (REPO / "GLOSSARY.md").read_text()
+    for path in NOTEBOOKS:
+        cells = [c for c in read_notebook(path).cells if c.cell_type == "markdown" and c.source.startswith("## Glossary")]
+        assert cells, f"{path.name} needs a '## Glossary' section with the Chinese terms"
+        rows = [line for line in cells[0].source.splitlines() if line.startswith("| ") and "---" not in line][1:]
+        assert rows
+        for row in rows:
+            assert row in glossary, f"GLOSSARY.md lacks {row!r} from {path.name}"
