@@ -9,18 +9,13 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-from infra_lib.device import pick_device
+from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info, measure_gemm_rates, measure_peak_gemm_flops
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gemm_sweep.json"
 SEED = 0
 DTYPE = torch.float32
 
@@ -28,11 +23,6 @@ DTYPE = torch.float32
 QUICK_PLAN = ([64, 128, 256, 512], (256, 512), 3)
 CPU_PLAN = ([32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048], (512, 1024, 1536, 2048), 5)
 GPU_PLAN = ([64, 128, 256, 512, 1024, 2048, 4096, 8192], (2048, 4096, 8192), 5)
-
-
-def _load_average() -> float | None:
-    """The 1-minute system load average, where the OS reports one."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def run_sweep(device: torch.device, quick: bool) -> dict:
@@ -44,7 +34,7 @@ def run_sweep(device: torch.device, quick: bool) -> dict:
     else:
         sizes, peak_sizes, iters = CPU_PLAN
     torch.manual_seed(SEED)
-    load_before = _load_average()
+    load_before = load_average()
     peak = measure_peak_gemm_flops(device, DTYPE, sizes=peak_sizes, iters=iters)
     rows = measure_gemm_rates(sizes, device, DTYPE, iters=iters, seed=SEED)
     for row in rows:
@@ -54,7 +44,7 @@ def run_sweep(device: torch.device, quick: bool) -> dict:
         "machine_info": machine_info(device),
         "torch_threads": torch.get_num_threads(),
         # Other programs competing for the cores distort every number here; keep the evidence.
-        "load_average_1m": {"before": load_before, "after": _load_average()},
+        "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
         "flags": {"quick": quick, "device": str(device), "dtype": str(DTYPE).replace("torch.", "")},
         "sizes": list(sizes),
@@ -79,18 +69,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (CI)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 or mps (default: auto)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
-
-    result = run_sweep(pick_device(args.device), args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(format_table(result))
-    print(f"wrote {args.out}")
-    return 0
+    return benchmark_main(argv, __doc__.splitlines()[0], "gemm_sweep", run_sweep, format_table)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,11 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-from infra_lib.device import pick_device
+from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import (
     machine_info,
     measure_add_point,
@@ -29,7 +25,6 @@ from infra_lib.hardware.probes import (
 )
 from infra_lib.hardware.roofline import ridge_point
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "roofline_probe.json"
 SEED = 0
 DTYPE = torch.float32
 WIDTH = 4096  # a 4096 x 4096 float32 weight is 64 MiB: larger than a laptop's last-level cache
@@ -55,15 +50,11 @@ def plan(quick: bool, device: torch.device) -> dict:
             "iters": 3 if quick else 5, "gemms": gemms}
 
 
-def _load_average() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
 def run_probe(device: torch.device, quick: bool) -> dict:
     """Measure the two roofs, then each point; return the JSON-ready result."""
     torch.manual_seed(SEED)
     settings = plan(quick, device)
-    load_before = _load_average()
+    load_before = load_average()
     peak = measure_peak_gemm_flops(device, DTYPE, sizes=settings["peak_sizes"], iters=settings["iters"])
     bandwidth = measure_memory_bandwidth(settings["bandwidth_mb"], iters=settings["iters"], device=device)
     peak_gflops, bandwidth_gbps = peak["peak_gflops"], bandwidth["bandwidth_gbps"]
@@ -76,7 +67,7 @@ def run_probe(device: torch.device, quick: bool) -> dict:
     return {
         "benchmark": "roofline_probe",
         "machine_info": machine_info(device),
-        "load_average_1m": {"before": load_before, "after": _load_average()},
+        "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
         "flags": {"quick": quick, "device": str(device), "dtype": str(DTYPE).replace("torch.", "")},
         "peak": peak,
@@ -102,18 +93,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (CI)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 or mps (default: auto)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
-
-    result = run_probe(pick_device(args.device), args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(format_table(result))
-    print(f"wrote {args.out}")
-    return 0
+    return benchmark_main(argv, __doc__.splitlines()[0], "roofline_probe", run_probe, format_table)
 
 
 if __name__ == "__main__":

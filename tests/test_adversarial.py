@@ -23,9 +23,13 @@ EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 LIMITS = Limits(check_timeout=10, cell_timeout=30, budget=300, max_processes=16)
 
 
+def _file(name: str) -> str:
+    return next(case["file"] for case in EXPECTED if case["name"] == name)
+
+
 @pytest.mark.parametrize("case", EXPECTED, ids=[c["name"] for c in EXPECTED])
 def test_corpus_entry_scores_what_its_honest_content_deserves(case, tmp_path):
-    path = CORPUS / f"{case['name']}.ipynb"
+    path = CORPUS / case["file"]
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     report = grade_notebook(path, lab_id="lab01_gemm", limits=LIMITS)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before, "the learner's file was modified"
@@ -48,7 +52,7 @@ def test_corpus_entry_scores_what_its_honest_content_deserves(case, tmp_path):
 
 def test_hidden_check_feedback_never_shows_inputs_or_error_text(tmp_path):
     """A hidden check failing with the learner's own exception shows its type, not its message."""
-    source = json.loads((CORPUS / "honest_full.ipynb").read_text())
+    source = json.loads((CORPUS / _file("honest_full")).read_text())
     for cell in source["cells"]:
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "task1_gemm_flops":
             cell["source"] = ("def gemm_flops(m, n, k):\n"
@@ -72,7 +76,7 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
              "erin": "patched_grading"}
     for learner, name in picks.items():
         (submissions / learner).mkdir(parents=True)
-        shutil.copy(CORPUS / f"{name}.ipynb", submissions / learner / "lab01_gemm.ipynb")
+        shutil.copy(CORPUS / _file(name), submissions / learner / "lab01_gemm.ipynb")
     out = tmp_path / "grades"
     limits = Limits(check_timeout=30, cell_timeout=60, budget=300, max_processes=16)
     rows = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
@@ -91,7 +95,7 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
         assert (out / learner / "feedback.md").exists()
 
     # A re-run grades only what changed.
-    shutil.copy(CORPUS / "honest_full.ipynb", submissions / "bob" / "lab01_gemm.ipynb")
+    shutil.copy(CORPUS / _file("honest_full"), submissions / "bob" / "lab01_gemm.ipynb")
     again = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
                         progress=False)
     status = {r.learner: r.status for r in again}
@@ -129,7 +133,7 @@ def _nbgrader_scores(names: list[str], course: Path) -> dict[str, float | str]:
     for name in names:
         target = course / "submitted" / name / "lab01_gemm"
         target.mkdir(parents=True)
-        shutil.copy(CORPUS / f"{name}.ipynb", target / "lab01_gemm.ipynb")
+        shutil.copy(CORPUS / _file(name), target / "lab01_gemm.ipynb")
     result = nbgrader("autograde", "lab01_gemm", "--create", "--force", "--Execute.timeout=30")
     failed = set(re.findall(r"for student '([^']+)'", result.stderr))
     failed |= set(re.findall(r"submitted/([^/\s]+)/lab01_gemm", result.stderr))
