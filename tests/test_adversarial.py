@@ -66,7 +66,7 @@ def test_hidden_check_feedback_never_shows_inputs_or_error_text(tmp_path):
     assert not hidden.passed and hidden.reason == "error"
     assert "ValueError" in hidden.message and "secret input" not in hidden.message
     write_reports(report, tmp_path / "out")
-    for name in ("feedback.md", "results.json"):
+    for name in ("feedback.md", "feedback.html", "results.json"):
         assert "secret input" not in (tmp_path / "out" / name).read_text()
 
 

