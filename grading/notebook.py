@@ -121,13 +121,12 @@ class Spliced:
     tests: list[TestCell]
     notes: list[str] = field(default_factory=list)
     answers: dict[str, int] = field(default_factory=dict)  # answer grade_id -> cell index
+    trusted_sources: dict[str, str] = field(default_factory=dict)  # answer grade_id -> solution source
 
     def neutralise(self, answer: str) -> None:
         """Grade an answer as the untouched stub (its code never runs)."""
         cell = self.notebook.cells[self.answers[answer]]
         cell.source = clear_solutions(self.trusted_sources[answer])
-
-    trusted_sources: dict[str, str] = field(default_factory=dict)
 
 
 def test_cells(trusted: NotebookNode) -> list[TestCell]:

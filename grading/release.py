@@ -42,7 +42,3 @@ def generate(lab_id: str, out_dir: Path, source_dir: Path = REPO_ROOT / "solutio
             shutil.rmtree(target)
         shutil.copytree(Path(scratch) / "labs" / lab_id, target)
     return target
-
-
-def release_all(out_dir: Path = REPO_ROOT / "labs") -> list[Path]:
-    return [generate(lab_id, out_dir) for lab_id in lab_ids()]

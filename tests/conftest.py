@@ -43,3 +43,19 @@ def write_learner_notebook(path: Path, answers: dict[str, str], base: Path = LAB
 @pytest.fixture(scope="session")
 def solution_answers() -> dict[str, str]:
     return answer_cells(SOLUTION01)
+
+
+def run_benchmark(name: str, out: Path) -> dict:
+    """Run ``benchmarks/<name>.py --quick`` as a script (exit code 0 required); return its JSON."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout  # the table was printed, then the file written
+    data = json.loads(out.read_text())
+    assert data["machine_info"]["torch_threads"] >= 1
+    assert data["flags"]["quick"] is True and data["seed"] == 0
+    return data

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import run_benchmark
 from infra_lib.hardware.probes import (
     last_level_cache_bytes,
     measure_add_point,
@@ -129,12 +126,7 @@ def test_points_land_on_the_roofline():
 
 
 def test_roofline_probe_benchmark_writes_json(tmp_path):
-    out = tmp_path / "roofline.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline_probe.py"), "--quick", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    result = json.loads(out.read_text())
-    assert result["machine_info"]["torch_threads"] >= 1
-    assert result["flags"]["quick"] is True and result["seed"] == 0
+    result = run_benchmark("roofline_probe", tmp_path / "roofline.json")
     peak, bandwidth = result["peak"]["peak_gflops"], result["bandwidth"]["bandwidth_gbps"]
     assert peak > 0 and bandwidth > 0
     assert result["ridge_point_flop_per_byte"] == pytest.approx(peak / bandwidth)
@@ -147,13 +139,3 @@ def test_roofline_probe_benchmark_writes_json(tmp_path):
         assert p["fraction_of_roof"] > 0
         assert p["attainable_gflops"] == pytest.approx(min(peak, p["intensity"] * bandwidth))
         assert p["fraction_of_roof"] == pytest.approx(p["achieved_gflops"] / p["attainable_gflops"])
-
-
-def test_roofline_probe_main_returns_zero(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import roofline_probe
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    assert roofline_probe.main(["--quick", "--out", str(tmp_path / "r.json")]) == 0
-    assert "ridge" in capsys.readouterr().out

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import papermill
 import pytest
 
-from conftest import NOTEBOOKS, REPO, SOLUTIONS
+from conftest import NOTEBOOKS, REPO, SOLUTIONS, run_benchmark
 from grading.notebook import read_notebook
 
 
@@ -46,12 +44,7 @@ def test_chapter01_writes_a_chrome_trace(tmp_path):
 
 
 def test_gemm_sweep_benchmark_writes_json(tmp_path):
-    out = tmp_path / "sweep.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "gemm_sweep.py"), "--quick", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    result = json.loads(out.read_text())
-    assert result["machine_info"]["torch_threads"] >= 1
-    assert result["flags"]["quick"] is True and result["seed"] == 0
+    result = run_benchmark("gemm_sweep", tmp_path / "sweep.json")
     peak = result["peak"]["peak_gflops"]
     assert [row["n"] for row in result["results"]] == result["sizes"]
     for row in result["results"]:

@@ -55,16 +55,12 @@ def measure_gemm_rates(
     Returns:
         One dict per size: ``n``, ``seconds`` (median), ``gflops`` (achieved GFLOP/s).
     """
-    device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
     rows = []
     for n in sizes:
         if n < 1:
             raise ValueError(f"GEMM sizes must be >= 1, got {n}")
-        a = torch.randn(n, n, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
-        b = torch.randn(n, n, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
-        seconds = time_op(lambda: a @ b, warmup=warmup, iters=iters, sync=synchronizer(device))
-        rows.append({"n": n, "seconds": seconds, "gflops": gemm_flops(n, n, n) / seconds / 1e9})
+        point = measure_gemm_point(f"n={n}", n, n, n, device, dtype, warmup=warmup, iters=iters, seed=seed + n)
+        rows.append({"n": n, "seconds": point["seconds"], "gflops": point["achieved_gflops"]})
     return rows
 
 
