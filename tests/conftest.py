@@ -59,3 +59,27 @@ def run_benchmark(name: str, out: Path) -> dict:
     assert data["machine_info"]["torch_threads"] >= 1
     assert data["flags"]["quick"] is True and data["seed"] == 0
     return data
+
+
+# Tests that need the real model share one worker (`--dist loadgroup`), so it loads once.
+SMOLLM2 = pytest.mark.xdist_group("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct loaded through infra_lib (once per test session and worker)."""
+    from infra_lib.model import load_default
+
+    return load_default()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """transformers' own tokenizer for the same GGUF file: the reference ours must agree with."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    from infra_lib.model import default_gguf_path
+
+    path = default_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

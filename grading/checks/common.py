@@ -35,3 +35,28 @@ def number_mismatch(got, expected: list, cases: list, what: str, describe: Calla
         if integral and g != int(g):
             return Mismatch(what + " (a whole number is expected)", f"on {describe(case)}: got {g!r}")
     return None
+
+
+def array_mismatch(got, expected, what: str, where: str, atol: float, rtol: float = 0.0) -> Mismatch | None:
+    """Compare nested lists of numbers (tensors turned into lists): shape first, then values.
+
+    The message names the first differing element, its expected and actual value.
+    """
+    import numpy as np
+
+    try:
+        got_array = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError):
+        return Mismatch(what, f"on {where}: the result is not a rectangular array of numbers")
+    expected_array = np.asarray(expected, dtype=np.float64)
+    if got_array.shape != expected_array.shape:
+        return Mismatch(what + " (wrong shape)",
+                        f"on {where}: expected shape {list(expected_array.shape)}, got {list(got_array.shape)}")
+    bad = ~np.isclose(got_array, expected_array, atol=atol, rtol=rtol, equal_nan=False)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        worst = float(np.nanmax(np.abs(got_array - expected_array))) if not np.isnan(got_array).all() else float("nan")
+        return Mismatch(what, f"on {where}: {int(bad.sum())} of {bad.size} elements differ; at index {list(index)} "
+                              f"expected {expected_array[index]:.6g}, got {got_array[index]:.6g} "
+                              f"(largest difference {worst:.3g}, tolerance {atol:g})")
+    return None

@@ -1,9 +1,10 @@
 """A real LLM in readable torch (L4): model, KV cache, loaders, tokenizer, sampling, generation."""
 
-from infra_lib.model.attention import attention, cached_attention, causal_mask
+from infra_lib.model.attention import cached_attention, causal_mask, repeat_kv
 from infra_lib.model.cache import DenseKVCache, DenseLayerCache, KVCache, LayerCache
 from infra_lib.model.config import LlamaConfig
-from infra_lib.model.generate import Generation, TokenEvent, generate, print_stream, prompt_ids, stream
+from infra_lib.model.generation import (Generation, TokenEvent, generate, greedy_decode, print_stream, prompt_ids,
+                                      stream)
 from infra_lib.model.loaders import (ModelNotInstalled, default_gguf_path, load_default, load_gguf, load_hf_dir,
                                      save_hf_dir)
 from infra_lib.model.model import Llama
@@ -12,7 +13,7 @@ from infra_lib.model.tokenizer import Tokenizer
 
 __all__ = [
     "DenseKVCache", "DenseLayerCache", "Generation", "KVCache", "LayerCache", "Llama", "LlamaConfig",
-    "ModelNotInstalled", "SamplingParams", "TokenEvent", "Tokenizer", "attention", "cached_attention",
-    "causal_mask", "default_gguf_path", "filter_logits", "generate", "load_default", "load_gguf",
-    "load_hf_dir", "print_stream", "prompt_ids", "sample", "save_hf_dir", "stream",
+    "ModelNotInstalled", "SamplingParams", "TokenEvent", "Tokenizer", "cached_attention",
+    "causal_mask", "default_gguf_path", "filter_logits", "generate", "greedy_decode", "load_default", "load_gguf",
+    "load_hf_dir", "print_stream", "prompt_ids", "repeat_kv", "sample", "save_hf_dir", "stream",
 ]

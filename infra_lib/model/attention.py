@@ -29,6 +29,12 @@ def causal_mask(t: int, s: int, device=None) -> torch.Tensor:
     return cols <= rows
 
 
+def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[batch, n_kv_heads, s, head_dim]`` -> ``[batch, n_kv_heads * group, s, head_dim]``: each
+    key/value head repeated for the ``group`` query heads that read it (head h reads h // group)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal grouped-query attention of ``q`` (the last ``t`` positions) over all ``s`` keys.
 
@@ -36,8 +42,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     """
     batch, n_heads, t, head_dim = q.shape
     group = n_heads // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [batch, n_heads, s, head_dim]
-    v = v.repeat_interleave(group, dim=1)
+    k, v = repeat_kv(k, group), repeat_kv(v, group)  # [batch, n_heads, s, head_dim]
     scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)  # [batch, n_heads, t, s]
     scores = scores.masked_fill(~causal_mask(t, k.shape[2], q.device), float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -53,9 +58,7 @@ def cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     keys, values = cache.append(k_new, v_new)
     t, s = q.shape[2], keys.shape[2]
     group = q.shape[1] // keys.shape[1]
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
+    keys, values = repeat_kv(keys, group), repeat_kv(values, group)
     if t == 1:  # one new token sees every cached key: no mask needed
         return F.scaled_dot_product_attention(q, keys, values)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_mask(t, s, q.device))

@@ -140,6 +140,24 @@ def generate(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams 
     return record
 
 
+@torch.inference_mode()
+def greedy_decode(model: Llama, prompt: list[int], max_new_tokens: int, stop_id: int | None = None) -> list[int]:
+    """The plainest cached decode loop: prefill the prompt once, then feed back one token per step.
+
+    Returns the generated ids, ending with ``stop_id`` if it was produced.
+    """
+    cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens)
+    logits = model(torch.tensor([prompt]), cache, last_only=True)  # prefill: [1, 1, vocab]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        if token == stop_id or len(out) == max_new_tokens:
+            break
+        logits = model(torch.tensor([[token]]), cache, last_only=True)  # decode: one new token
+    return out
+
+
 def print_stream(event: TokenEvent) -> None:
     """An ``on_token`` that prints the text as it arrives."""
     print(event.text, end="", flush=True)

