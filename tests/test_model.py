@@ -299,3 +299,17 @@ def test_bad_inputs_to_the_model_cache_and_sampler():
         tokenizer.encode_chat([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tokenizer.decode([9])
+
+
+@SMOLLM2
+def test_decode_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("decode", tmp_path / "decode.json")
+    assert set(result["engines"]) == {"infra_lib, KV cache", "infra_lib, no cache", "transformers generate"}
+    assert result["same_greedy_tokens_as_transformers"] is True
+    bound = result["bandwidth_bound_tokens_per_s"]
+    assert bound == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / result["model"]["weight_bytes"])
+    for row in result["engines"].values():
+        assert row["decode_tokens_per_s"] > 0 and row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_s"] / bound)
+    assert result["kv_cache_speedup"] > 1.0, "decoding with the cache should beat recomputing the sequence"
