@@ -50,7 +50,11 @@ def test_tiny_random_model_matches_transformers_through_the_hf_loader(tmp_path, 
         assert _max_diff(ours(tokens), expected) <= 1e-4
         # the same logits, one chunk at a time through the KV cache
         cache = DenseKVCache.for_model(ours.config, batch=2, capacity=40)
-        pieces = [ours(tokens[:, :25], cache)] + [ours(tokens[:, i:i + 1], cache) for i in range(25, 40)]
+        pieces = [ours(tokens[:, :25], cache)]
+        for i in range(25, 40):
+            pieces.append(ours(tokens[:, i:i + 1], cache))
+            cache.check_invariants()
+    assert cache.seq_len == 40
     assert _max_diff(torch.cat(pieces, dim=1), expected) <= 1e-4
 
 

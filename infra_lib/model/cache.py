@@ -100,6 +100,17 @@ class DenseKVCache(KVCache):
     def seq_len(self) -> int:
         return self.layers[0].length
 
+    def check_invariants(self) -> None:
+        """Every layer holds the same number of tokens, within its capacity."""
+        lengths = {c.length for c in self.layers}
+        if len(lengths) != 1:
+            raise AssertionError(f"layers hold different numbers of tokens: {sorted(lengths)}")
+        for i, c in enumerate(self.layers):
+            if not 0 <= c.length <= c.capacity:
+                raise AssertionError(f"layer {i} holds {c.length} tokens, capacity {c.capacity}")
+            if c.k.shape != c.v.shape:
+                raise AssertionError(f"layer {i}: K {list(c.k.shape)} and V {list(c.v.shape)} differ")
+
     def bytes_allocated(self) -> int:
         return sum(c.k.nbytes + c.v.nbytes for c in self.layers)
 
