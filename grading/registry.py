@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Modules under grading.checks that register checks; a lab adds its module here.
-CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab06")
+CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab04",
+                 "grading.checks.lab06")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,383 @@
+"""Checks for lab 04 (compilation): a node histogram of an FX graph, and two fusion passes.
+
+Each check builds small ``torch.fx`` graphs from seeded choices of code blocks (the pattern
+in its several spellings, look-alikes that must not match, and neutral filler), hands a
+freshly traced GraphModule to the learner's function, and returns plain data: the node
+histogram after the pass, whether the graph lints, whether its code was regenerated, and
+the module's output on seeded inputs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from grading.checks.common import array_mismatch, reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+register_shortcuts("lab04", [
+    "infra_lib.kernels.fx_passes:op_histogram",
+    "infra_lib.kernels.fx_passes:node_name",
+    "infra_lib.kernels.fx_passes:count_nodes",
+    "infra_lib.kernels.fx_passes:fuse_silu",
+    "infra_lib.kernels.fx_passes:fuse_add_relu",
+])
+
+_PASSES = "infra_lib.kernels.fx_passes"
+
+# Code blocks: each line updates x from x, y, self.lin (nn.Linear(width, width)) and
+# self.scale (a [width] parameter). A graph is a chain of blocks, traced with symbolic_trace.
+_FILLER = {
+    "add": "x = x + y",
+    "affine": "x = x * 0.5 - y",
+    "tanh": "x = torch.tanh(x) * y",
+    "cos": "x = x.cos() + y",
+    "gelu": "x = F.gelu(x)",
+}
+_MODULES = {
+    "linear": "x = self.lin(x)",
+    "scale": "x = x * self.scale",
+    "linear_add": "x = self.lin(x) + self.scale",
+}
+_SILU = {
+    "mul_sigmoid": "x = x * torch.sigmoid(x)",
+    "sigmoid_mul": "x = torch.sigmoid(x) * x",
+    "mul_method": "x = x * x.sigmoid()",
+    "method_mul": "x = x.sigmoid() * x",
+    "torch_mul": "x = torch.mul(x, torch.sigmoid(x))",
+    "torch_mul_swapped": "x = torch.mul(torch.sigmoid(x), x)",
+    "mul_of_method": "x = x.mul(x.sigmoid())",
+    "swiglu": "x = (y * torch.sigmoid(y)) * x",
+    "silu_then_mul": "x = x * torch.sigmoid(x) * y",
+    "linear_silu": "h = self.lin(x); x = h * torch.sigmoid(h)",
+}
+_SILU_LOOKALIKES = {
+    "other_operand": "x = x * torch.sigmoid(y)",
+    "other_operand_swapped": "x = y * torch.sigmoid(x)",
+    "sigmoid_reused": "g = torch.sigmoid(x); x = x * g + g",
+    "sigmoid_reused_later": "g = x.sigmoid(); x = x * g - g.mean()",
+    "add_not_mul": "x = x + torch.sigmoid(x)",
+    "two_sigmoids": "x = torch.sigmoid(x) * torch.sigmoid(x)",
+    "tanh_not_sigmoid": "x = x * torch.tanh(x)",
+}
+_ADD_RELU = {
+    "torch_relu": "x = torch.relu(x + y)",
+    "functional_relu": "x = F.relu(x + y)",
+    "method_relu": "x = (x + y).relu()",
+    "torch_add": "x = torch.relu(torch.add(x, y))",
+    "method_add": "x = F.relu(x.add(y))",
+    "swapped": "x = torch.relu(y + x)",
+    "number": "x = F.relu(x + 1.0)",
+    "number_first": "x = torch.relu(0.5 + x)",
+    "linear_residual": "x = torch.relu(self.lin(x) + y)",
+}
+_ADD_RELU_LOOKALIKES = {
+    "alpha": "x = torch.relu(torch.add(x, y, alpha=2))",
+    "method_alpha": "x = x.add(y, alpha=0.5).relu()",
+    "sum_reused": "s = x + y; x = torch.relu(s) * s",
+    "sum_reused_later": "s = x + y; x = F.relu(s) - s.mean()",
+    "sub_not_add": "x = torch.relu(x - y)",
+    "mul_not_add": "x = torch.relu(x * y)",
+    "sigmoid_not_relu": "x = torch.sigmoid(x + y)",
+    "relu_then_add": "x = torch.relu(x) + y",
+}
+_BLOCKS = {**_FILLER, **_MODULES, **_SILU, **_SILU_LOOKALIKES, **_ADD_RELU, **_ADD_RELU_LOOKALIKES}
+
+
+def _source(graph: dict) -> str:
+    lines = ["def forward(self, x, y):"] + [f"    {_BLOCKS[name]}" for name in graph["blocks"]] + ["    return x"]
+    return "\n".join(lines)
+
+
+def _describe(graph: dict) -> str:
+    source, width = _source(graph), graph["width"]
+    shapes = f"x, y: [{graph['rows']}, {width}]"
+    if "self.lin" in source:
+        shapes += f"; self.lin = nn.Linear({width}, {width})"
+    if "self.scale" in source:
+        shapes += f"; self.scale: [{width}]"
+    return f"the graph traced from\n{source}\n({shapes})"
+
+
+def _module(graph: dict):
+    """A fresh nn.Module whose forward is the graph's code, with seeded weights."""
+    import torch
+    import torch.nn.functional as F
+
+    namespace = {"torch": torch, "F": F}
+    exec(_source(graph), namespace)  # noqa: S102 (the checks' own code: the blocks above)
+
+    class Net(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.lin = torch.nn.Linear(width, width)
+            self.scale = torch.nn.Parameter(torch.randn(width))
+
+        forward = namespace["forward"]
+
+    with torch.random.fork_rng():
+        torch.manual_seed(graph["seed"])
+        return Net(graph["width"]).eval()
+
+
+def _trace(graph: dict):
+    import torch.fx
+
+    return torch.fx.symbolic_trace(_module(graph))
+
+
+def _inputs(graph: dict):
+    import torch
+
+    generator = torch.Generator().manual_seed(graph["seed"] + 1)
+    return [torch.randn(graph["rows"], graph["width"], generator=generator) for _ in range(2)]
+
+
+def _histogram(gm) -> dict[str, int]:
+    """The checks' own node histogram (the same rule as the lab's task 1)."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            name = getattr(node.target, "__name__", str(node.target))
+        elif node.op == "call_method":
+            name = str(node.target)
+        elif node.op == "call_module":
+            name = type(gm.get_submodule(node.target)).__name__
+        else:
+            name = node.op
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _graph(rng: random.Random, blocks: list[str], fillers: int) -> dict:
+    pool = list(_FILLER) + list(_MODULES)
+    chain = blocks + [rng.choice(pool) for _ in range(fillers)]
+    rng.shuffle(chain)
+    return {"blocks": chain, "seed": rng.randrange(10**6), "rows": rng.randint(2, 3), "width": rng.choice([4, 5, 6])}
+
+
+def _spread(rng: random.Random, names: list[str], graphs: int) -> list[list[str]]:
+    """Deal ``names`` (shuffled) over ``graphs`` lists, so that every name is used once."""
+    names = list(names)
+    rng.shuffle(names)
+    return [names[i::graphs] for i in range(graphs)]
+
+
+# --- task 1: op_histogram --------------------------------------------------------------------
+
+def _histogram_functions(rng: random.Random) -> list[dict]:
+    plain = [name for name in _BLOCKS if "self." not in _BLOCKS[name]]
+    return [_graph(rng, rng.sample(plain, 3), 0) for _ in range(3)]
+
+
+def _histogram_modules(rng: random.Random) -> list[dict]:
+    return [_graph(rng, [module, rng.choice(list(_SILU)), rng.choice(list(_ADD_RELU_LOOKALIKES))], 1)
+            for module in _MODULES]
+
+
+def _drive_histogram(op_histogram, graphs: list[dict]) -> list:
+    out = []
+    for graph in graphs:
+        counts = op_histogram(_trace(graph))
+        out.append(dict(counts) if isinstance(counts, Mapping) else counts)
+    return out
+
+
+def _compare_histogram(got, expected, graphs) -> Mismatch | None:
+    for graph, g, e in zip(graphs, got, expected):
+        if type(g) is not dict:
+            return Mismatch("op_histogram must return a dict mapping names to counts",
+                            f"on {_describe(graph)}: got {g!r:.120}")
+        if g != e:
+            wrong = sorted(k for k in set(g) | set(e) if g.get(k) != e.get(k))
+            return Mismatch("op_histogram counted the wrong nodes",
+                            f"on {_describe(graph)}:\nexpected {e},\ngot      {g}\n(keys that differ: {wrong})")
+    return None
+
+
+_HISTOGRAM_HINT = ("one count per node of gm.graph.nodes: call_function -> node.target.__name__, call_method -> "
+                   "node.target (the method name), call_module -> type(gm.get_submodule(node.target)).__name__, "
+                   "any other node -> node.op ('placeholder', 'get_attr', 'output').")
+
+register(Check(
+    check_id="lab04.op_histogram",
+    task="lab04 task 1: op_histogram",
+    reference=reference(_PASSES, "op_histogram"),
+    make_inputs=_histogram_functions,
+    drive=_drive_histogram,
+    compare=_compare_histogram,
+    hint=_HISTOGRAM_HINT,
+))
+
+register(Check(
+    check_id="lab04.op_histogram_modules",
+    task="lab04 task 1: op_histogram",
+    reference=reference(_PASSES, "op_histogram"),
+    make_inputs=_histogram_modules,
+    drive=_drive_histogram,
+    compare=_compare_histogram,
+    hint=_HISTOGRAM_HINT + " A submodule call (self.lin(x)) is one call_module node; a parameter read "
+    "(self.scale) is one get_attr node.",
+))
+
+
+# --- tasks 2 and 3: the passes ----------------------------------------------------------------
+
+def _drive_pass(graph_pass, graphs: list[dict]) -> list[dict]:
+    """For each graph: what the pass returned, the histogram, lint, code freshness, output."""
+    import torch
+    import torch.fx
+
+    results = []
+    for graph in graphs:
+        returned = graph_pass(_trace(graph))
+        if not isinstance(returned, torch.fx.GraphModule):
+            results.append({"returned": type(returned).__name__})
+            continue
+        entry = {"returned": "GraphModule", "histogram": _histogram(returned), "lint": "", "stale": False,
+                 "error": "", "output": []}
+        try:
+            returned.graph.lint()
+        except Exception as exc:  # noqa: BLE001 (a malformed graph: the learner's to fix)
+            entry["lint"] = f"{type(exc).__name__}: {exc}"[:300]
+            results.append(entry)
+            continue
+        entry["stale"] = returned.code != returned.graph.python_code(root_module="self").src
+        try:
+            with torch.no_grad():
+                entry["output"] = returned(*_inputs(graph)).double().tolist()
+        except Exception as exc:  # noqa: BLE001 (the learner's module may raise anything)
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        results.append(entry)
+    return results
+
+
+def _pass_compare(name: str, fused: str, pattern: str):
+    def compare(got, expected, graphs) -> Mismatch | None:
+        for graph, g, e in zip(graphs, got, expected):
+            where = _describe(graph)
+            if g["returned"] != "GraphModule":
+                return Mismatch(f"{name} must return the GraphModule it rewrote",
+                                f"on {where}: it returned a {g['returned']}; end with `return gm`")
+            if g["lint"]:
+                return Mismatch(f"the graph after {name} is malformed (gm.graph.lint() fails)",
+                                f"on {where}: {g['lint']}")
+            if g["stale"]:
+                return Mismatch(f"after {name} the module still runs its old code: call gm.recompile() "
+                                "after changing gm.graph", f"on {where}")
+            if g["error"]:
+                return Mismatch(f"the module returned by {name} raises when called", f"on {where}: {g['error']}")
+            if g["histogram"] != e["histogram"]:
+                got_fused, want_fused = g["histogram"].get(fused, 0), e["histogram"].get(fused, 0)
+                if got_fused < want_fused:
+                    what = f"{name} left {pattern} unfused"
+                elif got_fused > want_fused:
+                    what = f"{name} replaced nodes it must leave alone"
+                else:
+                    what = (f"the graph after {name} holds the wrong nodes (left-over dead nodes? "
+                            "call gm.graph.eliminate_dead_code())")
+                return Mismatch(what, f"on {where}:\nexpected nodes {e['histogram']},\ngot            "
+                                      f"{g['histogram']}")
+            problem = array_mismatch(g["output"], e["output"], f"the module after {name} computes different values",
+                                     where, atol=1e-5, rtol=1e-5)
+            if problem:
+                return problem
+        return None
+
+    return compare
+
+
+# fuse_silu
+
+def _silu_visible(rng: random.Random) -> list[dict]:
+    return [_graph(rng, [name], 2) for name in ("mul_sigmoid", "sigmoid_mul", rng.choice(["mul_method", "swiglu"]))]
+
+
+def _silu_spellings(rng: random.Random) -> list[dict]:
+    return [_graph(rng, names, 1) for names in _spread(rng, list(_SILU), 3)]
+
+
+def _silu_lookalikes(rng: random.Random) -> list[dict]:
+    names = list(_SILU_LOOKALIKES)
+    rng.shuffle(names)
+    return [_graph(rng, [names[0]], 1), _graph(rng, [names[1], "sigmoid_reused"], 1),
+            _graph(rng, names[2:] + [rng.choice(list(_SILU))], 0)]
+
+
+def _silu_lookalikes_visible(rng: random.Random) -> list[dict]:
+    return [_graph(rng, ["other_operand"], 1), _graph(rng, ["sigmoid_reused", rng.choice(list(_SILU)[:4])], 1)]
+
+
+_SILU_HINT = ("for each mul node (operator.mul, torch.mul, or call_method 'mul') with two arguments, see whether one "
+              "argument is a sigmoid node (torch.sigmoid or call_method 'sigmoid') whose own argument is the mul's "
+              "other argument (the same Node: `is`), and whose only user is this mul (len(sigmoid.users) == 1). "
+              "Insert F.silu(x) before the mul, mul.replace_all_uses_with(it), then eliminate_dead_code, lint, "
+              "recompile.")
+
+for check_id, make_inputs, extra in (
+        ("lab04.fuse_silu", _silu_visible, ""),
+        ("lab04.fuse_silu_spellings", _silu_spellings,
+         (" Every spelling counts: x * torch.sigmoid(x), torch.sigmoid(x) * x, x * x.sigmoid(), torch.mul(...), "
+          "x.mul(x.sigmoid()); one graph may hold several patterns.")),
+        ("lab04.fuse_silu_no_match", _silu_lookalikes_visible,
+         " x * sigmoid(y) is not SiLU; a sigmoid with another user must stay, and then its mul stays too."),
+        ("lab04.fuse_silu_lookalikes", _silu_lookalikes,
+         (" Look-alikes must stay as they are: x + sigmoid(x), sigmoid(x) * sigmoid(x), x * tanh(x), "
+          "x * sigmoid(y), a sigmoid used twice."))):
+    register(Check(
+        check_id=check_id,
+        task="lab04 task 2: fuse_silu",
+        reference=reference(_PASSES, "fuse_silu"),
+        make_inputs=make_inputs,
+        drive=_drive_pass,
+        compare=_pass_compare("fuse_silu", "silu", "an x * sigmoid(x)"),
+        hint=_SILU_HINT + extra,
+    ))
+
+
+# fuse_add_relu
+
+def _add_relu_visible(rng: random.Random) -> list[dict]:
+    return [_graph(rng, [name], 2) for name in ("torch_relu", "functional_relu", rng.choice(["method_relu", "swapped"]))]
+
+
+def _add_relu_spellings(rng: random.Random) -> list[dict]:
+    return [_graph(rng, names, 1) for names in _spread(rng, list(_ADD_RELU), 3)]
+
+
+def _add_relu_lookalikes_visible(rng: random.Random) -> list[dict]:
+    return [_graph(rng, ["alpha"], 1), _graph(rng, ["sum_reused", rng.choice(list(_ADD_RELU)[:3])], 1)]
+
+
+def _add_relu_lookalikes(rng: random.Random) -> list[dict]:
+    names = list(_ADD_RELU_LOOKALIKES)
+    rng.shuffle(names)
+    return [_graph(rng, names[:3], 1), _graph(rng, names[3:6], 0),
+            _graph(rng, names[6:] + [rng.choice(list(_ADD_RELU))], 1)]
+
+
+_ADD_RELU_HINT = ("for each relu node (torch.relu, F.relu, or call_method 'relu'), look at its argument: an add node "
+                  "(operator.add, torch.add, or call_method 'add') with exactly two args, no kwargs, and one user "
+                  "(len(add.users) == 1). Insert add_relu(*add.args) before the relu, relu.replace_all_uses_with(it), "
+                  "then eliminate_dead_code, lint, recompile.")
+
+for check_id, make_inputs, extra in (
+        ("lab04.fuse_add_relu", _add_relu_visible, ""),
+        ("lab04.fuse_add_relu_spellings", _add_relu_spellings,
+         (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu or .relu(); "
+          "a or b may be a number.")),
+        ("lab04.fuse_add_relu_no_match", _add_relu_lookalikes_visible,
+         (" torch.add(a, b, alpha=2) is a + 2 * b: leave an add with keyword arguments alone; so is a sum with "
+          "another user.")),
+        ("lab04.fuse_add_relu_lookalikes", _add_relu_lookalikes,
+         (" Look-alikes must stay as they are: relu(a - b), relu(a * b), sigmoid(a + b), relu(a) + b, an add with "
+          "alpha, a sum used twice."))):
+    register(Check(
+        check_id=check_id,
+        task="lab04 task 3: fuse_add_relu",
+        reference=reference(_PASSES, "fuse_add_relu"),
+        make_inputs=make_inputs,
+        drive=_drive_pass,
+        compare=_pass_compare("fuse_add_relu", "add_relu", "a relu(a + b)"),
+        hint=_ADD_RELU_HINT + extra,
+    ))
