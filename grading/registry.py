@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Modules under grading.checks that register checks; a lab adds its module here.
-CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab04",
+CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
                  "grading.checks.lab06")
 
 
@@ -64,11 +64,16 @@ def register_shortcuts(lab: str, targets: list[str]) -> None:
     _SHORTCUTS[lab] = tuple(targets)
 
 
+def _lab_key(lab: str) -> str:
+    """Shortcuts are registered per short lab id: "lab03_triton" and "lab03" both mean "lab03"."""
+    return lab.split("_")[0]
+
+
 def shortcut_functions(lab: str) -> list[Any]:
     """The reference functions of a lab, imported: calling one from an answer is a shortcut."""
     _load()
     functions = []
-    for target in _SHORTCUTS.get(lab, ()):
+    for target in _SHORTCUTS.get(_lab_key(lab), ()):
         module, name = target.split(":")
         functions.append(getattr(importlib.import_module(module), name))
     return functions
@@ -80,13 +85,14 @@ def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
     import sys
 
     functions = shortcut_functions(lab)
-    for target in _SHORTCUTS.get(lab, ()):
+    targets = _SHORTCUTS.get(_lab_key(lab), ())
+    for target in targets:
         package = target.split(".")[0]
         root = importlib.import_module(package)
         for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
             if info.ispkg:
                 importlib.import_module(info.name)
-    modules = {target.split(":")[0] for target in _SHORTCUTS.get(lab, ())}
+    modules = {target.split(":")[0] for target in targets}
     for name, module in list(sys.modules.items()):
         if module is not None and any(getattr(module, fn.__name__, None) is fn for fn in functions):
             modules.add(name)

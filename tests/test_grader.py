@@ -11,6 +11,7 @@ import pytest
 from conftest import LAB01, SOLUTION01, write_learner_notebook
 from grading.grader import GradingError, grade_notebook
 from grading.notebook import clear_solutions, read_notebook, splice
+from grading.release import lab_ids
 from grading.report import feedback_markdown, gradescope_results, table, write_reports
 from grading.sandbox import Limits
 
@@ -136,3 +137,18 @@ def test_unknown_lab_and_missing_file():
         grade_notebook(LAB01, lab_id="lab99_nothing")
     report = grade_notebook(LAB01.with_name("missing.ipynb"), lab_id="lab01_gemm")
     assert report.score == 0 and "no notebook at" in report.notes[0]
+
+
+@pytest.mark.parametrize("lab_id", lab_ids())
+def test_static_scan_knows_each_labs_reference_by_its_full_id(lab_id):
+    """The grader scans answers with the lab's full id ("lab06_kv_cache"); shortcuts are
+    registered under the short one ("lab06"): both must find the same reference modules."""
+    from grading import tamper
+    from grading.registry import shortcut_modules
+
+    modules, names = shortcut_modules(lab_id)
+    assert modules and names and (modules, names) == shortcut_modules(lab_id.split("_")[0])
+    module = sorted(modules)[0]
+    name = sorted(names)[0]
+    findings = tamper.scan(f"from {module} import {name}\n", modules, names)
+    assert findings and findings[0].kind == tamper.SHORTCUT

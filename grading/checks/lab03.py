@@ -1,0 +1,441 @@
+"""Checks for lab 03 (Triton): the fused softmax, tiled matmul and RMSNorm kernels.
+
+Each driver launches the learner's @triton.jit kernel itself, with the grid and block sizes
+the task states, on seeded shapes that are not multiples of the blocks; the reference
+kernel is launched the same way. Every launch goes through ``check_bounds``: each tensor
+sits between guard bands, so a missing mask is reported by name instead of corrupting the
+kernel's memory; in the interpreter ``count_traffic`` also counts the bytes moved.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from grading.checks.common import array_mismatch, reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+register_shortcuts("lab03", [
+    "infra_lib.kernels.softmax:softmax",
+    "infra_lib.kernels.softmax:softmax_three_pass",
+    "infra_lib.kernels.matmul:matmul",
+    "infra_lib.kernels.rmsnorm:rmsnorm",
+])
+
+_SIGNATURES = {
+    "softmax_kernel": ["out_ptr", "in_ptr", "n_cols", "in_row_stride", "out_row_stride", "BLOCK"],
+    "matmul_kernel": ["a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+                      "stride_cm", "stride_cn", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
+    "rmsnorm_kernel": ["out_ptr", "x_ptr", "w_ptr", "n_cols", "x_row_stride", "out_row_stride", "eps", "BLOCK"],
+}
+_SIDES = {"before": "before the start of", "after": "past the end of", "between": "in the gaps between the rows of"}
+
+
+# --- launching a learner's kernel -----------------------------------------------------------------
+
+def _plain_error(exc: BaseException) -> BaseException:
+    """The error a learner should read: the interpreter wraps the kernel's own exception, and a GPU
+    compile of the untouched stub fails on its ``raise`` statement."""
+    if type(exc).__name__ == "InterpreterError" and exc.__cause__ is not None:
+        return exc.__cause__
+    stub = re.search(r"NotImplementedError\((['\"])(lab03 task \d+: \w+)\1\)", str(exc))
+    return NotImplementedError(stub.group(2)) if stub else exc
+
+
+def _require_kernel(kernel, name: str) -> None:
+    if not (hasattr(kernel, "run") and hasattr(kernel, "__getitem__")):
+        raise TypeError(f"{name} must be a Triton kernel: put @triton.jit on the line above `def {name}(...)` "
+                        f"(got {type(kernel).__name__})")
+    names = list(getattr(kernel, "arg_names", []))
+    if names != _SIGNATURES[name]:
+        raise TypeError(f"{name} must take the parameters ({', '.join(_SIGNATURES[name])}) in that order, "
+                        f"got ({', '.join(names)})")
+
+
+def _guarded_launch(kernel, grid, args, meta) -> list[dict]:
+    """Launch with guard bands around every tensor; return the out-of-range accesses found."""
+    from infra_lib.kernels.oob import check_bounds
+
+    try:
+        report = check_bounds(kernel, grid, *args, raise_on_error=False, **meta)
+    except Exception as exc:  # the learner's kernel may raise anything
+        raise _plain_error(exc) from None
+    return [v.as_dict() for v in report.violations]
+
+
+def _driver(name: str, setup, count_traffic: bool = False):
+    """A drive: for each case, ``setup(case) -> (out, grid, args, meta)``, one guarded launch, and
+    {"out": values, "violations": [...], "interpreted": bool} (+ the traffic, when counted)."""
+
+    def drive(kernel, cases):
+        from infra_lib.kernels.traffic import count_traffic as counting
+        from infra_lib.kernels.triton_env import interpreter_active
+
+        _require_kernel(kernel, name)
+        results = []
+        for case in cases:
+            out, grid, args, meta = setup(case)
+            result = {"interpreted": interpreter_active()}
+            if count_traffic and result["interpreted"]:
+                with counting() as traffic:
+                    result["violations"] = _guarded_launch(kernel, grid, args, meta)
+                result.update(bytes_loaded=traffic.bytes_loaded, bytes_stored=traffic.bytes_stored)
+            else:
+                result["violations"] = _guarded_launch(kernel, grid, args, meta)
+            result["out"] = out.cpu().double().tolist()
+            results.append(result)
+        return results
+
+    return drive
+
+
+# --- comparing ------------------------------------------------------------------------------------
+
+def _outside(violation: dict) -> str:
+    action = "stored" if violation["kind"] == "store" else "loaded"
+    if violation["side"] not in _SIDES:
+        return f"{action} outside its tensors"
+    return f"{action} {_SIDES[violation['side']]} `{violation['argument']}`"
+
+
+def _bounds_problem(name: str, violations: list, where: str) -> Mismatch | None:
+    if not violations:
+        return None
+    what = f"{name} {_outside(violations[0])}" + (" (and the values reached the output)"
+                                                  if violations[0]["kind"] == "load" else "")
+    details = "; ".join(f"{_outside(v)}: {v['elements']} element(s)" for v in violations)
+    return Mismatch(what, f"on {where}: {details}")
+
+
+def _values_problem(name: str, g: dict, e: dict, where: str, atol: float) -> Mismatch | None:
+    import numpy as np
+
+    loads = [v for v in g["violations"] if v["kind"] == "load"]
+    if loads:  # out-of-range values reached the output: that is the error to fix first
+        return Mismatch(f"{name} {_outside(loads[0])}, and those values reached its output",
+                        f"on {where}: " + "; ".join(f"{_outside(v)}: {v['elements']} output element(s) affected"
+                                                    for v in loads))
+    note = f" (it also {_outside(g['violations'][0])})" if g["violations"] else ""
+    got, expected = np.asarray(g["out"], dtype=np.float64), np.asarray(e["out"], dtype=np.float64)
+    if got.shape == expected.shape and (np.isfinite(expected) & ~np.isfinite(got)).any():
+        bad = int((np.isfinite(expected) & ~np.isfinite(got)).sum())
+        return Mismatch(f"{name} returned NaN or inf where the result is finite{note}",
+                        f"on {where}: {bad} of {got.size} elements")
+    return array_mismatch(g["out"], e["out"], f"{name}'s output differs from the reference{note}", where,
+                          atol=atol, rtol=max(atol, 1e-4))
+
+
+def _compare_values(name: str, describe, atol: float, gpu_atol: float):
+    """``gpu_atol`` applies when either side ran compiled: GPU maths differs in the last bits, and
+    tl.dot rounds float32 inputs to tf32 there."""
+    def compare(got, expected, cases):
+        for case, g, e in zip(cases, got, expected):
+            tolerance = atol if g["interpreted"] is True and e["interpreted"] is True else gpu_atol
+            problem = _values_problem(name, g, e, describe(case), tolerance)
+            if problem:
+                return problem
+        return None
+
+    return compare
+
+
+def _compare_bounds(name: str, describe):
+    def compare(got, expected, cases):
+        for case, g in zip(cases, got):
+            problem = _bounds_problem(name, g["violations"], describe(case))
+            if problem:
+                return problem
+        return None
+
+    return compare
+
+
+def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float):
+    values, bounds = _compare_values(name, describe, atol, gpu_atol), _compare_bounds(name, describe)
+
+    def compare(got, expected, cases):
+        problem = values(got, expected, cases) or bounds(got, expected, cases)
+        if problem:
+            return problem
+        for case, g, e in zip(cases, got, expected):
+            if "bytes_loaded" not in g:
+                return Mismatch(f"{name}'s traffic was not counted: Triton runs compiled here",
+                                "start Jupyter with TRITON_INTERPRET=1 to count bytes in the interpreter")
+            for key, verb in (("bytes_loaded", "loads"), ("bytes_stored", "stores")):
+                if g[key] > e[key]:
+                    return Mismatch(f"{name} {verb} more bytes than it needs",
+                                    f"on {describe(case)}: counted {g[key]:,} bytes, the budget is {e[key]:,} "
+                                    f"({budget})")
+        return None
+
+    return compare
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+def _tensor(seed: int, *shape, scale: float = 1.0):
+    import torch
+
+    from infra_lib.kernels.triton_env import kernel_device
+
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(kernel_device())
+
+
+def _with_row_gaps(x, pad: int):
+    """x as a view with row stride cols + pad: pad > 0 leaves gaps between the rows."""
+    import torch
+
+    if pad == 0:
+        return x
+    wide = torch.zeros(x.shape[0], x.shape[1] + pad, dtype=x.dtype, device=x.device)
+    wide[:, :x.shape[1]] = x
+    return wide[:, :x.shape[1]]
+
+
+def _empty_rows(like, cols: int, pad: int):
+    import torch
+
+    return torch.full((like.shape[0], cols + pad), -7.0, device=like.device)[:, :cols]
+
+
+def _block(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# --- task 1: softmax_kernel -------------------------------------------------------------------------
+
+def _softmax_case(rng: random.Random, rows: int, cols: int, *, pad: int = 0, out_pad: int = 0,
+                  scale: float = 3.0, special: str = "") -> dict:
+    return {"seed": rng.randrange(10**6), "rows": rows, "cols": cols, "pad": pad, "out_pad": out_pad,
+            "scale": scale, "special": special}
+
+
+def _softmax_shapes(rng):
+    return [_softmax_case(rng, 1, 1), _softmax_case(rng, 1, rng.randint(100, 300)),
+            _softmax_case(rng, rng.randint(3, 9), 1),
+            _softmax_case(rng, rng.randint(20, 40), rng.randint(129, 255)),
+            _softmax_case(rng, rng.randint(5, 12), rng.randint(33, 63), pad=rng.randint(1, 40),
+                          out_pad=rng.randint(1, 9))]
+
+
+def _softmax_extremes(rng):
+    return [_softmax_case(rng, 8, rng.randint(40, 120), scale=1e4),
+            _softmax_case(rng, 6, rng.randint(20, 60), special="huge"),
+            _softmax_case(rng, 7, rng.randint(20, 60), special="-inf"),
+            _softmax_case(rng, 4, rng.randint(20, 60), scale=100.0, special="one finite")]
+
+
+def _softmax_bounds_cases(rng):
+    return [_softmax_case(rng, rng.randint(3, 8), rng.randint(17, 63), pad=rng.randint(3, 20)),
+            _softmax_case(rng, rng.randint(2, 5), rng.randint(129, 200), out_pad=rng.randint(1, 9))]
+
+
+def _softmax_traffic_cases(rng):
+    return [_softmax_case(rng, rng.randint(16, 40), rng.randint(100, 300)), _softmax_case(rng, 3, 1)]
+
+
+def _softmax_setup(case):
+    import torch
+
+    rows, cols, special = case["rows"], case["cols"], case["special"]
+    x = _tensor(case["seed"], rows, cols, scale=case["scale"])
+    if special == "huge":  # every logit near 1e4: exp overflows without the max subtraction
+        x = x / case["scale"] * 0.5 + 1e4
+    elif special in ("-inf", "one finite"):
+        generator = torch.Generator().manual_seed(case["seed"] + 1)
+        hide = (torch.rand(rows, cols, generator=generator) < 0.6 if special == "-inf"
+                else torch.ones(rows, cols, dtype=torch.bool))
+        hide[torch.arange(rows), torch.randint(0, cols, (rows,), generator=generator)] = False  # one finite per row
+        x = x.masked_fill(hide.to(x.device), float("-inf"))
+    x = _with_row_gaps(x, case["pad"])
+    out = _empty_rows(x, cols, case["out_pad"])
+    return out, (rows,), (out, x, cols, x.stride(0), out.stride(0)), {"BLOCK": _block(cols)}
+
+
+def _describe_softmax(case) -> str:
+    extra = {"huge": ", every logit near 1e4", "-inf": ", many logits -inf",
+             "one finite": ", all but one logit per row -inf"}.get(case["special"], "")
+    scale = f", logits of scale {case['scale']:g}" if case["scale"] >= 100 and not extra else ""
+    return (f"x of shape [{case['rows']}, {case['cols']}] (in_row_stride {case['cols'] + case['pad']}, out_row_stride "
+            f"{case['cols'] + case['out_pad']}){extra}{scale}, grid ({case['rows']},), BLOCK={_block(case['cols'])}")
+
+
+_SOFTMAX = reference("infra_lib.kernels.softmax", "softmax_kernel")
+_SOFTMAX_HINT = ("one program per row: row = tl.program_id(0), cols = tl.arange(0, BLOCK), mask = cols < n_cols; "
+                 "load in_ptr + row * in_row_stride + cols with other=-float('inf'), subtract tl.max, tl.exp, divide "
+                 "by tl.sum, and store to out_ptr + row * out_row_stride + cols with the same mask.")
+
+register(Check(
+    check_id="lab03.softmax_odd_shapes", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
+    make_inputs=_softmax_shapes, drive=_driver("softmax_kernel", _softmax_setup),
+    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5), hint=_SOFTMAX_HINT,
+))
+
+register(Check(
+    check_id="lab03.softmax_extreme_values", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
+    make_inputs=_softmax_extremes, drive=_driver("softmax_kernel", _softmax_setup),
+    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5),
+    hint="subtract the row's max before tl.exp: exp(1e4) is inf in float32 and inf / inf is NaN; masked lanes "
+    "must load -inf (exp(-inf) = 0 adds nothing), and -inf logits must come out as probability 0.",
+))
+
+register(Check(
+    check_id="lab03.softmax_in_bounds", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
+    make_inputs=_softmax_bounds_cases, drive=_driver("softmax_kernel", _softmax_setup),
+    compare=_compare_bounds("softmax_kernel", _describe_softmax),
+    hint="BLOCK is n_cols rounded up to a power of two, so the last lanes of each row fall outside it: give both "
+    "tl.load and tl.store mask=cols < n_cols (and the load other=-float('inf')).",
+))
+
+register(Check(
+    check_id="lab03.softmax_reads_once", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
+    make_inputs=_softmax_traffic_cases, drive=_driver("softmax_kernel", _softmax_setup, count_traffic=True),
+    compare=_compare_traffic("softmax_kernel", _describe_softmax,
+                             "each element of x read once, each element of out written once", 1e-6, 1e-5),
+    hint="load the row once and keep it: the max, the exponentials, the sum and the division all work on that "
+    "block in registers; a second tl.load of the row reads it from memory again.",
+))
+
+
+# --- task 2: matmul_kernel --------------------------------------------------------------------------
+
+def _matmul_case(rng: random.Random, m: int, n: int, k: int, blocks=(32, 32, 32), layout: str = "contiguous") -> dict:
+    return {"seed": rng.randrange(10**6), "m": m, "n": n, "k": k, "blocks": list(blocks), "layout": layout}
+
+
+def _matmul_shapes(rng):
+    return [_matmul_case(rng, 1, 1, 1, (16, 16, 16)),
+            _matmul_case(rng, rng.randint(40, 70), rng.randint(20, 50), rng.randint(33, 90)),
+            _matmul_case(rng, rng.randint(17, 31), rng.randint(9, 15), rng.randint(65, 80), (16, 16, 16)),
+            _matmul_case(rng, 64, 32, 64)]
+
+
+def _matmul_strided(rng):
+    return [_matmul_case(rng, rng.randint(33, 60), rng.randint(17, 40), rng.randint(20, 70), layout="transposed"),
+            _matmul_case(rng, rng.randint(5, 15), rng.randint(40, 70), rng.randint(33, 50), (16, 32, 16), "transposed")]
+
+
+def _matmul_block_shapes(rng):
+    return [_matmul_case(rng, rng.randint(20, 40), rng.randint(50, 90), rng.randint(17, 40), (16, 64, 16)),
+            _matmul_case(rng, rng.randint(50, 90), rng.randint(10, 30), rng.randint(20, 60), (64, 16, 32))]
+
+
+def _matmul_edge_cases(rng):
+    return [_matmul_case(rng, rng.randint(33, 50), rng.randint(17, 30), rng.randint(33, 60), layout="transposed"),
+            _matmul_case(rng, rng.randint(3, 12), rng.randint(3, 12), rng.randint(3, 12), (16, 16, 16))]
+
+
+def _matmul_setup(case):
+    import torch
+
+    m, n, k = case["m"], case["n"], case["k"]
+    bm, bn, bk = case["blocks"]
+    a, b = _tensor(case["seed"], m, k), _tensor(case["seed"] + 1, k, n)
+    if case["layout"] == "transposed":  # column-major A, B and C: strides (1, rows)
+        a, b = a.t().contiguous().t(), b.t().contiguous().t()
+        c = torch.full((n, m), -7.0, device=a.device).t()
+    else:
+        c = torch.full((m, n), -7.0, device=a.device)
+    grid = (-(-m // bm), -(-n // bn))
+    return c, grid, (a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride()), {"BLOCK_M": bm, "BLOCK_N": bn,
+                                                                                "BLOCK_K": bk}
+
+
+def _describe_matmul(case) -> str:
+    m, n, k = case["m"], case["n"], case["k"]
+    bm, bn, bk = case["blocks"]
+    layout = "A, B and C column-major (transposed strides)" if case["layout"] == "transposed" else "contiguous"
+    return (f"A [{m}, {k}] @ B [{k}, {n}], {layout}, BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, "
+            f"grid ({-(-m // bm)}, {-(-n // bn)})")
+
+
+_MATMUL = reference("infra_lib.kernels.matmul", "matmul_kernel")
+_MATMUL_HINT = ("program (i, j) computes C[i*BLOCK_M:(i+1)*BLOCK_M, j*BLOCK_N:(j+1)*BLOCK_N]: rows = "
+                "tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), cols likewise with axis 1; loop k0 over "
+                "range(0, K, BLOCK_K); A's tile at a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, B's at "
+                "b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn; acc += tl.dot(a, b) in float32.")
+
+for check_id, cases, extra in (
+        ("lab03.matmul_odd_shapes", _matmul_shapes, " Mask both loads (other=0.0) and the store: M, N and K are "
+         "not multiples of the blocks."),
+        ("lab03.matmul_strided", _matmul_strided, " Use the strides for every address (never assume K or N as a row "
+         "length): here A, B and C are transposed views."),
+        ("lab03.matmul_block_shapes", _matmul_block_shapes, " BLOCK_M and BLOCK_N differ here: rows go with "
+         "BLOCK_M and program_id(0), columns with BLOCK_N and program_id(1).")):
+    register(Check(
+        check_id=check_id, task="lab03 task 2: matmul_kernel", reference=_MATMUL, make_inputs=cases,
+        drive=_driver("matmul_kernel", _matmul_setup),
+        compare=_compare_values("matmul_kernel", _describe_matmul, 1e-4, 3e-2),
+        hint=_MATMUL_HINT + extra,
+    ))
+
+register(Check(
+    check_id="lab03.matmul_in_bounds", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
+    make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup),
+    compare=_compare_bounds("matmul_kernel", _describe_matmul),
+    hint="edge tiles hang over the matrices: A's mask is (rows[:, None] < M) & (k[None, :] < K), B's is "
+    "(k[:, None] < K) & (cols[None, :] < N), both with other=0.0 so the dot adds nothing; the store needs "
+    "(rows[:, None] < M) & (cols[None, :] < N).",
+))
+
+register(Check(
+    check_id="lab03.matmul_traffic", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
+    make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup, count_traffic=True),
+    compare=_compare_traffic("matmul_kernel", _describe_matmul,
+                             "each program reads only the parts of its tiles inside A and B", 1e-4, 3e-2),
+    hint="every tl.load must read only lanes inside the matrix: mask off the rows of A past M and the columns of B "
+    "past N too, even though their products would land outside C.",
+))
+
+
+# --- task 3: rmsnorm_kernel -------------------------------------------------------------------------
+
+def _rmsnorm_case(rng: random.Random, rows: int, cols: int, *, pad: int = 0, out_pad: int = 0,
+                  eps: float = 1e-5) -> dict:
+    return {"seed": rng.randrange(10**6), "rows": rows, "cols": cols, "pad": pad, "out_pad": out_pad, "eps": eps,
+            "scale": rng.choice([0.01, 1.0, 30.0])}
+
+
+def _rmsnorm_shapes(rng):
+    return [_rmsnorm_case(rng, 1, 1), _rmsnorm_case(rng, rng.randint(2, 6), 576, eps=1e-6),
+            _rmsnorm_case(rng, rng.randint(10, 30), rng.randint(33, 200), pad=rng.randint(1, 20), out_pad=3),
+            _rmsnorm_case(rng, rng.randint(3, 8), rng.randint(5, 30), eps=0.5)]
+
+
+def _rmsnorm_bounds_cases(rng):
+    return [_rmsnorm_case(rng, rng.randint(3, 8), rng.randint(17, 100), pad=rng.randint(3, 20)),
+            _rmsnorm_case(rng, 2, rng.randint(129, 200), out_pad=5)]
+
+
+def _rmsnorm_setup(case):
+    rows, cols = case["rows"], case["cols"]
+    x = _with_row_gaps(_tensor(case["seed"], rows, cols, scale=case["scale"]), case["pad"])
+    w = _tensor(case["seed"] + 1, cols)
+    out = _empty_rows(x, cols, case["out_pad"])
+    return out, (rows,), (out, x, w, cols, x.stride(0), out.stride(0), case["eps"]), {"BLOCK": _block(cols)}
+
+
+def _describe_rmsnorm(case) -> str:
+    return (f"x of shape [{case['rows']}, {case['cols']}] (x_row_stride {case['cols'] + case['pad']}, out_row_stride "
+            f"{case['cols'] + case['out_pad']}), values of scale {case['scale']:g}, eps={case['eps']:g}, "
+            f"grid ({case['rows']},), BLOCK={_block(case['cols'])}")
+
+
+_RMSNORM = reference("infra_lib.kernels.rmsnorm", "rmsnorm_kernel")
+
+register(Check(
+    check_id="lab03.rmsnorm_odd_shapes", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
+    make_inputs=_rmsnorm_shapes, drive=_driver("rmsnorm_kernel", _rmsnorm_setup),
+    compare=_compare_values("rmsnorm_kernel", _describe_rmsnorm, 1e-5, 1e-4),
+    hint="one program per row: load the row (masked lanes 0.0, so they add nothing to the sum of squares) and the "
+    "weight; mean = tl.sum(x * x) / n_cols (divide by n_cols, not BLOCK); out = x / tl.sqrt(mean + eps) * w.",
+))
+
+register(Check(
+    check_id="lab03.rmsnorm_in_bounds", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
+    make_inputs=_rmsnorm_bounds_cases, drive=_driver("rmsnorm_kernel", _rmsnorm_setup, count_traffic=True),
+    compare=_compare_traffic("rmsnorm_kernel", _describe_rmsnorm,
+                             "each program reads its row of x and the n_cols weights once", 1e-5, 1e-4),
+    hint="three accesses need mask=cols < n_cols: the row of x, the weight w (it has only n_cols elements too) and "
+    "the store; a lane past n_cols must not be read even when its result is never stored.",
+))
