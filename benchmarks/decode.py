@@ -54,7 +54,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     loaded = load_default()
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    new_tokens, iters = (12, 2) if quick else (64, 3)
+    new_tokens, iters = (10, 1) if quick else (64, 3)
     never_stop = dict(stop_ids=(), temperature=0.0)
 
     def ours(n, use_cache=True):

@@ -25,11 +25,34 @@ def test_every_check_passes_its_own_reference():
         check(check_id, _reference_for(check_id))
 
 
-def test_every_check_fails_a_not_implemented_stub_with_its_message():
-    for check_id, registered in all_checks().items():
+def _not_implemented_stub(registered, folder):
+    """What an untouched lab answer is: a function raising the task's NotImplementedError, or,
+    for a Triton kernel task, a ``@triton.jit`` kernel with the reference's parameters doing so."""
+    reference = registered.reference()
+    if not (hasattr(reference, "arg_names") and hasattr(reference, "run")):  # not a Triton kernel
         def stub(*args, **kwargs):
             raise NotImplementedError(registered.task)
 
+        return stub
+    import importlib.util
+
+    from infra_lib.kernels.triton_env import load_triton
+
+    load_triton()
+    name = registered.task.rsplit(": ", 1)[1]
+    params = ", ".join(f"{p}: tl.constexpr" if p.startswith("BLOCK") else p for p in reference.arg_names)
+    path = folder / f"stub_{name}.py"  # Triton reads a kernel's source from its file
+    path.write_text(f"import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef {name}({params}):\n"
+                    f"    raise NotImplementedError({registered.task!r})\n")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_every_check_fails_a_not_implemented_stub_with_its_message(tmp_path):
+    for check_id, registered in all_checks().items():
+        stub = _not_implemented_stub(registered, tmp_path)
         with pytest.raises(AssertionError) as info:
             check(check_id, stub)
         assert f"NotImplementedError: {registered.task}" in str(info.value)
