@@ -11,6 +11,10 @@ import pytest
 # Headless plotting and quiet Jupyter for every test and every kernel they start.
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Under pytest-xdist every worker (and every kernel it starts) gets one math thread: two
+# workers with two threads each on two cores slow every torch call down many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))

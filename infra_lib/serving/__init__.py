@@ -1,0 +1,26 @@
+"""Serving (L4/L5): paged KV blocks, copy-on-write, prefix caching, PagedAttention.
+
+    BlockPool          reference-counted blocks, LRU free queue, copy-on-write (block_pool.py)
+    PrefixCache        full blocks found by their chained hash or in a radix tree (prefix_cache.py,
+                       radix_cache.py)
+    BlockTable         a sequence's blocks and its slot mapping (block_table.py)
+    PagedKVStore       the K/V tensors, [num_blocks, block_size, n_kv_heads, head_dim] per layer
+    PagedKVCache       one sequence's view, the model's KVCache interface (paged_kv.py)
+    paged_attention    attention through block tables (paged_attention.py)
+"""
+
+from infra_lib.serving.block_pool import BlockAllocator, BlockPool, OutOfBlocks
+from infra_lib.serving.block_table import BlockTable, blocks_needed, wasted_slots
+from infra_lib.serving.kv_store import PagedKVStore
+from infra_lib.serving.paged_attention import gather_kv, paged_attention, paged_cached_attention
+from infra_lib.serving.paged_generation import PagedDecode, paged_greedy_decode
+from infra_lib.serving.paged_kv import PagedKVCache, PagedLayerCache
+from infra_lib.serving.prefix_cache import HashPrefixCache, PrefixCache, block_hash, chained_block_hashes
+from infra_lib.serving.radix_cache import RadixPrefixCache
+
+__all__ = [
+    "BlockAllocator", "BlockPool", "BlockTable", "HashPrefixCache", "OutOfBlocks", "PagedDecode", "PagedKVCache",
+    "PagedKVStore", "PagedLayerCache", "PrefixCache", "RadixPrefixCache", "block_hash", "blocks_needed",
+    "chained_block_hashes", "gather_kv", "paged_attention", "paged_cached_attention", "paged_greedy_decode",
+    "wasted_slots",
+]
