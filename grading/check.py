@@ -136,7 +136,7 @@ class _Watch:
     def __init__(self, lab: str, timeout: float, max_processes: int):
         from grading.registry import shortcut_functions
 
-        self.codes = {fn.__code__: f"{fn.__module__}.{fn.__name__}" for fn in shortcut_functions(lab)}
+        self.codes = {fn.__code__: f"{fn.__module__}.{fn.__qualname__}" for fn in shortcut_functions(lab)}
         self.timeout = timeout
         self.max_processes = max_processes
         self.hits: list[str] = []

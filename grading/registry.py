@@ -11,7 +11,7 @@ from typing import Any
 
 # Modules under grading.checks that register checks; a lab adds its module here.
 CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
-                 "grading.checks.lab06")
+                 "grading.checks.lab06", "grading.checks.lab07")
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,44 @@ def _lab_key(lab: str) -> str:
     return lab.split("_")[0]
 
 
-def shortcut_functions(lab: str) -> list[Any]:
-    """The reference functions of a lab, imported: calling one from an answer is a shortcut."""
+def _shortcut_objects(lab: str) -> list[Any]:
+    """The lab's registered reference functions and classes, imported."""
     _load()
-    functions = []
+    objects = []
     for target in _SHORTCUTS.get(_lab_key(lab), ()):
         module, name = target.split(":")
-        functions.append(getattr(importlib.import_module(module), name))
+        objects.append(getattr(importlib.import_module(module), name))
+    return objects
+
+
+def _methods(cls: type) -> list[Any]:
+    """The functions a class defines itself (plain, static and class methods, property accessors)."""
+    found = []
+    for value in vars(cls).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, property):
+            found.extend(f for f in (value.fget, value.fset, value.fdel) if f is not None)
+        elif callable(value) and hasattr(value, "__code__"):
+            found.append(value)
+    return found
+
+
+def shortcut_functions(lab: str) -> list[Any]:
+    """The reference functions of a lab, imported: calling one from an answer is a shortcut.
+    A registered class stands for every method it defines."""
+    functions = []
+    for obj in _shortcut_objects(lab):
+        functions.extend(_methods(obj) if isinstance(obj, type) else [obj])
     return functions
 
 
 def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
-    """(modules that define or re-export a lab's reference functions, the functions' names)."""
+    """(modules that define or re-export a lab's reference functions or classes, their names)."""
     import pkgutil
     import sys
 
-    functions = shortcut_functions(lab)
+    objects = _shortcut_objects(lab)
     targets = _SHORTCUTS.get(_lab_key(lab), ())
     for target in targets:
         package = target.split(".")[0]
@@ -94,9 +116,9 @@ def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
                 importlib.import_module(info.name)
     modules = {target.split(":")[0] for target in targets}
     for name, module in list(sys.modules.items()):
-        if module is not None and any(getattr(module, fn.__name__, None) is fn for fn in functions):
+        if module is not None and any(getattr(module, obj.__name__, None) is obj for obj in objects):
             modules.add(name)
-    return modules, {fn.__name__ for fn in functions}
+    return modules, {obj.__name__ for obj in objects}
 
 
 def register(check: Check) -> Check:

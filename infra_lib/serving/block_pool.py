@@ -22,17 +22,10 @@ import operator
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterable, Protocol
 
+from infra_lib.serving.errors import OutOfBlocks
+
 if TYPE_CHECKING:
     from infra_lib.serving.prefix_cache import PrefixCache
-
-
-class OutOfBlocks(RuntimeError):
-    """More free blocks were needed than the pool has; nothing was changed."""
-
-    def __init__(self, requested: int, free: int, total: int):
-        self.requested, self.free, self.total = requested, free, total
-        super().__init__(f"need {requested} free KV block(s) but only {free} of {total} are free: finish or "
-                         "preempt a sequence to free its blocks, or give the pool more blocks")
 
 
 class BlockAllocator(Protocol):

@@ -1,0 +1,579 @@
+"""Checks for lab 07 (the block pool): seeded sequences of allocate / free / fork / prepare_write
+calls replayed on the learner's pool and on the reference, compared step by step (what each call
+returned or raised, the free count and every block's reference count); then the learner's pool
+behind a paged KV cache, serving a small random model and SmolLM2 with forked sequences."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from grading.checks.common import array_mismatch, reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+# The reference pool: an answer importing it is not run, and a call into any of its methods
+# while a check drives the learner's pool is a shortcut. `_new_pool` also refuses a pool built on it.
+register_shortcuts("lab07", ["infra_lib.serving.block_pool:BlockPool"])
+
+_POOL = reference("infra_lib.serving.block_pool", "BlockPool")
+
+
+def _new_pool(pool_class, num_blocks: int, block_size: int):
+    """The pool a check drives. One that is, extends or wraps the course's BlockPool is refused
+    (except the reference itself, driven for the expected data outside the grader's kernel)."""
+    from grading.check import RECORD_ENV
+    from infra_lib.serving.block_pool import BlockPool
+
+    pool = pool_class(num_blocks, block_size)
+    if pool_class is BlockPool and not os.environ.get(RECORD_ENV):
+        return pool
+    if any(isinstance(held, BlockPool) for held in [pool, *getattr(pool, "__dict__", {}).values()]):
+        raise RuntimeError("your BlockPool is built on the course's reference pool "
+                           "(infra_lib.serving.block_pool.BlockPool): keep the books yourself")
+    return pool
+
+
+# --- replaying operations -------------------------------------------------------------------------
+#
+# An operation names what to do, not the block ids: ids come from what the pool under test
+# returned earlier ("free the second live table"), so the learner's pool and the reference each
+# run the same script on their own state, and their traces agree step by step when they behave
+# alike. Each op is a list: [kind, *arguments]; `pick` chooses among candidates modulo their count.
+
+def _is_id(value) -> bool:
+    return type(value) is int
+
+
+def _shown(value, method: str) -> str:
+    """A call's result as text: "[3, 1]", "(4, None)", "True", or the type it had."""
+    if value is None or type(value) is bool:
+        return repr(value)
+    if type(value) in (list, tuple) and all(_is_id(v) or v is None for v in value):
+        if method == "prepare_write" and len(value) == 2:
+            return repr(tuple(value))
+        return repr(list(value) if type(value) is list else tuple(value))
+    return f"a {type(value).__name__}"
+
+
+def _plain_number(value):
+    return value if _is_id(value) else f"a {type(value).__name__}"
+
+
+class _Replay:
+    """Runs abstract operations on one pool and records what every call did."""
+
+    def __init__(self, pool, num_blocks: int):
+        self.pool, self.num_blocks = pool, num_blocks
+        self.tables: list[list[int]] = []  # the block tables of the live sequences
+        self.counts = [0] * num_blocks  # reference counts seen after the last call
+        self.num_free = num_blocks
+        self.steps: list[dict] = []
+
+    # -- one call, recorded --
+
+    def call(self, method: str, *args):
+        """Call ``pool.method(*args)``; record its result or exception, then the pool's state."""
+        text = f"{method}({', '.join(map(repr, args))})"
+        result, error = None, None
+        try:
+            result = getattr(self.pool, method)(*args)
+        except (NotImplementedError, MemoryError):
+            raise  # an unwritten stub names its task; memory is the grader's business
+        except Exception as exc:  # the contract's errors, and the learner's bugs, are recorded
+            error = exc
+        num_free = self.pool.num_free
+        counts = [self.pool.ref_count(b) for b in range(self.num_blocks)]
+        step = {"call": text, "result": None, "error": None, "out_of_blocks": None, "message": None,
+                "num_free": _plain_number(num_free), "counts": [_plain_number(c) for c in counts]}
+        if error is None:
+            step["result"] = _shown(result, method)
+            if method == "fork" and result is args[0]:
+                step["result"] = "the very list it was given"
+        else:
+            step["error"], step["message"] = type(error).__name__, str(error)[:200]
+            if step["error"] == "OutOfBlocks":
+                step["out_of_blocks"] = [_plain_number(getattr(error, name, None))
+                                         for name in ("requested", "free", "total")]
+        self.steps.append(step)
+        self.num_free = num_free if _is_id(num_free) else 0
+        self.counts = [c if _is_id(c) else 0 for c in counts]
+        if error is None and step["result"].startswith(("[", "(")):
+            ids = list(result)
+            if method == "prepare_write":  # (block to write, block copied from or None)
+                return ids if len(ids) == 2 and self._is_block(ids[0]) and (ids[1] is None or self._is_block(ids[1])) \
+                    else None
+            return ids if all(self._is_block(b) for b in ids) else None
+        return None
+
+    def _is_block(self, value) -> bool:
+        return _is_id(value) and 0 <= value < self.num_blocks
+
+    # -- what the script can ask for --
+
+    def _free_blocks(self) -> list[int]:
+        return [b for b, c in enumerate(self.counts) if c == 0]
+
+    def _table(self, pick: int) -> list[int]:
+        return self.tables[pick % len(self.tables)] if self.tables else []
+
+    def allocate(self, n: int):
+        got = self.call("allocate", n)
+        if got is not None:
+            self.tables.append(got)
+
+    def allocate_free(self, delta: int):
+        """allocate(num_free + delta): everything that is free, or more (OutOfBlocks)."""
+        self.allocate(self.num_free + delta)
+
+    def can_allocate(self, n: int):
+        self.call("can_allocate", n)
+
+    def can_allocate_free(self, delta: int):
+        self.call("can_allocate", max(0, self.num_free + delta))
+
+    def free(self, pick: int, reverse: bool):
+        """Release a live table (tail first when ``reverse``, as a finished sequence does)."""
+        if self.tables:
+            table = self.tables.pop(pick % len(self.tables))
+            self.call("free", table[::-1] if reverse else list(table))
+
+    def free_bad(self, pick: int):
+        """A live table's blocks and then one free block: a double free, raised before any change."""
+        free = self._free_blocks()
+        if free:
+            self.call("free", self._table(pick) + [free[pick % len(free)]])
+
+    def free_twice(self, pick: int):
+        """A block held once, freed twice in one call."""
+        held_once = [b for table in self.tables for b in table if self.counts[b] == 1]
+        if held_once:
+            block = held_once[pick % len(held_once)]
+            self.call("free", [block, block])
+
+    def free_unknown(self, pick: int, negative: bool):
+        """A live table's blocks and an id that is no block of this pool."""
+        self.call("free", self._table(pick) + [-1 if negative else self.num_blocks])
+
+    def fork(self, pick: int):
+        if self.tables:
+            got = self.call("fork", self._table(pick))
+            if got is not None:
+                self.tables.append(got)
+
+    def fork_bad(self, pick: int):
+        """A live table's blocks and one free block: nothing may be shared."""
+        free = self._free_blocks()
+        if free:
+            self.call("fork", self._table(pick) + [free[pick % len(free)]])
+
+    def _write(self, table: list[int], index: int):
+        got = self.call("prepare_write", table[index])
+        if got is not None and len(got) == 2 and got[1] is not None and _is_id(got[0]):
+            table[index] = got[0]  # the sequence now writes its private copy
+
+    def write(self, pick: int, position: int):
+        tables = [t for t in self.tables if t]
+        if tables:
+            table = tables[pick % len(tables)]
+            self._write(table, position % len(table))
+
+    def write_shared(self, pick: int):
+        """prepare_write on a block some other table also holds: copy-on-write."""
+        shared = [(t, i) for t in self.tables for i, b in enumerate(t) if self.counts[b] > 1]
+        if shared:
+            self._write(*shared[pick % len(shared)])
+
+    def write_free(self, pick: int):
+        free = self._free_blocks()
+        if free:
+            self.call("prepare_write", free[pick % len(free)])
+
+
+def _drive_replays(pool_class, sessions):
+    traces = []
+    for session in sessions:
+        replay = _Replay(_new_pool(pool_class, session["num_blocks"], session["block_size"]), session["num_blocks"])
+        for kind, *args in session["ops"]:
+            getattr(replay, kind)(*args)
+        traces.append(replay.steps)
+    return traces
+
+
+# --- comparing traces -----------------------------------------------------------------------------
+
+def _state_change(before: dict, after: dict) -> str:
+    for block, (old, new) in enumerate(zip(before["counts"], after["counts"])):
+        if old != new:
+            return f"block {block}'s reference count went from {old} to {new}"
+    return f"num_free went from {before['num_free']} to {after['num_free']}"
+
+
+def _broken_invariant(step: dict) -> str | None:
+    counts = step["counts"]
+    if any(not _is_id(c) for c in counts) or not _is_id(step["num_free"]):
+        return f"ref_count and num_free must return ints (num_free={step['num_free']}, counts={counts})"
+    negative = [b for b, c in enumerate(counts) if c < 0]
+    if negative:
+        return f"block {negative[0]} has a negative reference count ({counts[negative[0]]})"
+    zero = sum(1 for c in counts if c == 0)
+    if step["num_free"] != zero:
+        return f"num_free is {step['num_free']} but {zero} blocks have reference count 0 (counts {counts})"
+    return None
+
+
+def _step_difference(g: dict, e: dict, g_before: dict) -> tuple[str, str] | None:
+    """(what, detail) for the first way one step differs, else None."""
+    method = e["call"].split("(")[0]
+    expected_error = f"{e['error']} ({e['message']})" if e["error"] else None
+    if g["call"] != e["call"]:
+        return ("the check's operations went differently on your pool",
+                f"the check called {g['call']} on your pool but {e['call']} on the reference")
+    if e["error"] and not g["error"]:
+        return (f"{method} did not raise where the reference pool raises",
+                f"expected {expected_error}, but it returned {g['result']}")
+    if g["error"] and not e["error"]:
+        return (f"{method} raised where the reference pool does not",
+                f"it raised {g['error']}: {g['message']}; expected it to return {e['result']}")
+    if g["error"] != e["error"]:
+        return (f"{method} raised the wrong exception", f"expected {expected_error}, got {g['error']}: {g['message']}")
+    if e["error"] and (g["counts"], g["num_free"]) != (g_before["counts"], g_before["num_free"]):
+        return (f"{method} raised but changed the pool first (a call that raises must change nothing)",
+                f"it raised {g['error']} as expected, but {_state_change(g_before, g)}")
+    if e["out_of_blocks"] is not None and g["out_of_blocks"] != e["out_of_blocks"]:
+        return ("OutOfBlocks carries the wrong numbers",
+                "expected OutOfBlocks(requested={}, free={}, total={}), got OutOfBlocks(requested={}, free={}, "
+                "total={})".format(*e["out_of_blocks"], *g["out_of_blocks"]))
+    if g["result"] != e["result"]:
+        order = ""
+        same_shape = g["result"][:1] == e["result"][:1] and g["result"].count(",") == e["result"].count(",")
+        if method in ("allocate", "prepare_write") and same_shape and e["result"][:1] in "[(":
+            order = ("; with the same counts your pool handed out other blocks, so its free queue is in another order: "
+                     "allocate and prepare_write take from the front, free appends each block reaching 0 to the back")
+        return (f"{method} returned something different from the reference pool",
+                f"expected {e['result']}, got {g['result']}{order}")
+    broken = _broken_invariant(g)
+    if broken:
+        return "the pool's books disagree with each other", f"afterwards {broken}"
+    if g["counts"] != e["counts"]:
+        block = next(b for b, (x, y) in enumerate(zip(g["counts"], e["counts"])) if x != y)
+        return ("reference counts differ from the reference pool's",
+                f"afterwards block {block} has reference count {g['counts'][block]}, expected {e['counts'][block]} "
+                f"(all counts: expected {e['counts']}, got {g['counts']})")
+    if g["num_free"] != e["num_free"]:
+        return "num_free differs from the reference pool's", f"expected {e['num_free']}, got {g['num_free']}"
+    return None
+
+
+def _history(steps: list[dict], upto: int, shown: int = 8) -> str:
+    def one(step):
+        outcome = step["error"] if step["error"] else step["result"]
+        return f"{step['call']} -> {outcome}"
+
+    first = max(0, upto - shown)
+    earlier = "; ".join(one(s) for s in steps[first:upto])
+    if not earlier:
+        return "it was the first call on a new pool"
+    which = f"the last {upto - first} of the {upto} calls" if first else "the calls"
+    return f"{which} before it, as the reference pool answered them: {earlier}"
+
+
+def _compare_replays(got, expected, sessions):
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch("the check recorded the wrong number of pools")
+    for session, g_steps, e_steps in zip(sessions, got, expected):
+        n = session["num_blocks"]
+        before = {"counts": [0] * n, "num_free": n}
+        for k, (g, e) in enumerate(zip(g_steps, e_steps)):
+            problem = _step_difference(g, e, before)
+            if problem:
+                what, detail = problem
+                return Mismatch(what, f"on BlockPool({n}, {session['block_size']}), call {k + 1}: {e['call']}: "
+                                      f"{detail}\n  {_history(e_steps, k)}")
+            before = g
+        if len(g_steps) != len(e_steps):
+            return Mismatch("the check's operations went differently on your pool",
+                            f"on BlockPool({n}, {session['block_size']}): {len(g_steps)} calls instead of "
+                            f"{len(e_steps)}")
+    return None
+
+
+# --- scripts: fixed shapes (visible checks) and random mixes (hidden checks) -----------------------
+
+def _allocate_scripts(rng: random.Random) -> list[dict]:
+    n = rng.randint(6, 10)
+    return [
+        {"num_blocks": n, "block_size": rng.choice([4, 16]), "ops": [
+            ["allocate", rng.randint(1, 3)], ["can_allocate_free", 0], ["can_allocate_free", 1], ["allocate", 0],
+            ["allocate", 2], ["allocate_free", rng.randint(1, 3)], ["allocate", -1], ["allocate_free", 0],
+            ["can_allocate", 1], ["can_allocate", 0], ["allocate", 0], ["allocate", 1]]},
+        {"num_blocks": 1, "block_size": 8, "ops": [["allocate", 1], ["allocate", 1], ["can_allocate", 1]]},
+    ]
+
+
+def _free_scripts(rng: random.Random) -> list[dict]:
+    n = rng.randint(7, 10)
+    return [{"num_blocks": n, "block_size": 4, "ops": [
+        ["free_bad", rng.randrange(n)],  # a block nobody holds
+        ["allocate", 2], ["allocate", 3], ["allocate", 1],  # tables A, B, C
+        ["free_bad", 1],  # B's blocks plus a free block: raises before freeing any of B
+        ["free", 1, False],  # B in the given order
+        ["free", 0, True],  # A tail first
+        ["allocate_free", 0],  # everything free, in free-queue order: the LRU order shows here
+        ["free_twice", 0], ["free_unknown", 0, False], ["free_unknown", 0, True],
+        ["free", 1, True], ["free", 0, False], ["free", 0, True],
+        ["allocate", 3]]}]
+
+
+def _fork_scripts(rng: random.Random) -> list[dict]:
+    n = rng.randint(6, 9)
+    return [{"num_blocks": n, "block_size": 16, "ops": [
+        ["fork_bad", rng.randrange(n)],  # sharing a block nobody holds
+        ["allocate", 3], ["fork", 0], ["fork", 0],  # three tables hold the same 3 blocks
+        ["free", 0, True],  # one holder finishes: nothing is freed yet
+        ["allocate", 1], ["fork_bad", 0],  # a held table plus a free block: nothing is shared
+        ["fork", 2], ["free", 3, True], ["free_twice", 0],
+        ["free", 0, True], ["free", 0, False],  # the last holders finish: the blocks join the free queue
+        ["allocate_free", 0], ["free", 0, True], ["fork_bad", 0], ["free", 0, True], ["allocate_free", 0]]}]
+
+
+def _cow_scripts(rng: random.Random) -> list[dict]:
+    n = rng.randint(5, 8)
+    return [{"num_blocks": n, "block_size": 4, "ops": [
+        ["write_free", rng.randrange(n)],  # writing a block nobody holds
+        ["allocate", 2],  # table A
+        ["write", 0, 1],  # A holds it alone: write in place
+        ["fork", 0],  # table A' shares both blocks
+        ["write_shared", 0],  # A's first block is shared: a private copy
+        ["write", 0, 0],  # that copy is now private: in place
+        ["write_shared", 0],  # the second block is still shared
+        ["write", 1, 1],  # ... and A' now holds it alone
+        ["fork", 1], ["allocate_free", 0],  # share again, then take every free block
+        ["write_shared", 0],  # a copy is needed but nothing is free: OutOfBlocks, nothing changed
+        ["free", 3, True],  # give the filler blocks back
+        ["write_shared", 0], ["free", 0, True], ["free", 0, True], ["free", 0, True], ["allocate_free", 0]]}]
+
+
+_RANDOM_KINDS = {
+    1: {"allocate": 5, "allocate_free": 1, "can_allocate": 1, "can_allocate_free": 2},
+    2: {"allocate": 5, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
+        "free_unknown": 1},
+    3: {"allocate": 4, "allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1, "fork": 4, "fork_bad": 1},
+    4: {"allocate": 4, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
+        "free_unknown": 1, "fork": 3, "fork_bad": 1, "write": 3, "write_shared": 4, "write_free": 1},
+}
+_FIRST_OP = {1: "allocate", 2: "free_bad", 3: "fork_bad", 4: "write_free"}  # each task's own method first
+
+
+def _random_op(rng: random.Random, kind: str) -> list:
+    pick = rng.randrange(1000)
+    arguments = {
+        "allocate": [rng.choice([0, 1, 1, 2, 2, 3, 4, -1]) if rng.random() < 0.9 else rng.randint(5, 9)],
+        "allocate_free": [rng.choice([0, 0, 1, 2])],
+        "can_allocate": [rng.randint(0, 6)],
+        "can_allocate_free": [rng.choice([-1, 0, 1])],
+        "free": [pick, rng.random() < 0.7],
+        "free_unknown": [pick, rng.random() < 0.5],
+        "write": [pick, rng.randrange(1000)],
+    }
+    return [kind, *arguments.get(kind, [pick])]
+
+
+def _random_scripts(task: int):
+    kinds, weights = zip(*_RANDOM_KINDS[task].items())
+
+    def make(rng: random.Random) -> list[dict]:
+        sessions = []
+        for num_blocks in (1, rng.randint(2, 4), rng.randint(5, 8), rng.randint(9, 14)):
+            first = _random_op(rng, _FIRST_OP[task])
+            if task == 1:
+                first = ["allocate", rng.randint(0, num_blocks)]
+            ops = [first] + [_random_op(rng, rng.choices(kinds, weights)[0]) for _ in range(rng.randint(25, 40))]
+            sessions.append({"num_blocks": num_blocks, "block_size": rng.choice([1, 4, 16]), "ops": ops})
+        return sessions
+
+    return make
+
+
+_TASKS = {1: "lab07 task 1: BlockPool.allocate", 2: "lab07 task 2: BlockPool.free", 3: "lab07 task 3: BlockPool.fork",
+          4: "lab07 task 4: BlockPool.prepare_write"}
+
+_HINTS = {
+    1: "allocate(n) takes n ids from the FRONT of the free queue, sets each count to 1 and returns them as a list; "
+       "allocate(0) is []; n > num_free raises OutOfBlocks(n, num_free, num_blocks) before taking anything; a "
+       "negative n raises ValueError. num_free is the length of the free queue; can_allocate(n) is n <= num_free.",
+    2: "free(block_ids) first checks every id and that no block would drop below 0 (count how often each id "
+       "appears), raising ValueError before changing anything; then, in the given order, count - 1 each, and a "
+       "block reaching 0 is appended to the BACK of the free queue (the least recently freed is reused first).",
+    3: "fork(block_ids) raises ValueError, changing nothing, if any block is free (count 0); otherwise each "
+       "count + 1, and it returns a NEW list of the same ids.",
+    4: "prepare_write(b): ValueError if b is free; (b, None) if its count is 1; otherwise take one block from the "
+       "front of the free queue (count 1), drop the caller's reference to b (count - 1) and return (new, b); with "
+       "no free block raise OutOfBlocks(1, 0, num_blocks) before changing anything.",
+}
+
+for check_id, task, make, note in (
+        ("lab07.allocate", 1, _allocate_scripts, ""),
+        ("lab07.allocate_random", 1, _random_scripts(1), " Random sequences, pools of 1 to 14 blocks."),
+        ("lab07.free_lru", 2, _free_scripts, ""),
+        ("lab07.free_random", 2, _random_scripts(2), " Random sequences with double frees."),
+        ("lab07.fork", 3, _fork_scripts, ""),
+        ("lab07.fork_random", 3, _random_scripts(3), " Random sequences of allocate, free and fork."),
+        ("lab07.copy_on_write", 4, _cow_scripts, ""),
+        ("lab07.random_ops", 4, _random_scripts(4), " Random sequences of every operation.")):
+    register(Check(
+        check_id=check_id,
+        task=_TASKS[task],
+        reference=_POOL,
+        make_inputs=make,
+        drive=_drive_replays,
+        compare=_compare_replays,
+        hint=_HINTS[task] + note,
+    ))
+
+
+# --- the pool behind a paged KV cache ---------------------------------------------------------------
+
+_QUESTIONS = ["What is a GPU?", "Name three planets.", "Why is the sky blue?", "What does a compiler do?"]
+
+
+def _tiny_model_case(rng: random.Random) -> dict:
+    from grading.checks.lab06 import _TINY
+
+    block_size = rng.choice([2, 3, 4])
+    lengths = [rng.randint(2, 14) for _ in range(2)]
+    lengths = [n + 1 if n % block_size == 0 else n for n in lengths]  # a part-full last block is shared
+    return {"model": "tiny", "seed": rng.randrange(10**6), "block_size": block_size, "new_tokens": 8, "samples": 3,
+            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in lengths]}
+
+
+def _smollm2_case(rng: random.Random) -> dict:
+    return {"model": "smollm2", "block_size": 16, "new_tokens": 5, "samples": 2, "prompts": [rng.choice(_QUESTIONS)]}
+
+
+def _parallel_samples(model, store, pool, prompt: list[int], samples: int, new_tokens: int) -> dict:
+    """Prefill a prompt once, fork its sequence ``samples - 1`` times, start sample i from the
+    i-th most likely first token, and decode the samples in turn, one token each per round."""
+    import torch
+
+    from infra_lib.serving import PagedKVCache
+
+    parent = PagedKVCache.for_prompt(store, pool, prompt)
+    logits = model(torch.tensor([parent.pending_token_ids]), parent, last_only=True)
+    firsts = [int(t) for t in logits[0, -1].topk(samples).indices]
+    sequences = [parent] + [parent.fork() for _ in range(samples - 1)]
+    shared_counts = [pool.ref_count(b) for b in parent.table.blocks]
+    tokens, top_logits = [[t] for t in firsts], [[] for _ in firsts]
+    for _ in range(new_tokens - 1):
+        for sequence, out, tops in zip(sequences, tokens, top_logits):
+            sequence.reserve([out[-1]])
+            step = model(torch.tensor([[out[-1]]]), sequence, last_only=True)[0, -1]
+            tops.append(float(step.max()))
+            out.append(int(step.argmax()))
+    for sequence in sequences:
+        sequence.release()
+    return {"shared_counts": shared_counts, "tokens": tokens, "top_logits": top_logits,
+            "num_free_after": _plain_number(pool.num_free)}
+
+
+def _drive_in_model(pool_class, case):
+    """Greedy tokens through the learner's pool: whole requests, then forked samples of one prompt;
+    and, for comparison, the same tokens from the contiguous cache."""
+    import torch
+
+    from infra_lib.model.generation import greedy_decode
+    from infra_lib.serving import PagedKVStore, paged_greedy_decode
+
+    if case["model"] == "tiny":
+        from grading.checks.lab06 import tiny_model
+
+        model, prompts = tiny_model(case["seed"]), case["prompts"]
+    else:
+        from infra_lib.model.loaders import load_default
+
+        loaded = load_default()
+        model = loaded.model
+        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
+    block_size = case["block_size"]
+    if any(len(p) % block_size == 0 for p in prompts):
+        block_size += 1  # a part-full last prompt block, so that the samples copy it on write
+    longest = max(len(p) for p in prompts) + case["new_tokens"]
+    num_blocks = case["samples"] * -(-longest // block_size) + 2
+    pool = _new_pool(pool_class, num_blocks, block_size)
+    try:  # block 0 of a fresh pool is free (ValueError): an unwritten prepare_write names its task here
+        pool.prepare_write(0)
+    except NotImplementedError:
+        raise
+    except Exception:
+        pass
+    store = PagedKVStore.for_model(model.config, num_blocks, block_size)
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            result = {"prompt_length": len(prompt), "num_blocks": num_blocks, "block_size": block_size}
+            if case["model"] == "tiny":
+                decoded = paged_greedy_decode(model, store, pool, prompt, case["new_tokens"])
+                result["tokens"] = decoded.token_ids
+                result["num_free_after"] = _plain_number(pool.num_free)
+                result["contiguous"] = greedy_decode(model, prompt, case["new_tokens"])
+            sampled = _parallel_samples(model, store, pool, prompt, case["samples"], case["new_tokens"])
+            sampled["contiguous"] = [[t[0]] + greedy_decode(model, prompt + [t[0]], case["new_tokens"] - 1)
+                                     for t in sampled["tokens"]]
+            result["samples"] = sampled
+            results.append(result)
+    return results
+
+
+def _first_difference(got: list[int], expected: list[int]) -> str:
+    step = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    return f"the first {step} tokens agree, then (expected {expected}, got {got})"
+
+
+def _compare_in_model(got, expected, case):
+    model = "SmolLM2" if case["model"] == "smollm2" else "the small random model"
+    for g, e in zip(got, expected):
+        where = (f"{model}, a prompt of {e['prompt_length']} tokens, BlockPool({e['num_blocks']}, "
+                 f"{e['block_size']})")
+        if "tokens" in e:
+            if g["tokens"] != e["contiguous"]:
+                return Mismatch("greedy decoding through your pool gives other tokens than the contiguous cache",
+                                f"on {where}, one request: {_first_difference(g['tokens'], e['contiguous'])}")
+            if g["num_free_after"] != e["num_free_after"]:
+                return Mismatch("a finished request did not give all its blocks back",
+                                f"on {where}: after the request released its blocks num_free is {g['num_free_after']}, "
+                                f"expected {e['num_free_after']}")
+        gs, es = g["samples"], e["samples"]
+        samples = len(es["tokens"])
+        if gs["shared_counts"] != es["shared_counts"]:
+            return Mismatch("after forking, the prompt's blocks have the wrong reference counts",
+                            f"on {where}, {samples} samples sharing the prompt: expected counts {es['shared_counts']} "
+                            f"for the prompt's blocks, got {gs['shared_counts']}")
+        for i, (g_tokens, e_tokens) in enumerate(zip(gs["tokens"], es["contiguous"])):
+            if g_tokens != e_tokens:
+                return Mismatch("a forked sample gives other tokens than the contiguous cache (copy-on-write?)",
+                                f"on {where}, sample {i + 1} of {samples} (prompt shared, then its own tokens): "
+                                f"{_first_difference(g_tokens, e_tokens)}")
+        problem = array_mismatch(gs["top_logits"], es["top_logits"], "a forked sample's logits differ",
+                                 f"{where}, {samples} samples", atol=1e-3, rtol=1e-4)
+        if problem:
+            return problem
+        if gs["num_free_after"] != es["num_free_after"]:
+            return Mismatch("forked samples did not give all their blocks back",
+                            f"on {where}: after every sample released its blocks num_free is {gs['num_free_after']}, "
+                            f"expected {es['num_free_after']}")
+    return None
+
+
+for check_id, make, note in (
+        ("lab07.pool_in_model", _tiny_model_case, ""),
+        ("lab07.parallel_sampling_smollm2", _smollm2_case, " This one runs SmolLM2-135M-Instruct itself.")):
+    register(Check(
+        check_id=check_id,
+        task=_TASKS[4],
+        reference=_POOL,
+        make_inputs=make,
+        drive=_drive_in_model,
+        compare=_compare_in_model,
+        hint="the paged cache calls allocate for a prompt, prepare_write before writing into a block it already "
+        "holds, fork to share a sequence and free (tail first) to release it; if the step-by-step checks pass but "
+        "this fails, look at prepare_write: a shared block must never be written in place." + note,
+    ))
