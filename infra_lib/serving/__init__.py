@@ -24,3 +24,22 @@ __all__ = [
     "chained_block_hashes", "gather_kv", "paged_attention", "paged_cached_attention", "paged_greedy_decode",
     "wasted_slots",
 ]
+
+# Continuous batching (chapter 08): sequences, the scheduler, the batched model runner, the engine,
+# and a simulated clock for scheduling experiments without the model.
+from infra_lib.serving.engine import LLMEngine, RequestOutput, StepRecord, WallClock
+from infra_lib.serving.llm import LLM
+from infra_lib.serving.model_runner import ModelRunner
+from infra_lib.serving.scheduler import Scheduler
+from infra_lib.serving.scheduler_output import ScheduledSeq, SchedulerConfig, SchedulerOutput
+from infra_lib.serving.sequence import RequestMetrics, Sequence, SequenceStatus
+from infra_lib.serving.sim_clock import (SimClock, SimulatedRunner, StepCostModel, calibrate,
+                                         calibration_shapes, fit_step_costs, step_shape)
+from infra_lib.serving.workload import WorkloadRequest, random_workload, replay, summarize
+
+__all__ += [
+    "LLM", "LLMEngine", "ModelRunner", "RequestMetrics", "RequestOutput", "ScheduledSeq", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "SimClock", "SimulatedRunner",
+    "StepCostModel", "StepRecord", "WallClock", "WorkloadRequest", "calibrate", "calibration_shapes",
+    "fit_step_costs", "random_workload", "replay", "step_shape", "summarize",
+]

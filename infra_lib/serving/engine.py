@@ -1,0 +1,216 @@
+"""The engine loop: requests in, one scheduled step at a time, tokens out.
+
+    add_request -> Scheduler.waiting
+    step():  Scheduler.schedule() -> runner.run(batch) -> Scheduler.commit() -> append tokens, check stops
+
+The runner is either a ``ModelRunner`` (the real model on the paged KV store) or a
+``SimulatedRunner`` (no model: dummy tokens, a simulated clock advanced by a step-cost model),
+so the same scheduler and the same loop serve text and run scheduling experiments. ``LLM``
+(``llm.py``) wraps the engine in vLLM's offline API.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from infra_lib.model.generation import prompt_ids
+from infra_lib.model.model import Llama
+from infra_lib.model.sampling import SamplingParams
+from infra_lib.serving.block_table import blocks_needed
+from infra_lib.serving.kv_store import PagedKVStore
+from infra_lib.serving.model_runner import ModelRunner
+from infra_lib.serving.scheduler import Scheduler
+from infra_lib.serving.scheduler_output import SchedulerConfig, SchedulerOutput
+from infra_lib.serving.sequence import FINISH_REASONS, RequestMetrics, Sequence, SequenceStatus
+
+
+class WallClock:
+    """Seconds since the engine started, on the wall."""
+
+    def __init__(self):
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._start
+
+    def advance_to(self, t: float) -> None:
+        """Wait until ``t`` (a simulated clock jumps instead)."""
+        time.sleep(max(0.0, t - self.now()))
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: everything so far, and what this step added (for streaming)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    metrics: RequestMetrics
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step on the engine's clock, for timelines: when it ran and what it scheduled."""
+
+    start: float
+    end: float
+    output: SchedulerOutput
+
+
+class LLMEngine:
+    """Continuous batching: a scheduler, a runner and the requests' bookkeeping.
+
+    Args:
+        runner: ``ModelRunner`` or ``SimulatedRunner`` (anything with ``run(batch) -> {seq_id: token}``
+            and ``max_position``).
+        config: the scheduler's limits and pool size (ignored when ``scheduler`` is given).
+        tokenizer: turns text prompts into ids and tokens into text (None: token ids only).
+        scheduler: a ready scheduler (a lab's own); its pool must match the runner's store.
+        clock: the engine's time (default: the runner's simulated clock if it has one, else the wall).
+    """
+
+    def __init__(self, runner, config: SchedulerConfig = SchedulerConfig(), tokenizer=None,
+                 scheduler: Scheduler | None = None, clock=None):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.scheduler = scheduler if scheduler is not None else Scheduler(config)
+        self.config = self.scheduler.config
+        self.clock = clock or getattr(runner, "clock", None) or WallClock()
+        self.sequences: dict[int, Sequence] = {}
+        self.steps: list[StepRecord] = []
+        self._decoders: dict[int, object] = {}
+
+    @classmethod
+    def from_model(cls, model: Llama, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
+                   **kwargs) -> LLMEngine:
+        """An engine on ``model`` with a paged KV store of ``config.num_blocks`` blocks."""
+        weight = model.embed_tokens.weight
+        store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size, weight.dtype, weight.device)
+        return cls(ModelRunner(model, store), config, tokenizer, **kwargs)
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams = SamplingParams(), *, stop: tuple[str, ...] = (),
+                    arrival_time: float | None = None) -> int:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt: token ids, or (with a tokenizer) a str or a list of chat messages.
+            params: sampling and stopping; ``stop_ids`` None means the tokenizer's end-of-turn.
+            stop: strings that end the output (the text is cut before the match).
+            arrival_time: on the engine's clock (default: now).
+        """
+        if self.tokenizer is None and not (isinstance(prompt, (list, tuple)) and prompt
+                                           and all(isinstance(t, int) for t in prompt)):
+            raise ValueError("without a tokenizer the engine takes prompts as lists of token ids")
+        ids = prompt_ids(self.tokenizer, list(prompt) if isinstance(prompt, tuple) else prompt)
+        seq_id = len(self.sequences)
+        at = self.clock.now() if arrival_time is None else arrival_time
+        seq = Sequence(seq_id, ids, params, self.config.block_size, arrival_index=seq_id, arrival_time=at)
+        context = self.runner.max_position
+        if len(ids) >= context:
+            raise ValueError(f"request {seq_id}'s prompt has {len(ids)} tokens; the model's context is {context}")
+        seq.max_tokens = min(seq.max_tokens, context)
+        most_positions = seq.max_tokens - 1  # the last token is sampled, never computed
+        if blocks_needed(most_positions, self.config.block_size) > self.config.num_blocks:
+            raise ValueError(f"request {seq_id} may need {most_positions} KV positions, more than the pool's "
+                             f"{self.config.num_blocks} blocks of {self.config.block_size} hold: lower "
+                             "max_new_tokens or give the pool more blocks")
+        if not self.config.enable_chunked_prefill and most_positions > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {seq_id} may need to (re)compute {most_positions} tokens in one step but the "
+                             f"budget is {self.config.max_num_batched_tokens}: enable chunked prefill or raise it")
+        if params.stop_ids is None and self.tokenizer is not None:
+            seq.stop_ids = frozenset((self.tokenizer.eos_id,))
+        seq.stop_strings = tuple(stop)
+        if self.tokenizer is not None:
+            self._decoders[seq_id] = self.tokenizer.stream_decoder(skip_special=True)
+        self.sequences[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq_id
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request now (its blocks are freed); None if it is unknown or already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self._finish(seq, "abort", self.clock.now())
+        return self._output(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, request_id: int) -> RequestOutput:
+        seq = self.sequences[request_id]
+        return self._output(seq, [], "")
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and book one step; the outputs of requests that got a token (or finished)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"step {out.step} scheduled nothing with {len(self.scheduler.waiting)} waiting and "
+                                   f"{len(self.scheduler.running)} running: the scheduler made no progress "
+                                   f"({'; '.join(out.reasons) or 'no reason given'})")
+            return []
+        start = self.clock.now()
+        batch = [(self.sequences[s.seq_id], s) for s in out.scheduled]
+        for seq, _ in batch:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+        sampled = self.runner.run(batch)
+        self.scheduler.commit(out)
+        now = self.clock.now()
+        self.steps.append(StepRecord(start, now, out))
+        return [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
+
+    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.append_token(token)
+        seq.metrics.token_times.append(now)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        decoder = self._decoders.get(seq.seq_id)
+        before = seq.text
+        seq.text += decoder.push(token) if decoder is not None else ""
+        reason = "stop" if token in seq.stop_ids else None
+        for stop in seq.stop_strings:
+            at = seq.text.find(stop, max(0, len(before) - len(stop) + 1))
+            if reason is None and at >= 0:  # cut the text before the stop string
+                seq.text, reason = seq.text[:at], "stop"
+        if reason is None and seq.num_tokens >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if reason == "length" or token in seq.stop_ids:
+                seq.text += decoder.flush() if decoder is not None else ""
+            self._finish(seq, reason, now)
+        return self._output(seq, [token], seq.text[len(before):])
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.metrics.finish_time = now
+        self._decoders.pop(seq.seq_id, None)
+
+    @staticmethod
+    def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(seq.seq_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.is_finished,
+                             seq.finish_reason, seq.metrics, new_ids, new_text)
+
+    def check_invariants(self) -> None:
+        """The scheduler's invariants, finished requests hold nothing, outputs within their limits."""
+        self.scheduler.check_invariants()
+        queued = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
+        for seq in self.sequences.values():
+            if seq.is_finished == (seq.seq_id in queued):
+                raise AssertionError(f"{seq} is {'finished but queued' if seq.is_finished else 'in neither queue'}")
+            if seq.is_finished and (seq.block_table.blocks or seq.finish_reason not in FINISH_REASONS):
+                raise AssertionError(f"finished {seq} holds blocks or has finish reason {seq.finish_reason!r}")
+            if seq.num_tokens > seq.max_tokens:
+                raise AssertionError(f"{seq} outgrew its limit of {seq.max_tokens} tokens")
+            if (seq.status is SequenceStatus.RUNNING) != (seq in self.scheduler.running):
+                raise AssertionError(f"{seq} has status {seq.status.value} but the running queue says otherwise")

@@ -1,0 +1,114 @@
+"""The model runner: one forward pass per engine step over a ragged batch of sequences.
+
+A step mixes prefill chunks (many tokens of one sequence) and decodes (one token each). The
+runner flattens every scheduled token into one row ``[1, T]`` with its own position, so the
+projections, the MLP and the norms run once over all ``T`` tokens, whatever sequence they
+belong to. Only attention needs to know the sequences apart:
+
+    embed [1, T, d] -> per layer: RMSNorm -> q/k/v [1, heads, T, hd] -> RoPE at each token's position
+        -> write k/v of every token into its slot of the PagedKVStore
+        -> attention per sequence through its block table (all decodes together, each chunk alone)
+        -> o_proj + residual -> RMSNorm -> MLP + residual
+    -> logits only at the last token of each sequence that samples this step
+
+The model's own modules do the work (``infra_lib.model`` is not modified), so the tokens equal
+the ones ``greedy_decode`` produces for each request alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infra_lib.model.model import Llama, apply_rope
+from infra_lib.model.sampling import sample
+from infra_lib.serving.kv_store import PagedKVStore
+from infra_lib.serving.paged_attention import paged_attention
+from infra_lib.serving.scheduler_output import ScheduledSeq
+from infra_lib.serving.sequence import Sequence
+
+Batch = list[tuple[Sequence, ScheduledSeq]]
+
+
+class ModelRunner:
+    """Runs a ``Llama`` over scheduled sequences whose K/V live in ``store``.
+
+    Args:
+        model: the decoder (its modules and rope tables are used as they are).
+        store: the paged K/V tensors, with as many blocks as the scheduler's pool.
+    """
+
+    def __init__(self, model: Llama, store: PagedKVStore):
+        if store.n_layers != model.config.n_layers:
+            raise ValueError(f"the store has {store.n_layers} layers, the model {model.config.n_layers}: "
+                             "build it with PagedKVStore.for_model(model.config, ...)")
+        self.model, self.store = model, store
+        self.max_position = model.config.max_position
+
+    def run(self, batch: Batch) -> dict[int, int]:
+        """Compute the step; return the next token of every sequence that samples, by seq_id."""
+        samplers = [seq for seq, s in batch if s.samples]
+        logits = self.forward(batch).cpu()  # [len(samplers), vocab]; per-request generators live on the CPU
+        return {seq.seq_id: int(sample(logits[i:i + 1], seq.params, seq.generator)[0])
+                for i, seq in enumerate(samplers)}
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Write every scheduled token's K/V; return logits ``[num_sampling, vocab]`` in batch order."""
+        model, device = self.model, self.model.rope_cos.device
+        tokens, positions, slots = [], [], []
+        for seq, s in batch:
+            ids = seq.token_ids[s.start:s.start + s.num_tokens]
+            if len(ids) != s.num_tokens:
+                raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
+                                 f"{s.start}..{s.start + s.num_tokens - 1}")
+            tokens += ids
+            positions += range(s.start, s.start + s.num_tokens)
+            slots.append(seq.block_table.slot_mapping(s.start, s.start + s.num_tokens, device=device))
+        if max(positions) >= self.max_position:
+            raise ValueError(f"position {max(positions)} exceeds the model's context of {self.max_position}")
+        tokens_t = torch.tensor([tokens], device=device)  # [1, T]
+        positions_t = torch.tensor(positions, device=device)
+        slots_t = torch.cat(slots)  # [T]
+        cos, sin = model.rope_cos[positions_t], model.rope_sin[positions_t]  # [T, head_dim]
+        x = model.embed_tokens(tokens_t)  # [1, T, d]
+        for i, layer in enumerate(model.layers):
+            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, slots_t, batch)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        ends = torch.tensor(self._sampling_rows(batch), dtype=torch.long, device=device)
+        return model.lm_head(model.norm(x[0, ends]))  # [num_sampling, vocab]
+
+    def _attention(self, index: int, attn, h: torch.Tensor, cos, sin, slots: torch.Tensor, batch: Batch):
+        """One layer's attention for the flattened step, ``h`` ``[1, T, d]`` -> ``[1, T, d]``."""
+        t = h.shape[1]
+        q = attn.q_proj(h).view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)  # [1, heads, T, hd]
+        k = attn.k_proj(h).view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # [1, kv, T, hd]
+        v = attn.v_proj(h).view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.store.write(index, slots, k, v)
+        k_cache, v_cache = self.store.k[index], self.store.v[index]
+        out = torch.empty_like(q)  # [1, heads, T, hd]
+        rows, decodes = 0, []
+        for seq, s in batch:
+            if s.num_tokens == 1:  # decodes (and 1-token chunks) attend together, one query each
+                decodes.append((rows, seq.block_table.blocks, s.context_len))
+            else:
+                chunk = q[:, :, rows:rows + s.num_tokens]  # [1, heads, n, hd]
+                out[:, :, rows:rows + s.num_tokens] = paged_attention(
+                    chunk, k_cache, v_cache, [seq.block_table.blocks], [s.context_len])
+            rows += s.num_tokens
+        if decodes:
+            at = torch.tensor([r for r, _, _ in decodes], device=q.device)
+            q_dec = q[0][:, at].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
+            o_dec = paged_attention(q_dec, k_cache, v_cache, [b for _, b, _ in decodes], [c for _, _, c in decodes])
+            out[0][:, at] = o_dec.squeeze(2).transpose(0, 1)  # [heads, B, hd]
+        return attn.o_proj(out.transpose(1, 2).reshape(1, t, attn.n_heads * attn.head_dim))
+
+    @staticmethod
+    def _sampling_rows(batch: Batch) -> list[int]:
+        """Row in the flattened step of the last token of each sequence that samples."""
+        rows, ends = 0, []
+        for _, s in batch:
+            rows += s.num_tokens
+            if s.samples:
+                ends.append(rows - 1)
+        return ends
