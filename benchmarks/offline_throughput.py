@@ -1,0 +1,178 @@
+"""Offline throughput of SmolLM2-135M-Instruct: continuous batching against static batching and
+sequential ``transformers`` generation on the same weights, against this machine's compute bound,
+all measured in one run.
+
+A backlog of prompts with seeded lengths (random token ids; every request produces exactly its
+drawn number of tokens, no stop token) is served three ways:
+
+* **continuous batching**: ``LLM.generate`` on every prompt at once; at most ``B`` sequences run,
+  and a finished sequence's place goes to the next waiting prompt in the very next step;
+* **static batching**: the prompts cut once into batches of ``B`` in order; each batch runs on
+  the same engine (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
+  batch while it runs. Finished sequences drop out of the batch rather than being padded, so
+  this baseline is kinder than a padded static batch: it loses only the empty rows;
+* **sequential transformers**: ``LlamaForCausalLM.generate`` one prompt at a time (batch 1).
+
+Throughput is output tokens per second of wall time. The bound: all the work is about
+2 × parameters FLOPs per computed token (every prompt token and every output token but the
+last), and no run can be faster than that work at this machine's measured GEMM peak, so
+``roofline_tokens_per_s`` is an upper bound on output tokens per second (attention is left out:
+it is small at these lengths).
+
+Usage:
+    python benchmarks/offline_throughput.py [--quick] [--device auto] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import torch
+
+from benchmark_cli import benchmark_main, load_average
+from decode import _transformers_model
+from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
+from infra_lib.model import SamplingParams, load_default
+from infra_lib.serving import LLM, SchedulerConfig
+
+SEED = 0
+
+
+def plan(quick: bool) -> dict:
+    """Backlog size, length ranges (inclusive) and the batch limit B."""
+    if quick:
+        return {"num_prompts": 8, "prompt_len": [8, 24], "output_len": [2, 8], "batch": 4}
+    return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8}
+
+
+def make_backlog(num_prompts: int, prompt_len, output_len, vocab_size: int, seed: int = SEED):
+    """Seeded prompts (token ids) and output lengths."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(num_prompts):
+        prompts.append([rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_len))])
+        outputs.append(rng.randint(*output_len))
+    return prompts, outputs
+
+
+def _config(batch: int, prompts, outputs) -> SchedulerConfig:
+    longest = max(len(p) + n for p, n in zip(prompts, outputs))
+    blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outputs)) + 16  # never preempts
+    return SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, longest), block_size=16,
+                           num_blocks=blocks)
+
+
+def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | None = None) -> dict:
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": steps,
+            "output_token_counts": [len(t) for t in token_ids]}
+
+
+def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> dict:
+    """Run the three engines and the bound; ``loaded`` reuses a model from ``load_default()``."""
+    if device.type != "cpu":
+        raise SystemExit("this benchmark measures the CPU (the serving engine runs on CPU here); pass --device cpu")
+    torch.manual_seed(SEED)
+    load_before = load_average()
+    loaded = loaded if loaded is not None else load_default()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    settings = plan(quick)
+    batch = settings["batch"]
+    prompts, outputs = make_backlog(settings["num_prompts"], settings["prompt_len"], settings["output_len"],
+                                    model.config.vocab_size)
+    params = [SamplingParams(max_new_tokens=n, stop_ids=()) for n in outputs]
+    config = _config(batch, prompts, outputs)
+    expected_tokens = sum(outputs)
+
+    # Warm-up: one small request through the engine, so first-call costs land in no measurement.
+    LLM(model, tokenizer, config).generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
+
+    llm = LLM(model, tokenizer, config)
+    start = time.perf_counter()
+    continuous_out = llm.generate(prompts, params, use_tqdm=False)
+    continuous = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in continuous_out),
+                      [o.token_ids for o in continuous_out], len(llm.engine.steps))
+
+    static_llm = LLM(model, tokenizer, config)
+    static_out, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        static_out += static_llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
+    static = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in static_out),
+                  [o.token_ids for o in static_out], len(static_llm.engine.steps))
+
+    hf = _transformers_model(model)
+    hf_tokens = []
+    with torch.inference_mode():
+        warm = torch.tensor([prompts[0]])
+        hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                    pad_token_id=tokenizer.eos_id)
+        start = time.perf_counter()
+        for prompt, n in zip(prompts, outputs):
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=tokenizer.eos_id)
+            hf_tokens.append(out[0, len(prompt):].tolist())
+        seconds = time.perf_counter() - start
+    sequential = _row(seconds, sum(len(t) for t in hf_tokens), hf_tokens)
+
+    parameters = model.config.parameter_count()
+    computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, outputs))  # the last token is never fed back
+    flops = 2 * parameters * computed_tokens
+    peak = measure_peak_gemm_flops(device, sizes=(512, 1024) if quick else (512, 1024, 1536, 2048),
+                                   iters=3 if quick else 5)
+    bound_s = flops / (peak["peak_gflops"] * 1e9)
+    bound_tokens_per_s = expected_tokens / bound_s
+    engines = {"continuous batching": continuous, "static batching": static, "sequential transformers": sequential}
+    for row in engines.values():
+        row["fraction_of_roofline"] = row["tokens_per_s"] / bound_tokens_per_s
+    same_as_transformers = sum(a.token_ids == b for a, b in zip(continuous_out, hf_tokens))
+    return {
+        "benchmark": "offline_throughput",
+        "machine_info": machine_info(device),
+        "load_average_1m": {"before": load_before, "after": load_average()},
+        "seed": SEED,
+        "flags": {"quick": quick, "device": str(device), "dtype": "float32", **settings,
+                  "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
+                  "num_blocks": config.num_blocks, "prompts": "random token ids, seeded lengths",
+                  "stop": "none: every request produces exactly its drawn output length"},
+        "notes": ["static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
+                  "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
+                  "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
+                  "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
+                  "at the measured GEMM peak; attention FLOPs left out: a lower bound on time"],
+        "model": {"source": loaded.source, "parameters": parameters},
+        "workload": {"prompt_tokens": [len(p) for p in prompts], "output_tokens": outputs,
+                     "total_prompt_tokens": sum(len(p) for p in prompts), "total_output_tokens": expected_tokens,
+                     "computed_tokens": computed_tokens},
+        "peak_gemm": {k: peak[k] for k in ("peak_gflops", "best_n", "dtype", "torch_threads")},
+        "roofline": {"flops": flops, "seconds_lower_bound": bound_s, "tokens_per_s_upper_bound": bound_tokens_per_s},
+        "engines": engines,
+        "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
+        "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
+        "requests_same_greedy_tokens_as_transformers": same_as_transformers,
+    }
+
+
+def format_table(result: dict) -> str:
+    flags, work, bound = result["flags"], result["workload"], result["roofline"]
+    lines = [
+        f"SmolLM2-135M-Instruct fp32, {flags['num_prompts']} prompts ({work['total_prompt_tokens']} prompt tokens, "
+        f"{work['total_output_tokens']} output tokens), batch limit {flags['batch']}",
+        f"compute bound: {bound['flops'] / 1e12:.2f} TFLOP at {result['peak_gemm']['peak_gflops']:.0f} GFLOP/s -> "
+        f">= {bound['seconds_lower_bound']:.2f} s, <= {bound['tokens_per_s_upper_bound']:.0f} output tokens/s",
+        f"{'engine':26s} {'seconds':>8s} {'tokens/s':>9s} {'of bound':>9s}",
+    ]
+    for name, row in result["engines"].items():
+        lines.append(f"{name:26s} {row['seconds']:8.2f} {row['tokens_per_s']:9.1f} {row['fraction_of_roofline']:9.1%}")
+    lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / sequential "
+                 f"{result['continuous_over_sequential']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(argv, __doc__.splitlines()[0], "offline_throughput", run_offline_throughput, format_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

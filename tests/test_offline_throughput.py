@@ -1,0 +1,54 @@
+"""The offline-throughput benchmark (chapter 08): its JSON and the relations its numbers must
+satisfy by construction, whatever the machine's speed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO, SMOLLM2, run_benchmark
+
+sys.path.append(str(REPO / "benchmarks"))
+import offline_throughput  # noqa: E402  (a script in benchmarks/, importable once that folder is on the path)
+
+ENGINES = ["continuous batching", "static batching", "sequential transformers"]
+
+
+@SMOLLM2
+def test_offline_throughput_benchmark_writes_json(tmp_path):
+    result = run_benchmark("offline_throughput", tmp_path / "offline_throughput.json")
+    flags, work, bound, engines = result["flags"], result["workload"], result["roofline"], result["engines"]
+    assert result["benchmark"] == "offline_throughput" and list(engines) == ENGINES
+    assert len(work["prompt_tokens"]) == len(work["output_tokens"]) == flags["num_prompts"]
+    low, high = flags["output_len"]
+    assert all(low <= n <= high for n in work["output_tokens"])
+    assert work["total_output_tokens"] == sum(work["output_tokens"])
+    assert work["total_prompt_tokens"] == sum(work["prompt_tokens"])
+    assert work["computed_tokens"] == work["total_prompt_tokens"] + work["total_output_tokens"] - flags["num_prompts"]
+    assert any("padded" in note for note in result["notes"])
+    for row in engines.values():
+        # No stop token: every request produced exactly its drawn number of tokens, on every engine.
+        assert row["output_token_counts"] == work["output_tokens"]
+        assert row["output_tokens"] == work["total_output_tokens"]
+        assert row["seconds"] > 0 and row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+        assert row["fraction_of_roofline"] == pytest.approx(row["tokens_per_s"] / bound["tokens_per_s_upper_bound"])
+    continuous, static = engines["continuous batching"], engines["static batching"]
+    assert result["continuous_over_static"] == pytest.approx(continuous["tokens_per_s"] / static["tokens_per_s"])
+    assert result["continuous_over_sequential"] == pytest.approx(
+        continuous["tokens_per_s"] / engines["sequential transformers"]["tokens_per_s"])
+    # Refilling freed places never takes more steps than waiting for each static batch to drain.
+    assert continuous["steps"] <= static["steps"]
+    assert bound["flops"] == 2 * result["model"]["parameters"] * work["computed_tokens"]
+    assert result["peak_gemm"]["peak_gflops"] > 0
+    assert bound["seconds_lower_bound"] == pytest.approx(bound["flops"] / (result["peak_gemm"]["peak_gflops"] * 1e9))
+    assert bound["tokens_per_s_upper_bound"] == pytest.approx(work["total_output_tokens"] / bound["seconds_lower_bound"])
+    assert 0 <= result["requests_same_greedy_tokens_as_transformers"] <= flags["num_prompts"]
+
+
+def test_the_backlog_is_seeded():
+    backlog = offline_throughput.make_backlog(10, (4, 9), (1, 5), 1000)
+    assert backlog == offline_throughput.make_backlog(10, (4, 9), (1, 5), 1000)
+    assert backlog != offline_throughput.make_backlog(10, (4, 9), (1, 5), 1000, seed=1)
+    prompts, outputs = backlog
+    assert all(4 <= len(p) <= 9 for p in prompts) and all(1 <= n <= 5 for n in outputs)
