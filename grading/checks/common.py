@@ -60,3 +60,13 @@ def array_mismatch(got, expected, what: str, where: str, atol: float, rtol: floa
                               f"expected {expected_array[index]:.6g}, got {got_array[index]:.6g} "
                               f"(largest difference {worst:.3g}, tolerance {atol:g})")
     return None
+
+
+def token_difference(got: list[int], expected: list[int]) -> str:
+    """Where two token sequences part: "the first 3 tokens agree, then token 4 is 17 instead of 9"."""
+    step = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    if step < min(len(got), len(expected)):
+        then = f"token {step + 1} is {got[step]} instead of {expected[step]}"
+    else:
+        then = f"{len(got)} tokens came out instead of {len(expected)}"
+    return f"the first {step} tokens agree, then {then} (expected {expected}, got {got})"

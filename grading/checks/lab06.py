@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 
-from grading.checks.common import array_mismatch, reference
+from grading.checks.common import array_mismatch, reference, token_difference
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 register_shortcuts("lab06", [
@@ -312,10 +312,8 @@ def _compare_in_model(got, expected, case):
         if problem:
             return problem
         if g["tokens"] != e["tokens"]:
-            step = next(j for j, (a, b) in enumerate(zip(g["tokens"], e["tokens"])) if a != b)
             return Mismatch("greedy decoding with your cached_attention produced different tokens",
-                            f"on {where}: the first {step} tokens agree, then token {step + 1} is {g['tokens'][step]} "
-                            f"instead of {e['tokens'][step]} (expected {e['tokens']}, got {g['tokens']})")
+                            f"on {where}: {token_difference(g['tokens'], e['tokens'])}")
     return None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import random
 
-from grading.checks.common import array_mismatch, reference
+from grading.checks.common import array_mismatch, reference, token_difference
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 # The reference pool: an answer importing it is not run, and a call into any of its methods
@@ -523,11 +523,6 @@ def _drive_in_model(pool_class, case):
     return results
 
 
-def _first_difference(got: list[int], expected: list[int]) -> str:
-    step = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    return f"the first {step} tokens agree, then (expected {expected}, got {got})"
-
-
 def _compare_in_model(got, expected, case):
     model = "SmolLM2" if case["model"] == "smollm2" else "the small random model"
     for g, e in zip(got, expected):
@@ -536,7 +531,7 @@ def _compare_in_model(got, expected, case):
         if "tokens" in e:
             if g["tokens"] != e["contiguous"]:
                 return Mismatch("greedy decoding through your pool gives other tokens than the contiguous cache",
-                                f"on {where}, one request: {_first_difference(g['tokens'], e['contiguous'])}")
+                                f"on {where}, one request: {token_difference(g['tokens'], e['contiguous'])}")
             if g["num_free_after"] != e["num_free_after"]:
                 return Mismatch("a finished request did not give all its blocks back",
                                 f"on {where}: after the request released its blocks num_free is {g['num_free_after']}, "
@@ -551,7 +546,7 @@ def _compare_in_model(got, expected, case):
             if g_tokens != e_tokens:
                 return Mismatch("a forked sample gives other tokens than the contiguous cache (copy-on-write?)",
                                 f"on {where}, sample {i + 1} of {samples} (prompt shared, then its own tokens): "
-                                f"{_first_difference(g_tokens, e_tokens)}")
+                                f"{token_difference(g_tokens, e_tokens)}")
         problem = array_mismatch(gs["top_logits"], es["top_logits"], "a forked sample's logits differ",
                                  f"{where}, {samples} samples", atol=1e-3, rtol=1e-4)
         if problem:
