@@ -42,6 +42,7 @@ from infra_lib.serving.observability import CONTENT_TYPE, ServingMetrics
 from infra_lib.serving.scheduler_output import SchedulerConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DISCONNECT_POLL_S = 0.25  # how often a handler waiting for tokens looks whether its client is still there
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -103,15 +104,25 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _ClientGone(Exception):
+    """The client closed its connection; its request is aborted."""
+
+
 def _validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    errors = exc.errors()
+    if errors[0].get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {errors[0].get('msg')}", code="invalid_json")
+    # Of a union's alternatives, the one whose type matched says the most ("at most 4 items")
+    first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
+    path = [str(p) for p in first.get("loc", ())
+            if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS or p[:1].isupper()))]
+    where = ".".join(path)
     got = first.get("input")
     shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
-    more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-    return APIError(400, f"{where or 'body'}: {first.get('msg')}; got {shown}{more}", param=where or None)
+    return APIError(400, f"{where or 'body'}: {first.get('msg')}; got {shown}", param=path[0] if path else None)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -230,27 +241,38 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         response_id = f"{kind}-{request_id:08x}{state.started:x}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request_id, outputs, response_id, chat, include_usage),
+            return StreamingResponse(_stream(request, request_id, outputs, response_id, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(request, request_id, outputs, response_id, chat)
 
-    async def _next(outputs):
-        out = await outputs.get()
+    async def _next(request, outputs):
+        """The request's next output; raises ``_ClientGone`` as soon as its client hangs up (uvicorn
+        drops writes to a closed connection silently, so nothing else would notice)."""
+        getter = asyncio.ensure_future(outputs.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    raise _ClientGone
+        finally:
+            if not getter.done():
+                getter.cancel()
+        out = getter.result()
         if isinstance(out, BaseException):
             raise APIError(503, str(out), type="server_error", code="engine_dead")
+        if await request.is_disconnected():
+            raise _ClientGone
         return out
 
     async def _whole(request, request_id, outputs, response_id, chat):
         out = None
         try:
             while out is None or not out.finished:
-                getter = asyncio.ensure_future(_next(outputs))
-                while not getter.done():
-                    await asyncio.wait({getter}, timeout=0.25)
-                    if not getter.done() and await request.is_disconnected():
-                        getter.cancel()
-                        raise APIError(499, "the client closed the connection", code="client_closed")
-                out = getter.result()
+                out = await _next(request, outputs)
+        except _ClientGone:
+            raise APIError(499, "the client closed the connection", code="client_closed") from None
         finally:
             if out is None or not out.finished:
                 engine.abort(request_id)
@@ -263,7 +285,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
 
-    async def _stream(request_id, outputs, response_id, chat, include_usage):
+    async def _stream(request, request_id, outputs, response_id, chat, include_usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -279,9 +301,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
                 yield chunk([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}])
             while not finished:
                 try:
-                    out = await _next(outputs)
+                    out = await _next(request, outputs)
                 except APIError as exc:
                     yield f"data: {json.dumps(exc.body())}\n\n"
+                    return
+                except _ClientGone:
                     return
                 finished = out.finished
                 if out.new_token_ids:  # one chunk per token (its text may be empty: half a UTF-8 character)

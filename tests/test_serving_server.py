@@ -1,0 +1,310 @@
+"""The OpenAI-compatible server on SmolLM2: the official client, raw HTTP errors, disconnects, load.
+
+One server (one engine thread) serves the module; tests that need other limits start their own
+app on the same loaded model. Every test ends with no request outstanding and no KV block held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import REPO, SMOLLM2
+
+pytestmark = SMOLLM2
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def wait_idle(engine, timeout_s: float = 30.0) -> None:
+    """Wait until the engine holds no request, then check that every KV block is back in the pool."""
+    deadline = time.monotonic() + timeout_s
+    while engine.num_outstanding or engine.engine.has_unfinished():
+        assert time.monotonic() < deadline, f"{engine.num_outstanding} requests still outstanding after {timeout_s} s"
+        time.sleep(0.02)
+    time.sleep(0.05)  # let the engine thread finish the step it is in
+    pool = engine.engine.scheduler.pool
+    assert pool.num_free == engine.engine.config.num_blocks, f"{engine.engine.config.num_blocks - pool.num_free} KV blocks leaked"
+    engine.engine.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    from infra_lib.serving.server import ServerThread, build_engine, create_app
+
+    engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=32, kv_blocks=384)
+    app = create_app(engine, MODEL)
+    with ServerThread(app) as thread:
+        yield thread, engine, app
+    assert not engine.is_alive, "the engine thread outlived its server"
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    thread, engine, _ = server
+    yield OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
+    wait_idle(engine)
+
+
+def test_openai_client_streamed_deltas_equal_the_whole_greedy_answer(client, smollm2):
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    assert whole.choices[0].message.content.startswith("The capital of France is Paris")
+    assert whole.usage.prompt_tokens == len(smollm2.tokenizer.encode_chat(QUESTION))
+
+    deltas, finish_reasons, usage, chunks = [], [], None, 0
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert not chunk.choices, "the usage chunk carries no choices"
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content is not None:
+                deltas.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finish_reasons.append(choice.finish_reason)
+        chunks += 1
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert finish_reasons == [whole.choices[0].finish_reason] == ["stop"]
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens == len(deltas)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_raw_stream_ends_with_done_after_one_finish_reason(server):
+    thread, engine, _ = server
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert reasons == ["length"]
+    assert all("usage" not in c for c in chunks), "usage appears only when stream_options asks for it"
+    assert sum("content" in c["choices"][0]["delta"] for c in chunks) == 5
+    wait_idle(engine)
+
+
+def test_completions_endpoint_stop_strings_lengths_and_seeds(client):
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text and whole.choices[0].text.strip()
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+
+    word = whole.choices[0].text.split()[1]
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[word])
+    assert word not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    assert whole.choices[0].text.startswith(stopped.choices[0].text)
+
+    sampled = [client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.9, seed=7,
+                                              max_tokens=16).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1], "the same seed must give the same sampled answer"
+
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 3
+
+
+def test_models_health_and_metrics_endpoints(server):
+    thread, _, _ = server
+    models = httpx.get(thread.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["object"] == "list"
+    assert httpx.get(thread.url + "/health").json()["status"] == "ok"
+    text = httpx.get(thread.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket"):
+        assert name in text, f"/metrics lacks {name}"
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, "invalid_json", None),
+    ("messages is a string", {"model": MODEL, "messages": "hi"}, 400, None, "messages"),
+    ("no messages", {"model": MODEL, "messages": []}, 400, None, "messages"),
+    ("temperature is a word", {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, None, "temperature"),
+    ("temperature too high", {"model": MODEL, "messages": QUESTION, "temperature": 9}, 400, None, "temperature"),
+    ("max_tokens zero", {"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, None, "max_tokens"),
+    ("max_tokens a float", {"model": MODEL, "messages": QUESTION, "max_tokens": 2.5}, 400, None, "max_tokens"),
+    ("n above one", {"model": MODEL, "messages": QUESTION, "n": 2}, 400, None, "n"),
+    ("unknown role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None, None),
+    ("five stop strings", {"model": MODEL, "messages": QUESTION, "stop": list("abcde")}, 400, None, "stop"),
+    ("empty stop string", {"model": MODEL, "messages": QUESTION, "stop": ""}, 400, None, "stop"),
+    ("no model", {"messages": QUESTION}, 400, None, "model"),
+    ("unknown model", {"model": "gpt-9", "messages": QUESTION}, 404, "model_not_found", "model"),
+    ("body is a list", [1, 2, 3], 400, None, None),
+]
+
+
+@pytest.mark.parametrize("name,body,status,code,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors_and_never_reach_the_engine(server, name, body, status, code, param):
+    thread, engine, _ = server
+    arrived = len(engine.engine.events.events(kind="arrived"))
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(thread.url + "/v1/chat/completions", content=content,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param, error
+    assert len(engine.engine.events.events(kind="arrived")) == arrived, f"{name} reached the engine"
+
+
+def test_oversize_prompts_are_refused_before_running(server, smollm2):
+    thread, engine, _ = server
+    long_text = "word " * 9000  # more tokens than the model's 8192 positions
+    response = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": long_text, "max_tokens": 4},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    # fits the context but not the KV pool (384 blocks of 16 tokens)
+    response = httpx.post(thread.url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "word " * 3000, "max_tokens": 4000}, timeout=60)
+    assert response.status_code == 400 and "blocks" in response.json()["error"]["message"]
+    response = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": [10 ** 9], "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    wait_idle(engine)
+    assert not engine.engine.has_unfinished()
+
+
+def test_a_full_queue_answers_429(smollm2):
+    from infra_lib.ops import run_load
+    from infra_lib.serving.server import ServerThread, build_engine, create_app
+
+    engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=1, kv_blocks=64, max_queue_len=1)
+    with ServerThread(create_app(engine, MODEL)) as thread:
+        result = run_load(thread.url, ["Hello"] * 6, model=MODEL, max_tokens=12, progress=False)
+        assert result.status_counts.get("429", 0) >= 1, result.status_counts
+        assert result.status_counts.get("200", 0) >= 2, result.status_counts
+        refused = [t for t in result.timings if t.error.startswith("429")]
+        assert all("busy" in t.error for t in refused)
+        wait_idle(engine)
+
+
+def test_a_client_that_hangs_up_aborts_its_request(server):
+    thread, engine, app = server
+    aborted = app.state.serving.metrics.snapshot().get('vllm:request_success_total{finished_reason="abort"}', 0)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # a whole (non-streamed) answer the client stops waiting for
+        httpx.post(thread.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    with httpx.stream("POST", thread.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"content"' in line:
+                break  # hang up mid-stream
+    wait_idle(engine, timeout_s=20)
+    after = app.state.serving.metrics.snapshot()['vllm:request_success_total{finished_reason="abort"}']
+    assert after - aborted == 2
+
+
+def test_load_with_hundreds_of_streams_some_hanging_up_leaks_nothing(server, smollm2):
+    from infra_lib.ops import run_load
+    from infra_lib.serving.observability import parse_metrics
+
+    thread, engine, _ = server
+    before = parse_metrics(httpx.get(thread.url + "/metrics").text)
+    n, hang_ups = 200, {i: 2 for i in range(0, 200, 10)}
+    prompts = [f"Give me one word about the number {i}." for i in range(n)]
+    result = run_load(thread.url, prompts, model=MODEL, max_tokens=6, disconnect_after=hang_ups, progress=False,
+                      seed=1)
+    assert result.status_counts == {"200": n - len(hang_ups), "disconnected": len(hang_ups)}, result.status_counts
+    summary = result.summary
+    assert summary["completed"] == n - len(hang_ups) and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * (n - len(hang_ups))
+    wait_idle(engine, timeout_s=60)
+
+    after = parse_metrics(httpx.get(thread.url + "/metrics").text)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta['vllm:request_success_total{finished_reason="length"}'] == n - len(hang_ups)
+    assert delta['vllm:request_success_total{finished_reason="abort"}'] == len(hang_ups)
+    lengths = [len(smollm2.tokenizer.encode_chat([{"role": "user", "content": p}])) for p in prompts]
+    assert [t.prompt_tokens for i, t in enumerate(result.timings) if i not in hang_ups] == \
+        [n_ for i, n_ in enumerate(lengths) if i not in hang_ups]
+    assert delta["vllm:prompt_tokens_total"] == sum(lengths)  # hung-up requests were admitted too
+    assert delta["vllm:generation_tokens_total"] >= summary["total_output_tokens"] + 2 * len(hang_ups)
+    assert delta["vllm:time_to_first_token_seconds_count"] == n
+    assert delta["vllm:e2e_request_latency_seconds_count"] == n
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    again = httpx.post(thread.url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION,
+                                                                  "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_server_metrics_agree_with_what_the_client_measured(server):
+    from infra_lib.ops import run_load
+    from infra_lib.serving.observability import parse_metrics
+
+    thread, engine, _ = server
+    wait_idle(engine)
+    before = parse_metrics(httpx.get(thread.url + "/metrics").text)
+    result = run_load(thread.url, [f"Count to {i}." for i in range(8)], model=MODEL, max_tokens=8, rate=4.0,
+                      max_concurrency=4, progress=False)
+    wait_idle(engine)
+    after = parse_metrics(httpx.get(thread.url + "/metrics").text)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta["vllm:prompt_tokens_total"] == result.summary["total_input_tokens"]
+    assert delta["vllm:generation_tokens_total"] == result.summary["total_output_tokens"] == 64
+    assert delta["vllm:inter_token_latency_seconds_count"] == 8 * 7
+    server_ttft = delta["vllm:time_to_first_token_seconds_sum"] / delta["vllm:time_to_first_token_seconds_count"]
+    client_ttft = result.summary["mean_ttft_ms"] / 1000
+    # the client starts its clock before the HTTP request and stops it after the SSE chunk arrives
+    assert server_ttft <= client_ttft + 0.005
+    assert client_ttft - server_ttft < 0.25, (client_ttft, server_ttft)
+    server_e2e = delta["vllm:e2e_request_latency_seconds_sum"] / delta["vllm:e2e_request_latency_seconds_count"]
+    assert server_e2e <= result.summary["mean_e2el_ms"] / 1000 + 0.005
+
+
+def test_infra_lab_serve_answers_the_openai_client(tmp_path):
+    from openai import OpenAI
+
+    from infra_lib.serving.server import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "grading.cli", "serve", "--port", str(port), "--max-num-seqs",
+                                "4", "--kv-blocks", "128"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "infra-lab serve did not answer within 120 s"
+            time.sleep(0.25)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+        assert "Paris" in answer.choices[0].message.content
+        assert "client = OpenAI(base_url=" in (tmp_path / "serve.log").read_text()
+    finally:
+        process.terminate()
+        process.wait(20)
+        log.close()
+
+
+def test_serve_rejects_bad_options():
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--kv-blocks", "0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--kv-blocks must be a positive integer" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--model", "/no/such.gguf"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "no such file" in result.stderr
