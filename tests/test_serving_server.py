@@ -308,3 +308,16 @@ def test_serve_rejects_bad_options():
     result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--model", "/no/such.gguf"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "no such file" in result.stderr
+
+
+def test_serve_load_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("serve_load", tmp_path / "serve_load.json")
+    runs = result["runs"]
+    assert runs["sequential"]["completed"] == result["plan"]["sequential_requests"]
+    assert runs["open_loop"]["completed"] + runs["open_loop"]["disconnected"] == result["plan"]["num_requests"]
+    assert runs["open_loop"]["failed"] == 0 and runs["open_loop"]["disconnected"] >= 1
+    assert runs["sequential"]["leaked_blocks"] == runs["open_loop"]["leaked_blocks"] == 0
+    assert result["engine_alive_after"] and result["throughput_vs_sequential"] > 0
+    assert result["seed"] == 0 and "machine_info" in result
