@@ -70,7 +70,8 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
                              "leaked_blocks": leaked_blocks(engine)}
         alive = engine.is_alive
     return {
-        "benchmark": "serve_load", "quick": quick, "seed": SEED, "plan": p, "slo_ms": SLO_MS,
+        "benchmark": "serve_load", "seed": SEED, "plan": p, "slo_ms": SLO_MS,
+        "flags": {"quick": quick, "device": str(device), "dtype": "float32", "endpoint": "chat", "stream": True},
         "engine": {"max_num_seqs": p["max_num_seqs"], "kv_blocks": 512, "block_size": 16},
         "runs": runs,
         "throughput_vs_sequential": runs["open_loop"]["output_throughput"] / runs["sequential"]["output_throughput"],
