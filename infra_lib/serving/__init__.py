@@ -7,6 +7,12 @@
     PagedKVStore       the K/V tensors, [num_blocks, block_size, n_kv_heads, head_dim] per layer
     PagedKVCache       one sequence's view, the model's KVCache interface (paged_kv.py)
     paged_attention    attention through block tables (paged_attention.py)
+
+Continuous batching (chapter 08): sequence.py, scheduler.py, model_runner.py, engine.py, llm.py,
+sim_clock.py, workload.py. The serving system (chapters 10-11): events.py (the engine's request
+lifecycle log), observability.py (vLLM-named Prometheus metrics from it), async_engine.py (the
+engine on its own thread, fed from asyncio) and server.py (the OpenAI-compatible HTTP server;
+import it from ``infra_lib.serving.server``, it pulls in FastAPI).
 """
 
 from infra_lib.serving.block_pool import BlockAllocator, BlockPool, OutOfBlocks
@@ -28,6 +34,7 @@ __all__ = [
 # Continuous batching (chapter 08): sequences, the scheduler, the batched model runner, the engine,
 # and a simulated clock for scheduling experiments without the model.
 from infra_lib.serving.engine import LLMEngine, RequestOutput, StepRecord, WallClock
+from infra_lib.serving.events import EngineEvent, EventLog
 from infra_lib.serving.llm import LLM
 from infra_lib.serving.model_runner import ModelRunner
 from infra_lib.serving.scheduler import Scheduler
@@ -38,7 +45,7 @@ from infra_lib.serving.sim_clock import (SimClock, SimulatedRunner, StepCostMode
 from infra_lib.serving.workload import WorkloadRequest, random_workload, replay, summarize
 
 __all__ += [
-    "LLM", "LLMEngine", "ModelRunner", "RequestMetrics", "RequestOutput", "ScheduledSeq", "Scheduler",
+    "EngineEvent", "EventLog", "LLM", "LLMEngine", "ModelRunner", "RequestMetrics", "RequestOutput", "ScheduledSeq", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "SimClock", "SimulatedRunner",
     "StepCostModel", "StepRecord", "WallClock", "WorkloadRequest", "calibrate", "calibration_shapes",
     "fit_step_costs", "random_workload", "replay", "step_shape", "summarize",
