@@ -7,12 +7,13 @@
 """
 
 from infra_lib.ops.cost import cost_per_million_tokens, max_rate_under_slo, plan_capacity, replicas_needed
+from infra_lib.ops.diagnose import FAULTS, Diagnosis, diagnose, run_scenario, window_stats
 from infra_lib.ops.latency import (RequestTiming, e2el, goodput, itl, meets_slo, percentile, summarize, tpot,
                                    ttft)
 from infra_lib.ops.loadgen import LoadResult, arrival_times, run_load, run_load_async
 
 __all__ = [
-    "LoadResult", "RequestTiming", "arrival_times", "cost_per_million_tokens", "e2el", "goodput", "itl",
+    "FAULTS", "Diagnosis", "LoadResult", "RequestTiming", "diagnose", "run_scenario", "window_stats", "arrival_times", "cost_per_million_tokens", "e2el", "goodput", "itl",
     "max_rate_under_slo", "meets_slo", "percentile", "plan_capacity", "replicas_needed", "run_load",
     "run_load_async", "summarize", "tpot", "ttft",
 ]

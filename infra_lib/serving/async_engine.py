@@ -101,7 +101,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         outputs: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", (prompt, params, tuple(stop)), loop, accepted, outputs))
+        arrival = self.engine.clock.now()  # now, not when the engine thread next looks (after its step)
+        self._inbox.put(("add", (prompt, params, tuple(stop), arrival), loop, accepted, outputs))
         self._wake.set()
         try:
             request_id = await accepted
@@ -154,9 +155,9 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, (prompt, params, stop), loop, accepted, outputs = command
+                _, (prompt, params, stop, arrival), loop, accepted, outputs = command
                 try:
-                    request_id = self.engine.add_request(prompt, params, stop=stop)
+                    request_id = self.engine.add_request(prompt, params, stop=stop, arrival_time=arrival)
                 except Exception as exc:  # a request the engine refuses: the handler answers 400
                     with self._lock:
                         self._outstanding -= 1

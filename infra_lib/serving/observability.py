@@ -73,6 +73,12 @@ class ServingMetrics:
         self.busy = Counter("infra_lab:engine_busy_seconds", "Seconds the engine spent inside steps.", label,
                             registry=r)
         self.steps = Counter("infra_lab:engine_steps", "Engine steps run.", label, registry=r)
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.busy, self.steps):
+            self._l(metric)  # every series exists (at 0) from the start, as a scraper expects
+        for reason in ("stop", "length", "abort"):
+            self._l(self.success, finished_reason=reason)
         self._arrival: dict[int, float] = {}
         self._last_token: dict[int, float] = {}
         self._lock = threading.Lock()
