@@ -72,6 +72,13 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
         return []  # it will fail when it runs, with the learner's own syntax error
     findings: list[Finding] = []
     modules = set(module_names) | _COMMON_MODULES
+    # names bound in this cell to modules outside the course's library: ``np.percentile`` is numpy's
+    outside = {name for name in _COMMON_MODULES}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not alias.name.startswith("infra_lib"):
+                    outside.add((alias.asname or alias.name).split(".")[0])
 
     def flag(kind: str, detail: str, node: ast.AST) -> None:
         findings.append(Finding(kind, detail, getattr(node, "lineno", 0)))
@@ -102,7 +109,7 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
                 flag(TAMPERING, f"uses {dotted}", node)
             elif dotted.startswith("threading.") and node.attr in _FORBIDDEN_THREADING:
                 flag(TAMPERING, f"uses {dotted}", node)
-            elif node.attr in shortcut_names:
+            elif node.attr in shortcut_names and _root(node) not in outside:
                 flag(SHORTCUT, f"uses {dotted or '...'}.{node.attr}" if not dotted else f"uses {dotted}", node)
             elif node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in _ALLOWED_DUNDERS:
                 flag(TAMPERING, f"reaches into {node.attr}", node)

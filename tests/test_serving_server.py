@@ -183,7 +183,7 @@ def test_oversize_prompts_are_refused_before_running(server, smollm2):
     assert not engine.engine.has_unfinished()
 
 
-def test_a_full_queue_answers_429(smollm2):
+def test_a_full_queue_answers_429(smollm2, tmp_path):
     from infra_lib.ops import run_load
     from infra_lib.serving.server import ServerThread, build_engine, create_app
 
@@ -194,6 +194,9 @@ def test_a_full_queue_answers_429(smollm2):
         assert result.status_counts.get("200", 0) >= 2, result.status_counts
         refused = [t for t in result.timings if t.error.startswith("429")]
         assert all("busy" in t.error for t in refused)
+        saved = json.loads(json.dumps(result.to_json(tmp_path / "load.json")))
+        assert json.loads((tmp_path / "load.json").read_text())["status_counts"] == result.status_counts
+        assert len(saved["requests"]) == 6 and saved["config"]["max_tokens"] == 12 and "machine" in saved
         wait_idle(engine)
 
 

@@ -9,8 +9,9 @@ arrived (each carrying one or more tokens), and the stream ended. From them:
     ITL    inter-token latency      the gaps between successive chunks, pooled over all requests
 
 TPOT and ITL differ: TPOT averages inside one request, then requests are weighed equally; ITL
-pools every gap, so long requests weigh more and a stall shows up as one big gap instead of
-being averaged away. A request with one output token has no TPOT (it counts as meeting a TPOT
+pools every gap, so long requests weigh more and a stall stays one big gap in the pool (its
+maximum, and its high percentiles once stalls are frequent) instead of being averaged into a
+request's TPOT. A request with one output token has no TPOT (it counts as meeting a TPOT
 SLO). Percentiles interpolate linearly between order statistics (``numpy.percentile``'s
 default). Goodput counts only the requests that met every SLO, per second.
 """

@@ -1,0 +1,788 @@
+"""Checks for lab 10 (serving latency metrics and P99 diagnosis): the learner writes plain functions
+over ``RequestTiming`` records (``ttft``, ``e2el``, ``tpot``, ``itl``), ``percentile``, the P-th
+percentile latencies of a run, ``goodput``, and ``diagnose(stats) -> str``.
+
+Inputs are seeded synthetic timings (streams of 0, 1 or many chunks, chunks carrying several
+tokens, failed and abandoned requests, stalls, ties) and real traces and window statistics of the
+simulated engine (``run_scenario``). Traces are made into plain data in ``make_inputs``, before any
+learner code runs: ``run_scenario`` calls the reference functions itself, which would count as a
+shortcut inside a driver. Drivers record each call as ``["value", result]`` or
+``["raised", "Type: message"]``, so that a raised exception names the input it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+from grading.checks.common import reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+_LATENCY = "infra_lib.ops.latency"
+_DIAGNOSE = "infra_lib.ops.diagnose"
+
+register_shortcuts("lab10", [f"{_LATENCY}:{name}" for name in
+                             ("ttft", "e2el", "tpot", "itl", "percentile", "meets_slo", "goodput", "summarize")]
+                   + [f"{_DIAGNOSE}:diagnose", f"{_DIAGNOSE}:p99_latency_ms"])
+
+FAULTS = ("healthy", "slow_dependency", "kv_pressure", "head_of_line", "overload")  # as infra_lib.ops.diagnose
+_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+_TASKS = {"ttft": "lab10 task 1: ttft", "e2el": "lab10 task 1: e2el", "tpot": "lab10 task 2: tpot",
+          "itl": "lab10 task 3: itl", "percentile": "lab10 task 4: percentile",
+          "latency_percentiles": "lab10 task 5: latency_percentiles", "goodput": "lab10 task 6: goodput",
+          "diagnose": "lab10 task 7: diagnose"}
+_NAN = float("nan")
+
+
+# --- calling the implementation, comparing numbers ------------------------------------------------
+
+def _outcome(fn, *args) -> list:
+    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
+    a MemoryError propagate (the check machinery reports them as such)."""
+    try:
+        return ["value", fn(*args)]
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception as exc:  # the learner's code may raise anything
+        return ["raised", f"{type(exc).__name__}: {exc}"[:200]]
+
+
+def _unwrap(item) -> tuple[str, object]:
+    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised"):
+        return item[0], item[1]
+    return "malformed", item
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
+
+
+def _same(got, expected: float, rel: float = 1e-9) -> bool:
+    """Equal numbers (nan equals nan; a tolerance for the order of float operations)."""
+    if not _is_number(got):
+        return False
+    if math.isnan(expected) or math.isnan(got):
+        return math.isnan(expected) and math.isnan(got)
+    return math.isclose(got, expected, rel_tol=rel, abs_tol=1e-12)
+
+
+def _fmt(value) -> str:
+    if _is_number(value):
+        return "nan" if math.isnan(value) else repr(round(value, 6))
+    return repr(value)
+
+
+def _compare_results(name: str, got, expected, cases, describe, value_problem) -> Mismatch | None:
+    """Case by case: an exception where a value was due (or the reverse), then ``value_problem``."""
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from {name}, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        (got_kind, got_value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        where = describe(case)
+        if want_kind == "raised":
+            error = str(want).split(":")[0]
+            if got_kind == "raised" and str(got_value).split(":")[0] == error:
+                continue
+            got_text = f"it raised {got_value}" if got_kind == "raised" else f"it returned {_fmt(got_value)}"
+            return Mismatch(f"{name} should raise {error} on an invalid input", f"on {where}: {got_text}")
+        if got_kind == "raised":
+            return Mismatch(f"{name} raised an exception on a valid input",
+                            f"on {where}: expected {_fmt(want)}, your code raised {got_value}")
+        if got_kind != "value":
+            return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
+        problem = value_problem(case, got_value, want)
+        if problem is not None:
+            what, detail = problem
+            return Mismatch(what, f"on {where}: {detail}")
+    return None
+
+
+# --- timings as plain data --------------------------------------------------------------------------
+
+def _timing(d: dict):
+    from infra_lib.ops.latency import RequestTiming
+
+    return RequestTiming(d["send_time"], list(d["chunk_times"]), d["end_time"], d["prompt_tokens"],
+                         d["output_tokens"], d["success"], d["error"])
+
+
+def _describe_timing(d: dict) -> str:
+    chunks = d["chunk_times"]
+    shown = ", ".join(_fmt(c) for c in chunks[:6])
+    if len(chunks) > 6:
+        shown += f", ... {_fmt(chunks[-1])}"
+    failed = "" if d["success"] else f", success=False, error={d['error']!r}"
+    return (f"RequestTiming(send_time={_fmt(d['send_time'])}, chunk_times=[{shown}] ({len(chunks)} chunks), "
+            f"end_time={_fmt(d['end_time'])}, output_tokens={d['output_tokens']}{failed})")
+
+
+def _synthetic(rng: random.Random, chunks: int, per_chunk: int = 1, stall: bool = False,
+               failed: str = "") -> dict:
+    """One request as a client saw it, times rounded to 0.1 ms. ``per_chunk`` > 1: the server flushes
+    several tokens per chunk. ``failed``: "" (success), "rejected" (no chunk), "error" (the stream broke
+    off) or "abandoned" (no end time)."""
+    send = round(rng.uniform(0.0, 30.0), 3)
+    t = send + rng.uniform(0.05, 0.8)
+    stall_at = rng.randrange(1, chunks) if stall and chunks > 1 else -1
+    times = []
+    for i in range(chunks):
+        if i:
+            t += rng.uniform(0.015, 0.05) * per_chunk + (rng.uniform(0.4, 1.2) if i == stall_at else 0.0)
+        times.append(round(t, 4))
+    tokens = chunks * per_chunk - (rng.randrange(per_chunk) if chunks and per_chunk > 1 else 0)
+    end = round(times[-1] + rng.uniform(0.0005, 0.004), 4) if times else round(send + rng.uniform(0.02, 0.3), 4)
+    error = {"": "", "rejected": "HTTP 429: the server is at capacity", "error": "HTTP 500: engine error",
+             "abandoned": "client timeout after 30 s"}[failed]
+    return {"send_time": send, "chunk_times": times, "end_time": _NAN if failed == "abandoned" else end,
+            "prompt_tokens": rng.randint(16, 512), "output_tokens": tokens, "success": not failed, "error": error}
+
+
+def _mixed_timings(rng: random.Random) -> list[dict]:
+    """The visible cases of tasks 1 to 3: plain streams first, then the ones that tell mistakes apart."""
+    return [
+        _synthetic(rng, rng.randint(8, 14)),  # one token per chunk
+        _synthetic(rng, rng.randint(6, 10), per_chunk=rng.randint(3, 5)),  # several tokens per chunk
+        _synthetic(rng, rng.randint(10, 16), stall=True),  # one long stall mid-stream
+        _synthetic(rng, 2),  # two tokens: one gap
+        _synthetic(rng, 1),  # a single token: no TPOT, no gap
+        _synthetic(rng, 1, per_chunk=rng.randint(12, 30)),  # not streamed: the whole answer in one chunk
+        _synthetic(rng, 0, failed="rejected"),  # refused before any token
+        _synthetic(rng, rng.randint(3, 8), failed="error"),  # the stream broke off
+        _synthetic(rng, rng.randint(3, 8), failed="abandoned"),  # the client gave up: no end time
+    ]
+
+
+@functools.cache
+def _scenario(name: str, seed: int) -> tuple[dict, tuple[dict, ...]]:
+    """``run_scenario``'s window stats and client timings, as plain data (cached: every check of a
+    grading run that picks the same scenario shares it)."""
+    from infra_lib.ops.diagnose import run_scenario
+
+    run = run_scenario(name, seed)
+    return dict(run["stats"]), tuple(t.as_dict() for t in run["timings"])
+
+
+def _stats(name: str, seed: int) -> dict:
+    return dict(_scenario(name, seed)[0])
+
+
+def _merged(rng: random.Random, d: dict) -> dict:
+    """The same request from a server that flushes ``group`` tokens per chunk."""
+    group = rng.randint(2, 4)
+    times = d["chunk_times"]
+    merged = [times[min(i + group, len(times)) - 1] for i in range(0, len(times), group)]
+    return {**d, "chunk_times": merged}
+
+
+def _broken(rng: random.Random, d: dict) -> dict:
+    """The same request failing part-way: an engine error, or a client that gave up."""
+    keep = rng.randrange(len(d["chunk_times"]) + 1)
+    times = d["chunk_times"][:keep]
+    if rng.random() < 0.5:
+        return {**d, "chunk_times": times, "end_time": _NAN, "output_tokens": keep, "success": False,
+                "error": "client timeout after 30 s"}
+    end = (times[-1] if times else d["send_time"]) + 0.01
+    return {**d, "chunk_times": times, "end_time": end, "output_tokens": keep, "success": False,
+            "error": "HTTP 500: engine error"}
+
+
+def _trace(rng: random.Random, name: str | None = None, size: int | None = None) -> list[dict]:
+    """Client timings of one scenario on the simulated engine, some re-chunked, a few failed."""
+    name = name or rng.choice(FAULTS)
+    timings = [dict(t) for t in _scenario(name, rng.randrange(8))[1]]
+    if size is not None:
+        timings = rng.sample(timings, size)
+    out = []
+    for d in timings:
+        d = {**d, "chunk_times": list(d["chunk_times"])}
+        roll = rng.random()
+        out.append(_merged(rng, d) if roll < 0.3 else _broken(rng, d) if roll < 0.4 else d)
+    return out
+
+
+# --- task 1: ttft and e2el ---------------------------------------------------------------------------
+
+def _drive_per_request(fn, cases: list[dict]) -> list:
+    return [_outcome(fn, _timing(d)) for d in cases]
+
+
+def _ttft_problem(d: dict, got, want):
+    if _same(got, want):
+        return None
+    chunks = d["chunk_times"]
+    note = ""
+    if math.isnan(want):
+        note = "; with no chunk there is no first token: return float('nan')"
+    elif _same(got, chunks[0]):
+        note = "; that is when the first chunk arrived: subtract send_time"
+    elif _same(got, d["end_time"] - d["send_time"]):
+        note = "; that is the end-to-end latency: TTFT stops at the first chunk"
+    return "ttft returned the wrong time to first token", f"expected {_fmt(want)}, got {_fmt(got)}{note}"
+
+
+def _e2el_problem(d: dict, got, want):
+    if _same(got, want):
+        return None
+    note = ""
+    if d["chunk_times"] and _same(got, d["end_time"] - d["chunk_times"][0]):
+        note = "; that starts at the first chunk: E2EL starts when the request was sent"
+    elif d["chunk_times"] and _same(got, d["chunk_times"][-1] - d["send_time"]):
+        note = "; that stops at the last chunk: E2EL stops at end_time"
+    return "e2el returned the wrong end-to-end latency", f"expected {_fmt(want)}, got {_fmt(got)}{note}"
+
+
+def _compare_ttft(got, expected, cases):
+    return _compare_results("ttft", got, expected, cases, _describe_timing, _ttft_problem)
+
+
+def _compare_e2el(got, expected, cases):
+    return _compare_results("e2el", got, expected, cases, _describe_timing, _e2el_problem)
+
+
+def _trace_sample(rng: random.Random) -> list[dict]:
+    return _trace(rng, size=24)
+
+
+_TTFT_HINT = ("TTFT = chunk_times[0] - send_time: from sending the request to the first chunk. Return float('nan') "
+              "when no chunk arrived (a request refused or failed before its first token).")
+_E2EL_HINT = ("E2EL = end_time - send_time, for every request, failed or not; a request the client abandoned has "
+              "end_time nan, so its E2EL is nan too.")
+
+for check_id, task, make, compare, hint in (
+        ("lab10.ttft", "ttft", _mixed_timings, _compare_ttft, _TTFT_HINT),
+        ("lab10.e2el", "e2el", _mixed_timings, _compare_e2el, _E2EL_HINT),
+        ("lab10.ttft_real_traces", "ttft", _trace_sample, _compare_ttft,
+         _TTFT_HINT + " Traces of the simulated engine, some failed, some several tokens per chunk."),
+        ("lab10.e2el_real_traces", "e2el", _trace_sample, _compare_e2el,
+         _E2EL_HINT + " Traces of the simulated engine, some failed, some several tokens per chunk.")):
+    register(Check(check_id=check_id, task=_TASKS[task], reference=reference(_LATENCY, task), make_inputs=make,
+                   drive=_drive_per_request, compare=compare, hint=hint))
+
+
+# --- task 2: tpot ------------------------------------------------------------------------------------
+
+def _tpot_problem(d: dict, got, want):
+    if _same(got, want):
+        return None
+    chunks, n = d["chunk_times"], d["output_tokens"]
+    e2el = d["end_time"] - d["send_time"]
+    after_first = e2el - (chunks[0] - d["send_time"]) if chunks else _NAN
+    note = ""
+    if math.isnan(want) and n < 2:
+        note = f"; with {n} output token(s) there is no time between tokens: return float('nan')"
+    elif len(chunks) > 1 and _same(got, after_first / (len(chunks) - 1)):
+        note = (f"; you divided by the number of chunks minus 1 ({len(chunks) - 1}), but these {len(chunks)} chunks "
+                f"carry {n} tokens: divide by output_tokens - 1")
+    elif _same(got, after_first / n):
+        note = "; you divided by output_tokens: n tokens leave n - 1 intervals after the first one"
+    elif _same(got, e2el / n) or _same(got, e2el / (n - 1)):
+        note = "; that includes the wait for the first token: subtract TTFT from E2EL first"
+    return "tpot returned the wrong time per output token", f"expected {_fmt(want)}, got {_fmt(got)}{note}"
+
+
+def _compare_tpot(got, expected, cases):
+    return _compare_results("tpot", got, expected, cases, _describe_timing, _tpot_problem)
+
+
+_TPOT_HINT = ("TPOT = (E2EL - TTFT) / (output_tokens - 1): the time after the first token, shared by the tokens "
+              "after the first. TPOT divides by output_tokens - 1, not by the number of chunks (a chunk can carry "
+              "several tokens); below 2 output tokens it is float('nan').")
+
+register(Check(check_id="lab10.tpot", task=_TASKS["tpot"], reference=reference(_LATENCY, "tpot"),
+               make_inputs=_mixed_timings, drive=_drive_per_request, compare=_compare_tpot, hint=_TPOT_HINT))
+register(Check(check_id="lab10.tpot_real_traces", task=_TASKS["tpot"], reference=reference(_LATENCY, "tpot"),
+               make_inputs=_trace_sample, drive=_drive_per_request, compare=_compare_tpot,
+               hint=_TPOT_HINT + " Traces of the simulated engine, some failed, some several tokens per chunk."))
+
+
+# --- task 3: itl -------------------------------------------------------------------------------------
+
+def _itl_problem(d: dict, got, want):
+    chunks = d["chunk_times"]
+    if type(got) is not list:
+        note = "; return the list of gaps (the run's summary pools them later)" if _is_number(got) else ""
+        return "itl must return a list of gaps", f"got {_fmt(got)}{note}"
+    if len(got) != len(want):
+        note = ""
+        if len(got) == len(want) + 1 and got and chunks and _same(got[0], chunks[0] - d["send_time"]):
+            note = "; your first gap is the TTFT: the gaps start at the first chunk"
+        elif len(got) == len(want) + 1 and got and chunks and _same(got[-1], d["end_time"] - chunks[-1]):
+            note = "; your last gap runs to end_time: only gaps between chunks count"
+        elif len(got) == max(d["output_tokens"] - 1, 0) != len(want):
+            note = "; one gap per pair of successive chunks, not per token"
+        return "itl returned the wrong number of gaps", (f"expected {len(want)} gaps ({len(chunks)} chunks give "
+                                                          f"{max(len(chunks) - 1, 0)}), got {len(got)}{note}")
+    for k, (g, e) in enumerate(zip(got, want)):
+        if not _same(g, e):
+            note = ""
+            if all(_is_number(x) for x in got) and sorted(got) == sorted(want):
+                note = "; the gaps are right but out of order: keep the order in which the chunks arrived"
+            return "itl returned a wrong gap", (f"gap {k} (from the chunk at {_fmt(chunks[k])} to the one at "
+                                                f"{_fmt(chunks[k + 1])}): expected {_fmt(e)}, got {_fmt(g)}{note}")
+    return None
+
+
+def _compare_itl(got, expected, cases):
+    return _compare_results("itl", got, expected, cases, _describe_timing, _itl_problem)
+
+
+_ITL_HINT = ("the gaps of one request: chunk_times[i + 1] - chunk_times[i] for each pair of successive chunks, in "
+             "arrival order, so n chunks give n - 1 gaps (none for 0 or 1 chunk). The wait before the first chunk is "
+             "TTFT, not a gap, and a gap is per chunk, not per token.")
+
+register(Check(check_id="lab10.itl", task=_TASKS["itl"], reference=reference(_LATENCY, "itl"),
+               make_inputs=_mixed_timings, drive=_drive_per_request, compare=_compare_itl, hint=_ITL_HINT))
+register(Check(check_id="lab10.itl_real_traces", task=_TASKS["itl"], reference=reference(_LATENCY, "itl"),
+               make_inputs=_trace_sample, drive=_drive_per_request, compare=_compare_itl,
+               hint=_ITL_HINT + " Traces of the simulated engine, some several tokens per chunk."))
+
+
+# --- task 4: percentile ------------------------------------------------------------------------------
+
+def _values(rng: random.Random, n: int, ties: bool = False) -> list[float]:
+    if ties:
+        return [float(rng.choice([12, 12, 15, 15, 15, 40])) for _ in range(n)]
+    return [round(rng.lognormvariate(4.0, 0.6), 1) for _ in range(n)]
+
+
+def _percentile_cases(rng: random.Random) -> list[list]:
+    return [
+        [_values(rng, 9), 50], [_values(rng, 11), 90], [_values(rng, 8), 99], [_values(rng, 10, ties=True), 75],
+        [_values(rng, 7), 0], [_values(rng, 7), 100], [[round(rng.uniform(10, 90), 1)], 99], [[], 99],
+        [_values(rng, 5), 101], [_values(rng, 5), -1],
+    ]
+
+
+def _percentile_edges(rng: random.Random) -> list[list]:
+    big = _values(rng, rng.randint(900, 1100))
+    return [
+        [big, 99], [big, 99.9], [big, 50], [_values(rng, 101), 99], [_values(rng, 12, ties=True), 99],
+        [[7.0] * rng.randint(2, 9), 37.5], [[rng.randint(1, 9) for _ in range(6)], 62.5], [_values(rng, 2), 99],
+        [[], 0], [[], 100], [[], 150], [_values(rng, 4), 100.5], [_values(rng, 4), -0.25], [_values(rng, 3), 0.0],
+    ]
+
+
+def _drive_percentile(fn, cases: list[list]) -> list:
+    return [_outcome(fn, list(values), p) for values, p in cases]
+
+
+def _describe_values(case: list) -> str:
+    values, p = case
+    if len(values) <= 12:
+        return f"values={values}, p={p}"
+    return f"{len(values)} values ({', '.join(map(str, values[:5]))}, ...; from {min(values)} to {max(values)}), p={p}"
+
+
+def _percentile_problem(case: list, got, want):
+    if _same(got, want):
+        return None
+    values, p = case
+    note = ""
+    if math.isnan(want):
+        note = "; with no values there is no percentile: return float('nan')"
+    elif _is_number(got) and values:
+        xs, n = sorted(values), len(values)
+        rank = (n - 1) * p / 100
+
+        def interpolate(seq, r):
+            lo = min(math.floor(r), len(seq) - 1)
+            hi = min(lo + 1, len(seq) - 1)
+            return seq[lo] + (seq[hi] - seq[lo]) * (r - lo)
+
+        if not _same(interpolate(values, rank), want) and _same(got, interpolate(values, rank)):
+            note = "; you interpolated between the values in the order given: sort them first"
+        elif got in xs and rank != int(rank):
+            note = (f"; that is one of the values: the rank (n - 1) * p / 100 = {rank:g} falls between two sorted "
+                    "values, so interpolate linearly between them")
+        elif got in xs:
+            note = f"; sorted, the value at rank (n - 1) * p / 100 = {rank:g} (counting from 0) is the answer"
+        elif _same(got, interpolate(xs, min(n * p / 100, n - 1))):
+            note = f"; the rank is (n - 1) * p / 100 = {rank:g} (counting from 0), not n * p / 100"
+    return "percentile returned the wrong value", f"expected {_fmt(want)}, got {_fmt(got)}{note}"
+
+
+def _compare_percentile(got, expected, cases):
+    return _compare_results("percentile", got, expected, cases, _describe_values, _percentile_problem)
+
+
+_PERCENTILE_HINT = ("sort the values; rank = (n - 1) * p / 100 counting from 0; with lo = floor(rank) return "
+                    "xs[lo] + (xs[lo + 1] - xs[lo]) * (rank - lo) (just xs[lo] at the top). No values: float('nan'); "
+                    "p outside [0, 100]: raise ValueError, whatever the values.")
+
+register(Check(check_id="lab10.percentile", task=_TASKS["percentile"], reference=reference(_LATENCY, "percentile"),
+               make_inputs=_percentile_cases, drive=_drive_percentile, compare=_compare_percentile,
+               hint=_PERCENTILE_HINT))
+register(Check(check_id="lab10.percentile_edges", task=_TASKS["percentile"],
+               reference=reference(_LATENCY, "percentile"), make_inputs=_percentile_edges, drive=_drive_percentile,
+               compare=_compare_percentile,
+               hint=_PERCENTILE_HINT + " Large inputs, ties, integers, p = 99.9, empty lists and invalid p."))
+
+
+# --- task 5: latency_percentiles ---------------------------------------------------------------------
+
+def reference_latency_percentiles(timings: list, p: float = 99.0) -> dict[str, float]:
+    """The reference's answer to task 5, read off ``summarize``."""
+    from infra_lib.ops.latency import summarize
+
+    summary = summarize(timings, 1.0, percentiles=(p,))
+    return {key: summary[f"p{p:g}_{key}"] for key in _KEYS}
+
+
+def _synthetic_run(rng: random.Random, size: int) -> list[dict]:
+    kinds = [lambda: _synthetic(rng, rng.randint(4, 30)), lambda: _synthetic(rng, rng.randint(4, 30), stall=True),
+             lambda: _synthetic(rng, rng.randint(3, 8), per_chunk=rng.randint(2, 5)), lambda: _synthetic(rng, 1),
+             lambda: _synthetic(rng, 0, failed="rejected"), lambda: _synthetic(rng, rng.randint(2, 9), failed="error")]
+    weights = [8, 3, 3, 2, 1, 1]
+    run = [make() for make in kinds] + [rng.choices(kinds, weights)[0]() for _ in range(size - len(kinds))]
+    rng.shuffle(run)  # every kind at least once, in any order
+    return run
+
+
+def _run_cases(rng: random.Random) -> list[dict]:
+    return [{"timings": _synthetic_run(rng, 8), "p": 90}, {"timings": _synthetic_run(rng, 30), "p": 99}]
+
+
+def _trace_runs(rng: random.Random) -> list[dict]:
+    faults = rng.sample(FAULTS, 2)
+    return [{"timings": _trace(rng, faults[0]), "p": 99}, {"timings": _trace(rng, faults[1]), "p": 99.9},
+            {"timings": _synthetic_run(rng, 40), "p": 50},
+            {"timings": [_synthetic(rng, 0, failed="rejected") for _ in range(3)], "p": 99},  # nothing succeeded
+            {"timings": [_synthetic(rng, 1) for _ in range(4)], "p": 99}]  # single tokens: no TPOT, no gap
+
+
+def _drive_runs(fn, cases: list[dict]) -> list:
+    return [_outcome(fn, [_timing(d) for d in case["timings"]], case["p"]) for case in cases]
+
+
+def _describe_run(case: dict) -> str:
+    timings = case["timings"]
+    failed = sum(not d["success"] for d in timings)
+    single = sum(d["success"] and d["output_tokens"] < 2 for d in timings)
+    grouped = sum(d["success"] and len(d["chunk_times"]) != d["output_tokens"] for d in timings)
+    return (f"a run of {len(timings)} requests ({failed} failed, {single} with a single output token, {grouped} "
+            f"streaming several tokens per chunk), p={case['p']}")
+
+
+def _alternatives(case: dict, key: str) -> dict[str, float]:
+    """What common mistakes would give for one key (computed with the reference, for the message only)."""
+    from infra_lib.ops.latency import e2el, itl, percentile, tpot, ttft
+
+    timings = [_timing(d) for d in case["timings"]]
+    ok = [t for t in timings if t.success]
+    p = case["p"]
+
+    def pct(values):
+        return percentile([v * 1000 for v in values if not math.isnan(v)], p)
+
+    metric = {"ttft_ms": ttft, "tpot_ms": tpot, "e2el_ms": e2el}.get(key)
+    out = {}
+    if key == "itl_ms":
+        out["you averaged each request's gaps first: pool every gap of every successful request into one list "
+            "(long requests weigh more, and a stall stays one big gap)"] = pct(
+            [sum(itl(t)) / len(itl(t)) for t in ok if itl(t)])
+        out["you included the failed requests: latencies are over the successful ones only"] = pct(
+            [g for t in timings for g in itl(t)])
+    else:
+        out["you included the failed requests: latencies are over the successful ones only"] = pct(
+            [metric(t) for t in timings])
+    return out
+
+
+_YOURS = "; this uses your functions from tasks 1 to 4: if one of their checks fails, fix that first"
+
+
+def _run_problem(case: dict, got, want):
+    if type(got) is not dict or set(got) != set(_KEYS):
+        keys = sorted(got) if type(got) is dict else f"a {type(got).__name__}"
+        return ("latency_percentiles must return a dict with the keys ttft_ms, tpot_ms, itl_ms, e2el_ms",
+                f"got {keys}")
+    for key in _KEYS:
+        g, e = got[key], want[key]
+        if _same(g, e):
+            continue
+        note = ""
+        if _is_number(g) and math.isnan(g) and not math.isnan(e):
+            note = "; leave out the nan values (no chunk, or fewer than two tokens) before taking the percentile"
+        elif _is_number(g) and not math.isnan(e) and _same(g * 1000, e):
+            note = "; the values are in seconds: the keys ask for milliseconds"
+        elif _is_number(g):
+            note = next((f"; {why}" for why, value in _alternatives(case, key).items()
+                         if not _same(value, e) and _same(g, value)), _YOURS)
+        return f"latency_percentiles returned the wrong {key}", f"expected {_fmt(e)}, got {_fmt(g)}{note}"
+    return None
+
+
+def _compare_runs(got, expected, cases):
+    return _compare_results("latency_percentiles", got, expected, cases, _describe_run, _run_problem)
+
+
+_RUN_HINT = ("keep the successful requests; per metric, leave out nan values and convert seconds to milliseconds, "
+             "then take your percentile. TTFT, TPOT and E2EL give one value per request; ITL pools every gap of "
+             "every successful request into one list (do not average per request first). Use your functions from "
+             "tasks 1 to 4.")
+
+register(Check(check_id="lab10.latency_percentiles", task=_TASKS["latency_percentiles"],
+               reference=lambda: reference_latency_percentiles, make_inputs=_run_cases, drive=_drive_runs,
+               compare=_compare_runs, hint=_RUN_HINT))
+register(Check(check_id="lab10.latency_percentiles_traces", task=_TASKS["latency_percentiles"],
+               reference=lambda: reference_latency_percentiles, make_inputs=_trace_runs, drive=_drive_runs,
+               compare=_compare_runs,
+               hint=_RUN_HINT + " Whole traces of the simulated engine, p = 99.9 and 50, a run where nothing "
+                                "succeeded (every key nan) and one of single tokens."))
+
+
+# --- task 6: goodput ---------------------------------------------------------------------------------
+
+def _limits_near(rng: random.Random, timings: list[dict]) -> dict[str, float]:
+    """SLO limits (ms) that some successful requests of the run meet and some miss."""
+    ok = [d for d in timings if d["success"] and d["chunk_times"]]
+    ttfts = sorted((d["chunk_times"][0] - d["send_time"]) * 1000 for d in ok)
+    tpots = sorted((d["end_time"] - d["chunk_times"][0]) * 1000 / (d["output_tokens"] - 1)
+                   for d in ok if d["output_tokens"] > 1)
+    e2els = sorted((d["end_time"] - d["send_time"]) * 1000 for d in ok)
+
+    def between(xs):  # halfway between two neighbours well apart: no latency lies near the limit
+        apart = [i for i in range(len(xs) - 1) if xs[i + 1] - xs[i] > 0.01]
+        if not apart:
+            return round(xs[-1] + 1.0, 3) if xs else 100.0
+        i = rng.choice(apart)
+        return round((xs[i] + xs[i + 1]) / 2, 3)
+
+    return {"ttft": between(ttfts), "tpot": between(tpots), "e2el": between(e2els)}
+
+
+def _goodput_cases(rng: random.Random) -> list[dict]:
+    timings = _synthetic_run(rng, 24)
+    limits = _limits_near(rng, timings)
+    duration = round(max(d["end_time"] for d in timings if not math.isnan(d["end_time"])) + 1.0, 3)
+    subsets = [("ttft",), ("tpot",), ("ttft", "tpot"), ("e2el",), ("ttft", "tpot", "e2el"), ()]
+    return [{"timings": timings, "duration_s": duration, "slo_ms": {k: limits[k] for k in keys}} for keys in subsets]
+
+
+def _dyadic(send: float, first: float, gap: float, chunks: int, success: bool = True) -> dict:
+    """A request whose times are exact in binary, so that a limit equal to a latency is exactly equal."""
+    times = [send + first + i * gap for i in range(chunks)]
+    return {"send_time": send, "chunk_times": times, "end_time": times[-1] if times else send + first,
+            "prompt_tokens": 32, "output_tokens": chunks, "success": success,
+            "error": "" if success else "HTTP 500: engine error"}
+
+
+def _goodput_edges(rng: random.Random) -> list[dict]:
+    send = float(rng.randint(0, 40)) / 2
+    at_limit = [_dyadic(send, 0.25, 0.03125, rng.randint(3, 9)) for _ in range(3)]  # TTFT 250 ms, TPOT 31.25 ms
+    above = [_dyadic(send, 0.5, 0.0625, 5), _dyadic(send, 0.125, 0.125, 4)]
+    single = [_dyadic(send, 0.125, 0.03125, 1) for _ in range(2)]  # one token: no TPOT to judge
+    failed_fast = [_dyadic(send, 0.0625, 0.015625, 6, success=False)]
+    no_chunk = [{**_synthetic(rng, 0), "success": True}]  # succeeded without a chunk: no TTFT
+    batch = at_limit + above + single + failed_fast + no_chunk
+    trace = _trace(rng)
+    duration = float(rng.randint(4, 20))
+    return [
+        {"timings": batch, "duration_s": duration, "slo_ms": {"ttft": 250.0, "tpot": 31.25}},
+        {"timings": batch, "duration_s": duration, "slo_ms": {"tpot": 31.25}},
+        {"timings": batch, "duration_s": duration, "slo_ms": {"ttft": 250.0}},
+        {"timings": batch, "duration_s": duration, "slo_ms": {}},
+        {"timings": [], "duration_s": duration, "slo_ms": {"ttft": 250.0}},
+        {"timings": batch, "duration_s": 0.0, "slo_ms": {"ttft": 250.0}},
+        {"timings": batch, "duration_s": -duration, "slo_ms": {}},
+        {"timings": trace, "duration_s": round(trace[-1]["send_time"] + 5.0, 3), "slo_ms": _limits_near(rng, trace)},
+    ]
+
+
+def _drive_goodput(fn, cases: list[dict]) -> list:
+    return [_outcome(fn, [_timing(d) for d in case["timings"]], case["duration_s"], dict(case["slo_ms"]))
+            for case in cases]
+
+
+def _describe_goodput(case: dict) -> str:
+    timings = case["timings"]
+    failed = sum(not d["success"] for d in timings)
+    single = sum(d["success"] and d["output_tokens"] < 2 for d in timings)
+    return (f"{len(timings)} requests ({failed} failed, {single} with fewer than two output tokens), "
+            f"duration_s={case['duration_s']}, slo_ms={case['slo_ms']}")
+
+
+def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, strict=False, seconds=False) -> float:
+    """Goodput computed with one common mistake, for the message."""
+    met = 0
+    for d in case["timings"]:
+        chunks = d["chunk_times"]
+        first = chunks[0] - d["send_time"] if chunks else _NAN
+        e2el = d["end_time"] - d["send_time"]
+        tpot = (e2el - first) / (d["output_tokens"] - 1) if d["output_tokens"] > 1 and chunks else _NAN
+        measured = {"ttft": first, "tpot": tpot, "e2el": e2el}
+        ok = d["success"] or count_failed
+        for key, limit in case["slo_ms"].items():
+            value = measured[key] * (1 if seconds else 1000)
+            if key == "tpot" and math.isnan(value) and not nan_tpot_fails:
+                continue
+            if not (value < limit if strict else value <= limit):
+                ok = False
+        met += ok
+    return met / case["duration_s"]
+
+
+def _goodput_problem(case: dict, got, want):
+    if _same(got, want):
+        return None
+    mistakes = {"you counted failed requests: a request that failed never meets an SLO": {"count_failed": True},
+                "a request with fewer than two tokens has no TPOT (nan) and meets any TPOT SLO":
+                    {"nan_tpot_fails": True},
+                "a latency equal to its limit meets the SLO (<=, not <)": {"strict": True},
+                "the limits are in milliseconds and the latencies in seconds: multiply by 1000": {"seconds": True}}
+    note = next((f"; {why}" for why, flags in mistakes.items()
+                 if _is_number(got) and not _same(_variant_goodput(case, **flags), want)
+                 and _same(got, _variant_goodput(case, **flags))), "")
+    per_request = want * case["duration_s"] / len(case["timings"]) if case["timings"] else _NAN
+    if not note and _same(got, per_request) and not _same(per_request, want):
+        note = "; divide the count by duration_s (requests per second), not by the number of requests"
+    return "goodput returned the wrong rate", f"expected {_fmt(want)} requests/s, got {_fmt(got)}{note or _YOURS}"
+
+
+def _compare_goodput(got, expected, cases):
+    return _compare_results("goodput", got, expected, cases, _describe_goodput, _goodput_problem)
+
+
+_GOODPUT_HINT = ("count the requests that succeeded and met every SLO in slo_ms (only the keys present; latency in "
+                 "ms <= limit), then divide by duration_s. A nan TPOT (fewer than two tokens) does not count against "
+                 "a TPOT SLO; a nan TTFT or E2EL fails its SLO; a failed request never counts; no SLO at all: every "
+                 "successful request counts. duration_s <= 0: raise ValueError.")
+
+register(Check(check_id="lab10.goodput", task=_TASKS["goodput"], reference=reference(_LATENCY, "goodput"),
+               make_inputs=_goodput_cases, drive=_drive_goodput, compare=_compare_goodput, hint=_GOODPUT_HINT))
+register(Check(check_id="lab10.goodput_edges", task=_TASKS["goodput"], reference=reference(_LATENCY, "goodput"),
+               make_inputs=_goodput_edges, drive=_drive_goodput, compare=_compare_goodput,
+               hint=_GOODPUT_HINT + " Latencies exactly at their limits, single tokens, a failed fast request, a "
+                                    "success without a chunk, no requests, a non-positive duration, a real trace."))
+
+
+# --- task 7: diagnose --------------------------------------------------------------------------------
+
+def reference_diagnose(stats: dict) -> str:
+    """The reference's answer to task 7: the name of the fault ``diagnose`` finds."""
+    from infra_lib.ops.diagnose import diagnose
+
+    return diagnose(stats).fault
+
+
+_RULE_KEYS = ("busy_fraction", "p99_ttft_ms", "engine_p99_ttft_ms", "preemptions", "kv_usage_peak", "max_step_ms",
+              "median_step_ms", "max_prefill_tokens", "p99_queue_ms")
+
+
+def _scenario_cases(rng: random.Random, seeds_per_fault: int = 1, pool: int = 8) -> list[dict]:
+    cases = []
+    for name in FAULTS:
+        for seed in rng.sample(range(pool), seeds_per_fault):
+            cases.append({"label": f"the window stats of scenario {name!r} (seed {seed})", "stats": _stats(name, seed)})
+    return cases
+
+
+def _more_scenarios(rng: random.Random) -> list[dict]:
+    cases = _scenario_cases(rng, 2, 40)
+    rng.shuffle(cases)
+    return cases
+
+
+def _window(rng: random.Random, **changes) -> dict:
+    """Window stats of a calm engine (every rule false), with ``changes`` applied. Whole numbers of ms and
+    binary-exact fractions, so that a value placed on a threshold is exactly on it."""
+    median = float(rng.randint(20, 60))
+    engine_ttft = float(rng.randint(150, 400))
+    stats = {"duration_s": float(rng.randint(30, 120)), "busy_fraction": rng.choice([0.375, 0.5, 0.625, 0.75]),
+             "steps": rng.randint(500, 3000), "preemptions": 0, "kv_usage_peak": rng.choice([0.125, 0.25, 0.5]),
+             "max_prefill_tokens": rng.randint(64, 512), "median_step_ms": median,
+             "p99_step_ms": median * 3, "max_step_ms": median * rng.randint(3, 6), "p99_queue_ms": median * 2,
+             "engine_p99_ttft_ms": engine_ttft, "engine_p99_e2el_ms": engine_ttft * 8,
+             "p99_ttft_ms": engine_ttft + rng.randint(0, 40), "p99_tpot_ms": median * 2, "p99_itl_ms": median * 3,
+             "p99_e2el_ms": engine_ttft * 8}
+    for key, value in changes.items():
+        stats[key] = value(stats) if callable(value) else value
+    return stats
+
+
+def _threshold_cases(rng: random.Random) -> list[dict]:
+    def outside(extra):  # the clients' P99 TTFT, ``extra`` ms beyond rule 1's threshold
+        return lambda s: s["engine_p99_ttft_ms"] + max(100.0, s["engine_p99_ttft_ms"]) + extra
+
+    def queue(extra):
+        return lambda s: 10 * s["median_step_ms"] + extra
+
+    def step(extra):
+        return lambda s: 10 * s["median_step_ms"] + extra
+
+    long_wait = {"p99_ttft_ms": outside(rng.randint(50, 900))}
+    windows = [
+        ("rule 1 on its threshold", _window(rng, p99_ttft_ms=outside(0))),
+        ("rule 1 just past its threshold", _window(rng, p99_ttft_ms=outside(1))),
+        ("rule 1 with a fast engine (the 100 ms floor)",
+         _window(rng, engine_p99_ttft_ms=40.0, p99_ttft_ms=lambda s: 40.0 + rng.randint(60, 99))),
+        ("rule 1 with a fast engine, past the floor",
+         _window(rng, engine_p99_ttft_ms=40.0, p99_ttft_ms=lambda s: 40.0 + rng.randint(101, 300))),
+        ("a busy engine with a long wait outside it", _window(rng, busy_fraction=0.9, **long_wait)),
+        ("a busy, queueing engine with a long wait outside it",
+         _window(rng, busy_fraction=rng.choice([0.9, 0.9375]), p99_queue_ms=queue(rng.randint(1, 5000)), **long_wait)),
+        ("rule 2 on its threshold", _window(rng, preemptions=rng.randint(1, 4), kv_usage_peak=0.9)),
+        ("preemptions without a full KV cache", _window(rng, preemptions=rng.randint(1, 30), kv_usage_peak=0.875)),
+        ("a full KV cache without preemptions", _window(rng, kv_usage_peak=1.0)),
+        ("rule 3 on its step threshold", _window(rng, max_step_ms=step(0), max_prefill_tokens=2048)),
+        ("rule 3 just past both thresholds", _window(rng, max_step_ms=step(1), max_prefill_tokens=1024)),
+        ("a long step without a long prefill", _window(rng, max_step_ms=step(500), max_prefill_tokens=1023)),
+        ("rule 4 on the busy threshold", _window(rng, busy_fraction=0.9, p99_queue_ms=queue(1))),
+        ("rule 4 on the queue threshold", _window(rng, busy_fraction=0.96875, p99_queue_ms=queue(0))),
+        ("a long queue on an idle engine", _window(rng, busy_fraction=0.875, p99_queue_ms=queue(rng.randint(1, 9000)))),
+        ("rules 1 and 2 both hold",
+         _window(rng, busy_fraction=0.75, preemptions=3, kv_usage_peak=0.96875, **long_wait)),
+        ("rules 2 and 3 both hold",
+         _window(rng, preemptions=2, kv_usage_peak=1.0, max_step_ms=step(300), max_prefill_tokens=1500)),
+        ("rules 3 and 4 both hold", _window(rng, busy_fraction=0.96875, max_step_ms=step(300),
+                                            max_prefill_tokens=1500, p99_queue_ms=queue(2000))),
+        ("rules 2 and 4 both hold", _window(rng, busy_fraction=1.0, preemptions=9, kv_usage_peak=0.9375,
+                                            p99_queue_ms=queue(4000))),
+    ]
+    rng.shuffle(windows)
+    return [{"label": f"a window with {label}", "stats": stats} for label, stats in windows]
+
+
+def _drive_diagnose(fn, cases: list[dict]) -> list:
+    return [_outcome(fn, dict(case["stats"])) for case in cases]
+
+
+def _describe_stats(case: dict) -> str:
+    numbers = ", ".join(f"{key}={_fmt(case['stats'][key])}" for key in _RULE_KEYS)
+    return f"{case['label']} ({numbers})"
+
+
+def _diagnose_problem(case: dict, got, want):
+    if type(got) is not str:
+        return "diagnose must return the fault's name, a string such as 'kv_pressure'", f"got {_fmt(got)}"
+    if got not in FAULTS:
+        return ("diagnose returned a name that is not one of " + ", ".join(FAULTS)), f"got {got!r}"
+    if got == want:
+        return None
+    from infra_lib.ops.diagnose import diagnose
+
+    evidence = "; ".join(diagnose(dict(case["stats"])).evidence)
+    return "diagnose named the wrong fault", f"expected {want!r}, got {got!r}\n  the reference's evidence: {evidence}"
+
+
+def _compare_diagnose(got, expected, cases):
+    return _compare_results("diagnose", got, expected, cases, _describe_stats, _diagnose_problem)
+
+
+_DIAGNOSE_HINT = ("apply the rules in this order and return the first that holds: 1 slow_dependency if "
+                  "busy_fraction < 0.9 and p99_ttft_ms - engine_p99_ttft_ms > max(100, engine_p99_ttft_ms); "
+                  "2 kv_pressure if preemptions > 0 and kv_usage_peak >= 0.9; 3 head_of_line if max_step_ms > "
+                  "10 * median_step_ms and max_prefill_tokens >= 1024; 4 overload if busy_fraction >= 0.9 and "
+                  "p99_queue_ms > 10 * median_step_ms; otherwise healthy. Busy versus idle comes first: rules 1 and "
+                  "4 both read busy_fraction.")
+
+register(Check(check_id="lab10.diagnose_scenarios", task=_TASKS["diagnose"], reference=lambda: reference_diagnose,
+               make_inputs=_scenario_cases, drive=_drive_diagnose, compare=_compare_diagnose, hint=_DIAGNOSE_HINT))
+register(Check(check_id="lab10.diagnose_thresholds", task=_TASKS["diagnose"], reference=lambda: reference_diagnose,
+               make_inputs=_threshold_cases, drive=_drive_diagnose, compare=_compare_diagnose,
+               hint=_DIAGNOSE_HINT + " Windows placed on and just past each threshold, and windows where two rules "
+                                     "hold at once."))
+register(Check(check_id="lab10.diagnose_more_scenarios", task=_TASKS["diagnose"],
+               reference=lambda: reference_diagnose, make_inputs=_more_scenarios, drive=_drive_diagnose,
+               compare=_compare_diagnose, hint=_DIAGNOSE_HINT + " More seeds of every scenario."))
