@@ -77,6 +77,14 @@ class DenseLayerCache(LayerCache):
         self._length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first ``length``, as if they had never been appended."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self.k[:, :, length:self._length] = 0
+        self.v[:, :, length:self._length] = 0
+        self._length = length
+
 
 class DenseKVCache(KVCache):
     """One ``DenseLayerCache`` per decoder layer."""
@@ -99,6 +107,11 @@ class DenseKVCache(KVCache):
     @property
     def seq_len(self) -> int:
         return self.layers[0].length
+
+    def truncate(self, length: int) -> None:
+        """Roll every layer back to its first ``length`` tokens (speculative decoding's rejections)."""
+        for layer in self.layers:
+            layer.truncate(length)
 
     def check_invariants(self) -> None:
         """Every layer holds the same number of tokens, within its capacity."""

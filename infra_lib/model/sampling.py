@@ -65,6 +65,15 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample`` draws from, ``[..., vocab]``: one-hot on the argmax when greedy,
+    else the softmax of the temperature-scaled, top-k/top-p filtered logits."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1]).float() / params.temperature
+    return torch.softmax(filter_logits(flat, params.top_k, params.top_p), dim=-1).reshape(logits.shape)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids ``[batch]`` from ``logits`` ``[batch, vocab]``."""
     if logits.dim() != 2:
