@@ -253,3 +253,18 @@ def test_quantised_smollm2_memory_quality_and_gguf_blocks(smollm2):
     assert weight_bytes(q41) < 0.4 * weight_bytes(model)
     assert greedy_decode(q41, prompt, 8) == greedy_decode(model, prompt, 8)
     assert math.isfinite(perplexity(quantize_model(model, 4, 32), ids, 384))
+
+
+def test_spec_quant_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("spec_quant", tmp_path / "spec_quant.json")
+    rows = result["speculative"]
+    assert rows and all(r["same_as_plain"] for r in rows), "greedy speculative decoding changed the text"
+    assert {r["draft"] for r in rows} >= {"3-gram lookup"} and all(r["tokens_per_target_pass"] >= 1 for r in rows)
+    assert all(r["predicted_speedup"] > 0 and r["measured_speedup"] > 0 for r in rows)
+    quant = {r["variant"]: r for r in result["quantisation"]}
+    assert quant["fp32"]["memory_vs_fp32"] == 1.0
+    assert quant["int8 g64"]["memory_vs_fp32"] < 0.45 and quant["GGUF Q4_1 (as stored)"]["memory_vs_fp32"] < 0.35
+    assert quant["GGUF Q4_1 (as stored)"]["perplexity"] == pytest.approx(quant["fp32"]["perplexity"], rel=1e-4)
+    assert quant["int8 g64"]["greedy_same_as_fp32"] and quant["GGUF Q4_1 (as stored)"]["greedy_same_as_fp32"]
