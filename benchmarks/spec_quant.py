@@ -37,16 +37,17 @@ PROMPTS = {
 
 def plan(quick: bool) -> dict:
     if quick:
-        return {"max_new_tokens": 16, "gammas": [2, 4], "layer_skip": [28], "ppl_tokens": 256, "speed_tokens": 8}
-    return {"max_new_tokens": 64, "gammas": [1, 2, 4, 6], "layer_skip": [20, 26, 29], "ppl_tokens": 2048,
-            "speed_tokens": 32}
+        return {"prompts": ["repeats its input"], "max_new_tokens": 12, "gammas": [2, 4], "layer_skip": [28],
+                "ppl_tokens": 128, "speed_tokens": 6}
+    return {"prompts": list(PROMPTS), "max_new_tokens": 64, "gammas": [1, 2, 4, 6], "layer_skip": [20, 26, 29],
+            "ppl_tokens": 2048, "speed_tokens": 32}
 
 
 def run_speculative(model, tokenizer, p: dict) -> list[dict]:
     rows = []
     params = SamplingParams(max_new_tokens=p["max_new_tokens"])
-    for label, text in PROMPTS.items():
-        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    for label in p["prompts"]:
+        ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[label]}])
         base = plain_decode(model, ids, params, (tokenizer.eos_id,))
         base_s = base.decode_seconds
         drafts = [NgramDraft(model.config.vocab_size)] + [LayerSkipDraft(model, k) for k in p["layer_skip"]]
