@@ -58,6 +58,8 @@ def quantize_symmetric(w: torch.Tensor, bits: int = 8, group_size: int = 64) -> 
 
 def dequantize_symmetric(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """float32 ``[out, in]`` from int8 values ``q`` ``[out, in]`` and ``scales`` ``[out, in // group_size]``."""
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if q.dim() != 2 or scales.shape != (q.shape[0], q.shape[1] // group_size) or q.shape[1] % group_size:
         raise ValueError(f"q {list(q.shape)} and scales {list(scales.shape)} do not fit group_size {group_size}")
     groups = q.float().reshape(q.shape[0], -1, group_size)

@@ -1,0 +1,19 @@
+"""Training parallelism (L3) on ``torch.distributed`` with the gloo backend, N processes on one machine.
+
+    launcher.py          run_workers: spawn a process group, collect results, never leave a process behind
+    collectives.py       ring all-reduce over send/recv (reduce-scatter, all-gather), bandwidth timing
+    ddp.py               data parallelism with bucketed gradient all-reduce; single-process reference
+    zero.py              the ZeRO memory calculator (stages 0-3) and ZeRO stage 1 Adam for real
+    tensor_parallel.py   column- and row-parallel linear layers (Megatron's MLP split)
+    pipeline.py          GPipe schedule and the bubble fraction
+"""
+
+from infra_lib.training.collectives import ring_all_reduce, ring_bytes_sent
+from infra_lib.training.launcher import WorkerError, run_workers
+from infra_lib.training.pipeline import Slot, bubble_fraction, gpipe_schedule, schedule_bubble
+from infra_lib.training.zero import ZeroStage1Adam, shard_bounds, zero_memory_per_device, zero_table
+
+__all__ = [
+    "Slot", "WorkerError", "ZeroStage1Adam", "bubble_fraction", "gpipe_schedule", "ring_all_reduce",
+    "ring_bytes_sent", "run_workers", "schedule_bubble", "shard_bounds", "zero_memory_per_device", "zero_table",
+]

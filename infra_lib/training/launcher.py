@@ -1,0 +1,94 @@
+"""Run a function on N processes that form a ``torch.distributed`` group on this machine.
+
+    results = run_workers(fn, world_size=4, args=(...), timeout_s=120)
+
+Each worker is a fresh Python process (the ``spawn`` start method: safe with torch's thread
+pools, and the same way ``torchrun`` starts one process per device). It joins a gloo process
+group on 127.0.0.1, calls ``fn(rank, world_size, *args)``, and sends back what it returned.
+``fn`` must be importable by the workers (defined in a module, not in a notebook cell). On an
+error or a time-out every worker is killed and the error names the rank and its traceback, so
+no process outlives the call.
+
+On a GPU cluster the same code runs with ``backend="nccl"`` and one process per GPU; only the
+launcher (``torchrun``, a scheduler) and the transport change.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died or ran past the time-out."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # N processes share this machine's cores
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_workers(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns their results by rank.
+
+    Raises ``WorkerError`` if a worker raises or exits without a result, or if the whole group
+    takes longer than ``timeout_s``; every worker is stopped before it returns or raises.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
+                if dead:
+                    raise WorkerError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise WorkerError(f"ranks {missing} did not finish within {timeout_s} s (a collective waiting "
+                                      "for a rank that never joins it hangs: check every rank calls it)")
+                continue
+            if status == "error":
+                raise WorkerError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results.close()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,160 @@
+"""Training parallelism on real process groups (gloo, several processes on this machine): the ring
+all-reduce, data parallelism against one process, ZeRO stage 1 against the calculator, tensor
+parallel layers, the launcher's failures, and the pipeline schedule. Every group is spawned with
+a time-out and no process outlives its test."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from infra_lib.training import (WorkerError, bubble_fraction, gpipe_schedule, ring_bytes_sent, run_workers,
+                                schedule_bubble, shard_bounds, zero_memory_per_device, zero_table)
+from infra_lib.training.collectives import ring_all_reduce
+from infra_lib.training.ddp import ddp_worker, gradient_buckets, make_model, train_single
+from infra_lib.training.tensor_parallel import tensor_parallel_worker
+
+SHAPES = [(1,), (2,), (7,), (3, 5), (64, 33), (0,)]
+
+
+def workers_left() -> list:
+    """Child processes other than multiprocessing's resource tracker (one per interpreter, by design)."""
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                left.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def no_children_left():
+    deadline = time.monotonic() + 10
+    while workers_left():
+        assert time.monotonic() < deadline, f"processes left behind: {workers_left()}"
+        time.sleep(0.1)
+
+
+def ring_against_dist(rank: int, world_size: int, seed: int) -> float:
+    """Ring all-reduce and dist.all_reduce on the same seeded tensors (sizes below, at and above the
+    world size, not divisible by it, empty); the largest difference."""
+    worst = 0.0
+    for i, shape in enumerate(SHAPES):
+        t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed * 100 + i * 10 + rank))
+        expected = t.clone()
+        dist.all_reduce(expected)
+        view = t.t() if t.dim() == 2 else t  # a non-contiguous tensor too
+        ring_all_reduce(view)
+        worst = max(worst, float((t - expected).abs().max()) if t.numel() else 0.0)
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_all_reduce_equals_dist_all_reduce(world_size):
+    errors = run_workers(ring_against_dist, world_size, (world_size,), timeout_s=120)
+    assert max(errors) < 1e-5, errors
+    no_children_left()
+
+
+def test_data_parallel_follows_the_single_process_trajectory_and_zero1_shards_adam():
+    single = train_single(steps=15, global_batch=64)
+    ranks = run_workers(ddp_worker, 4, (15, 64, 0, "sgd", 0.1, 2048, True), timeout_s=180)
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks), "every rank must see the same global loss"
+    assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], single["losses"])) < 1e-5
+    for rank in ranks:
+        for got, want in zip(rank["params"], single["params"]):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-5)
+    model = make_model(0)
+    assert ranks[0]["allreduce_calls"] == len(gradient_buckets(list(model.parameters()), 2048)) > 1
+    assert single["losses"][-1] < single["losses"][0]
+
+    adam = train_single(steps=10, global_batch=64, optimizer="adam", lr=0.01)
+    zero = run_workers(ddp_worker, 4, (10, 64, 0, "adam", 0.01, 1 << 16, False, True), timeout_s=180)
+    for got, want in zip(zero[0]["params"], adam["params"]):
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
+    n = zero[0]["num_params"]
+    assert n == sum(p.numel() for p in model.parameters())
+    # fp32 training: 4-byte parameters and gradients, 8 bytes of Adam state (momentum, variance)
+    for rank, r in enumerate(zero):
+        start, end = shard_bounds(n, 4, rank)
+        assert r["optimizer_state_bytes"] == 8 * (end - start)
+        measured = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
+        predicted = zero_memory_per_device(n, 4, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        assert abs(measured - predicted) <= 8, (measured, predicted)  # shards differ by at most one element
+    plain = run_workers(ddp_worker, 2, (2, 64, 0, "adam", 0.01), timeout_s=120)
+    assert plain[0]["optimizer_state_bytes"] == 8 * n  # stage 0: every rank holds all of Adam's state
+    no_children_left()
+
+
+def test_tensor_parallel_layers_equal_the_unsplit_layers():
+    for errors in run_workers(tensor_parallel_worker, 3, (0,), timeout_s=120):
+        assert max(errors.values()) < 1e-4, errors
+    no_children_left()
+
+
+def failing_worker(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 has bad data")
+    return rank
+
+
+def hanging_worker(rank: int, world_size: int) -> int:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # waits for rank 1, which never joins
+    else:
+        time.sleep(600)
+    return rank
+
+
+def test_launcher_reports_failures_and_leaves_no_process():
+    assert run_workers(_identity, 3, timeout_s=60) == [0, 1, 2]
+    with pytest.raises(WorkerError, match=r"rank 1 failed:(.|\n)*bad data"):
+        run_workers(failing_worker, 2, timeout_s=60)
+    no_children_left()
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="did not finish within 8"):
+        run_workers(hanging_worker, 2, timeout_s=8)
+    assert time.monotonic() - start < 30
+    no_children_left()
+    with pytest.raises(ValueError, match="world_size"):
+        run_workers(failing_worker, 0)
+
+
+def _identity(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_zero_calculator_reproduces_the_papers_figure():
+    table = zero_table(7.5e9, 64)
+    assert table[0] == pytest.approx(120.0)
+    assert table[1] == pytest.approx(31.4, abs=0.05)
+    assert table[2] == pytest.approx(16.6, abs=0.05)
+    assert table[3] == pytest.approx(1.9, abs=0.05)
+    assert zero_memory_per_device(100, 1, 3) == zero_memory_per_device(100, 1, 0) == 1600
+    for bad in ({"stage": 4}, {"num_devices": 0}, {"num_params": -1}):
+        with pytest.raises(ValueError):
+            zero_memory_per_device(**{"num_params": 10, "num_devices": 2, "stage": 1, **bad})
+    assert [shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert ring_bytes_sent(1000, 4) == 1500
+
+
+def test_gpipe_schedule_and_bubble():
+    for p, m in ((1, 1), (2, 1), (4, 8), (8, 4), (4, 32)):
+        slots = gpipe_schedule(p, m, 1.0, 1.0)
+        assert len(slots) == 2 * p * m
+        assert schedule_bubble(slots) == pytest.approx(bubble_fraction(p, m))
+        for stage in range(p):  # one stage never runs two things at once
+            mine = sorted((s.start, s.end) for s in slots if s.stage == stage)
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
+        for s in slots:  # micro-batch i's forward on stage k waits for stage k - 1
+            if s.kind == "F" and s.stage:
+                before = next(o for o in slots if o.kind == "F" and o.stage == s.stage - 1 and o.microbatch == s.microbatch)
+                assert before.end <= s.start
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError):
+        bubble_fraction(0, 4)
