@@ -158,3 +158,35 @@ def test_gpipe_schedule_and_bubble():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError):
         bubble_fraction(0, 4)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_ring_all_reduce_on_threads_sums_and_sends_its_share(world_size):
+    from infra_lib.training import ThreadGroup
+
+    for shape in SHAPES:
+        tensors = [torch.randn(*shape, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+        expected = sum(t.clone() for t in tensors)
+        group = ThreadGroup(world_size)
+        comms = []
+
+        def rank_fn(comm, t):
+            comms.append(comm)
+            return ring_all_reduce(t, comm)
+
+        results = group.run(rank_fn, [(t,) for t in tensors])
+        for r in results:
+            torch.testing.assert_close(r, expected, atol=1e-5, rtol=1e-5)
+        if world_size > 1 and tensors[0].numel() % world_size == 0:
+            assert all(c.bytes_sent == ring_bytes_sent(tensors[0].nbytes, world_size) for c in comms)
+
+
+def test_thread_group_names_a_rank_that_never_sends():
+    from infra_lib.training import ThreadGroup
+
+    def lonely(comm):
+        if comm.rank == 0:
+            comm.exchange(torch.ones(1), 1, torch.empty(1), 1)
+
+    with pytest.raises((TimeoutError, RuntimeError)):
+        ThreadGroup(2).run(lonely, timeout_s=2)

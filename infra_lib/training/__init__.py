@@ -8,12 +8,12 @@
     pipeline.py          GPipe schedule and the bubble fraction
 """
 
-from infra_lib.training.collectives import ring_all_reduce, ring_bytes_sent
+from infra_lib.training.collectives import DistComm, ThreadComm, ThreadGroup, ring_all_reduce, ring_bytes_sent
 from infra_lib.training.launcher import WorkerError, run_workers
 from infra_lib.training.pipeline import Slot, bubble_fraction, gpipe_schedule, schedule_bubble
 from infra_lib.training.zero import ZeroStage1Adam, shard_bounds, zero_memory_per_device, zero_table
 
 __all__ = [
-    "Slot", "WorkerError", "ZeroStage1Adam", "bubble_fraction", "gpipe_schedule", "ring_all_reduce",
+    "DistComm", "Slot", "ThreadComm", "ThreadGroup", "WorkerError", "ZeroStage1Adam", "bubble_fraction", "gpipe_schedule", "ring_all_reduce",
     "ring_bytes_sent", "run_workers", "schedule_bubble", "shard_bounds", "zero_memory_per_device", "zero_table",
 ]

@@ -19,13 +19,96 @@ import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks of the default group, in place, with a ring; returns it.
+class DistComm:
+    """Point-to-point messages over the default ``torch.distributed`` group (gloo, NCCL, ...)."""
 
-    Works for any size, including one not divisible by the world size (chunks differ by one
-    element) and sizes smaller than the world size (some chunks are empty).
+    def __init__(self):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.bytes_sent = 0
+
+    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+        """Send ``send`` to rank ``to`` and receive into ``recv`` from ``source``, both at once (non-blocking),
+        so no rank waits for a neighbour that is waiting for it."""
+        requests = [dist.isend(send.contiguous(), to), dist.irecv(recv, source)]
+        for request in requests:
+            request.wait()
+        self.bytes_sent += send.nbytes
+
+
+class ThreadGroup:
+    """``world_size`` ranks simulated by threads of one process, exchanging tensors through queues:
+    the same ``exchange`` as ``DistComm``, without processes (fast checks, byte counting)."""
+
+    def __init__(self, world_size: int):
+        import queue
+
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        self.world_size = world_size
+        self._queues = {(a, b): queue.Queue() for a in range(world_size) for b in range(world_size)}
+
+    def comm(self, rank: int) -> "ThreadComm":
+        return ThreadComm(self, rank)
+
+    def run(self, fn, args_per_rank: list | None = None, timeout_s: float = 30.0) -> list:
+        """``fn(comm, *args)`` on every rank in its own thread; results by rank. A rank that raises
+        or does not finish in ``timeout_s`` (a missing send) raises here."""
+        import threading
+
+        args_per_rank = args_per_rank or [()] * self.world_size
+        results, errors = [None] * self.world_size, {}
+
+        def target(rank):
+            try:
+                results[rank] = fn(self.comm(rank), *args_per_rank[rank])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                errors[rank] = exc
+
+        threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        if errors:
+            rank = min(errors)
+            raise RuntimeError(f"rank {rank} raised {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} did not finish in "
+                               f"{timeout_s} s: a receive is waiting for a message no rank sent")
+        return results
+
+
+class ThreadComm:
+    """One simulated rank of a ``ThreadGroup``."""
+
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.world_size = group, rank, group.world_size
+        self.bytes_sent = 0
+
+    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+        for peer in (to, source):
+            if not isinstance(peer, int) or not 0 <= peer < self.world_size:
+                raise ValueError(f"rank {self.rank}: peer {peer!r} is not a rank of a group of {self.world_size}")
+        self.group._queues[(self.rank, to)].put(send.detach().clone())
+        message = self.group._queues[(source, self.rank)].get(timeout=20)
+        if message.shape != recv.shape:
+            raise ValueError(f"rank {self.rank} received {list(message.shape)} from rank {source} into a buffer of "
+                             f"shape {list(recv.shape)}: both sides must use the same chunk")
+        recv.copy_(message)
+        self.bytes_sent += send.nbytes
+
+
+def ring_all_reduce(tensor: torch.Tensor, comm=None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks, in place, with a ring; returns it.
+
+    Args:
+        tensor: this rank's tensor (any shape and size, also not divisible by the world size:
+            chunks differ by one element, and some are empty when it has fewer elements than ranks).
+        comm: ``DistComm()`` (the default: the ``torch.distributed`` group) or a ``ThreadComm``;
+            anything with ``rank``, ``world_size`` and ``exchange(send, to, recv, source)``.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = comm if comm is not None else DistComm()
+    world, rank = comm.world_size, comm.rank
     if world == 1:
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
@@ -34,21 +117,14 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     for step in range(world - 1):  # reduce-scatter
         send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
         incoming = torch.empty_like(chunks[recv_i])
-        _exchange(chunks[send_i], right, incoming, left)
+        comm.exchange(chunks[send_i], right, incoming, left)
         chunks[recv_i] += incoming
     for step in range(world - 1):  # all-gather
         send_i, recv_i = (rank + 1 - step) % world, (rank - step) % world
-        _exchange(chunks[send_i], right, chunks[recv_i], left)
+        comm.exchange(chunks[send_i], right, chunks[recv_i], left)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
-
-
-def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
-    """Send and receive at once (both non-blocking), so no rank waits for a neighbour that waits for it."""
-    requests = [dist.isend(send.contiguous(), to), dist.irecv(recv, source)]
-    for request in requests:
-        request.wait()
 
 
 def ring_bytes_sent(tensor_bytes: int, world_size: int) -> float:
