@@ -190,3 +190,14 @@ def test_thread_group_names_a_rank_that_never_sends():
 
     with pytest.raises((TimeoutError, RuntimeError)):
         ThreadGroup(2).run(lonely, timeout_s=2)
+
+
+def test_allreduce_bandwidth_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("allreduce_bandwidth", tmp_path / "allreduce.json")
+    assert result["results"] and all(r["ring_s"] > 0 and r["dist_s"] > 0 for r in result["results"])
+    assert {r["world_size"] for r in result["results"]} == set(result["plan"]["world_sizes"])
+    assert all(r["ring_bus_gb_s"] == pytest.approx(ring_bytes_sent(r["bytes"], r["world_size"]) / r["ring_s"] / 1e9)
+               for r in result["results"])
+    no_children_left()
