@@ -3,7 +3,8 @@ baseline measured in the same run.
 
 Speculative decoding (greedy, so every variant must produce plain decoding's tokens exactly):
 for each prompt, draft and γ, the decode time (prefill excluded) against ``plain_decode`` on the
-same prompt, the acceptance rate a, tokens per target pass, the measured cost ratio
+same prompt, the per-position acceptance rate a (accepted / checked draft tokens), tokens per
+target pass, the measured cost ratio
 c = (draft seconds per proposed token) / (target seconds per pass), and the predicted speedup
 E / (γc + 1) with E = (1 - a^(γ+1)) / (1 - a).
 
@@ -56,10 +57,11 @@ def run_speculative(model, tokenizer, p: dict) -> list[dict]:
                 r = speculative_decode(model, ids, draft, gamma, params, (tokenizer.eos_id,))
                 per_pass = r.target_seconds / r.target_passes
                 c = (r.draft_seconds / r.proposed) / per_pass if r.proposed else 0.0
-                a = r.acceptance_rate if r.proposed else 0.0
+                a = r.position_acceptance_rate if r.proposed else 0.0
                 rows.append({
                     "prompt": label, "draft": draft.name, "gamma": gamma, "tokens": len(r.token_ids),
-                    "same_as_plain": r.token_ids == base.token_ids, "acceptance_rate": a,
+                    "same_as_plain": r.token_ids == base.token_ids, "acceptance_rate": r.acceptance_rate,
+                    "position_acceptance_rate": a,
                     "tokens_per_target_pass": r.tokens_per_target_pass, "cost_ratio_c": c,
                     "plain_decode_s": base_s, "speculative_decode_s": r.decode_seconds,
                     "measured_speedup": base_s / r.decode_seconds * len(r.token_ids) / len(base.token_ids),
@@ -112,7 +114,7 @@ def format_table(result: dict) -> str:
              f"{'speedup':>7} {'predicted':>9}"]
     for r in result["speculative"]:
         lines.append(f"{r['prompt']:<18} {r['draft']:<18} {r['gamma']:>2} {'yes' if r['same_as_plain'] else 'NO':>4} "
-                     f"{r['acceptance_rate']:>6.2f} {r['tokens_per_target_pass']:>8.2f} {r['cost_ratio_c']:>5.2f} "
+                     f"{r['position_acceptance_rate']:>6.2f} {r['tokens_per_target_pass']:>8.2f} {r['cost_ratio_c']:>5.2f} "
                      f"{r['measured_speedup']:>7.2f} {r['predicted_speedup']:>9.2f}")
     lines.append("")
     lines.append(f"{'variant':<22} {'MB':>7} {'ppl':>7} {'tok/s':>6} {'mem':>5} {'speed':>6} {'same':>4}")

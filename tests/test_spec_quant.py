@@ -268,3 +268,11 @@ def test_spec_quant_benchmark_writes_json(tmp_path):
     assert quant["int8 g64"]["memory_vs_fp32"] < 0.45 and quant["GGUF Q4_1 (as stored)"]["memory_vs_fp32"] < 0.35
     assert quant["GGUF Q4_1 (as stored)"]["perplexity"] == pytest.approx(quant["fp32"]["perplexity"], rel=1e-4)
     assert quant["int8 g64"]["greedy_same_as_fp32"] and quant["GGUF Q4_1 (as stored)"]["greedy_same_as_fp32"]
+
+
+def test_position_acceptance_counts_only_checked_draft_tokens():
+    target = tiny_model(4)
+    result = speculative_decode(target, [3, 1, 4, 1, 5], LayerSkipDraft(target, 1), 4, SamplingParams(max_new_tokens=30))
+    assert 0 < result.rejections <= result.target_passes
+    assert result.position_acceptance_rate >= result.acceptance_rate
+    assert result.position_acceptance_rate == result.accepted / (result.accepted + result.rejections)

@@ -237,12 +237,13 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
     """exp(mean negative log-likelihood) of ``token_ids`` under ``model``, in windows of ``window`` tokens."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
+    device = next(model.parameters()).device
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start:start + window + 1]
         if len(chunk) < 2:
             break
-        logits = model(torch.tensor([chunk[:-1]]))[0].float()
-        nll += float(F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum"))
+        logits = model(torch.tensor([chunk[:-1]], device=device))[0].float()
+        nll += float(F.cross_entropy(logits, torch.tensor(chunk[1:], device=device), reduction="sum"))
         count += len(chunk) - 1
     return math.exp(nll / count)

@@ -114,6 +114,11 @@ class LayerSkipDraft:
     def name(self) -> str:
         return f"first {self.num_layers} layers"
 
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int]) -> None:
+        """Cache the prompt before decoding starts (so its cost counts as prefill, not as drafting)."""
+        self._sync(tokens)
+
     def _sync(self, tokens: list[int]) -> None:
         """Make the cache hold ``tokens[:-1]`` (the last token is fed by ``propose``)."""
         keep = 0
@@ -158,6 +163,9 @@ class NgramDraft:
     def name(self) -> str:
         return f"{self.max_n}-gram lookup"
 
+    def prefill(self, tokens: list[int]) -> None:
+        """Nothing to cache: the lookup reads the tokens themselves."""
+
     def lookup(self, tokens: list[int], gamma: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             tail = tokens[-n:]
@@ -185,6 +193,7 @@ class SpeculativeResult:
         token_ids: the generated tokens (prompt excluded).
         target_passes: target forward passes after the prefill (one per step).
         proposed / accepted: draft tokens proposed and accepted over all steps.
+        rejections: steps that ended in a rejected draft token (the others accepted all they were given).
         accepted_per_step: accepted draft tokens of each step.
         draft_seconds / target_seconds: time in the draft's proposals and in the target's passes.
         finish_reason: "stop" (a stop token) or "length".
@@ -194,6 +203,7 @@ class SpeculativeResult:
     target_passes: int = 0
     proposed: int = 0
     accepted: int = 0
+    rejections: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -204,6 +214,16 @@ class SpeculativeResult:
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (nan when nothing was proposed)."""
         return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def position_acceptance_rate(self) -> float:
+        """The chance a draft token that was checked is accepted: accepted / (accepted + rejections).
+
+        This is the a of E = (1 - a^(γ+1)) / (1 - a); ``acceptance_rate`` (accepted / proposed) is
+        lower, because the tokens after a rejection are proposed but never checked.
+        """
+        checked = self.accepted + self.rejections
+        return self.accepted / checked if checked else float("nan")
 
     @property
     def mean_accepted_length(self) -> float:
@@ -244,6 +264,8 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
     start = time.perf_counter()
     if len(tokens) > 1:  # the cache holds every token but the last
         target(torch.tensor([tokens[:-1]], device=weight.device), cache, last_only=True)
+    if gamma and hasattr(draft, "prefill"):
+        draft.prefill(tokens)
     result.prefill_seconds = time.perf_counter() - start
     stops = set(stop_ids)
     while len(result.token_ids) < params.max_new_tokens:
@@ -264,6 +286,7 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
         result.target_passes += 1
         result.proposed += len(draft_tokens)
         result.accepted += len(accepted)
+        result.rejections += len(accepted) < len(draft_tokens)
         result.accepted_per_step.append(len(accepted))
         new = accepted + [next_token]
         for token in new:

@@ -157,6 +157,7 @@ def bandwidth_worker(rank: int, world_size: int, numels: list[int], repeats: int
         for name, fn in (("ring", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)):
             best = float("inf")
             for _ in range(repeats):
+                t.fill_(1.0)
                 dist.barrier()
                 start = time.perf_counter()
                 fn(t)

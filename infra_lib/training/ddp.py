@@ -104,11 +104,13 @@ def ddp_worker(rank: int, world_size: int, steps: int = 20, global_batch: int = 
     """A worker for ``run_workers``: data-parallel training on this rank's slice of each global batch.
 
     Returns the global loss of every step (the mean over ranks of the local losses), the final
-    parameters (as lists), the number of all-reduce calls per step, and, with ``zero1``, the bytes
-    of optimizer state this rank held.
+    parameters (as lists), the number of all-reduce calls per step and the bytes of parameters,
+    gradients and optimizer state this rank held (``zero1``: ZeRO stage 1 Adam, its state sharded).
     """
     from infra_lib.training.zero import ZeroStage1Adam
 
+    if zero1 and optimizer != "adam":
+        raise ValueError(f"zero1 shards Adam's state; optimizer must be 'adam', got {optimizer!r}")
     if global_batch % world_size:
         raise ValueError(f"global_batch {global_batch} must divide evenly over {world_size} ranks")
     model = make_model(seed)

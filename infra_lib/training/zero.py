@@ -65,17 +65,16 @@ class ZeroStage1Adam:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.numel = sum(p.numel() for p in self.params)
         self.start, self.end = shard_bounds(self.numel, self.world, self.rank)
-        flat = self._flat_params()
-        self.master = flat[self.start:self.end].clone()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.exp_avg = torch.zeros(self.end - self.start)
+        self.exp_avg_sq = torch.zeros(self.end - self.start)
         self.steps = 0
 
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (momentum and variance of its shard)."""
+        """Bytes of optimizer state this rank holds: momentum and variance of its shard (training in fp32,
+        the parameters themselves are the master weights, so there is no extra copy)."""
         return self.exp_avg.nbytes + self.exp_avg_sq.nbytes
 
     @torch.no_grad()
@@ -87,10 +86,11 @@ class ZeroStage1Adam:
         self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         denom = (self.exp_avg_sq / bias2).sqrt_().add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bias1)
+        shard = self._flat_params()[self.start:self.end]  # this rank's slice of the (identical) parameters
+        shard.addcdiv_(self.exp_avg, denom, value=-self.lr / bias1)
         sizes = [shard_bounds(self.numel, self.world, r) for r in range(self.world)]
         gathered = [torch.empty(e - s) for s, e in sizes]
-        dist.all_gather(gathered, self.master)
+        dist.all_gather(gathered, shard)
         flat = torch.cat(gathered)
         offset = 0
         for p in self.params:
