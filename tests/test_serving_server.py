@@ -258,6 +258,10 @@ def test_server_metrics_agree_with_what_the_client_measured(server):
     result = run_load(thread.url, [f"Count to {i}." for i in range(8)], model=MODEL, max_tokens=8, rate=4.0,
                       max_concurrency=4, progress=False)
     wait_idle(engine)
+    # a request's clock starts when it leaves the client: never more than 4 clocks run at once
+    for t in result.timings:
+        in_flight = sum(1 for o in result.timings if o.send_time <= t.send_time < o.end_time)
+        assert in_flight <= 4, f"{in_flight} requests in flight with max_concurrency=4"
     after = parse_metrics(httpx.get(thread.url + "/metrics").text)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta["vllm:prompt_tokens_total"] == result.summary["total_input_tokens"]

@@ -5,7 +5,8 @@ closed loop, where each client waits for its answer, hides queueing: the load dr
 the server slows down). Arrival gaps are drawn from a gamma distribution with shape
 ``burstiness`` and mean ``1 / rate``: burstiness 1 is a Poisson process, below 1 burstier, above
 1 more regular; ``rate=inf`` sends everything at once. ``max_concurrency`` caps the requests in
-flight (the rest wait in the client, and that wait counts in their latency, as in vLLM).
+flight: the rest wait in the client, and, as in vLLM's benchmark, a request's clock starts when
+it leaves the client, after that wait.
 
 Each request streams; the client stamps every chunk and reads the usage from the final chunk.
 ``disconnect_after`` makes chosen requests hang up after some tokens, to test that the server
@@ -142,22 +143,27 @@ async def run_load_async(base_url: str, prompts: list, *, model: str, rate: floa
 
         async def fire(i: int, prompt) -> None:
             await asyncio.sleep(max(0.0, start + sends[i] - time.perf_counter()))
-            timing = timings[i] = RequestTiming(send_time=time.perf_counter())
             body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
             if endpoint == "chat":
                 body["messages"] = [{"role": "user", "content": prompt}]
             else:
                 body["prompt"] = prompt
+            timing, held = None, False
             try:
                 if gate is not None:
-                    async with gate:
-                        status = await _one(client, url, body, timing, disconnect_after.get(i))
-                else:
-                    status = await _one(client, url, body, timing, disconnect_after.get(i))
+                    await gate.acquire()
+                    held = True
+                timing = timings[i] = RequestTiming(send_time=time.perf_counter())  # after the cap, as vLLM's
+                status = await _one(client, url, body, timing, disconnect_after.get(i))
             except (httpx.HTTPError, OSError, ValueError) as exc:
+                timing = timing or timings[i] or RequestTiming(send_time=time.perf_counter())
+                timings[i] = timing
                 timing.success, timing.error, timing.end_time = False, f"{type(exc).__name__}: {exc}", time.perf_counter()
                 status = type(exc).__name__
+            finally:
+                if held:
+                    gate.release()
             statuses[status] = statuses.get(status, 0) + 1
             bar.update()
 
