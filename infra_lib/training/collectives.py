@@ -65,10 +65,13 @@ class ThreadGroup:
                 errors[rank] = exc
 
         threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(self.world_size)]
+        import time
+
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout_s  # one deadline for the whole group
         for t in threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
         if errors:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} raised {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
@@ -86,9 +89,16 @@ class ThreadComm:
         self.bytes_sent = 0
 
     def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+        import operator
+
+        try:
+            to, source = operator.index(to), operator.index(source)  # numpy and torch integers too
+        except TypeError:
+            raise TypeError(f"rank {self.rank}: peers must be integers, got {to!r} and {source!r}") from None
         for peer in (to, source):
-            if not isinstance(peer, int) or not 0 <= peer < self.world_size:
-                raise ValueError(f"rank {self.rank}: peer {peer!r} is not a rank of a group of {self.world_size}")
+            if not 0 <= peer < self.world_size:
+                raise ValueError(f"rank {self.rank}: peer {peer} is not a rank of a group of {self.world_size} "
+                                 f"(ranks 0..{self.world_size - 1})")
         self.group._queues[(self.rank, to)].put(send.detach().clone())
         message = self.group._queues[(source, self.rank)].get(timeout=20)
         if message.shape != recv.shape:

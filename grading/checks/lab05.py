@@ -1,0 +1,781 @@
+"""Checks for lab 05 (training parallelism): the learner writes the ZeRO memory calculator
+``zero_memory_per_device``, ``shard_bounds`` (which part of a tensor a rank owns), and
+``ring_all_reduce(tensor, comm)`` over point-to-point ``comm.exchange``.
+
+The ring is run on a ``ThreadGroup``: every rank a thread of the learner's kernel, exchanging
+tensors through queues, so a check needs no process (the grader's kernel limits them, and a
+function defined in a notebook cannot be sent to a spawned one) and counts the bytes each rank
+sent. Each case runs the learner's function on seeded tensors of 1 to 8 ranks; every rank's
+tensor must then hold the sum over the ranks (in place, what ``dist.all_reduce`` gives), and on
+sizes the world size divides every rank must have sent 2 (W - 1) / W of the tensor. A rank that
+raises, or waits for a message no rank sent, stops the case with a time-out that names the
+ranks; the remaining cases are skipped so that a check stays short.
+
+``run_on_process_group`` runs the learner's answer cells on a real gloo process group, for the
+lab's last cell: the answers travel as source text and each worker executes them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+
+from grading.checks.common import reference
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+_ZERO = "infra_lib.training.zero"
+_COLLECTIVES = "infra_lib.training.collectives"
+
+register_shortcuts("lab05", [f"{_ZERO}:zero_memory_per_device", f"{_ZERO}:zero_table", f"{_ZERO}:shard_bounds",
+                             f"{_COLLECTIVES}:ring_all_reduce"])
+
+_TASKS = {1: "lab05 task 1: zero_memory_per_device", 2: "lab05 task 2: shard_bounds",
+          3: "lab05 task 3: ring_all_reduce"}
+RANK_TIMEOUT_S = 2.0  # per rank: the ring on these small tensors takes milliseconds
+
+
+# --- calling the implementation -------------------------------------------------------------------
+
+def _outcome(fn, *args, **kwargs) -> list:
+    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
+    a MemoryError propagate (the check machinery reports them as such)."""
+    try:
+        return ["value", fn(*args, **kwargs)]
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception as exc:  # the learner's code may raise anything
+        return ["raised", f"{type(exc).__name__}: {exc}"[:300]]
+
+
+def _unwrap(item) -> tuple[str, object]:
+    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised", "skipped"):
+        return item[0], item[1]
+    return "malformed", item
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
+
+
+def _close(a: float, b: float, rel: float = 1e-9) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# --- task 1: zero_memory_per_device --------------------------------------------------------------
+
+_DEFAULT_BYTES = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
+
+
+def _zero_case(num_params, num_devices, stage, **bytes_per) -> dict:
+    case = {"num_params": num_params, "num_devices": num_devices, "stage": stage}
+    if bytes_per:
+        case["bytes"] = bytes_per
+    return case
+
+
+def _zero_cases(rng: random.Random) -> list[dict]:
+    """The paper's figure, seeded model and cluster sizes, fp32 training, and one device."""
+    cases = [_zero_case(7.5e9, 64, stage) for stage in range(4)]  # ZeRO, figure 1
+    for stage in range(4):
+        params = rng.choice([1.3e9, 6.7e9, 13e9, 70e9, 175e9])
+        cases.append(_zero_case(params, rng.choice([8, 16, 128, 1024]), stage))
+    fp32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # fp32 weights and grads, Adam's m and v
+    params = rng.choice([124_000_000, 350_000_000, 774_000_000])
+    cases += [_zero_case(params, rng.choice([2, 4, 8]), stage, **fp32) for stage in (0, 1, 2, 3)]
+    cases += [_zero_case(rng.choice([1.5e9, 3e9]), 1, stage) for stage in (0, 2, 3)]
+    return cases
+
+
+def _zero_edge_cases(rng: random.Random) -> list[dict]:
+    """Other byte counts, no parameters, many devices, and invalid arguments (ValueError)."""
+    return [
+        _zero_case(rng.choice([7e9, 8e9]), 8, 2, param_bytes=2, grad_bytes=4, optimizer_bytes=12),  # fp32 grads
+        _zero_case(rng.choice([1e9, 2e9]), 4, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=0),  # plain SGD
+        _zero_case(rng.choice([1e9, 2e9]), 4, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=0),
+        _zero_case(rng.randrange(10**6, 10**8), rng.randint(3, 7), 2, optimizer_bytes=16),
+        _zero_case(0, 16, 3),
+        _zero_case(1e12, 4096, rng.choice([1, 2])),
+        _zero_case(rng.choice([175e9, 530e9]), 1, 1),
+        _zero_case(1e9, 8, 4), _zero_case(1e9, 8, -1), _zero_case(1e9, 0, 1), _zero_case(1e9, -4, 2),
+        _zero_case(1e9, 2.5, 1), _zero_case(-1, 8, 1),
+    ]
+
+
+def _describe_zero(case: dict) -> str:
+    extra = "".join(f", {k}={v:g}" for k, v in case.get("bytes", {}).items())
+    return (f"zero_memory_per_device(num_params={case['num_params']:g}, num_devices={case['num_devices']!r}, "
+            f"stage={case['stage']!r}{extra})")
+
+
+def _drive_zero(fn, cases: list[dict]) -> list:
+    return [_outcome(fn, c["num_params"], c["num_devices"], c["stage"], **c.get("bytes", {})) for c in cases]
+
+
+def _stage_bytes(stage: int, p: float, g: float, k: float, n: float) -> float:
+    return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+def _zero_note(case: dict, got: float, want: float) -> str:
+    """Name the mistake behind a wrong memory figure, when it is a recognisable one."""
+    per = {**_DEFAULT_BYTES, **case.get("bytes", {})}
+    psi, n, stage = case["num_params"], case["num_devices"], case["stage"]
+    p, g, k = (per[name] * psi for name in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+    def same(value: float) -> bool:
+        return _close(got, value) and not _close(want, value)
+
+    if same(want / 1e9) or same(want / 2**30):
+        return "; return bytes, not GB: the table at the end divides by 1e9"
+    if case.get("bytes") and same(_stage_bytes(stage, *(_DEFAULT_BYTES[name] * psi for name in _DEFAULT_BYTES), n)):
+        return "; that uses the default 2/2/12 bytes: use the param_bytes, grad_bytes and optimizer_bytes passed in"
+    if stage == 2 and same((p + g + k) / n):
+        return ("; at stage 2 the parameters stay whole on every device: only the gradients and the optimizer "
+                "state are divided by num_devices (dividing the parameters too is stage 3)")
+    if stage == 1 and same(p + (g + k) / n):
+        return "; stage 1 shards only the optimizer state: the gradients are sharded from stage 2 on"
+    if stage == 1 and same((p + g + k) / n):
+        return ("; at stage 1 only the optimizer state (optimizer_bytes per parameter) is divided by num_devices: "
+                "the parameters and gradients stay whole")
+    if stage in (1, 2) and same(_stage_bytes(stage, p, g, p + g + k, n)):
+        whole = per["param_bytes"] + per["grad_bytes"] + per["optimizer_bytes"]
+        return (f"; the optimizer state is optimizer_bytes = {per['optimizer_bytes']:g} bytes per parameter (fp32 "
+                f"master weights, momentum, variance); {whole:g} is the whole per-parameter state")
+    if same(_stage_bytes(stage, p, 0, k, n)):
+        return "; you left out the gradients (grad_bytes per parameter): every stage keeps them, whole or sharded"
+    if same(_stage_bytes(stage, 0, g, k, n)):
+        return "; you left out the parameters themselves (param_bytes per parameter)"
+    if stage > 0 and same(p + g + k):
+        return f"; that is stage 0 (nothing sharded): stage {stage} divides part of the state by num_devices"
+    for other in range(4):
+        if other != stage and same(_stage_bytes(other, p, g, k, n)):
+            return (f"; that is stage {other}'s figure: stage 0 shards nothing, 1 the optimizer state, 2 the "
+                    "gradients too, 3 the parameters too")
+    if stage > 0 and same(_stage_bytes(stage, p, g, k, 1 / n)):
+        return "; you multiplied by num_devices: each device holds 1 / num_devices of a sharded part"
+    return ""
+
+
+def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from zero_memory_per_device, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        (got_kind, value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        where = _describe_zero(case)
+        if want_kind == "raised":
+            error = str(want).split(":")[0]
+            if got_kind == "raised" and str(value).split(":")[0] == error:
+                continue
+            got_text = f"it raised {value}" if got_kind == "raised" else f"it returned {value!r}"
+            return Mismatch(f"zero_memory_per_device should raise {error} on an invalid input",
+                            f"on {where}: {got_text}; raise ValueError for a stage outside 0..3, num_devices that "
+                            "is not a positive int, or a negative num_params")
+        if got_kind == "raised":
+            return Mismatch("zero_memory_per_device raised an exception on a valid input",
+                            f"on {where}: expected {want:g} bytes, your code raised {value}")
+        if got_kind != "value" or not _is_number(value):
+            return Mismatch("zero_memory_per_device must return a number of bytes (an int or a float)",
+                            f"on {where}: got {value!r:.80}")
+        if not _close(value, want):
+            return Mismatch("zero_memory_per_device returned the wrong number of bytes",
+                            f"on {where}: expected {want:.6g} bytes ({want / 1e9:.4g} GB), got {value:.6g}"
+                            + _zero_note(case, value, want))
+    return None
+
+
+_ZERO_HINT = ("per device, with p = param_bytes * num_params, g = grad_bytes * num_params and k = optimizer_bytes * "
+              "num_params: stage 0 holds p + g + k; stage 1 p + g + k / N; stage 2 p + (g + k) / N; stage 3 "
+              "(p + g + k) / N, N = num_devices. Return bytes.")
+
+register(Check(check_id="lab05.zero_memory", task=_TASKS[1], reference=reference(_ZERO, "zero_memory_per_device"),
+               make_inputs=_zero_cases, drive=_drive_zero, compare=_compare_zero, hint=_ZERO_HINT))
+register(Check(check_id="lab05.zero_memory_edges", task=_TASKS[1],
+               reference=reference(_ZERO, "zero_memory_per_device"), make_inputs=_zero_edge_cases,
+               drive=_drive_zero, compare=_compare_zero,
+               hint=_ZERO_HINT + " Other byte counts (optimizer_bytes=0 for plain SGD), no parameters, one device, "
+                                 "and invalid arguments, which raise ValueError."))
+
+
+# --- task 2: shard_bounds ------------------------------------------------------------------------
+
+def _shard_cases(rng: random.Random) -> list[list[int]]:
+    return [[10, 4], [12, 4], [3, 5], [7, 3], [1, 1], [rng.randint(20, 200), rng.randint(2, 8)],
+            [rng.randint(20, 200), rng.randint(2, 8)]]
+
+
+def _shard_edge_cases(rng: random.Random) -> list[list[int]]:
+    return [[0, 4], [5, 5], [4, 5], [rng.randint(10, 99), 1], [10**9 + rng.randint(1, 63), 64],
+            [rng.randint(1000, 9999), rng.randint(9, 17)], [rng.randint(2, 6), 8]]
+
+
+def _drive_shards(fn, cases: list[list[int]]) -> list:
+    return [[_outcome(fn, numel, world, rank) for rank in range(world)] for numel, world in cases]
+
+
+def _shard_note(numel: int, world: int, got: list) -> str:
+    """Name the splitting rule behind wrong bounds, when it is a recognisable one."""
+    base, extra = divmod(numel, world)
+    ceil = -(-numel // world)
+    rules = {
+        "ceil": [[min(r * ceil, numel), min((r + 1) * ceil, numel)] for r in range(world)],
+        "last": [[r * base, numel if r == world - 1 else (r + 1) * base] for r in range(world)],
+        "extra_last": [[r * base + max(0, r - (world - extra)), (r + 1) * base + max(0, r + 1 - (world - extra))]
+                       for r in range(world)],
+        "inclusive": [[r * base + min(r, extra), r * base + min(r, extra) + base + (r < extra) - 1]
+                      for r in range(world)],
+    }
+    notes = {
+        "ceil": ("; you gave every rank ceil(numel / world_size) elements and the last ones what was left (as "
+                 "torch.chunk does): split as evenly as possible, shards differ by at most one element"),
+        "last": "; the last rank took all the leftover elements: give one extra element to each of the first "
+                "numel % world_size ranks",
+        "extra_last": "; the extra elements go to the FIRST numel % world_size ranks (as torch.tensor_split does)",
+        "inclusive": "; end is exclusive: the shard is [start, end), so end - start is its size",
+    }
+    for name, bounds in rules.items():
+        if got == bounds:
+            return notes[name]
+    return ""
+
+
+def _compare_shards(got, expected, cases: list[list[int]]) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected results for {len(expected)} splits, got {got!r:.80}")
+    for (numel, world), ranks, want_ranks in zip(cases, got, expected):
+        if type(ranks) is not list or len(ranks) != world:
+            return Mismatch("the check recorded a malformed result", f"on numel={numel}, world_size={world}")
+        values = []
+        for rank, (g, e) in enumerate(zip(ranks, want_ranks)):
+            where = f"shard_bounds(numel={numel}, world_size={world}, rank={rank})"
+            kind, value = _unwrap(g)
+            if kind == "raised":
+                return Mismatch("shard_bounds raised an exception", f"on {where}: your code raised {value}")
+            if (kind != "value" or type(value) is not list or len(value) != 2
+                    or not all(type(x) is int for x in value)):
+                note = ("; use integer arithmetic (divmod, //): a float cannot index a tensor"
+                        if type(value) is list and any(type(x) is float for x in value) else "")
+                return Mismatch("shard_bounds must return (start, end): two ints",
+                                f"on {where}: got {value!r:.80}{note}")
+            values.append(value)
+        want = [e[1] for e in want_ranks]
+        if values != want:
+            rank = next(r for r, (v, w) in enumerate(zip(values, want)) if v != w)
+            return Mismatch("shard_bounds returned the wrong shard",
+                            f"on numel={numel}, world_size={world}: rank {rank} expected {tuple(want[rank])}, got "
+                            f"{tuple(values[rank])}; all ranks: expected {[tuple(w) for w in want]}, got "
+                            f"{[tuple(v) for v in values]}" + _shard_note(numel, world, values))
+    return None
+
+
+_SHARD_HINT = ("with base, extra = divmod(numel, world_size), the first `extra` ranks own base + 1 elements and the "
+               "others base: rank r starts at r * base + min(r, extra). The shards are [start, end), in rank order, "
+               "and cover [0, numel) exactly, as torch.tensor_split splits.")
+
+register(Check(check_id="lab05.shard_bounds", task=_TASKS[2], reference=reference(_ZERO, "shard_bounds"),
+               make_inputs=_shard_cases, drive=_drive_shards, compare=_compare_shards, hint=_SHARD_HINT))
+register(Check(check_id="lab05.shard_bounds_more", task=_TASKS[2], reference=reference(_ZERO, "shard_bounds"),
+               make_inputs=_shard_edge_cases, drive=_drive_shards, compare=_compare_shards,
+               hint=_SHARD_HINT + " Empty tensors, fewer elements than ranks, one rank, a billion elements."))
+
+
+# --- task 3: ring_all_reduce ---------------------------------------------------------------------
+
+def _ring_case(rng: random.Random, world: int, shape: list[int], dtype: str = "float32",
+               layout: str = "contiguous") -> dict:
+    return {"world": world, "shape": shape, "dtype": dtype, "layout": layout, "seed": rng.randrange(10**6)}
+
+
+def _divisible_shape(rng: random.Random, world: int, two_d: bool = False, large: bool = False) -> list[int]:
+    if two_d:
+        return [world * rng.randint(1, 4), rng.randint(2, 9)]
+    return [world * rng.randint(200, 1200) if large else world * rng.randint(2, 40)]
+
+
+def _ring_sum_cases(rng: random.Random) -> list[dict]:
+    return [_ring_case(rng, 2, _divisible_shape(rng, 2)), _ring_case(rng, 3, _divisible_shape(rng, 3)),
+            _ring_case(rng, 4, _divisible_shape(rng, 4)), _ring_case(rng, 4, _divisible_shape(rng, 4, two_d=True))]
+
+
+def _ring_sum_more_cases(rng: random.Random) -> list[dict]:
+    return [_ring_case(rng, 5, _divisible_shape(rng, 5)), _ring_case(rng, 6, _divisible_shape(rng, 6, large=True)),
+            _ring_case(rng, 8, _divisible_shape(rng, 8)), _ring_case(rng, 3, _divisible_shape(rng, 3, two_d=True)),
+            _ring_case(rng, 2, _divisible_shape(rng, 2, large=True))]
+
+
+def _ring_traffic_cases(rng: random.Random) -> list[dict]:
+    return [_ring_case(rng, w, [w * rng.randint(16, 64)]) for w in (2, 3, 4)]
+
+
+def _ring_traffic_more_cases(rng: random.Random) -> list[dict]:
+    return [_ring_case(rng, 5, _divisible_shape(rng, 5, large=True)), _ring_case(rng, 8, _divisible_shape(rng, 8)),
+            _ring_case(rng, 4, [4 * rng.randint(8, 32)], dtype="float64"),
+            _ring_case(rng, 6, _divisible_shape(rng, 6, two_d=True))]
+
+
+def _uneven(rng: random.Random, world: int) -> int:
+    n = rng.randint(world + 1, 12 * world)
+    return n + 1 if n % world == 0 else n
+
+
+def _ring_any_cases(rng: random.Random) -> list[dict]:
+    return [
+        _ring_case(rng, 3, [_uneven(rng, 3)]),  # not divisible: chunks differ by one element
+        _ring_case(rng, 4, [_uneven(rng, 4)]),
+        _ring_case(rng, 3, [2]),  # fewer elements than ranks: one chunk is empty
+        _ring_case(rng, 4, [1]),
+        _ring_case(rng, 4, [3, 5]),  # 2-D, 15 elements on 4 ranks
+        _ring_case(rng, 3, [rng.randint(4, 7), rng.randint(2, 5)], layout="transposed"),  # non-contiguous
+        _ring_case(rng, 2, [rng.randint(5, 30)], dtype="float64"),
+        _ring_case(rng, 3, [_uneven(rng, 3)], dtype="float64"),
+    ]
+
+
+def _ring_edge_cases(rng: random.Random) -> list[dict]:
+    return [
+        _ring_case(rng, 1, [rng.randint(3, 9)]),  # one rank: nothing to send
+        _ring_case(rng, 5, [3]),
+        _ring_case(rng, 5, [_uneven(rng, 5)]),
+        _ring_case(rng, 3, [0]),  # empty
+        _ring_case(rng, 3, [_uneven(rng, 3)], dtype="int64"),
+        _ring_case(rng, 4, [3, rng.randint(3, 6)], layout="strided"),
+        _ring_case(rng, 2, [2, 3, 4], layout="permuted"),
+        _ring_case(rng, 5, [rng.randint(3, 6), 7], dtype="float64", layout="transposed"),
+    ]
+
+
+def rank_tensor(case: dict, rank: int):
+    """The tensor ``rank`` starts with in a ring case: seeded values in the case's dtype and layout."""
+    import torch
+
+    shape, layout = list(case["shape"]), case["layout"]
+    base_shape = [shape[0], 2 * shape[1]] if layout == "strided" else shape[::-1] if layout != "contiguous" else shape
+    gen = torch.Generator().manual_seed(case["seed"] * 16 + rank)
+    if case["dtype"] == "int64":
+        base = torch.randint(-50, 50, base_shape, generator=gen, dtype=torch.int64)
+    else:
+        base = torch.randn(base_shape, generator=gen, dtype=getattr(torch, case["dtype"]))
+    if layout == "transposed":
+        return base.t()
+    if layout == "strided":
+        return base[:, ::2]
+    if layout == "permuted":
+        return base.permute(2, 1, 0)
+    return base
+
+
+def _describe_ring(case: dict) -> str:
+    shape, layout = case["shape"], case["layout"]
+    made = {"contiguous": "", "transposed": f", non-contiguous: x.t() of a {shape[::-1]} tensor",
+            "strided": f", non-contiguous: x[:, ::2] of a {shape[:1] + [2 * n for n in shape[1:]]} tensor",
+            "permuted": f", non-contiguous: x.permute(2, 1, 0) of a {shape[::-1]} tensor"}[layout]
+    numel = math.prod(shape)
+    return (f"world size {case['world']}, each rank a torch.{case['dtype']} tensor of shape {shape} "
+            f"({_count(numel, 'element')}{made})")
+
+
+class _CountingComm:
+    """A rank's communicator as the learner sees it, counting the messages it sends."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.messages = 0
+        self.peers: set[tuple] = set()
+        self.waiting = False  # inside exchange, for a message
+        self.last: tuple | None = None  # (to, source) of the latest exchange
+        self.done = False
+        self.thread: threading.Thread | None = None
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._comm.bytes_sent
+
+    def exchange(self, send, to, recv, source) -> None:
+        """Send ``send`` to rank ``to`` and receive into ``recv`` from rank ``source``, both at once."""
+        self.messages += 1
+        self.peers.add((to, source))
+        self.waiting, self.last = True, (to, source)
+        self._comm.exchange(send, to, recv, source)
+        self.waiting = False
+
+
+def _run_ring_case(ring, case: dict) -> list:
+    """One case on a ThreadGroup: per rank, the input tensor's values afterwards, what came back, the traffic."""
+    import torch
+
+    from infra_lib.training.collectives import ThreadGroup
+
+    comms = {}
+
+    def on_rank(comm, tensor):
+        counting = comms[comm.rank] = _CountingComm(comm)
+        counting.thread = threading.current_thread()
+        out = ring(tensor, counting)
+        counting.done = True
+        if out is tensor:
+            returned = "the input tensor"
+        elif isinstance(out, torch.Tensor):
+            returned = {"values": out.detach().tolist(), "dtype": str(out.dtype), "shape": list(out.shape)}
+        else:
+            returned = f"a {type(out).__name__}"
+        peers = sorted([to, source] for to, source in counting.peers if type(to) is int and type(source) is int)
+        return {"values": tensor.tolist(), "returned": returned, "bytes": int(comm.bytes_sent),
+                "messages": counting.messages, "peers": peers}
+
+    tensors = [rank_tensor(case, rank) for rank in range(case["world"])]
+    try:
+        return ["value", ThreadGroup(case["world"]).run(on_rank, [(t,) for t in tensors], timeout_s=RANK_TIMEOUT_S)]
+    except TimeoutError:
+        waiting = [r for r, c in sorted(comms.items()) if not c.done and c.waiting]
+        running = [r for r, c in sorted(comms.items()) if not c.done and not c.waiting]
+        if running:
+            text = (f"TimeoutError: {_ranks(running)} still running your code after {RANK_TIMEOUT_S:g} s, outside "
+                    "exchange (a loop that never ends?)")
+            return ["raised", text]
+        calls = "; ".join(f"rank {r} sent to {comms[r].last[0]!r} and waits for {comms[r].last[1]!r} "
+                          f"(its exchange number {comms[r].messages})" for r in waiting)
+        text = (f"TimeoutError: {_ranks(waiting)} waiting in exchange after {RANK_TIMEOUT_S:g} s for a message no "
+                f"rank sent: {calls}")
+        return ["raised", text]
+    except RuntimeError as exc:  # a rank raised: the group names it
+        if isinstance(exc.__cause__, (NotImplementedError, MemoryError)):
+            raise exc.__cause__ from None
+        return ["raised", f"{exc}"[:400]]
+    finally:  # a rank waiting in exchange ends with its receive's own time-out; one running its own code may not
+        _stop_threads([c.thread for c in comms.values() if not c.done and not c.waiting])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
+
+
+class RankStopped(BaseException):
+    """Raised inside a rank's thread that is still running after its group gave up on it."""
+
+
+def _stop_threads(threads: list) -> None:
+    """Stop rank threads a failed case left running their own code (a loop that never ends would take the
+    CPU from every later check): an exception is raised in each at its next Python instruction.
+
+    Only for threads that run Python code: an exception pending for a thread blocked in a C call (a
+    receive) slows every other thread of the process down while a profiler, such as the grader's call
+    monitor, is active, until that thread wakes up.
+    """
+    import ctypes
+
+    stopping = [t for t in threads if t.is_alive() and t.ident is not None]
+    for thread in stopping:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(RankStopped))
+    for thread in stopping:
+        thread.join(1.0)
+
+
+def _drive_ring(ring, cases: list[dict]) -> list:
+    if not callable(ring):
+        raise TypeError(f"check(...) needs your ring_all_reduce function, got a {type(ring).__name__}")
+    results = []
+    for case in cases:
+        if results and results[-1][0] in ("raised", "skipped"):
+            results.append(["skipped", "an earlier case failed"])  # a hung ring costs seconds: stop at the first
+            continue
+        results.append(_run_ring_case(ring, case))
+    return results
+
+
+def _tolerance(dtype: str) -> tuple[float, float]:
+    """(rtol, atol) between sums added in different orders."""
+    return {"float64": (1e-10, 1e-12), "int64": (0.0, 0.0)}.get(dtype, (1e-5, 1e-5))
+
+
+def _raised_note(text: str, case: dict) -> str:
+    numel, world = math.prod(case["shape"]), case["world"]
+    if "waiting in exchange" in text:
+        return ("\n  a rank waits in exchange for a message that no rank sent it. Every rank must call exchange the "
+                "same number of times (2 (W - 1)), each time sending to its right neighbour (rank + 1) % W and "
+                "receiving from its left neighbour (rank - 1) % W")
+    if "view size is not compatible" in text:
+        return ("\n  tensor.view(-1) needs a contiguous tensor: use tensor.reshape(-1) (a copy when the tensor is not "
+                "contiguous) and copy the result back into the tensor at the end")
+    if "into a buffer of shape" in text:
+        return ("\n  the chunk a rank receives into must have the size of the chunk its neighbour sends in the same "
+                "step: check which chunk index each rank sends and receives at each step")
+    if "is not a rank of a group" in text:
+        return "\n  peers are 0 .. W - 1: take the neighbours modulo W, (rank + 1) % W and (rank - 1) % W"
+    if "IndexError" in text and numel % world:
+        return ("\n  with fewer elements than ranks, or a size W does not divide, torch.chunk and ceil-sized chunks "
+                "give fewer than W chunks: torch.tensor_split(flat, W) (or your shard_bounds) always gives W, some "
+                "empty")
+    if "can't be cast to the desired output type" in text:
+        return ("\n  make receive buffers with the tensor's dtype, torch.empty_like(chunk): torch.empty(n) is float32")
+    return ""
+
+
+def _element_note(got: float, want: float, values: list[float]) -> str:
+    """What one wrong element holds, when it is the sum over some of the ranks, or the sum plus some again."""
+    world = len(values)
+    scale = max(1.0, sum(abs(v) for v in values))
+    for mask in range(1, 2**world):
+        ranks = [r for r in range(world) if mask >> r & 1]
+        part = sum(values[r] for r in ranks)
+        which = f"rank {ranks[0]}'s value" if len(ranks) == 1 else f"the values of ranks {ranks}"
+        if abs(want + part - got) <= 1e-4 * scale:
+            return (f"; that element holds the sum plus {which} again: added twice. The all-gather copies the "
+                    "finished chunks over yours (receive straight into the chunk); only the reduce-scatter adds")
+        if mask == 2**world - 1 or abs(part - got) > 1e-4 * scale:
+            continue
+        if len(ranks) == 1:
+            return (f"; that element holds only {which}: nothing was added into it. In the reduce-scatter, receive "
+                    "into a new buffer (torch.empty_like(chunk)) and add it to your chunk (receiving straight into "
+                    f"the chunk replaces it); it takes W - 1 = {world - 1} steps, and check which chunk index each "
+                    "step sends and receives")
+        return (f"; that element holds the sum over ranks {ranks} only, of {world}: each chunk needs W - 1 = "
+                f"{world - 1} reduce-scatter steps, each adding what the left neighbour sent into the chunk it sends "
+                "on at the next step")
+    return ""
+
+
+def _values_problem(case: dict, got_ranks: list, want_ranks: list) -> Mismatch | None:
+    """The first rank whose tensor does not hold the sum, with the mistake named where it can be."""
+    import numpy as np
+
+    from infra_lib.training.zero import shard_bounds  # the grader's side: not the learner's code
+
+    world, where = case["world"], _describe_ring(case)
+    rtol, atol = _tolerance(case["dtype"])
+    want = np.asarray(want_ranks[0]["values"], dtype=np.float64)
+    originals = [rank_tensor(case, r).double().numpy() for r in range(world)]
+    copied = ("; it is not contiguous, so reshape(-1) gave you a copy: copy the result back with "
+              "tensor.copy_(flat.view_as(tensor))") if case["layout"] != "contiguous" else ""
+    for rank, rank_data in enumerate(got_ranks):
+        try:
+            got = np.asarray(rank_data["values"], dtype=np.float64)
+        except (TypeError, ValueError):
+            return Mismatch("the check recorded a malformed tensor", f"on {where}: rank {rank}")
+        if got.shape == want.shape and np.allclose(got, want, rtol=rtol, atol=atol):
+            continue
+        returned = rank_data["returned"]
+        if type(returned) is dict:
+            back = np.asarray(returned["values"], dtype=np.float64)
+            if back.shape == want.shape and np.allclose(back, want, rtol=rtol, atol=atol):
+                return Mismatch("ring_all_reduce returned the sum but left the input tensor unchanged: all-reduce "
+                                "works in place, like dist.all_reduce",
+                                f"on {where}: rank {rank}'s input tensor does not hold the sum{copied}")
+        if np.array_equal(got, originals[rank]) and want.size:
+            return Mismatch("the input tensor still holds its own values after ring_all_reduce",
+                            f"on {where}: rank {rank}'s tensor is unchanged"
+                            + (copied or "; write the sum into it (work on a view of it, or copy the result back)"))
+        if got.shape != want.shape:
+            return Mismatch("the tensor changed shape",
+                            f"on {where}: rank {rank}: expected shape {list(want.shape)}, got {list(got.shape)}")
+        if world > 1 and want.size and np.allclose(got, want / world, rtol=1e-5, atol=1e-6):
+            return Mismatch("ring_all_reduce averaged instead of summing",
+                            f"on {where}: rank {rank} holds the sum divided by {world}; all-reduce sums (data "
+                            "parallelism divides by W afterwards, outside the collective)")
+        flat_got, flat_want = got.reshape(-1), want.reshape(-1)
+        bad = ~np.isclose(flat_got, flat_want, rtol=rtol, atol=atol)
+        first = int(np.argmax(bad))
+        index = [int(i) for i in np.unravel_index(first, want.shape)]
+        note, digits = "", 12 if case["dtype"] == "float64" else 6
+        chunks = [shard_bounds(want.size, world, c) for c in range(world)]
+        finished = [(s, e) for s, e in chunks if e > s and (~bad)[s:e].all() and (~bad).sum() == e - s]
+        values = [float(o.reshape(-1)[first]) for o in originals]
+        element = _element_note(float(flat_got[first]), float(flat_want[first]), values) if world > 1 else ""
+        if case["dtype"] == "float64" and np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            note = ("; the values are right to float32 precision only: make receive buffers with the tensor's "
+                    "dtype, torch.empty_like(chunk) (torch.empty(n) is float32)")
+        elif finished and "added twice" not in element:
+            start, end = finished[0]
+            note = (f"; rank {rank} holds the sum only in elements {start}..{end - 1}, one chunk: that is where the "
+                    f"reduce-scatter ends. The all-gather must then pass the finished chunks around the ring "
+                    f"(W - 1 = {world - 1} more steps) so that every rank has all of them")
+        else:
+            note = element
+        own = ", ".join(f"{o.reshape(-1)[first]:.4g}" for o in originals)
+        return Mismatch("ring_all_reduce did not leave the sum over the ranks in every rank's tensor",
+                        f"on {where}: rank {rank}: {int(bad.sum())} of {bad.size} elements differ; at index {index} "
+                        f"expected {flat_want[first]:.{digits}g}, got {flat_got[first]:.{digits}g} (the ranks' own "
+                        f"values there: {own}){note}")
+    for rank, rank_data in enumerate(got_ranks):
+        returned = rank_data["returned"]
+        if returned == "the input tensor":
+            continue
+        if type(returned) is not dict:
+            return Mismatch("ring_all_reduce must return the tensor it reduced",
+                            f"on {where}: rank {rank} returned {returned} (end with `return tensor`)")
+        back = np.asarray(returned["values"], dtype=np.float64)
+        dtype = f"torch.{case['dtype']}"
+        if returned["dtype"] != dtype or back.shape != want.shape or not np.allclose(back, want, rtol=rtol, atol=atol):
+            return Mismatch("ring_all_reduce returned a tensor other than the sum",
+                            f"on {where}: rank {rank}'s tensor holds the sum, but it returned a {returned['dtype']} "
+                            f"tensor of shape {returned['shape']} with other values (expected {dtype}, "
+                            f"{list(want.shape)}): end with `return tensor`")
+    return None
+
+
+def _ring_results(got, expected, cases):
+    """Per case: (case, the learner's per-rank data, the reference's) or a Mismatch for what went wrong first."""
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
+    rows = []
+    for case, g, e in zip(cases, got, expected):
+        kind, value = _unwrap(g)
+        where = _describe_ring(case)
+        if kind == "raised":
+            if "outside exchange" in str(value):
+                return Mismatch("ring_all_reduce did not finish: a rank kept running its own code",
+                                f"on {where}: {value}")
+            if "waiting in exchange" in str(value):
+                return Mismatch("ring_all_reduce did not finish: a rank waited for a message that never came",
+                                f"on {where}: {value}{_raised_note(str(value), case)}")
+            return Mismatch("ring_all_reduce raised an exception",
+                            f"on {where}: {value}{_raised_note(str(value), case)}")
+        if kind != "value" or type(value) is not list or len(value) != case["world"]:
+            return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
+        rows.append((case, value, e[1]))
+    return rows
+
+
+def _compare_ring_sum(got, expected, cases) -> Mismatch | None:
+    rows = _ring_results(got, expected, cases)
+    if isinstance(rows, Mismatch):
+        return rows
+    for case, got_ranks, want_ranks in rows:
+        problem = _values_problem(case, got_ranks, want_ranks)
+        if problem:
+            return problem
+    return None
+
+
+def _compare_ring_traffic(got, expected, cases) -> Mismatch | None:
+    rows = _ring_results(got, expected, cases)
+    if isinstance(rows, Mismatch):
+        return rows
+    for case, got_ranks, want_ranks in rows:
+        problem = _values_problem(case, got_ranks, want_ranks)
+        if problem:
+            return Mismatch("the traffic is measured on a correct all-reduce: " + problem.what, problem.detail)
+        world, where = case["world"], _describe_ring(case)
+        itemsize = 8 if case["dtype"] in ("float64", "int64") else 4
+        tensor_bytes = math.prod(case["shape"]) * itemsize
+        for rank, (g, e) in enumerate(zip(got_ranks, want_ranks)):
+            if g["bytes"] == e["bytes"]:
+                continue
+            sent, share = g["bytes"], 2 * (world - 1) / world
+            chunk = tensor_bytes // world
+            note = ""
+            if sent == 0:
+                note = ("; you sent nothing: the ranks shared memory instead of messages, which only threads can do. "
+                        "In a process group every rank is its own process (on its own GPU): only exchange moves data")
+            elif sent == (world - 1) * tensor_bytes:
+                note = ("; that is the whole tensor in each of W - 1 steps: send one chunk (1 / W of the tensor) per "
+                        "step, in a reduce-scatter and then an all-gather")
+            elif sent % tensor_bytes == 0:
+                note = "; you sent whole tensors: a ring sends one chunk (1 / W of the tensor) per message"
+            elif sent == (world - 1) * chunk:
+                note = "; that is only the reduce-scatter: the all-gather sends W - 1 chunks more"
+            peers = g.get("peers") or []
+            if any(pair != [(rank + 1) % world, (rank - 1) % world] for pair in peers):
+                note += (f"; rank {rank} exchanged with (to, from) {[tuple(p) for p in peers]}: in a ring it sends to "
+                         f"{(rank + 1) % world} and receives from {(rank - 1) % world} only")
+            return Mismatch("a rank sent a different number of bytes than a ring all-reduce does",
+                            f"on {where}: rank {rank} sent {sent} bytes in {_count(g['messages'], 'message')} "
+                            f"({sent / tensor_bytes:.3g} x the tensor's {tensor_bytes} bytes); a ring sends "
+                            f"2 (W - 1) / W = {share:.3g} x the tensor: {e['bytes']} bytes in 2 (W - 1) = "
+                            f"{2 * (world - 1)} messages of one {chunk}-byte chunk each{note}")
+    return None
+
+
+_RING_HINT = ("split the flattened tensor into W chunks (your shard_bounds, or torch.tensor_split). Reduce-scatter: "
+              "for step s in 0..W-2, send chunk (rank - s) % W to rank (rank + 1) % W, receive chunk "
+              "(rank - s - 1) % W from rank (rank - 1) % W into a buffer made with torch.empty_like, and add it in. "
+              "All-gather: W - 1 more steps passing the finished chunks on, received straight into place. Write into "
+              "the tensor itself and return it.")
+
+_RING_CHECKS = (
+    ("lab05.ring_sum", _ring_sum_cases, _compare_ring_sum, _RING_HINT),
+    ("lab05.ring_sum_more", _ring_sum_more_cases, _compare_ring_sum,
+     _RING_HINT + " Up to 8 ranks, tens of thousands of elements."),
+    ("lab05.ring_traffic", _ring_traffic_cases, _compare_ring_traffic,
+     ("each rank sends 2 (W - 1) messages of one chunk (1 / W of the tensor): 2 (W - 1) / W of the tensor in all, "
+      "whatever W is. Sending the whole tensor around the ring gives the right sum at (W - 1) x the traffic.")),
+    ("lab05.ring_traffic_more", _ring_traffic_more_cases, _compare_ring_traffic,
+     "each rank sends 2 (W - 1) / W of the tensor's bytes, in chunks; up to 8 ranks, float64 tensors."),
+    ("lab05.ring_any_tensor", _ring_any_cases, _compare_ring_sum,
+     _RING_HINT + " Sizes W does not divide (chunks differ by one element), fewer elements than ranks (empty "
+                  "chunks), 2-D, non-contiguous (reshape copies it: copy the result back) and float64 tensors."),
+    ("lab05.ring_edges", _ring_edge_cases, _compare_ring_sum,
+     _RING_HINT + " One rank, empty tensors, int64, strided and permuted views, 5 ranks."),
+)
+for _check_id, _make, _compare, _hint in _RING_CHECKS:
+    register(Check(check_id=_check_id, task=_TASKS[3], reference=reference(_COLLECTIVES, "ring_all_reduce"),
+                   make_inputs=_make, drive=_drive_ring, compare=_compare, hint=_hint))
+
+
+# --- the lab's last cell: the learner's ring on a real process group ----------------------------
+
+def answer_source(fn) -> str:
+    """The source of the notebook cell (or file) that defined ``fn``: with it go the helpers and imports
+    the answer cell holds."""
+    import inspect
+    import linecache
+
+    lines = linecache.getlines(fn.__code__.co_filename)
+    return "".join(lines) if lines else inspect.getsource(fn)
+
+
+def run_on_process_group(sources: list[str], name: str = "ring_all_reduce", world_size: int = 2,
+                         shapes: tuple = ((4096,), (1000, 3), (7,)), seed: int = 0, repeats: int = 3,
+                         timeout_s: float = 60.0) -> list[list[dict]]:
+    """Run the function ``name`` defined by ``sources`` (answer cells) on a gloo group of ``world_size``
+    processes, against ``dist.all_reduce`` on the same seeded tensors; per rank, one row per shape.
+
+    A function defined in a notebook cannot be sent to a spawned process, so its cell's source is:
+    every worker executes the sources in a fresh namespace (with ``torch`` and ``math``), then calls
+    ``name(tensor, DistComm())``. Raises ``WorkerError`` naming the rank if a worker fails or hangs.
+    """
+    from infra_lib.training.launcher import run_workers
+
+    return run_workers(_answer_worker, world_size, (list(sources), name, [list(s) for s in shapes], seed, repeats),
+                       timeout_s=timeout_s)
+
+
+def _answer_worker(rank: int, world_size: int, sources: list[str], name: str, shapes: list, seed: int,
+                   repeats: int) -> list[dict]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from infra_lib.training.collectives import DistComm
+
+    namespace = {"__name__": "lab05_answers", "torch": torch, "math": math}
+    for source in sources:
+        exec(compile(source, "<answer cell>", "exec"), namespace)  # noqa: S102 - the learner's own answers
+    ring = namespace[name]
+    rows = []
+    for i, shape in enumerate(shapes):
+        tensor = torch.randn(*shape, generator=torch.Generator().manual_seed(seed * 1000 + i * 16 + rank))
+        expected = tensor.clone()
+        dist.all_reduce(expected)
+        comm = DistComm()
+        ring(tensor, comm)
+
+        def best_of(all_reduce, shape: list) -> float:  # the first call pays for warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                scratch = torch.randn(*shape)
+                dist.barrier()
+                start = time.perf_counter()
+                all_reduce(scratch)
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        ring_s = best_of(lambda t: ring(t, DistComm()), shape)
+        dist_s = best_of(dist.all_reduce, shape)
+        rows.append({"shape": list(shape), "bytes": tensor.nbytes, "bytes_sent": comm.bytes_sent,
+                     "max_abs_error": float((tensor - expected).abs().max()) if tensor.numel() else 0.0,
+                     "ring_s": ring_s, "all_reduce_s": dist_s})
+    return rows

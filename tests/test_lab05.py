@@ -1,0 +1,320 @@
+"""Lab 05's checks name the classic mistakes of the ZeRO calculator, of splitting a tensor into
+shards and of the ring all-reduce; a ring that hangs or loops is stopped in seconds with the ranks
+named, and the learner's answer cells run on a real gloo process group for the lab's last cell."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from conftest import REPO, answer_cells
+
+from grading import check
+from grading.check import RECORD_ENV, SEED_ENV
+from grading.registry import all_checks
+
+SOLUTION = REPO / "solutions" / "lab05_parallel" / "lab05_parallel.ipynb"
+RING_CHECKS = ("lab05.ring_sum", "lab05.ring_sum_more", "lab05.ring_traffic", "lab05.ring_traffic_more",
+               "lab05.ring_any_tensor", "lab05.ring_edges")
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The instructor's answers, run as the notebook runs them (setup first, then every answer cell)."""
+    import math
+
+    namespace = {"torch": torch, "math": math}
+    for source in answer_cells(SOLUTION).values():
+        exec(source, namespace)
+    return namespace
+
+
+def _fails(check_id: str, implementation) -> str:
+    with pytest.raises(AssertionError) as info:
+        check(check_id, implementation)
+    return str(info.value)
+
+
+# --- task 1: zero_memory_per_device ---------------------------------------------------------------
+
+def _zero(formula, validate=True):
+    """A calculator with the per-stage ``formula(stage, p, g, k, n)``."""
+
+    def zero_memory_per_device(num_params, num_devices, stage, *, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
+        if validate and (stage not in (0, 1, 2, 3) or not isinstance(num_devices, int) or num_devices < 1
+                         or num_params < 0):
+            raise ValueError("invalid")
+        return formula(stage, param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params,
+                       num_devices)
+
+    return zero_memory_per_device
+
+
+def _right(stage, p, g, k, n):
+    return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+@pytest.mark.parametrize("formula, named", [
+    (lambda s, p, g, k, n: (p + g + k) / n if s >= 2 else _right(s, p, g, k, n), "parameters stay whole"),
+    (lambda s, p, g, k, n: _right(s, p, 0, k, n), "left out the gradients"),
+    (lambda s, p, g, k, n: _right(s, p, g, p + g + k, n) if s in (1, 2) else _right(s, p, g, k, n),
+     "whole per-parameter state"),
+    (lambda s, p, g, k, n: _right(s, p, g, k, n) / 1e9, "return bytes, not GB"),
+    (lambda s, p, g, k, n: _right(min(s + 1, 3), p, g, k, n), "that is stage 1's figure"),
+    (lambda s, p, g, k, n: _right(2 if s == 1 else s, p, g, k, n), "gradients are sharded from stage 2"),
+])
+def test_task1_mistakes_are_named(formula, named):
+    text = _fails("lab05.zero_memory", _zero(formula))
+    assert named in text and "expected" in text and "GB)" in text
+
+
+def test_task1_ignoring_the_byte_counts_and_validation_are_named():
+    def defaults_only(num_params, num_devices, stage, **ignored):
+        return _right(stage, 2 * num_params, 2 * num_params, 12 * num_params, num_devices)
+
+    assert "use the param_bytes, grad_bytes and optimizer_bytes passed in" in _fails("lab05.zero_memory",
+                                                                                       defaults_only)
+    text = _fails("lab05.zero_memory_edges", _zero(lambda s, p, g, k, n: _right(min(s, 3), p, g, k, max(n, 1)),
+                                                   validate=False))
+    assert "should raise ValueError on an invalid input" in text and "stage=4" in text
+
+
+def test_task1_integer_arithmetic_passes():
+    def integer(num_params, num_devices, stage, *, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
+        if stage not in range(4) or type(num_devices) is not int or num_devices < 1 or num_params < 0:
+            raise ValueError("invalid")
+        sharded = {0: 0, 1: optimizer_bytes, 2: grad_bytes + optimizer_bytes,
+                   3: param_bytes + grad_bytes + optimizer_bytes}[stage]
+        return (param_bytes + grad_bytes + optimizer_bytes - sharded) * num_params + sharded * num_params / num_devices
+
+    check("lab05.zero_memory", integer)
+    check("lab05.zero_memory_edges", integer)
+
+
+# --- task 2: shard_bounds -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bounds, named", [
+    (lambda n, w, r: (min(r * -(-n // w), n), min((r + 1) * -(-n // w), n)), "as torch.chunk does"),
+    (lambda n, w, r: (r * (n // w), n if r == w - 1 else (r + 1) * (n // w)), "the last rank took all the leftover"),
+    (lambda n, w, r: (r * n / w, (r + 1) * n / w), "use integer arithmetic"),
+])
+def test_task2_mistakes_are_named(bounds, named):
+    assert named in _fails("lab05.shard_bounds", bounds)
+
+
+def test_task2_tensor_split_passes():
+    def from_tensor_split(numel, world_size, rank):
+        sizes = [len(part) for part in torch.tensor_split(torch.arange(numel), world_size)]
+        start = sum(sizes[:rank])
+        return start, start + sizes[rank]
+
+    check("lab05.shard_bounds", from_tensor_split)
+    check("lab05.shard_bounds_more", lambda n, w, r: (r * (n // w) + min(r, n % w),
+                                                      (r + 1) * (n // w) + min(r + 1, n % w)))
+
+
+# --- task 3: ring_all_reduce ----------------------------------------------------------------------
+
+def _ring(*, gather=True, average=False, flatten="auto", buffer="like", to_left=False, reduce_steps=None, ret=True,
+          gather_adds=False):
+    """A ring with one deliberate change from the correct one."""
+
+    def ring_all_reduce(tensor, comm):
+        world, rank = comm.world_size, comm.rank
+        if flatten == "view":
+            flat = tensor.view(-1)
+        else:
+            flat = tensor.reshape(-1)
+        chunks = list(torch.tensor_split(flat, world))
+        right, left = (rank + 1) % world, (rank - 1) % world
+        if to_left:
+            right = left
+        for step in range(world - 1 if reduce_steps is None else reduce_steps(world)):
+            send, receive = (rank - step) % world, (rank - step - 1) % world
+            incoming = torch.empty_like(chunks[receive]) if buffer == "like" else torch.empty(chunks[receive].numel())
+            comm.exchange(chunks[send], right, incoming, left)
+            chunks[receive] += incoming
+        if gather:
+            for step in range(world - 1):
+                send, receive = (rank + 1 - step) % world, (rank - step) % world
+                if gather_adds:
+                    incoming = torch.empty_like(chunks[receive])
+                    comm.exchange(chunks[send], right, incoming, left)
+                    chunks[receive] += incoming
+                else:
+                    comm.exchange(chunks[send], right, chunks[receive], left)
+        if average:
+            flat /= world
+        if flatten == "auto" and flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor if ret else None
+
+    return ring_all_reduce
+
+
+def test_task3_the_solution_and_a_tensor_split_ring_pass_every_check(solution):
+    for check_id in RING_CHECKS:
+        check(check_id, solution["ring_all_reduce"])
+        check(check_id, _ring())
+
+
+def test_task3_passing_the_whole_tensor_around_gives_the_sum_but_fails_the_traffic():
+    def whole_tensor(tensor, comm):
+        world, rank = comm.world_size, comm.rank
+        total, message = tensor.clone(), tensor.clone()
+        for _ in range(world - 1):
+            incoming = torch.empty_like(message)
+            comm.exchange(message, (rank + 1) % world, incoming, (rank - 1) % world)
+            total += incoming
+            message = incoming
+        return tensor.copy_(total)
+
+    check("lab05.ring_sum", whole_tensor)
+    check("lab05.ring_any_tensor", whole_tensor)
+    text = _fails("lab05.ring_traffic", whole_tensor)
+    assert "sent a different number of bytes" in text and "2 (W - 1) / W" in text
+    assert "the whole tensor in each of W - 1 steps" in text
+
+
+@pytest.mark.parametrize("ring, check_id, named", [
+    (_ring(gather=False), "lab05.ring_sum", "that is where the reduce-scatter ends"),
+    (_ring(average=True), "lab05.ring_sum", "averaged instead of summing"),
+    (_ring(reduce_steps=lambda w: 0), "lab05.ring_sum", "nothing was added into it"),
+    (_ring(gather_adds=True), "lab05.ring_sum", "added twice"),
+    (_ring(ret=False), "lab05.ring_sum", "return tensor"),
+    (_ring(flatten="view"), "lab05.ring_any_tensor", "tensor.view(-1) needs a contiguous tensor"),
+    (_ring(flatten="reshape"), "lab05.ring_any_tensor", "reshape(-1) gave you a copy"),
+    (_ring(buffer="float32"), "lab05.ring_any_tensor", "right to float32 precision only"),
+    (_ring(buffer="float32"), "lab05.ring_edges", "torch.empty(n) is float32"),
+])
+def test_task3_mistakes_are_named(ring, check_id, named):
+    assert named in _fails(check_id, ring)
+
+
+def test_task3_an_extra_reduce_scatter_step_gives_the_sum_but_not_the_traffic():
+    ring = _ring(reduce_steps=lambda w: w)  # the all-gather then overwrites the chunk it spoilt
+    check("lab05.ring_sum", ring)
+    text = _fails("lab05.ring_traffic", ring)
+    assert "sent a different number of bytes" in text and "messages of one" in text
+
+
+def test_task3_returning_a_new_tensor_is_not_in_place():
+    def copy(tensor, comm):
+        return _ring()(tensor.clone(), comm)
+
+    text = _fails("lab05.ring_sum", copy)
+    assert "returned the sum but left the input tensor unchanged" in text and "in place" in text
+
+
+def test_task3_sharing_memory_between_threads_sends_nothing():
+    """Threads could add each other's tensors directly; a process group cannot, and the traffic shows it."""
+    lock, groups = threading.Lock(), {}
+
+    def shared(tensor, comm):
+        with lock:  # one barrier per case: the traffic cases have 2, 3 and 4 ranks
+            barrier, tensors = groups.setdefault(comm.world_size, (threading.Barrier(comm.world_size), {}))
+        tensors[comm.rank] = tensor.clone()
+        barrier.wait(timeout=5)
+        total = sum(tensors[r] for r in range(comm.world_size))
+        barrier.wait(timeout=5)
+        return tensor.copy_(total)
+
+    text = _fails("lab05.ring_traffic", shared)
+    assert "sent 0 bytes" in text and "only exchange moves data" in text
+
+
+def test_task3_a_deadlock_is_a_time_out_naming_the_waiting_ranks():
+    started = time.monotonic()
+    text = _fails("lab05.ring_sum", _ring(to_left=True))  # every rank sends left and waits for the left
+    assert time.monotonic() - started < 20
+    assert "waited for a message that never came" in text and "ranks [0, 1, 2] were waiting in exchange" in text
+    assert "rank 0 sent to 2 and waits for 2" in text and "(rank + 1) % W" in text
+
+
+def test_task3_a_loop_that_never_ends_is_stopped_and_named():
+    def spin(tensor, comm):
+        count = 0
+        while True:
+            count += 1
+
+    before, started = set(threading.enumerate()), time.monotonic()
+    text = _fails("lab05.ring_sum", spin)
+    assert time.monotonic() - started < 20
+    assert "still running your code" in text and "outside exchange" in text
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in set(threading.enumerate()) - before):
+        assert time.monotonic() < deadline, "a rank thread kept running"
+        time.sleep(0.05)
+
+
+def test_task3_a_rank_that_raises_is_named():
+    def rank1_fails(tensor, comm):
+        if comm.rank == 1:
+            raise KeyError("chunk 7")
+        return _ring()(tensor, comm)
+
+    text = _fails("lab05.ring_sum", rank1_fails)
+    assert "rank 1 raised KeyError" in text
+
+
+# --- under the grader -----------------------------------------------------------------------------
+
+def test_inputs_are_plain_data_and_the_same_for_the_same_seed():
+    for check_id, registered in all_checks().items():
+        if check_id.startswith("lab05."):
+            first = json.dumps(registered.inputs(7), sort_keys=True)
+            assert first == json.dumps(registered.inputs(7), sort_keys=True), check_id
+            assert first != json.dumps(registered.inputs(8), sort_keys=True), check_id
+
+
+def test_under_the_grader_answers_are_recorded_and_the_reference_is_a_shortcut_even_on_rank_threads(
+        solution, tmp_path, monkeypatch):
+    from infra_lib.training.collectives import ring_all_reduce
+    from infra_lib.training.zero import zero_memory_per_device
+
+    record = tmp_path / "answers.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record))
+    monkeypatch.setenv(SEED_ENV, "11")
+    check("lab05.ring_any_tensor", solution["ring_all_reduce"])
+    check("lab05.zero_memory", solution["zero_memory_per_device"])
+    check("lab05.ring_sum", lambda tensor, comm: ring_all_reduce(tensor, comm))  # runs on the ranks' threads
+    check("lab05.zero_memory", lambda *args, **kwargs: zero_memory_per_device(*args, **kwargs))
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [row["kind"] for row in rows] == [None, None, "reference shortcut", "reference shortcut"]
+    assert "ring_all_reduce" in rows[2]["error"]
+
+
+# --- the lab's last cell --------------------------------------------------------------------------
+
+def test_answer_cells_run_on_a_gloo_process_group(solution):
+    from grading.checks.lab05 import run_on_process_group
+    from infra_lib.training import WorkerError
+
+    sources = list(answer_cells(SOLUTION).values())
+    ranks = run_on_process_group(sources, world_size=2, shapes=((1000,), (7, 3), (1,)), repeats=1, timeout_s=120)
+    assert len(ranks) == 2
+    for rows in ranks:
+        assert [row["shape"] for row in rows] == [[1000], [7, 3], [1]]
+        for row in rows:
+            assert row["max_abs_error"] == 0.0  # two ranks: every sum is the same a + b
+            assert row["ring_s"] > 0 and row["all_reduce_s"] > 0
+        assert rows[0]["bytes_sent"] == 4000  # 2 (W - 1) / W = 1 tensor with two ranks
+    broken = sources[:-1] + ["def ring_all_reduce(tensor, comm):\n    raise KeyError('no ring yet')\n"]
+    with pytest.raises(WorkerError, match=r"rank \d failed:(.|\n)*no ring yet"):
+        run_on_process_group(broken, world_size=2, shapes=((4,),), repeats=1, timeout_s=120)
+
+
+def test_answer_source_is_the_whole_cell(tmp_path):
+    import linecache
+
+    from grading.checks.lab05 import answer_source
+
+    cell = "import math\n\n\ndef helper(x):\n    return math.floor(x)\n\n\ndef answer(x):\n    return helper(x) + 1\n"
+    filename = str(tmp_path / "cell-1.py")  # as IPython registers a cell's source
+    linecache.cache[filename] = (len(cell), None, cell.splitlines(keepends=True), filename)
+    namespace = {}
+    exec(compile(cell, filename, "exec"), namespace)
+    assert answer_source(namespace["answer"]) == cell
