@@ -20,6 +20,29 @@ def reference(module: str, name: str) -> Callable[[], object]:
     return load
 
 
+def outcome(fn, *args, **kwargs) -> list:
+    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
+    a MemoryError propagate (the check machinery reports them as such)."""
+    try:
+        return ["value", fn(*args, **kwargs)]
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception as exc:  # the learner's code may raise anything
+        return ["raised", f"{type(exc).__name__}: {exc}"[:300]]
+
+
+def unwrap(item) -> tuple[str, object]:
+    """The kind ("value", "raised", "skipped" or "malformed") and payload of a recorded ``outcome``."""
+    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised", "skipped"):
+        return item[0], item[1]
+    return "malformed", item
+
+
+def is_number(value) -> bool:
+    """A plain int or float (not a bool, not a tensor or numpy scalar)."""
+    return type(value) in (int, float)
+
+
 def call_each(fn, cases: list[list]) -> list:
     return [fn(*case) for case in cases]
 

@@ -21,7 +21,7 @@ import math
 import random
 import threading
 
-from grading.checks.common import reference
+from grading.checks.common import is_number, outcome, reference, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _ZERO = "infra_lib.training.zero"
@@ -36,27 +36,6 @@ RANK_TIMEOUT_S = 2.0  # per rank: the ring on these small tensors takes millisec
 
 
 # --- calling the implementation -------------------------------------------------------------------
-
-def _outcome(fn, *args, **kwargs) -> list:
-    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
-    a MemoryError propagate (the check machinery reports them as such)."""
-    try:
-        return ["value", fn(*args, **kwargs)]
-    except (NotImplementedError, MemoryError):
-        raise
-    except Exception as exc:  # the learner's code may raise anything
-        return ["raised", f"{type(exc).__name__}: {exc}"[:300]]
-
-
-def _unwrap(item) -> tuple[str, object]:
-    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised", "skipped"):
-        return item[0], item[1]
-    return "malformed", item
-
-
-def _is_number(value) -> bool:
-    return type(value) in (int, float)
-
 
 def _close(a: float, b: float, rel: float = 1e-9) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
@@ -113,7 +92,7 @@ def _describe_zero(case: dict) -> str:
 
 
 def _drive_zero(fn, cases: list[dict]) -> list:
-    return [_outcome(fn, c["num_params"], c["num_devices"], c["stage"], **c.get("bytes", {})) for c in cases]
+    return [outcome(fn, c["num_params"], c["num_devices"], c["stage"], **c.get("bytes", {})) for c in cases]
 
 
 def _stage_bytes(stage: int, p: float, g: float, k: float, n: float) -> float:
@@ -163,7 +142,7 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results from zero_memory_per_device, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
-        (got_kind, value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        (got_kind, value), (want_kind, want) = unwrap(g), unwrap(e)
         where = _describe_zero(case)
         if want_kind == "raised":
             error = str(want).split(":")[0]
@@ -176,7 +155,7 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
         if got_kind == "raised":
             return Mismatch("zero_memory_per_device raised an exception on a valid input",
                             f"on {where}: expected {want:g} bytes, your code raised {value}")
-        if got_kind != "value" or not _is_number(value):
+        if got_kind != "value" or not is_number(value):
             return Mismatch("zero_memory_per_device must return a number of bytes (an int or a float)",
                             f"on {where}: got {value!r:.80}")
         if not _close(value, want):
@@ -212,7 +191,7 @@ def _shard_edge_cases(rng: random.Random) -> list[list[int]]:
 
 
 def _drive_shards(fn, cases: list[list[int]]) -> list:
-    return [[_outcome(fn, numel, world, rank) for rank in range(world)] for numel, world in cases]
+    return [[outcome(fn, numel, world, rank) for rank in range(world)] for numel, world in cases]
 
 
 def _shard_note(numel: int, world: int, got: list) -> str:
@@ -250,7 +229,7 @@ def _compare_shards(got, expected, cases: list[list[int]]) -> Mismatch | None:
         values = []
         for rank, (g, e) in enumerate(zip(ranks, want_ranks)):
             where = f"shard_bounds(numel={numel}, world_size={world}, rank={rank})"
-            kind, value = _unwrap(g)
+            kind, value = unwrap(g)
             if kind == "raised":
                 return Mismatch("shard_bounds raised an exception", f"on {where}: your code raised {value}")
             if (kind != "value" or type(value) is not list or len(value) != 2
@@ -621,7 +600,7 @@ def _ring_results(got, expected, cases):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     rows = []
     for case, g, e in zip(cases, got, expected):
-        kind, value = _unwrap(g)
+        kind, value = unwrap(g)
         where = _describe_ring(case)
         if kind == "raised":
             if "outside exchange" in str(value):

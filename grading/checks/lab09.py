@@ -19,7 +19,7 @@ import contextlib
 import math
 import random
 
-from grading.checks.common import reference, token_difference
+from grading.checks.common import is_number, outcome, reference, token_difference, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _SPEC = "infra_lib.serving.speculative"
@@ -36,27 +36,6 @@ _TASKS = {1: "lab09 task 1: quantize_int8_groupwise", 2: "lab09 task 2: dequanti
 
 
 # --- calling the implementation -------------------------------------------------------------------
-
-def _outcome(fn, *args) -> list:
-    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
-    a MemoryError propagate (the check machinery reports them as such)."""
-    try:
-        return ["value", fn(*args)]
-    except (NotImplementedError, MemoryError):
-        raise
-    except Exception as exc:  # the learner's code may raise anything
-        return ["raised", f"{type(exc).__name__}: {exc}"[:200]]
-
-
-def _unwrap(item) -> tuple[str, object]:
-    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised"):
-        return item[0], item[1]
-    return "malformed", item
-
-
-def _is_number(value) -> bool:
-    return type(value) in (int, float)
-
 
 def _expect_raise(name: str, got_kind: str, got_value, want_error: str, where: str) -> Mismatch | None:
     error = want_error.split(":")[0]
@@ -161,7 +140,7 @@ def _tensor_result(value, name: str, who: str) -> dict:
 def _drive_quantize(quantize, cases: list[dict]) -> list:
     results = []
     for case in cases:
-        item = _outcome(quantize, _weight(case), case["group"])
+        item = outcome(quantize, _weight(case), case["group"])
         if item[0] == "value":
             value = item[1]
             if type(value) not in (tuple, list) or len(value) != 2:
@@ -235,7 +214,7 @@ def _compare_quantize_one(case: dict, g, e) -> Mismatch | None:
     import numpy as np
 
     where = _describe_weight(case)
-    (got_kind, got), (want_kind, want) = _unwrap(g), _unwrap(e)
+    (got_kind, got), (want_kind, want) = unwrap(g), unwrap(e)
     if want_kind == "raised":
         return _expect_raise("quantize_int8_groupwise", got_kind, got, str(want), where)
     if got_kind == "raised":
@@ -383,7 +362,7 @@ def _drive_dequantize(dequantize, cases: list[dict]) -> list:
     results = []
     for case in cases:
         q, scales = _dequantize_inputs(case)
-        item = _outcome(dequantize, q, scales, case["group"])
+        item = outcome(dequantize, q, scales, case["group"])
         if item[0] == "value":
             item = ["value", _tensor_result(item[1], "result", "dequantize_int8_groupwise")]
         results.append(item)
@@ -397,7 +376,7 @@ def _compare_dequantize(got, expected, cases):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
         where = _describe_dequantize(case)
-        (got_kind, value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        (got_kind, value), (want_kind, want) = unwrap(g), unwrap(e)
         if want_kind == "raised":
             problem = _expect_raise("dequantize_int8_groupwise", got_kind, value, str(want), where)
             if problem:
@@ -463,7 +442,7 @@ def _expected_edge_cases(rng: random.Random) -> list[list]:
 
 
 def _drive_expected(fn, cases: list[list]) -> list:
-    return [_outcome(fn, a, gamma) for a, gamma in cases]
+    return [outcome(fn, a, gamma) for a, gamma in cases]
 
 
 def _expected_note(a: float, gamma: int, got) -> str:
@@ -488,7 +467,7 @@ def _compare_expected(got, expected, cases):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     for (a, gamma), g, e in zip(cases, got, expected):
         where = f"acceptance={a}, gamma={gamma}"
-        (got_kind, value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        (got_kind, value), (want_kind, want) = unwrap(g), unwrap(e)
         if want_kind == "raised":
             problem = _expect_raise("expected_tokens_per_step", got_kind, value, str(want), where)
             if problem:
@@ -499,8 +478,8 @@ def _compare_expected(got, expected, cases):
                     if a == 1 else "")
             return Mismatch(f"expected_tokens_per_step raised {str(value).split(':')[0]} on a valid input",
                             f"on {where}: expected {want!r}, your code raised {value}{note}")
-        if not _is_number(value) or math.isnan(value) or not math.isclose(value, want, rel_tol=1e-7):
-            note = _expected_note(a, gamma, value) if _is_number(value) else ""
+        if not is_number(value) or math.isnan(value) or not math.isclose(value, want, rel_tol=1e-7):
+            note = _expected_note(a, gamma, value) if is_number(value) else ""
             return Mismatch("expected_tokens_per_step returned the wrong number",
                             f"on {where}: expected {want!r}, got {value!r}{note}")
     return None
@@ -592,7 +571,7 @@ def _drive_greedy(rule, cases: list[dict]) -> list:
     for case in cases:
         p, q = _one_hot(case["target"], case["vocab"]), _one_hot(case["draft"], case["vocab"])
         generator = torch.Generator().manual_seed(case["seed"]) if case["seed"] is not None else None
-        item = _outcome(rule, p, q, list(case["draft"]), generator)
+        item = outcome(rule, p, q, list(case["draft"]), generator)
         if item[0] == "value":
             accepted, token, problem = _as_step(item[1], case["vocab"])
             item = ["value", {"problem": problem} if problem else {"accepted": accepted, "next": token}]
@@ -645,7 +624,7 @@ def _compare_greedy(got, expected, cases):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
         where = _describe_greedy(case)
-        (got_kind, value), (_, want) = _unwrap(g), _unwrap(e)
+        (got_kind, value), (_, want) = unwrap(g), unwrap(e)
         if got_kind == "raised":
             return Mismatch(f"accept_or_resample raised {str(value).split(':')[0]}",
                             f"on {where}: your code raised {value}")
@@ -765,7 +744,7 @@ def _drive_distribution(rule, cases: list[dict]) -> list[dict]:
         record = {"lengths": lengths, "emitted": emitted, "resampled_first": resampled, "raised": None,
                   "malformed": None, "not_prefix": None, "steps": 0}
         for draft in drafts:
-            item = _outcome(rule, p.clone(), q.clone(), list(draft), generator)
+            item = outcome(rule, p.clone(), q.clone(), list(draft), generator)
             if item[0] == "raised":
                 record["raised"] = item[1]
                 break

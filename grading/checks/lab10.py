@@ -16,7 +16,7 @@ import functools
 import math
 import random
 
-from grading.checks.common import reference
+from grading.checks.common import is_number, outcome, reference, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _LATENCY = "infra_lib.ops.latency"
@@ -37,30 +37,9 @@ _NAN = float("nan")
 
 # --- calling the implementation, comparing numbers ------------------------------------------------
 
-def _outcome(fn, *args) -> list:
-    """``["value", result]`` or ``["raised", "Type: message"]``; the stub's NotImplementedError and
-    a MemoryError propagate (the check machinery reports them as such)."""
-    try:
-        return ["value", fn(*args)]
-    except (NotImplementedError, MemoryError):
-        raise
-    except Exception as exc:  # the learner's code may raise anything
-        return ["raised", f"{type(exc).__name__}: {exc}"[:200]]
-
-
-def _unwrap(item) -> tuple[str, object]:
-    if type(item) is list and len(item) == 2 and item[0] in ("value", "raised"):
-        return item[0], item[1]
-    return "malformed", item
-
-
-def _is_number(value) -> bool:
-    return type(value) in (int, float)
-
-
 def _same(got, expected: float, rel: float = 1e-9) -> bool:
     """Equal numbers (nan equals nan; a tolerance for the order of float operations)."""
-    if not _is_number(got):
+    if not is_number(got):
         return False
     if math.isnan(expected) or math.isnan(got):
         return math.isnan(expected) and math.isnan(got)
@@ -68,7 +47,7 @@ def _same(got, expected: float, rel: float = 1e-9) -> bool:
 
 
 def _fmt(value) -> str:
-    if _is_number(value):
+    if is_number(value):
         return "nan" if math.isnan(value) else repr(round(value, 6))
     return repr(value)
 
@@ -78,7 +57,7 @@ def _compare_results(name: str, got, expected, cases, describe, value_problem) -
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results from {name}, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
-        (got_kind, got_value), (want_kind, want) = _unwrap(g), _unwrap(e)
+        (got_kind, got_value), (want_kind, want) = unwrap(g), unwrap(e)
         where = describe(case)
         if want_kind == "raised":
             error = str(want).split(":")[0]
@@ -204,7 +183,7 @@ def _trace(rng: random.Random, name: str | None = None, size: int | None = None)
 # --- task 1: ttft and e2el ---------------------------------------------------------------------------
 
 def _drive_per_request(fn, cases: list[dict]) -> list:
-    return [_outcome(fn, _timing(d)) for d in cases]
+    return [outcome(fn, _timing(d)) for d in cases]
 
 
 def _ttft_problem(d: dict, got, want):
@@ -301,7 +280,7 @@ register(Check(check_id="lab10.tpot_real_traces", task=_TASKS["tpot"], reference
 def _itl_problem(d: dict, got, want):
     chunks = d["chunk_times"]
     if type(got) is not list:
-        note = "; return the list of gaps (the run's summary pools them later)" if _is_number(got) else ""
+        note = "; return the list of gaps (the run's summary pools them later)" if is_number(got) else ""
         return "itl must return a list of gaps", f"got {_fmt(got)}{note}"
     if len(got) != len(want):
         note = ""
@@ -316,7 +295,7 @@ def _itl_problem(d: dict, got, want):
     for k, (g, e) in enumerate(zip(got, want)):
         if not _same(g, e):
             note = ""
-            if all(_is_number(x) for x in got) and sorted(got) == sorted(want):
+            if all(is_number(x) for x in got) and sorted(got) == sorted(want):
                 note = "; the gaps are right but out of order: keep the order in which the chunks arrived"
             return "itl returned a wrong gap", (f"gap {k} (from the chunk at {_fmt(chunks[k])} to the one at "
                                                 f"{_fmt(chunks[k + 1])}): expected {_fmt(e)}, got {_fmt(g)}{note}")
@@ -364,7 +343,7 @@ def _percentile_edges(rng: random.Random) -> list[list]:
 
 
 def _drive_percentile(fn, cases: list[list]) -> list:
-    return [_outcome(fn, list(values), p) for values, p in cases]
+    return [outcome(fn, list(values), p) for values, p in cases]
 
 
 def _describe_values(case: list) -> str:
@@ -381,7 +360,7 @@ def _percentile_problem(case: list, got, want):
     note = ""
     if math.isnan(want):
         note = "; with no values there is no percentile: return float('nan')"
-    elif _is_number(got) and values:
+    elif is_number(got) and values:
         xs, n = sorted(values), len(values)
         rank = (n - 1) * p / 100
 
@@ -452,7 +431,7 @@ def _trace_runs(rng: random.Random) -> list[dict]:
 
 
 def _drive_runs(fn, cases: list[dict]) -> list:
-    return [_outcome(fn, [_timing(d) for d in case["timings"]], case["p"]) for case in cases]
+    return [outcome(fn, [_timing(d) for d in case["timings"]], case["p"]) for case in cases]
 
 
 def _describe_run(case: dict) -> str:
@@ -502,11 +481,11 @@ def _run_problem(case: dict, got, want):
         if _same(g, e):
             continue
         note = ""
-        if _is_number(g) and math.isnan(g) and not math.isnan(e):
+        if is_number(g) and math.isnan(g) and not math.isnan(e):
             note = "; leave out the nan values (no chunk, or fewer than two tokens) before taking the percentile"
-        elif _is_number(g) and not math.isnan(e) and _same(g * 1000, e):
+        elif is_number(g) and not math.isnan(e) and _same(g * 1000, e):
             note = "; the values are in seconds: the keys ask for milliseconds"
-        elif _is_number(g):
+        elif is_number(g):
             note = next((f"; {why}" for why, value in _alternatives(case, key).items()
                          if not _same(value, e) and _same(g, value)), _YOURS)
         return f"latency_percentiles returned the wrong {key}", f"expected {_fmt(e)}, got {_fmt(g)}{note}"
@@ -591,7 +570,7 @@ def _goodput_edges(rng: random.Random) -> list[dict]:
 
 
 def _drive_goodput(fn, cases: list[dict]) -> list:
-    return [_outcome(fn, [_timing(d) for d in case["timings"]], case["duration_s"], dict(case["slo_ms"]))
+    return [outcome(fn, [_timing(d) for d in case["timings"]], case["duration_s"], dict(case["slo_ms"]))
             for case in cases]
 
 
@@ -632,7 +611,7 @@ def _goodput_problem(case: dict, got, want):
                 "a latency equal to its limit meets the SLO (<=, not <)": {"strict": True},
                 "the limits are in milliseconds and the latencies in seconds: multiply by 1000": {"seconds": True}}
     note = next((f"; {why}" for why, flags in mistakes.items()
-                 if _is_number(got) and not _same(_variant_goodput(case, **flags), want)
+                 if is_number(got) and not _same(_variant_goodput(case, **flags), want)
                  and _same(got, _variant_goodput(case, **flags))), "")
     per_request = want * case["duration_s"] / len(case["timings"]) if case["timings"] else _NAN
     if not note and _same(got, per_request) and not _same(per_request, want):
@@ -745,7 +724,7 @@ def _threshold_cases(rng: random.Random) -> list[dict]:
 
 
 def _drive_diagnose(fn, cases: list[dict]) -> list:
-    return [_outcome(fn, dict(case["stats"])) for case in cases]
+    return [outcome(fn, dict(case["stats"])) for case in cases]
 
 
 def _describe_stats(case: dict) -> str:
