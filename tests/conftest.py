@@ -87,3 +87,20 @@ def hf_tokenizer():
 
     path = default_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def solution_namespace(path, **names) -> dict:
+    """A lab's instructor answers, run as the notebook runs them: every answer cell in ``names``' namespace."""
+    namespace = dict(names)
+    for source in answer_cells(path).values():
+        exec(source, namespace)
+    return namespace
+
+
+def check_fails(check_id: str, implementation) -> str:
+    """The message of ``check(check_id, implementation)``'s failure (it must fail)."""
+    from grading.check import check
+
+    with pytest.raises(AssertionError) as info:
+        check(check_id, implementation)
+    return str(info.value)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, answer_cells
+from conftest import REPO, check_fails, solution_namespace
 
 from grading import check
 from grading.check import RECORD_ENV, SEED_ENV
@@ -22,16 +22,10 @@ def solution() -> dict:
     """The instructor's answers, run as the notebook runs them (setup first, then every answer cell)."""
     import math
 
-    namespace = {"torch": torch, "math": math}
-    for source in answer_cells(SOLUTION).values():
-        exec(source, namespace)
-    return namespace
+    return solution_namespace(SOLUTION, torch=torch, math=math)
 
 
-def _fails(check_id: str, implementation) -> str:
-    with pytest.raises(AssertionError) as info:
-        check(check_id, implementation)
-    return str(info.value)
+_fails = check_fails
 
 
 # --- tasks 1 and 2: quantisation ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import REPO, answer_cells
+from conftest import REPO, check_fails, solution_namespace
 from grading import check
 from grading.check import RECORD_ENV, SEED_ENV
 from grading.registry import all_checks
@@ -21,16 +21,10 @@ def solution() -> dict:
     """The instructor's answers, run as the notebook runs them (setup first, then every answer cell)."""
     from infra_lib.ops.latency import RequestTiming
 
-    namespace = {"RequestTiming": RequestTiming}
-    for source in answer_cells(SOLUTION).values():
-        exec(source, namespace)
-    return namespace
+    return solution_namespace(SOLUTION, RequestTiming=RequestTiming)
 
 
-def _fails(check_id: str, implementation) -> str:
-    with pytest.raises(AssertionError) as info:
-        check(check_id, implementation)
-    return str(info.value)
+_fails = check_fails
 
 
 def test_task1_ttft_is_relative_to_send_time_and_nan_without_chunks(solution):
