@@ -131,6 +131,17 @@ def _drive_timer(asynchronous: bool):
     return drive
 
 
+def _allowed_overshoot_s(expected: dict, want: float) -> float:
+    """How far above the planned median a correct timer may land on this machine right now.
+
+    Sleeps overshoot more on a loaded machine; the reference, timed just before, shows by how
+    much. The allowance stays below 20 ms, under the smallest error of a mean (22.4 ms: the
+    150 ms outlier with four 8 ms calls, against a 14 ms median) or a skipped warm-up (31 ms).
+    """
+    reference_overshoot = max(0.0, expected["seconds"] - want)
+    return min(0.020, max(0.012, reference_overshoot + 0.008))
+
+
 def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     """Calls must match the reference's; the time must match the plan's median cost.
 
@@ -150,7 +161,7 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     if type(seconds) not in (int, float):
         return Mismatch("time_op must return seconds as a float", f"got {seconds!r:.80}")
     want = _planned_median_s(plan)
-    if not want * 0.9 <= seconds <= want + 0.012:
+    if not want * 0.9 <= seconds <= want + _allowed_overshoot_s(expected, want):
         return Mismatch(
             "time_op returned the wrong time",
             f"with {setting}: expected about {want * 1000:.1f} ms (the median timed call), got {seconds * 1000:.1f} ms",
