@@ -12,7 +12,8 @@ from typing import Any
 # Modules under grading.checks that register checks; a lab adds its module here.
 CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
                  "grading.checks.lab05", "grading.checks.lab06", "grading.checks.lab07", "grading.checks.lab08",
-                 "grading.checks.lab09", "grading.checks.lab10")
+                 "grading.checks.lab09", "grading.checks.lab10", "grading.checks.lab12",
+                 "grading.checks.lab13")
 
 
 @dataclass(frozen=True)

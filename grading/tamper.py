@@ -80,6 +80,11 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
                 if not alias.name.startswith("infra_lib"):
                     outside.add((alias.asname or alias.name).split(".")[0])
 
+    # names this cell binds to values (arguments, assignment targets): ``cp.next_node`` on a
+    # checkpoint is a field, not the reference function; a module needs an import to get a name
+    values = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+    values |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
     def flag(kind: str, detail: str, node: ast.AST) -> None:
         findings.append(Finding(kind, detail, getattr(node, "lineno", 0)))
 
@@ -109,7 +114,8 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
                 flag(TAMPERING, f"uses {dotted}", node)
             elif dotted.startswith("threading.") and node.attr in _FORBIDDEN_THREADING:
                 flag(TAMPERING, f"uses {dotted}", node)
-            elif node.attr in shortcut_names and _root(node) not in outside:
+            elif node.attr in shortcut_names and _root(node) not in outside and not (
+                    _root(node) in values and _root(node) not in modules):
                 flag(SHORTCUT, f"uses {dotted or '...'}.{node.attr}" if not dotted else f"uses {dotted}", node)
             elif node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in _ALLOWED_DUNDERS:
                 flag(TAMPERING, f"reaches into {node.attr}", node)

@@ -1,0 +1,483 @@
+"""Checks for lab 13 (the graph runner): the learner writes ``next_node(graph, current, state)``,
+``call_with_retry(fn, state, policy, sleep)`` and ``run_graph(graph, state, *, checkpointer,
+thread_id, max_steps, sleep)``: execute a node, merge its update, pick the next edge, checkpoint,
+retry with exponential backoff, and resume from the last checkpoint.
+
+Graphs are built from seeded plain-data specs with the course's ``StateGraph``: nodes that add to
+or multiply a counter and append their name to a log (a reducer), plain edges, conditional edges
+whose routers compare the counter with a limit (some through a mapping), and loops that end once
+the counter passes a limit. Flaky functions fail a planned number of times with planned exception
+types; ``sleep`` is replaced by a recorder, so the backoff sequence is compared exactly and no
+check waits. A crash is a planned exception at step k; the resumed run must end in the same state
+as an uninterrupted one, re-running only the node that crashed.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from typing import Annotated, TypedDict
+
+from grading.checks.common import unwrap
+from grading.registry import Check, Mismatch, register, register_shortcuts
+
+_AGENTS = "infra_lib.apps.agents"
+
+register_shortcuts("lab13", [f"{_AGENTS}.runner:next_node", f"{_AGENTS}.runner:run_graph",
+                             f"{_AGENTS}.retry:call_with_retry", f"{_AGENTS}.retry:backoff_delays"])
+
+_TASKS = {1: "lab13 task 1: next_node", 2: "lab13 task 2: call_with_retry", 3: "lab13 task 3: run_graph"}
+
+
+class CounterState(TypedDict):
+    x: int
+    log: Annotated[list, operator.add]
+
+
+class Crash(RuntimeError):
+    """The planned failure of a crash case: never retried."""
+
+
+class Flaky(ConnectionError):
+    """A transient failure that retry policies retry."""
+
+
+class Fatal(ValueError):
+    """A failure no retry policy in these checks retries."""
+
+
+_ERRORS = {"Flaky": Flaky, "Fatal": Fatal, "TimeoutError": TimeoutError}
+
+
+def _record(kind: str, payload) -> list:
+    return [kind, payload]
+
+
+def _outcome(fn, *args, **kwargs) -> list:
+    """``["value", result]`` or ``["raised", "Type"]`` (the type's name is what is compared)."""
+    try:
+        return ["value", fn(*args, **kwargs)]
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception as exc:  # the learner's code may raise anything
+        return ["raised", type(exc).__name__, str(exc)[:200]]
+
+
+# --- graphs from plain-data specs --------------------------------------------------------------------
+
+def _graph_spec(rng: random.Random, n_nodes: int, loops: bool = True, mapping: bool = True) -> dict:
+    """Nodes n0..n{k-1} in a chain; some nodes branch on the counter (forward, or back for a loop)."""
+    names = [f"n{i}" for i in range(n_nodes)]
+    nodes = {}
+    for name in names:
+        op = rng.choice(["add", "add", "mul"])
+        nodes[name] = {"op": op, "arg": rng.randint(1, 4) if op == "add" else rng.randint(2, 3)}
+    edges, branches = {}, {}
+    for i, name in enumerate(names):
+        forward = names[i + 1] if i + 1 < n_nodes else "END"
+        if i >= 1 and rng.random() < 0.5:
+            other = names[rng.randrange(0, i)] if loops and rng.random() < 0.6 else (
+                names[rng.randrange(i + 1, n_nodes)] if i + 2 < n_nodes else "END")
+            limit = rng.randint(8, 40)
+            branch = {"limit": limit, "below": other, "above": forward}
+            if mapping and rng.random() < 0.5:
+                branch["mapping"] = {"small": other, "big": forward}
+            branches[name] = branch
+        else:
+            edges[name] = forward
+    return {"nodes": nodes, "edges": edges, "branches": branches, "entry": names[0]}
+
+
+def _apply(spec: dict, x: int) -> int:
+    """Every node raises x, so every loop ends once x passes its branch's limit."""
+    return x + spec["arg"] if spec["op"] == "add" else x * spec["arg"] + 1
+
+
+def build_graph(spec: dict, events: list | None = None, crash_at_call: int | None = None,
+                flaky: dict | None = None):
+    """The course's ``StateGraph`` for ``spec``.
+
+    ``events`` collects every node call; the call numbered ``crash_at_call`` (0-based) raises
+    ``Crash``; ``flaky[name]`` is a list of error names the node raises on its first calls.
+    """
+    from infra_lib.apps.agents import END, START, RetryPolicy, StateGraph
+
+    calls = {"count": 0}
+    flaky = {name: list(errors) for name, errors in (flaky or {}).items()}
+    graph = StateGraph(CounterState)
+
+    def make_node(name: str, node_spec: dict):
+        def node(state: dict) -> dict:
+            number = calls["count"]
+            calls["count"] += 1
+            if events is not None:
+                events.append(name)
+            if crash_at_call is not None and number == crash_at_call:
+                raise Crash(f"planned crash in {name} (call {number})")
+            if flaky.get(name):
+                raise _ERRORS[flaky[name].pop(0)](f"{name} failed")
+            return {"x": _apply(node_spec, state["x"]), "log": [name]}
+
+        return node
+
+    for name, node_spec in spec["nodes"].items():
+        policy = node_spec.get("retry")
+        retry = None if policy is None else RetryPolicy(
+            max_attempts=policy["max_attempts"], initial_interval=policy["initial_interval"],
+            backoff_factor=policy["backoff_factor"], max_interval=policy["max_interval"],
+            retry_on=tuple(_ERRORS[e] for e in policy["retry_on"]))
+        graph.add_node(name, make_node(name, node_spec), retry=retry)
+    graph.add_edge(START, spec["entry"])
+    resolve = lambda target: END if target == "END" else target  # noqa: E731
+    for name, target in spec["edges"].items():
+        graph.add_edge(name, resolve(target))
+    for name, branch in spec["branches"].items():
+        def router(state: dict, branch=branch):
+            below = state["x"] < branch["limit"]
+            if "mapping" in branch:
+                return "small" if below else "big"
+            return resolve(branch["below"] if below else branch["above"])
+
+        mapping = None if "mapping" not in branch else {k: resolve(v) for k, v in branch["mapping"].items()}
+        graph.add_conditional_edges(name, router, mapping)
+    return graph
+
+
+def _plain_state(state) -> list:
+    if not isinstance(state, dict):
+        return ["malformed", f"a {type(state).__name__}, not a state dict"]
+    return ["value", {"x": state.get("x"), "log": list(state.get("log", []))}]
+
+
+# --- task 1: next_node ---------------------------------------------------------------------------------
+
+def _next_cases(rng: random.Random) -> list[dict]:
+    cases = []
+    for _ in range(4):
+        spec = _graph_spec(rng, rng.randint(3, 7))
+        for name in spec["nodes"]:
+            cases.append({"spec": spec, "current": name, "x": rng.randint(0, 45)})
+    return cases
+
+
+def _next_edge_cases(rng: random.Random) -> list[dict]:
+    """A router that returns a name that is not a node, and a node with no outgoing edge."""
+    spec = _graph_spec(rng, 4, loops=False, mapping=False)
+    spec["branches"] = {"n1": {"limit": 10, "below": "n9", "above": "n2"}}  # n9 does not exist
+    spec["edges"].pop("n1", None)
+    cases = [{"spec": spec, "current": "n1", "x": 3},
+             {"spec": spec, "current": "n1", "x": 30}]
+    dead = _graph_spec(rng, 3, loops=False, mapping=False)
+    dead["edges"] = {"n0": "n1", "n1": "n2"}
+    dead["branches"] = {}
+    cases.append({"spec": dead, "current": "n2", "x": 1})
+    mapped = _graph_spec(rng, 5)
+    mapped["branches"]["n2"] = {"limit": 20, "below": "n0", "above": "END", "mapping": {"small": "n0", "big": "END"}}
+    mapped["edges"].pop("n2", None)
+    cases += [{"spec": mapped, "current": "n2", "x": 19}, {"spec": mapped, "current": "n2", "x": 20}]
+    return cases
+
+
+def _drive_next(next_node, cases: list[dict]) -> list:
+    from infra_lib.apps.agents import END
+
+    results = []
+    for case in cases:
+        got = _outcome(next_node, build_graph(case["spec"]), case["current"], {"x": case["x"], "log": []})
+        if got[0] == "value":
+            got = ["value", "END" if got[1] == END else got[1]] if isinstance(got[1], str) else \
+                ["malformed", f"{got[1]!r:.60} is not a node name"]
+        results.append(got[:2])
+    return results
+
+
+def _describe_next(case: dict) -> str:
+    spec, name = case["spec"], case["current"]
+    if name in spec["branches"]:
+        b = spec["branches"][name]
+        how = (f"a conditional edge: x < {b['limit']} -> {b['below']!r}, else {b['above']!r}"
+               + (f", through the mapping {b['mapping']}" if "mapping" in b else ""))
+    elif name in spec["edges"]:
+        how = f"a plain edge to {spec['edges'][name]!r}"
+    else:
+        how = "no outgoing edge"
+    return f"node {name!r} with {how}, state x={case['x']}"
+
+
+def _compare_next(got, expected, cases) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from next_node, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        where = _describe_next(case)
+        (gk, gv), (ek, ev) = unwrap(g), unwrap(e)
+        if gk == "malformed":
+            return Mismatch("next_node must return a node name or END", f"on {where}: got {gv}")
+        if ek == "raised" and gk != "raised":
+            return Mismatch(f"next_node should raise {ev} here", f"on {where}: got {gv!r}")
+        if gk == "raised" and ek != "raised":
+            return Mismatch("next_node raised where it should return the next node", f"on {where}: {gv}")
+        if gk == "raised" and gv != ev:
+            return Mismatch("next_node raised the wrong kind of exception", f"on {where}: expected {ev}, got {gv}")
+        if gk == "value" and gv != ev:
+            return Mismatch("next_node picked the wrong edge", f"on {where}: expected {ev!r}, got {gv!r}")
+    return None
+
+
+_NEXT_HINT = ("if graph.branches has the node, call its router with the state and, when a mapping is given, "
+              "look the result up in it; otherwise follow graph.edges. The result must be END or a key of "
+              "graph.nodes (raise ValueError naming it otherwise); a node with neither kind of edge is a dead end "
+              "(ValueError).")
+register(Check(check_id="lab13.next_node", task=_TASKS[1], reference=lambda: _ref("runner", "next_node"),
+               make_inputs=_next_cases, drive=_drive_next, compare=_compare_next, hint=_NEXT_HINT))
+register(Check(check_id="lab13.next_node_errors", task=_TASKS[1], reference=lambda: _ref("runner", "next_node"),
+               make_inputs=_next_edge_cases, drive=_drive_next, compare=_compare_next,
+               hint=_NEXT_HINT + " Hidden cases: a router's unknown target, a dead end, a mapping at its limit."))
+
+
+def _ref(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"{_AGENTS}.{module}"), name)
+
+
+# --- task 2: call_with_retry ---------------------------------------------------------------------------
+
+def _policy(rng: random.Random, retry_on=("Flaky",)) -> dict:
+    return {"max_attempts": rng.randint(2, 5), "initial_interval": rng.choice([0.1, 0.25, 0.5, 1.0]),
+            "backoff_factor": rng.choice([1.0, 2.0, 3.0]), "max_interval": rng.choice([0.6, 2.0, 8.0]),
+            "retry_on": list(retry_on)}
+
+
+def _retry_cases(rng: random.Random) -> list[dict]:
+    cases = []
+    policy = _policy(rng)
+    cases.append({"policy": policy, "errors": []})  # succeeds at once
+    cases.append({"policy": policy, "errors": ["Flaky"] * (policy["max_attempts"] - 1)})  # succeeds last
+    cases.append({"policy": policy, "errors": ["Flaky"] * policy["max_attempts"]})  # exhausted
+    cases.append({"policy": _policy(rng), "errors": ["Fatal"]})  # not retried
+    cases.append({"policy": {**_policy(rng), "max_attempts": 6, "initial_interval": 0.5, "backoff_factor": 2.0,
+                             "max_interval": 3.0}, "errors": ["Flaky"] * 5})  # the cap
+    cases.append({"policy": None, "errors": ["Flaky"]})  # no policy: one attempt
+    return cases
+
+
+def _retry_more_cases(rng: random.Random) -> list[dict]:
+    policy = _policy(rng, retry_on=("Flaky", "TimeoutError"))
+    return [{"policy": policy, "errors": ["TimeoutError", "Flaky"]},
+            {"policy": policy, "errors": ["Flaky", "Fatal"]},  # a fatal error after a retry stops at once
+            {"policy": {**policy, "max_attempts": 1}, "errors": ["Flaky"]},
+            {"policy": None, "errors": []},
+            {"policy": {**_policy(rng), "max_attempts": 8, "backoff_factor": 2.0, "max_interval": 1.0},
+             "errors": ["Flaky"] * 7}]
+
+
+def _policy_object(policy: dict | None):
+    if policy is None:
+        return None
+    from infra_lib.apps.agents import RetryPolicy
+
+    return RetryPolicy(max_attempts=policy["max_attempts"], initial_interval=policy["initial_interval"],
+                       backoff_factor=policy["backoff_factor"], max_interval=policy["max_interval"],
+                       retry_on=tuple(_ERRORS[e] for e in policy["retry_on"]))
+
+
+def _drive_retry(call_with_retry, cases: list[dict]) -> list:
+    results = []
+    for case in cases:
+        errors, calls, sleeps = list(case["errors"]), [], []
+
+        def fn(state: dict) -> dict:
+            calls.append(dict(state))
+            if errors:
+                raise _ERRORS[errors.pop(0)](f"attempt {len(calls)} failed")
+            return {"x": state["x"] + 1}
+
+        got = _outcome(call_with_retry, fn, {"x": 1, "log": []}, _policy_object(case["policy"]),
+                       sleep=lambda seconds: sleeps.append(seconds))
+        result = ["value", got[1] if isinstance(got[1], dict) else repr(got[1])] if got[0] == "value" else got[:2]
+        results.append({"result": result, "attempts": len(calls), "sleeps": [round(float(s), 9) for s in sleeps]})
+    return results
+
+
+def _describe_retry(case: dict) -> str:
+    policy = case["policy"]
+    errors = ", ".join(case["errors"]) or "nothing"
+    if policy is None:
+        return f"policy=None, fn raising {errors} before it succeeds"
+    return (f"RetryPolicy(max_attempts={policy['max_attempts']}, initial_interval={policy['initial_interval']}, "
+            f"backoff_factor={policy['backoff_factor']}, max_interval={policy['max_interval']}, retry_on="
+            f"({', '.join(policy['retry_on'])})), fn raising {errors} on its first calls")
+
+
+def _compare_retry(got, expected, cases) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        where = _describe_retry(case)
+        if g["attempts"] != e["attempts"]:
+            return Mismatch("call_with_retry made the wrong number of attempts",
+                            f"on {where}: expected {e['attempts']} calls of fn, got {g['attempts']}")
+        if g["sleeps"] != e["sleeps"]:
+            return Mismatch("call_with_retry slept the wrong backoff",
+                            f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}")
+        (gk, gv), (ek, ev) = g["result"][:2], e["result"][:2]
+        if gk != ek or gv != ev:
+            said = {"value": "returned {}", "raised": "raised {}"}
+            return Mismatch("call_with_retry ended the wrong way",
+                            f"on {where}: expected it to {said[ek].format(ev)}, it {said.get(gk, '{}').format(gv)}")
+    return None
+
+
+_RETRY_HINT = ("call fn(state); when it raises an exception that policy.retry_on matches (isinstance with the tuple) "
+               "and attempts remain (policy.max_attempts in all), call sleep(delay) and try again, with delay number "
+               "i (from 0) = min(initial_interval * backoff_factor ** i, max_interval); re-raise a non-matching "
+               "exception at once and the last one when attempts run out; policy None means one attempt. Never call "
+               "time.sleep yourself: use the sleep argument.")
+register(Check(check_id="lab13.call_with_retry", task=_TASKS[2], reference=lambda: _ref("retry", "call_with_retry"),
+               make_inputs=_retry_cases, drive=_drive_retry, compare=_compare_retry, hint=_RETRY_HINT))
+register(Check(check_id="lab13.call_with_retry_more", task=_TASKS[2],
+               reference=lambda: _ref("retry", "call_with_retry"), make_inputs=_retry_more_cases, drive=_drive_retry,
+               compare=_compare_retry,
+               hint=_RETRY_HINT + " Hidden cases: two retried error types, a fatal error after a retry, one attempt, "
+                                  "and a long run of failures against the cap."))
+
+
+# --- task 3: run_graph ------------------------------------------------------------------------------------
+
+def _run_cases(rng: random.Random) -> list[dict]:
+    cases = [{"spec": _graph_spec(rng, rng.randint(2, 6)), "x": rng.randint(0, 5), "max_steps": 200}
+             for _ in range(4)]
+    retry = _graph_spec(rng, 4, loops=False)
+    retry["nodes"]["n1"]["retry"] = _policy(rng)
+    cases.append({"spec": retry, "x": 1, "max_steps": 200, "flaky": {"n1": ["Flaky"]}})
+    return cases
+
+
+def _resume_cases(rng: random.Random) -> list[dict]:
+    spec = _graph_spec(rng, 5)
+    steps = len(_reference_run(spec, 2, 200)["log"])
+    cases = [{"spec": spec, "x": 2, "max_steps": 200, "crash_at": k} for k in range(0, steps, max(1, steps // 6))]
+    cases.append({"spec": spec, "x": 2, "max_steps": 200, "crash_at": steps - 1})
+    cases.append({"spec": spec, "x": 2, "max_steps": 200, "crash_at": None, "rerun_finished": True})
+    return cases
+
+
+def _limit_cases(rng: random.Random) -> list[dict]:
+    loop = {"nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
+            "edges": {"n0": "n1"}, "branches": {"n1": {"limit": 600, "below": "n0", "above": "END"}}, "entry": "n0"}  # ends, late
+    spec = _graph_spec(rng, 4)
+    spec["nodes"]["n2"]["retry"] = _policy(rng)
+    return [{"spec": loop, "x": 0, "max_steps": rng.randint(5, 12)},
+            {"spec": spec, "x": 0, "max_steps": 200, "flaky": {"n2": ["Flaky"] * 10}},  # retries run out
+            {"spec": spec, "x": 0, "max_steps": 200,
+             "flaky": {"n2": ["Flaky"] * (spec["nodes"]["n2"]["retry"]["max_attempts"] - 1)}}]
+
+
+def _reference_run(spec: dict, x: int, max_steps: int) -> dict:
+    from infra_lib.apps.agents import MemoryCheckpointer
+    from infra_lib.apps.agents.runner import run_graph
+
+    return run_graph(build_graph(spec), {"x": x, "log": []}, checkpointer=MemoryCheckpointer(), thread_id="t",
+                     max_steps=max_steps, sleep=lambda s: None)
+
+
+def _history(checkpointer, thread_id: str) -> list:
+    return [[cp.step, cp.node, "END" if cp.next_node == _end() else cp.next_node, _plain_state(cp.state)[1]]
+            for cp in checkpointer.history(thread_id)]
+
+
+def _end():
+    from infra_lib.apps.agents import END
+
+    return END
+
+
+def _drive_run(run_graph, cases: list[dict]) -> list:
+    from infra_lib.apps.agents import MemoryCheckpointer
+
+    results = []
+    for case in cases:
+        events, sleeps = [], []
+        checkpointer = MemoryCheckpointer()
+        crash = case.get("crash_at")
+        graph = build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky"))
+        run = lambda g: _outcome(run_graph, g, {"x": case["x"], "log": []}, checkpointer=checkpointer,  # noqa: E731
+                                 thread_id="t", max_steps=case["max_steps"], sleep=lambda s: sleeps.append(s))
+        first = run(graph)
+        record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events)}
+        if crash is not None or case.get("rerun_finished"):
+            events.clear()
+            second = run(build_graph(case["spec"], events))  # the same graph, no crash: resume
+            record["resumed"] = _plain_state(second[1]) if second[0] == "value" else second[:2]
+            record["resumed_events"] = list(events)
+        record["history"] = _history(checkpointer, "t")
+        record["sleeps"] = [round(float(s), 9) for s in sleeps]
+        results.append(record)
+    return results
+
+
+def _describe_run(case: dict) -> str:
+    spec = case["spec"]
+    parts = [f"{name}: x + {s['arg']}" if s["op"] == "add" else f"{name}: x * {s['arg']} + 1"
+             for name, s in spec["nodes"].items()]
+    edges = [f"{a} -> {b}" for a, b in spec["edges"].items()]
+    edges += [f"{a} -> ({b['below']} if x < {b['limit']} else {b['above']})" for a, b in spec["branches"].items()]
+    text = f"a graph with nodes [{'; '.join(parts)}] and edges [{', '.join(edges)}], start x={case['x']}"
+    if case.get("crash_at") is not None:
+        text += f", a crash in node call {case['crash_at']} then a second run with the same thread_id"
+    if case.get("flaky"):
+        text += f", flaky nodes {case['flaky']}"
+    return text + f", max_steps={case['max_steps']}"
+
+
+def _compare_run(got, expected, cases) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        where = _describe_run(case)
+        if g["first"][:2] != e["first"][:2]:
+            if e["first"][0] == "raised":
+                return Mismatch(f"run_graph should raise {e['first'][1]} here",
+                                f"on {where}: got {g['first'][1]!r:.200}")
+            return Mismatch("run_graph ended in the wrong state" if g["first"][0] == "value" else
+                            "run_graph raised where it should finish",
+                            f"on {where}: expected {e['first'][1]!r:.200}, got {g['first'][1]!r:.200}")
+        if g["events"] != e["events"]:
+            return Mismatch("run_graph ran the nodes in the wrong order",
+                            f"on {where}: expected the calls {e['events']}, got {g['events']}")
+        if g["sleeps"] != e["sleeps"]:
+            return Mismatch("run_graph did not retry as the node's policy says",
+                            f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}")
+        if "resumed" in e:
+            if g.get("resumed", [None])[:2] != e["resumed"][:2]:
+                return Mismatch("the resumed run ended in the wrong state",
+                                f"on {where}: expected {e['resumed'][1]!r:.200}, got {g.get('resumed')!r:.200}")
+            if g.get("resumed_events") != e["resumed_events"]:
+                return Mismatch("the resumed run did not start from the last checkpoint",
+                                f"on {where}: expected it to call {e['resumed_events']}, "
+                                f"it called {g.get('resumed_events')}")
+        if g["history"] != e["history"]:
+            first = next((i for i, (a, b) in enumerate(zip(g["history"], e["history"])) if a != b),
+                         min(len(g["history"]), len(e["history"])))
+            return Mismatch("run_graph saved the wrong checkpoints",
+                            f"on {where}: expected {len(e['history'])} checkpoints [step, node, next_node, state], "
+                            f"got {len(g['history'])}; the first difference is checkpoint {first}: expected "
+                            f"{e['history'][first:first + 1]}, got {g['history'][first:first + 1]}")
+    return None
+
+
+_RUN_HINT = ("start from checkpointer.latest(thread_id) when there is one (its state, its next_node, its step), "
+             "else from a copy of the input state at graph.entry, step 0. While the node is not END: raise "
+             "GraphRecursionError when step >= max_steps; update = call_with_retry(node.fn, dict(state), "
+             "node.retry, sleep=sleep); state = merge_update(state, update, graph.reducers); pick the next node "
+             "with next_node; step += 1; checkpointer.put(thread_id, Checkpoint(step, node, next_node, state)). "
+             "Return the state.")
+register(Check(check_id="lab13.run_graph", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
+               make_inputs=_run_cases, drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
+register(Check(check_id="lab13.run_graph_resume", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
+               make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run,
+               hint=_RUN_HINT + " Hidden cases: a crash at step k of a run (for several k), then a second run with "
+                                "the same thread_id, which must resume, and a second run of a finished thread."))
+register(Check(check_id="lab13.run_graph_limits", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
+               make_inputs=_limit_cases, drive=_drive_run, compare=_compare_run,
+               hint=_RUN_HINT + " Hidden cases: a loop that never ends (max_steps), a node whose retries run out."))
