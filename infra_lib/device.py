@@ -1,4 +1,9 @@
-"""One device picker for the whole course, and the matching synchronise call."""
+"""One device picker for the whole course, and the matching synchronise call.
+
+Every answer comes from the backend registry (``infra_lib.backends``): one ``Backend`` per device
+kind says whether this machine has it, how to wait for it and how to name it. A new kind of
+accelerator joins the course by registering a backend, not by adding branches here.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +11,23 @@ from collections.abc import Callable
 
 import torch
 
-KNOWN_DEVICES = ("auto", "cpu", "cuda", "mps")
+from infra_lib.backends import backend_names, get_backend
+
+KNOWN_DEVICES = ("auto", *backend_names())
 
 
 def available_devices() -> list[str]:
     """The device types this machine can run torch on, best first."""
-    found = []
-    if torch.cuda.is_available():
-        found.append("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        found.append("mps")
-    found.append("cpu")
-    return found
+    from infra_lib.backends import available_backends
+
+    return [backend.name for backend in available_backends()]
 
 
 def pick_device(preference: str = "auto") -> torch.device:
     """Return the torch device to use.
 
     Args:
-        preference: "auto" (the best available: cuda, then mps, then cpu) or a device
+        preference: "auto" (the best available: cuda, then npu, then mps, then cpu) or a device
             string such as "cpu", "cuda" or "cuda:1".
 
     Raises:
@@ -36,14 +38,19 @@ def pick_device(preference: str = "auto") -> torch.device:
     if preference == "auto":
         return torch.device(available_devices()[0])
     kind = preference.split(":")[0]
-    if kind not in KNOWN_DEVICES:
-        raise ValueError(f"unknown device {preference!r}; use one of {', '.join(KNOWN_DEVICES)}")
-    if kind not in available_devices():
+    if kind not in backend_names():
+        raise ValueError(f"unknown device {preference!r}; use one of {', '.join(('auto', *backend_names()))}")
+    reason = get_backend(kind).unavailable_reason()
+    if reason is not None:
         raise ValueError(
             f"device {preference!r} is not available on this machine "
-            f"(available: {', '.join(available_devices())}); set DEVICE='auto'"
+            f"(available: {', '.join(available_devices())}); set DEVICE='auto'. Why: {reason}"
         )
     return torch.device(preference)
+
+
+def _kind(device: torch.device | str) -> str:
+    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 
 def synchronizer(device: torch.device | str) -> Callable[[], None] | None:
@@ -51,19 +58,15 @@ def synchronizer(device: torch.device | str) -> Callable[[], None] | None:
 
     CPU work runs synchronously in torch, so there is nothing to wait for: returns None.
     """
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.cuda.synchronize
-    if kind == "mps":
-        return torch.mps.synchronize
-    return None
+    kind = _kind(device)
+    if kind not in backend_names():
+        return None
+    return get_backend(kind).synchronizer()
 
 
 def describe(device: torch.device | str) -> str:
     """A one-line human description of a device, e.g. 'cpu (2 threads)' or a GPU name."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    if device.type == "mps":
-        return "mps: Apple GPU"
-    return f"cpu ({torch.get_num_threads()} torch threads)"
+    kind = _kind(device)
+    if kind not in backend_names():
+        return str(device)
+    return get_backend(kind).describe(device)

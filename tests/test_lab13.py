@@ -16,7 +16,8 @@ from grading import check
 SOLUTION = REPO / "solutions" / "lab13_agents" / "lab13_agents.ipynb"
 CHECKS = {"next_node": ["lab13.next_node", "lab13.next_node_errors"],
           "call_with_retry": ["lab13.call_with_retry", "lab13.call_with_retry_more"],
-          "run_graph": ["lab13.run_graph", "lab13.run_graph_resume", "lab13.run_graph_limits"]}
+          "run_graph": ["lab13.run_graph", "lab13.run_graph_resume", "lab13.run_graph_resume_sqlite",
+                        "lab13.run_graph_limits"]}
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import operator
 import random
+import tempfile
+from pathlib import Path
 from typing import Annotated, TypedDict
 
 from grading.checks.common import unwrap
@@ -26,7 +28,8 @@ _AGENTS = "infra_lib.apps.agents"
 register_shortcuts("lab13", [f"{_AGENTS}.runner:next_node", f"{_AGENTS}.runner:run_graph",
                              f"{_AGENTS}.retry:call_with_retry", f"{_AGENTS}.retry:backoff_delays"])
 
-_TASKS = {1: "lab13 task 1: next_node", 2: "lab13 task 2: call_with_retry", 3: "lab13 task 3: run_graph"}
+_TASKS = {1: "lab13 task 1: next_node", 2: "lab13 task 2: call_with_retry", 3: "lab13 task 3: run_graph",
+          4: "lab13 task 4: resume after a crash"}
 
 
 class CounterState(TypedDict):
@@ -362,6 +365,15 @@ def _resume_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
+def _sqlite_resume_cases(rng: random.Random) -> list[dict]:
+    """A crash at every step of a graph with a flaky node, checkpoints in SQLite, resumed by a new checkpointer."""
+    spec = _graph_spec(rng, 6)
+    spec["nodes"]["n3"]["retry"] = _policy(rng)
+    steps = len(_reference_run(spec, 1, 200)["log"])
+    return [{"spec": spec, "x": 1, "max_steps": 200, "crash_at": k, "sqlite": True, "flaky": {"n3": ["Flaky"]}}
+            for k in range(steps)]
+
+
 def _limit_cases(rng: random.Random) -> list[dict]:
     loop = {"nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
             "edges": {"n0": "n1"}, "branches": {"n1": {"limit": 600, "below": "n0", "above": "END"}}, "entry": "n0"}  # ends, late
@@ -393,27 +405,38 @@ def _end():
 
 
 def _drive_run(run_graph, cases: list[dict]) -> list:
-    from infra_lib.apps.agents import MemoryCheckpointer
-
     results = []
     for case in cases:
-        events, sleeps = [], []
-        checkpointer = MemoryCheckpointer()
-        crash = case.get("crash_at")
-        graph = build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky"))
-        run = lambda g: _outcome(run_graph, g, {"x": case["x"], "log": []}, checkpointer=checkpointer,  # noqa: E731
-                                 thread_id="t", max_steps=case["max_steps"], sleep=lambda s: sleeps.append(s))
-        first = run(graph)
-        record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events)}
-        if crash is not None or case.get("rerun_finished"):
-            events.clear()
-            second = run(build_graph(case["spec"], events))  # the same graph, no crash: resume
-            record["resumed"] = _plain_state(second[1]) if second[0] == "value" else second[:2]
-            record["resumed_events"] = list(events)
-        record["history"] = _history(checkpointer, "t")
-        record["sleeps"] = [round(float(s), 9) for s in sleeps]
-        results.append(record)
+        with tempfile.TemporaryDirectory() as folder:
+            results.append(_run_case(run_graph, case, Path(folder) / "checkpoints.sqlite"))
     return results
+
+
+def _run_case(run_graph, case: dict, database: Path) -> dict:
+    """Run the case's graph (crashing as planned), then again on the same thread when it crashed."""
+    from infra_lib.apps.agents import MemoryCheckpointer, SqliteCheckpointer
+
+    events, sleeps = [], []
+    # With SQLite the second run gets a new checkpointer on the same file, as a restarted process would.
+    new_checkpointer = (lambda: SqliteCheckpointer(database)) if case.get("sqlite") else None
+    checkpointer = new_checkpointer() if new_checkpointer else MemoryCheckpointer()
+    crash = case.get("crash_at")
+
+    def run(graph, saver) -> list:
+        return _outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=saver, thread_id="t",
+                        max_steps=case["max_steps"], sleep=lambda s: sleeps.append(s))
+
+    first = run(build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky")), checkpointer)
+    record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events)}
+    if crash is not None or case.get("rerun_finished"):
+        events.clear()
+        checkpointer = new_checkpointer() if new_checkpointer else checkpointer
+        second = run(build_graph(case["spec"], events), checkpointer)  # the same graph, no crash: resume
+        record["resumed"] = _plain_state(second[1]) if second[0] == "value" else second[:2]
+        record["resumed_events"] = list(events)
+    record["history"] = _history(checkpointer, "t")
+    record["sleeps"] = [round(float(s), 9) for s in sleeps]
+    return record
 
 
 def _describe_run(case: dict) -> str:
@@ -474,10 +497,15 @@ _RUN_HINT = ("start from checkpointer.latest(thread_id) when there is one (its s
              "Return the state.")
 register(Check(check_id="lab13.run_graph", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_run_cases, drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
-register(Check(check_id="lab13.run_graph_resume", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
-               make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run,
-               hint=_RUN_HINT + " Hidden cases: a crash at step k of a run (for several k), then a second run with "
-                                "the same thread_id, which must resume, and a second run of a finished thread."))
+_RESUME_HINT = ("a second call with the same checkpointer and thread_id must continue from "
+                "checkpointer.latest(thread_id): its state, its next_node (the node that crashed runs again) and its "
+                "step count; the input state is ignored. A finished thread (next_node END) returns its state at once.")
+register(Check(check_id="lab13.run_graph_resume", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
+               make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run, hint=_RESUME_HINT))
+register(Check(check_id="lab13.run_graph_resume_sqlite", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
+               make_inputs=_sqlite_resume_cases, drive=_drive_run, compare=_compare_run,
+               hint=_RESUME_HINT + " Hidden cases: a crash at every step of a graph with a flaky node, checkpoints in "
+                                   "SQLite, and the second run on a new SqliteCheckpointer over the same file."))
 register(Check(check_id="lab13.run_graph_limits", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_limit_cases, drive=_drive_run, compare=_compare_run,
                hint=_RUN_HINT + " Hidden cases: a loop that never ends (max_steps), a node whose retries run out."))

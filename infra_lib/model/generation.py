@@ -97,16 +97,19 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = 
     stops = set(params.stop_ids if params.stop_ids is not None else (tokenizer.eos_id,))
     generator = params.generator()
     decoder = tokenizer.stream_decoder(skip_special=True)
-    cache: KVCache | None = DenseKVCache.for_model(model.config, capacity=len(ids) + budget) if use_cache else None
+    weight = next(model.parameters())  # inputs and the cache live where the weights do
+    device = weight.device
+    cache: KVCache | None = (DenseKVCache.for_model(model.config, capacity=len(ids) + budget, dtype=weight.dtype,
+                                                    device=device) if use_cache else None)
     record = timings if timings is not None else Generation(ids, [], "", "length", 0.0, 0.0)
     record.prompt_ids, record.tokenize_s = ids, tokenized - start
 
     sequence = list(ids)
-    step_input = torch.tensor([ids])
+    step_input = torch.tensor([ids], device=device)
     for index in range(budget):
         t0 = time.perf_counter()
-        logits = model(step_input if use_cache else torch.tensor([sequence]), cache, last_only=True)
-        token = int(sample(logits[:, -1], params, generator)[0])
+        logits = model(step_input if use_cache else torch.tensor([sequence], device=device), cache, last_only=True)
+        token = int(sample(logits[:, -1].float().cpu(), params, generator)[0])  # sampled on the CPU generator
         t1 = time.perf_counter()
         if index == 0:
             record.prefill_s = t1 - t0
@@ -123,7 +126,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = 
         if token in stops:
             record.finish_reason = "stop"
             break
-        step_input = torch.tensor([[token]])
+        step_input = torch.tensor([[token]], device=device)
     tail = decoder.flush()
     if tail:
         record.text += tail
@@ -146,15 +149,17 @@ def greedy_decode(model: Llama, prompt: list[int], max_new_tokens: int, stop_id:
 
     Returns the generated ids, ending with ``stop_id`` if it was produced.
     """
-    cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens)
-    logits = model(torch.tensor([prompt]), cache, last_only=True)  # prefill: [1, 1, vocab]
+    weight = next(model.parameters())
+    cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens, dtype=weight.dtype,
+                                   device=weight.device)
+    logits = model(torch.tensor([prompt], device=weight.device), cache, last_only=True)  # prefill: [1, 1, vocab]
     out: list[int] = []
     for _ in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         out.append(token)
         if token == stop_id or len(out) == max_new_tokens:
             break
-        logits = model(torch.tensor([[token]]), cache, last_only=True)  # decode: one new token
+        logits = model(torch.tensor([[token]], device=weight.device), cache, last_only=True)  # decode: one new token
     return out
 
 
