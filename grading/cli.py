@@ -1,9 +1,8 @@
-"""The ``infra-lab`` command: doctor, grade, progress, release."""
+"""The ``infra-lab`` command: doctor, grade, progress, site, release, serve."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -91,59 +90,37 @@ def _cmd_grade_batch(args) -> int:
     return EXIT_OK
 
 
-def _answers_digest(path: Path) -> str:
-    """A digest of what grading depends on: the learner's answer cells and the trusted source."""
-    from grading.grader import trusted_source
-    from grading.notebook import grade_id, is_solution_cell, read_notebook
-
-    digest = hashlib.sha256()
-    for cell in read_notebook(path).cells:
-        if is_solution_cell(cell):
-            digest.update(f"{grade_id(cell)}\0{cell.source}\0".encode())
-    digest.update(trusted_source(path)[1].read_bytes())
-    return digest.hexdigest()
-
-
 def _cmd_progress(args) -> int:
-    from grading.grader import GradingError, grade_notebook
-    from grading.notebook import NotebookError
-    from grading.report import gradescope_results, write_reports
+    from grading.progress import course_progress, find_labs, progress_table, write_chart
 
-    labs = sorted(Path(args.labs).glob("*/*.ipynb"))
-    labs = [p for p in labs if p.stem == p.parent.name]
+    labs = [Path(p) for p in args.notebooks] if args.notebooks else find_labs(args.labs)
     if not labs:
         print(f"infra-lab progress: no labs found under {args.labs}", file=sys.stderr)
         return EXIT_USAGE
-    rows = [("lab", "score", "tests passed", "")]
-    total = maximum = 0.0
-    for path in labs:
-        out_dir = Path(args.out) / path.stem
-        cache = out_dir / "results.json"
-        stamp = out_dir / "graded-answers.sha256"
-        try:
-            digest = _answers_digest(path)
-            if cache.exists() and stamp.exists() and stamp.read_text() == digest and not args.regrade:
-                results, note = json.loads(cache.read_text()), "(unchanged since last grade)"
-            else:
-                print(f"grading {path}...", file=sys.stderr, flush=True)
-                report = grade_notebook(path, limits=_limits(args))
-                write_reports(report, out_dir)
-                stamp.write_text(digest)
-                results, note = gradescope_results(report), ""
-        except (GradingError, NotebookError) as exc:
-            rows.append((path.stem, "-", "-", f"cannot grade: {exc}"))
-            continue
-        passed = sum(t["status"] == "passed" for t in results["tests"])
-        total, maximum = total + results["score"], maximum + results["max_score"]
-        rows.append((path.stem, f"{results['score']:g}/{results['max_score']:g}",
-                     f"{passed}/{len(results['tests'])}", note))
-    rows.append(("total", f"{total:g}/{maximum:g}", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for i, row in enumerate(rows):
-        if i in (1, len(rows) - 1):
-            print("  ".join("-" * w for w in widths[:3]))
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    rows = course_progress(labs, args.out, limits=_limits(args), regrade=args.regrade)
+    print(progress_table(rows))
     print(f"\nfeedback for each lab: {args.out}/<lab>/feedback.md")
+    if not args.no_chart:
+        chart = write_chart(rows, args.chart or Path(args.out) / "progress.html")
+        print(f"chart: {chart} (open it in a browser; hover a bar for the failing checks)")
+    return EXIT_OK
+
+
+def _cmd_site(args) -> int:
+    from grading.site import build_site
+
+    only = set(args.only.split(",")) if args.only else None
+    try:
+        lessons, failures = build_site(args.notebooks, args.out, only=only, execute=not args.no_execute)
+    except ValueError as exc:
+        print(f"infra-lab site: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {len(lessons)} pages and the contents: {Path(args.out) / 'index.html'}")
+    if failures:
+        print(f"\n{len(failures)} lesson(s) failed; their pages show the run up to the error:")
+        for failure in failures:
+            print(f"  {failure.describe()}")
+        return EXIT_PROBLEM
     return EXIT_OK
 
 
@@ -193,12 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_options(grade)
     grade.set_defaults(func=_cmd_grade)
 
-    progress = sub.add_parser("progress", help="grade every lab and show a table")
+    progress = sub.add_parser("progress", help="grade every lab (unchanged ones only once) and show a table and a chart")
+    progress.add_argument("notebooks", nargs="*", help="lab notebooks to grade (default: every lab in --labs)")
     progress.add_argument("--labs", default=str(REPO_ROOT / "labs"), help="folder of labs (default labs/)")
     progress.add_argument("--out", default="grades", help="where each lab's reports go (default grades/)")
     progress.add_argument("--regrade", action="store_true", help="grade even labs unchanged since last time")
+    progress.add_argument("--chart", help="the chart's HTML file (default <out>/progress.html)")
+    progress.add_argument("--no-chart", action="store_true", help="do not write the chart")
     _add_limit_options(progress)
     progress.set_defaults(func=_cmd_progress)
+
+    site = sub.add_parser("site", help="run every lesson (QUICK) and render the course as a static web site")
+    site.add_argument("--only", help="comma-separated chapter numbers, e.g. 00,12 (default: every lesson)")
+    site.add_argument("--no-execute", action="store_true", help="render the notebooks as they are, without running them")
+    site.add_argument("--out", default=str(REPO_ROOT / "site"), help="the site folder (default site/)")
+    site.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="the lessons (default notebooks/)")
+    site.set_defaults(func=_cmd_site)
 
     release = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader")
     release.add_argument("lab", nargs="*", help="lab ids (default: all)")

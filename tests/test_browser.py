@@ -1,0 +1,229 @@
+"""Lab 01 in a real browser: JupyterLab serves it, headless Chromium runs every cell, and the
+rendered page shows the progress cell's widgets, its plotly chart, and no error anywhere.
+
+Chromium and its driver are Debian's (`make test` installs them): Selenium is pointed at
+them explicitly, so it never tries to download a browser or a driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+SCREENSHOT = REPO / "build" / "artifacts" / "browser_lab01.png"
+DEADLINE_S = 85  # everything, from starting JupyterLab to the last check
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _seed_grade(grades: Path) -> None:
+    """A recorded grade for the progress cell to show (lab 01 with task 3 failing), as the grader writes it."""
+    from grading.check import Verdict
+    from grading.grader import CheckResult, GradeReport, TestResult
+    from grading.registry import get_check
+    from grading.report import write_reports
+
+    wrong = Verdict("lab01.dominant_op_real", False, "dominant_op returned 'aten::matmul'", "", "wrong result")
+    report = GradeReport("lab01_gemm", "lab01_gemm.ipynb", 1, [
+        TestResult("test_task1_gemm_flops", 2, 2, [CheckResult("lab01.gemm_flops", False, True, "passed")]),
+        TestResult("test_task2_time_op", 3, 3, [CheckResult("lab01.time_op_warmup", False, True, "passed")]),
+        TestResult("test_task3_dominant_op", 0, 3, [CheckResult(
+            "lab01.dominant_op_real", False, False, wrong.message(get_check("lab01.dominant_op_real"), hidden=False),
+            "wrong result")]),
+        TestResult("test_task4_achieved_tflops", 2, 2, [CheckResult("lab01.achieved_tflops", False, True, "passed")]),
+    ])
+    write_reports(report, grades / "lab01_gemm")
+
+
+def _write_settings(folder: Path) -> None:
+    """JupyterLab settings for the test: every cell in the DOM (no windowing), no news pop-up."""
+    settings = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+                "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
+                    {"fetchNews": "false", "checkForUpdates": False}}
+    for name, values in settings.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(values))
+
+
+def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+            f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}"]
+    if os.geteuid() == 0:
+        args.append("--allow-root")
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime")}
+    return subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_for_server(proc: subprocess.Popen, port: int, token: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError("JupyterLab exited:\n" + proc.stdout.read().decode(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError("JupyterLab did not answer in time")
+
+
+def _browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def _until(what: str, condition, deadline: float, every: float = 0.25, state=lambda: ""):
+    """Poll ``condition()`` until it returns something truthy, or fail saying what was awaited
+    (and ``state()``, what the page showed then)."""
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what} (screenshot: {SCREENSHOT}){state()}")
+
+
+def _run_all_cells(driver, deadline: float) -> None:
+    """Run > Run All Cells, then wait until every code cell has run and the kernel is idle."""
+    from selenium.webdriver.common.by import By
+
+    css = lambda selector: driver.find_elements(By.CSS_SELECTOR, selector)  # noqa: E731
+    idle = lambda: css(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # noqa: E731
+    _until("the notebook to open", lambda: css(".jp-NotebookPanel .jp-Cell"), deadline)
+    _until("the kernel to start", lambda: idle() and "| Idle" in driver.find_element(By.ID, "jp-main-statusbar").text,
+           deadline)
+    [item.click() for item in css(".lm-MenuBar-item") if item.text.strip() == "Run"]
+    _until("Run > Run All Cells", lambda: [item for item in css(".lm-Menu .lm-Menu-item")
+                                           if item.text.strip() == "Run All Cells"], deadline)[0].click()
+
+    def cells() -> str:
+        return "".join(f"\n  {c.find_element(By.CSS_SELECTOR, '.jp-InputPrompt').text} "
+                       f"{[o.text[:300] for o in c.find_elements(By.CSS_SELECTOR, '.jp-OutputArea-output')]}"
+                       for c in css(".jp-CodeCell"))
+
+    def finished() -> bool:
+        prompts = [p.text.strip() for p in css(".jp-CodeCell .jp-InputPrompt")]
+        ran = [bool(re.fullmatch(r"\[\d+\]:", p)) for p in prompts]
+        if all(ran):
+            return bool(idle())
+        if any(ran) and "[*]:" not in prompts and idle():  # the run stopped early: a cell failed
+            raise AssertionError(f"Run All Cells stopped before the end (screenshot: {SCREENSHOT}):{cells()}")
+        return False
+
+    _until("every cell to run", finished, deadline, state=cells)
+
+
+def _progress_panel(driver, deadline: float):
+    """The progress cell's widget box (found through its button)."""
+    from selenium.webdriver.common.by import By
+
+    buttons = _until("the progress cell's button", lambda: [
+        b for b in driver.find_elements(By.CSS_SELECTOR, ".jupyter-widgets.widget-button")
+        if b.text.strip() == "Grade this lab now"], deadline)
+    return buttons[0].find_element(By.XPATH, "./ancestor::div[contains(@class, 'widget-vbox')][1]")
+
+
+def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + DEADLINE_S
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), \
+        "install Chromium and its driver: apt-get install -y chromium chromium-driver (make test does it as root)"
+    write_learner_notebook(tmp_path / "lab01_gemm.ipynb", answer_cells(SOLUTION01))
+    _seed_grade(tmp_path / "grades")
+    _write_settings(tmp_path / ".settings")
+    port, token = _free_port(), secrets.token_hex(16)
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    SCREENSHOT.unlink(missing_ok=True)
+    lab = _start_lab(tmp_path, port, token)
+    driver = None
+    try:
+        _wait_for_server(lab, port, token, deadline)
+        driver = _browser()
+        driver.get(f"http://127.0.0.1:{port}/lab/tree/lab01_gemm.ipynb?token={token}")
+        _run_all_cells(driver, deadline)
+
+        outputs = [o.text for o in driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")]
+        failed = [o for o in outputs if "Traceback" in o or "Error" in o]
+        assert not failed, f"a cell failed (screenshot: {SCREENSHOT}): {failed}"
+        passed = [o for o in outputs if re.fullmatch(r"\N{CHECK MARK} lab01\.\w+ passed", o.strip())]
+        assert len(passed) == 4, outputs  # the four visible checks
+        assert any("GFLOP/s" in o for o in outputs)  # the last cell measured a GEMM with the learner's tools
+
+        panel = _progress_panel(driver, deadline)  # a rendered ipywidgets box: text, chart, button
+        assert "lab01_gemm: 7/10 points" in panel.text and "lab01.dominant_op_real (wrong result)" in panel.text
+        chart = _until("the progress chart", lambda: panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg"),
+                       deadline)
+        assert chart[0].size["width"] > 200 and chart[0].size["height"] > 100
+        assert len(panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .bars .point")) == 8  # 4 tests, 2 bars each
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", panel)
+        time.sleep(0.5)  # let the scroll settle before the screenshot
+    finally:
+        try:
+            if driver is not None:
+                driver.save_screenshot(str(SCREENSHOT))
+                print(f"screenshot: {SCREENSHOT}")
+        finally:
+            if driver is not None:
+                driver.quit()
+            _stop(lab)
+    assert time.monotonic() < deadline, f"the browser test took more than {DEADLINE_S} s"
+
+
+def _make_browser(**variables: str) -> subprocess.CompletedProcess:
+    args = [f"{name}={value}" for name, value in variables.items()]
+    return subprocess.run(["make", "--no-print-directory", "browser", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_make_test_gets_the_browser_first(tmp_path):
+    """`make test` depends on `make browser`: nothing to do when both programs are there, an apt-get
+    install as root when one is missing, and the command to run for anyone else."""
+    rule = re.search(r"^test:(.*)$", (REPO / "Makefile").read_text(), re.M)
+    assert rule and "browser" in rule.group(1).split()
+    present = _make_browser()
+    assert present.returncode == 0 and present.stdout == "", present.stdout + present.stderr
+    missing = str(tmp_path / "chromium")
+    as_root = _make_browser(CHROMIUM=missing, USER_ID="0", APT_GET="echo apt-get")
+    assert as_root.returncode == 0, as_root.stderr
+    assert as_root.stdout.splitlines()[1:] == ["apt-get update", "apt-get install -y chromium chromium-driver"]
+    as_user = _make_browser(CHROMEDRIVER=missing, USER_ID="1000", APT_GET="false")
+    assert as_user.returncode != 0 and as_user.stdout == ""
+    assert "sudo apt-get update && sudo apt-get install -y chromium chromium-driver" in as_user.stderr
