@@ -29,10 +29,13 @@ def _not_implemented_stub(registered, folder):
     """What an untouched lab answer is: a function raising the task's NotImplementedError, or,
     for a Triton kernel task, a ``@triton.jit`` kernel with the reference's parameters doing so."""
     reference = registered.reference()
-    if not (hasattr(reference, "arg_names") and hasattr(reference, "run")):  # not a Triton kernel
-        def stub(*args, **kwargs):
-            raise NotImplementedError(registered.task)
 
+    def stub(*args, **kwargs):
+        raise NotImplementedError(registered.task)
+
+    if isinstance(reference, tuple):  # a check of several functions together: a stub for each
+        return tuple(stub for _ in reference)
+    if not (hasattr(reference, "arg_names") and hasattr(reference, "run")):  # not a Triton kernel
         return stub
     import importlib.util
 

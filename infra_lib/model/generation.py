@@ -63,6 +63,13 @@ class Generation:
         return self.tokenize_s + self.prefill_s + sum(self.decode_s) + self.detokenize_s
 
 
+def placement(model) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of a model's weights (CPU float32 for a stand-in without parameters)."""
+    parameters = getattr(model, "parameters", None)
+    weight = next(parameters(), None) if callable(parameters) else None
+    return (weight.device, weight.dtype) if weight is not None else (torch.device("cpu"), torch.float32)
+
+
 def prompt_ids(tokenizer: Tokenizer, prompt) -> list[int]:
     """Token ids for a prompt: a ``str`` is one user message in the chat template, a list of
     ``{"role", "content"}`` dicts a conversation, a list of ints already token ids."""
@@ -97,9 +104,8 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = 
     stops = set(params.stop_ids if params.stop_ids is not None else (tokenizer.eos_id,))
     generator = params.generator()
     decoder = tokenizer.stream_decoder(skip_special=True)
-    weight = next(model.parameters())  # inputs and the cache live where the weights do
-    device = weight.device
-    cache: KVCache | None = (DenseKVCache.for_model(model.config, capacity=len(ids) + budget, dtype=weight.dtype,
+    device, dtype = placement(model)  # inputs and the cache live where the weights do
+    cache: KVCache | None = (DenseKVCache.for_model(model.config, capacity=len(ids) + budget, dtype=dtype,
                                                     device=device) if use_cache else None)
     record = timings if timings is not None else Generation(ids, [], "", "length", 0.0, 0.0)
     record.prompt_ids, record.tokenize_s = ids, tokenized - start
@@ -149,17 +155,16 @@ def greedy_decode(model: Llama, prompt: list[int], max_new_tokens: int, stop_id:
 
     Returns the generated ids, ending with ``stop_id`` if it was produced.
     """
-    weight = next(model.parameters())
-    cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens, dtype=weight.dtype,
-                                   device=weight.device)
-    logits = model(torch.tensor([prompt], device=weight.device), cache, last_only=True)  # prefill: [1, 1, vocab]
+    device, dtype = placement(model)
+    cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens, dtype=dtype, device=device)
+    logits = model(torch.tensor([prompt], device=device), cache, last_only=True)  # prefill: [1, 1, vocab]
     out: list[int] = []
     for _ in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         out.append(token)
         if token == stop_id or len(out) == max_new_tokens:
             break
-        logits = model(torch.tensor([[token]], device=weight.device), cache, last_only=True)  # decode: one new token
+        logits = model(torch.tensor([[token]], device=device), cache, last_only=True)  # decode: one new token
     return out
 
 

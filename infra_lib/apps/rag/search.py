@@ -1,0 +1,136 @@
+"""Exact vector search: score every stored vector against the query, keep the k best.
+
+With unit vectors, cosine similarity is a dot product, so scoring ``q`` queries against ``n``
+stored vectors is one (q, d) x (d, n) matrix product followed by a top-k per row: about
+``2 q n d`` FLOPs, the same work ``faiss.IndexFlatIP`` does. It is exact (nothing is missed)
+and, up to a few hundred thousand vectors, fast enough; beyond that an approximate index
+(``IVFIndex`` in ivf.py) scans only part of the collection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+SearchFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def top_k_cosine(queries: torch.Tensor, matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` rows of ``matrix`` most similar (cosine) to each query.
+
+    Both sides are normalised to unit length first; a zero vector scores 0 against everything.
+
+    Args:
+        queries: (d,) one query or (q, d) a batch.
+        matrix: (n, d) the stored vectors.
+        k: neighbours per query (>= 1); at most n are returned.
+
+    Returns:
+        (scores, indices), each (q, min(k, n)) (or (min(k, n),) for a 1-D query), best first;
+        indices are rows of ``matrix``.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if queries.dim() not in (1, 2) or matrix.dim() != 2:
+        raise ValueError(f"queries must be (d,) or (q, d) and matrix (n, d); got queries {tuple(queries.shape)} and "
+                         f"matrix {tuple(matrix.shape)}")
+    single = queries.dim() == 1
+    q = queries.unsqueeze(0) if single else queries
+    if q.shape[1] != matrix.shape[1]:
+        raise ValueError(f"dimension mismatch: queries {tuple(queries.shape)} against matrix {tuple(matrix.shape)} "
+                         "(the last dimensions must be equal: embed both with the same embedder)")
+    q = torch.nn.functional.normalize(q.to(matrix.dtype), dim=-1)       # (q, d)
+    m = torch.nn.functional.normalize(matrix, dim=-1)                   # (n, d)
+    scores = q @ m.T                                                    # (q, n): cosine similarities
+    top_scores, top_indices = scores.topk(min(k, matrix.shape[0]), dim=1)
+    return (top_scores[0], top_indices[0]) if single else (top_scores, top_indices)
+
+
+def as_matrix(vectors: torch.Tensor, dim: int, what: str = "vectors") -> torch.Tensor:
+    """``vectors`` as a float32 (n, dim) tensor, with an error that names the expected shape."""
+    vectors = torch.as_tensor(vectors)
+    if vectors.dim() == 1:
+        vectors = vectors.unsqueeze(0)
+    if vectors.dim() != 2 or vectors.shape[1] != dim:
+        raise ValueError(f"{what} must have shape (n, {dim}), got {tuple(vectors.shape)}")
+    if not vectors.is_floating_point():
+        raise TypeError(f"{what} must be floating point, got {vectors.dtype}")
+    return vectors.detach().to(torch.float32).contiguous()
+
+
+def as_ids(ids: Sequence[int] | torch.Tensor | None, start: int, count: int) -> torch.Tensor:
+    """The ids for ``count`` new vectors: ``start, start + 1, ...`` by default."""
+    if ids is None:
+        return torch.arange(start, start + count, dtype=torch.int64)
+    ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+    if ids.numel() != count:
+        raise ValueError(f"got {ids.numel()} ids for {count} vectors: give one id per vector")
+    return ids
+
+
+class ExactIndex:
+    """Brute-force cosine search over every stored vector (``faiss.IndexFlatIP`` on unit vectors).
+
+    Args:
+        dim: vector length.
+        search_fn: ``(queries, matrix, k) -> (scores, indices)``, ``top_k_cosine`` by default:
+            the hook through which another search implementation (lab 12's) is plugged in.
+    """
+
+    def __init__(self, dim: int, *, search_fn: SearchFn = top_k_cosine):
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        self.dim = dim
+        self.search_fn = search_fn
+        self.vectors = torch.empty(0, dim)
+        self.ids = torch.empty(0, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.vectors.shape[0]
+
+    def add(self, vectors: torch.Tensor, ids: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Store (n, dim) vectors under ``ids`` (default: the next n integers)."""
+        vectors = as_matrix(vectors, self.dim)
+        self.ids = torch.cat([self.ids, as_ids(ids, len(self), vectors.shape[0])])
+        self.vectors = torch.cat([self.vectors, vectors])
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best stored vectors per query.
+
+        Args:
+            queries: (d,) or (q, d).
+            k: neighbours per query (>= 1).
+
+        Returns:
+            (scores, ids), each (q, min(k, len(self))) (1-D for a 1-D query), best first.
+        """
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        if len(self) == 0:
+            raise ValueError("the index is empty: add vectors before searching")
+        scores, rows = self.search_fn(queries, self.vectors, k)
+        expected = (min(k, len(self)),) if queries.dim() == 1 else (queries.shape[0], min(k, len(self)))
+        if tuple(scores.shape) != expected or tuple(rows.shape) != expected:
+            raise ValueError(f"search_fn returned scores {tuple(scores.shape)} and indices {tuple(rows.shape)}; "
+                             f"expected both {expected} for {tuple(queries.shape)} queries, k={k}, n={len(self)}")
+        return scores, self.ids[rows.long()]
+
+    def save(self, path: str | Path) -> None:
+        """Write the vectors and ids to ``path`` (a torch file)."""
+        torch.save({"kind": "exact", "dim": self.dim, "vectors": self.vectors, "ids": self.ids}, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, *, search_fn: SearchFn = top_k_cosine) -> ExactIndex:
+        """An index saved by ``save``."""
+        state = torch.load(Path(path), weights_only=True)
+        if not isinstance(state, dict) or state.get("kind") != "exact":
+            raise ValueError(f"{path} does not hold an ExactIndex (saved kind: "
+                             f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})")
+        index = cls(int(state["dim"]), search_fn=search_fn)
+        index.vectors, index.ids = state["vectors"], state["ids"]
+        return index
+
+    def __repr__(self) -> str:
+        return f"ExactIndex(dim={self.dim}, n={len(self)})"
