@@ -43,6 +43,11 @@ def is_number(value) -> bool:
     return type(value) in (int, float)
 
 
+def first_difference(got: list, expected: list) -> int:
+    """The index of the first item where two lists differ (the shorter length if one is a prefix)."""
+    return next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), min(len(got), len(expected)))
+
+
 def call_each(fn, cases: list[list]) -> list:
     return [fn(*case) for case in cases]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 
-from grading.checks.common import outcome, reference, unwrap
+from grading.checks.common import first_difference, outcome, reference, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _RAG = "infra_lib.apps.rag"
@@ -458,8 +458,7 @@ def _compare_pipeline(got, expected, case) -> Mismatch | None:
         return problem
     got, expected = unwrap(got)[1], unwrap(expected)[1]
     if got["spans"] != expected["spans"]:
-        first = next((i for i, (g, e) in enumerate(zip(got["spans"], expected["spans"])) if g != e),
-                     min(len(got["spans"]), len(expected["spans"])))
+        first = first_difference(got["spans"], expected["spans"])
         return Mismatch("your chunker cut the documents differently",
                         f"on {where}: {len(got['spans'])} chunks against the reference's {len(expected['spans'])}; "
                         f"the first difference is at chunk {first} (expected [doc, start, end] "

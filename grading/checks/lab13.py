@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, TypedDict
 
-from grading.checks.common import unwrap
+from grading.checks.common import first_difference, outcome, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _AGENTS = "infra_lib.apps.agents"
@@ -52,18 +52,10 @@ class Fatal(ValueError):
 _ERRORS = {"Flaky": Flaky, "Fatal": Fatal, "TimeoutError": TimeoutError}
 
 
-def _record(kind: str, payload) -> list:
-    return [kind, payload]
-
-
 def _outcome(fn, *args, **kwargs) -> list:
-    """``["value", result]`` or ``["raised", "Type"]`` (the type's name is what is compared)."""
-    try:
-        return ["value", fn(*args, **kwargs)]
-    except (NotImplementedError, MemoryError):
-        raise
-    except Exception as exc:  # the learner's code may raise anything
-        return ["raised", type(exc).__name__, str(exc)[:200]]
+    """``["value", result]`` or ``["raised", "Type", "Type: message"]``: the type is what is compared."""
+    got = outcome(fn, *args, **kwargs)
+    return ["raised", got[1].split(":", 1)[0], got[1]] if got[0] == "raised" else got
 
 
 # --- graphs from plain-data specs --------------------------------------------------------------------
@@ -480,8 +472,7 @@ def _compare_run(got, expected, cases) -> Mismatch | None:
                                 f"on {where}: expected it to call {e['resumed_events']}, "
                                 f"it called {g.get('resumed_events')}")
         if g["history"] != e["history"]:
-            first = next((i for i, (a, b) in enumerate(zip(g["history"], e["history"])) if a != b),
-                         min(len(g["history"]), len(e["history"])))
+            first = first_difference(g["history"], e["history"])
             return Mismatch("run_graph saved the wrong checkpoints",
                             f"on {where}: expected {len(e['history'])} checkpoints [step, node, next_node, state], "
                             f"got {len(g['history'])}; the first difference is checkpoint {first}: expected "
