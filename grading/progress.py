@@ -20,6 +20,8 @@ from grading.sandbox import Limits
 RESULTS = "results.json"
 STAMP = "graded-answers.sha256"
 UNCHANGED = "unchanged since last grade"
+NOT_STARTED = "not started"
+STUB_ERROR = "NotImplementedError"  # what every stub raises ("lab07 task 2: BlockPool.fork")
 # The first line of a failed check's message, as grading.grader and grading.check write it.
 _FAILED_LINE = re.compile(r"^(?P<check>\S+) failed \[[^\]]*\] \((?P<reason>[^)]*)\)$")
 
@@ -52,6 +54,12 @@ class LabProgress:
     note: str = ""  # UNCHANGED, or why the lab could not be graded
     graded: bool = True
     test_scores: list[tuple[str, float, float]] = field(default_factory=list)  # (test, score, max)
+
+    @property
+    def not_started(self) -> bool:
+        """No point yet and every failing check still hits a stub (or recorded no answer because of one)."""
+        return (self.graded and self.score == 0 and self.tests_passed == 0 and bool(self.failing)
+                and all(STUB_ERROR in check.detail for check in self.failing))
 
     @property
     def fraction(self) -> float:
@@ -185,12 +193,13 @@ def course_progress(notebooks: list[Path], out: str | Path, *, limits: Limits | 
 
 
 def progress_table(rows: list[LabProgress]) -> str:
-    """The terminal table: one line per lab and a total, then each lab's failing checks."""
+    """The terminal table: one line per lab and a total, then the failing checks of each lab
+    begun (a lab not started is one line: its checks all fail on the stubs)."""
     table = [("lab", "score", "tests passed", "")]
     for row in rows:
         if row.graded:
-            table.append((row.lab_id, f"{row.score:g}/{row.max_score:g}", f"{row.tests_passed}/{row.tests}",
-                          f"({row.note})" if row.note else ""))
+            note = " ".join(([NOT_STARTED] if row.not_started else []) + ([f"({row.note})"] if row.note else []))
+            table.append((row.lab_id, f"{row.score:g}/{row.max_score:g}", f"{row.tests_passed}/{row.tests}", note))
         else:
             table.append((row.lab_id, "-", "-", row.note))
     total, maximum = sum(r.score for r in rows), sum(r.max_score for r in rows)
@@ -201,7 +210,7 @@ def progress_table(rows: list[LabProgress]) -> str:
         if i in (1, len(table) - 1):
             out.append("  ".join("-" * w for w in widths[:3]))
         out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    failing = [r for r in rows if r.failing]
+    failing = [r for r in rows if r.failing and not r.not_started]
     if failing:
         out += ["", "still failing:"]
         for row in failing:
@@ -212,7 +221,9 @@ def progress_table(rows: list[LabProgress]) -> str:
 
 def _hover(row: LabProgress, limit: int = 12) -> str:
     lines = [f"<b>{row.lab_id}</b>", f"{row.score:g}/{row.max_score:g} points" if row.graded else row.note]
-    if row.failing:
+    if row.not_started:
+        lines.append(f"{NOT_STARTED}: every check still raises the stubs' {STUB_ERROR}")
+    elif row.failing:
         lines.append("still failing:")
         lines += [check.line(80) for check in row.failing[:limit]]
         if len(row.failing) > limit:

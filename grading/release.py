@@ -9,15 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from grading.course import DEFAULT_SOURCE, REPO_ROOT, lab_ids
+
 CONFIG = REPO_ROOT / "grading" / "nbgrader_config.py"
+__all__ = ["CONFIG", "generate", "lab_ids"]
 
 
-def lab_ids(source_dir: Path = REPO_ROOT / "solutions") -> list[str]:
-    return sorted(p.parent.name for p in Path(source_dir).glob("*/*.ipynb") if p.stem == p.parent.name)
-
-
-def generate(lab_id: str, out_dir: Path, source_dir: Path = REPO_ROOT / "solutions") -> Path:
+def generate(lab_id: str, out_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> Path:
     """Run ``nbgrader generate_assignment`` on one lab in a scratch course directory.
 
     Returns:

@@ -104,6 +104,14 @@ def feedback_html(report: GradeReport) -> str:
             f"<body>\n{body}</body></html>\n")
 
 
+def default_out_dir(lab_id: str, notebook: Path, grades: Path) -> Path:
+    """Where a grading's reports go unless told: the lab's own record, ``grades/<lab_id>/``
+    (which the lab's progress cell and ``infra-lab progress`` read), for the lab's own
+    notebook (``<lab_id>.ipynb``); ``grades/<lab_id>/<file stem>/`` for any other file, so
+    that grading a copy or someone else's notebook never replaces that record."""
+    return grades / lab_id if notebook.stem == lab_id else grades / lab_id / notebook.stem
+
+
 def write_reports(report: GradeReport, out_dir: str | Path) -> list[Path]:
     """Write results.json (Gradescope), feedback.md and feedback.html into ``out_dir``."""
     out_dir = Path(out_dir)

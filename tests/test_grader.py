@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from conftest import LAB01, SOLUTION01, write_learner_notebook
-from grading.grader import GradingError, grade_notebook
-from grading.notebook import clear_solutions, read_notebook, splice
+from conftest import LAB01, REPO, SOLUTION01, write_learner_notebook
+from grading import grading_times
+from grading.grader import CheckResult, GradeReport, GradingError, grade_notebook, infer_lab, trusted_source
+from grading.grader import TestResult as GradedTest  # (not named Test*: pytest would collect it)
+from grading.grader import unreadable_report
+from grading.notebook import clear_solutions, is_solution_cell, read_notebook, splice
 from grading.release import lab_ids
-from grading.report import feedback_markdown, gradescope_results, table, write_reports
+from grading.report import default_out_dir, feedback_markdown, gradescope_results, table, write_reports
 from grading.sandbox import Limits
-
 
 
 def _scores(report) -> dict[str, float]:
@@ -152,3 +156,67 @@ def test_static_scan_knows_each_labs_reference_by_its_full_id(lab_id):
     name = sorted(names)[0]
     findings = tamper.scan(f"from {module} import {name}\n", modules, names)
     assert findings and findings[0].kind == tamper.SHORTCUT
+
+
+def test_lab_is_inferred_from_the_cells_grade_ids_when_no_name_says_it(tmp_path):
+    copy = write_learner_notebook(tmp_path / "alice.ipynb", {})  # lab 01's cells, under a name of no lab
+    with pytest.raises(GradingError, match="no lab named 'alice'"):
+        trusted_source(copy)
+    assert infer_lab(copy) == "lab01_gemm"
+
+    lab02 = read_notebook(REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb")
+    both = read_notebook(copy)
+    both.cells += [cell for cell in lab02.cells if is_solution_cell(cell)]
+    nbformat.write(both, tmp_path / "both.ipynb")
+    with pytest.raises(GradingError, match=r"several labs \(lab01_gemm, lab02_roofline\); pass --lab LAB_ID"):
+        infer_lab(tmp_path / "both.ipynb")
+
+    shared = read_notebook(copy)  # only cells whose grade_ids every lab has ("setup", "progress", ...)
+    shared.cells = [cell for cell in shared.cells if cell.metadata.get("nbgrader", {}).get("grade_id") in
+                    {"setup", "progress", "intro"}]
+    nbformat.write(shared, tmp_path / "shared.ipynb")
+    with pytest.raises(GradingError, match=r"none of its cells' grade_ids belong to a lab \(labs: lab01_gemm, .*"
+                                           r"lab13_agents\); pass --lab LAB_ID"):
+        infer_lab(tmp_path / "shared.ipynb")
+
+    (tmp_path / "broken.ipynb").write_text('{"cells": [')
+    with pytest.raises(GradingError, match=r"names no lab, and its cells cannot be read .*not valid notebook JSON.*"
+                                           r"pass --lab LAB_ID"):
+        infer_lab(tmp_path / "broken.ipynb")
+
+
+def test_reports_of_any_other_file_go_beside_the_labs_own_record():
+    grades = Path("grades")
+    assert default_out_dir("lab01_gemm", LAB01, grades) == grades / "lab01_gemm"
+    assert default_out_dir("lab01_gemm", LAB01.with_name("copy.ipynb"), grades) == grades / "lab01_gemm" / "copy"
+    assert default_out_dir("lab01_gemm", Path.home() / "alice.ipynb", grades) == grades / "lab01_gemm" / "alice"
+
+
+def test_time_estimate_comes_from_the_labs_last_grading_else_the_measured_table(tmp_path):
+    table_path = grading_times.record({"lab01_gemm": 31.04}, tmp_path / "times.json")
+    grades = tmp_path / "grades"
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 31 s, as measured for the course"
+    assert grading_times.estimate("lab42_new", grades, table_path) == "no time recorded for lab42_new yet"
+
+    check = CheckResult("lab01.gemm_flops", False, False, "lab01.gemm_flops failed", "wrong result")
+    graded = GradeReport("lab01_gemm", "alice.ipynb", 1, [GradedTest("test_task1", 0.0, 2.0, [check])], seconds=47.2)
+    write_reports(graded, grades / "lab01_gemm" / "alice")
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s, as its last grading here"
+
+    # Newer records that ran no kernel say nothing of the lab's time: an unreadable notebook, a refusal.
+    unreadable = unreadable_report("lab01_gemm", Path("lab01_gemm.ipynb"), read_notebook(SOLUTION01), "bad JSON", 0.01)
+    write_reports(unreadable, grades / "lab01_gemm")
+    (grades / "lab01_gemm" / "refused").mkdir()
+    (grades / "lab01_gemm" / "refused" / "results.json").write_text('{"score": 0, "max_score": 0, "tests": []}')
+    for newer in (grades / "lab01_gemm" / "results.json", grades / "lab01_gemm" / "refused" / "results.json"):
+        os.utime(newer, (os.path.getmtime(newer) + 60,) * 2)
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s, as its last grading here"
+
+    grading_times.record({"lab02_roofline": 12}, table_path)
+    assert json.loads(table_path.read_text())["seconds"] == {"lab01_gemm": 31.0, "lab02_roofline": 12.0}
+
+
+def test_measured_table_has_every_lab():
+    seconds = json.loads(grading_times.TABLE.read_text())["seconds"]
+    assert sorted(seconds) == lab_ids(), "grade each new lab's solution once: grading_times.record(measure([lab]))"
+    assert all(value > 0 for value in seconds.values())

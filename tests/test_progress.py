@@ -14,7 +14,7 @@ import pytest
 from conftest import LAB01, REPO, write_learner_notebook
 from grading.notebook import read_notebook
 from grading.notebook import test_cells as graded_cells  # (not named test_*: pytest would collect it)
-from grading.progress import failing_checks, from_results
+from grading.progress import failing_checks, from_results, progress_table
 from grading.progress_panel import BUTTON_LABEL, progress_panel
 
 # The tests share one graded course folder: keep them on one worker so it is graded once.
@@ -90,15 +90,47 @@ def test_progress_prints_scores_and_the_checks_still_failing(course):
     root, out = course
     assert re.search(r"^lab01_gemm\s+10/10\s+4/4\s*$", out, re.M), out
     maximum = sum(t.points for t in graded_cells(read_notebook(REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb")))
-    assert re.search(rf"^lab02_roofline\s+0/{maximum:g}\s+0/\d+\s*$", out, re.M), out
+    # The untouched lab is one line: its checks all fail on the stubs, so none is listed.
+    assert re.search(rf"^lab02_roofline\s+0/{maximum:g}\s+0/\d+\s+not started$", out, re.M), out
     assert re.search(r"^lab99_unknown\s+-\s+-\s+cannot grade: no lab named 'lab99_unknown'", out, re.M), out
     assert re.search(rf"^total\s+10/{10 + maximum:g}", out, re.M)
-    failing = out.split("still failing:")[1]
-    assert "lab01" not in failing  # the solved lab has nothing left to fix
-    for check_id in _check_ids("lab02_roofline"):  # every check of the untouched lab, each with its reason
-        assert re.search(rf"^    {re.escape(check_id)} \(error\): your code raised NotImplementedError: lab02 task \d",
-                         failing, re.M), failing
+    assert "still failing:" not in out and "NotImplementedError" not in out
     assert f"chart: {root / 'grades' / 'progress.html'}" in out
+
+
+def _lab_progress(lab: str, checks: list[tuple[str, str, str]], passed: int = 0):
+    """A LabProgress as read back from results.json: one test per (check_id, reason, detail), then
+    ``passed`` passing tests of 1 point each."""
+    from grading.grader import CheckResult, GradeReport
+    from grading.grader import TestResult as GradedTest
+    from grading.report import gradescope_results
+
+    tests = [GradedTest(f"test_{check_id}", 0.0, 2.0, [CheckResult(
+        check_id, False, False, f"{check_id} failed [{lab} task] ({reason})\n  {detail}", reason)])
+        for check_id, reason, detail in checks]
+    tests += [GradedTest(f"test_done{i}", 1.0, 1.0, [CheckResult(f"done{i}", False, True, "passed")])
+              for i in range(passed)]
+    return from_results(lab, gradescope_results(GradeReport(lab, f"{lab}.ipynb", 0, tests)))
+
+
+def test_a_lab_not_started_is_one_line_and_a_lab_begun_lists_what_fails():
+    stub = "your code raised NotImplementedError: lab07 task {} (see the stub)"
+    blank = _lab_progress("lab07_paged_kv", [(f"lab07.check{i}", "error", stub.format(i)) for i in range(30)])
+    unrecorded = _lab_progress("lab08_scheduler", [
+        ("lab08.a", "error", "no answer was recorded: its answer cell raised NotImplementedError: lab08 task 1")])
+    begun = _lab_progress("lab01_gemm", [("lab01.gemm_flops", "wrong result", "gemm_flops(2, 3, 4) returned 24"),
+                                         ("lab01.time_op_sync", "error", stub.format(2))])
+    scored = _lab_progress("lab02_roofline", [("lab02.ai", "error", stub.format(1))], passed=1)
+    assert (blank.not_started, unrecorded.not_started, begun.not_started, scored.not_started) == (True, True, False,
+                                                                                                 False)
+    out = progress_table([blank, unrecorded, begun, scored])
+    assert re.search(r"^lab07_paged_kv\s+0/60\s+0/30\s+not started$", out, re.M), out
+    assert re.search(r"^lab08_scheduler\s+0/2\s+0/1\s+not started$", out, re.M), out
+    failing = out.split("still failing:")[1]
+    assert "lab07_paged_kv" not in failing and "lab08_scheduler" not in failing
+    assert re.search(r"^  lab01_gemm\n    lab01\.gemm_flops \(wrong result\): gemm_flops\(2, 3, 4\) returned 24\n"
+                     r"    lab01\.time_op_sync \(error\): your code raised NotImplementedError", failing, re.M), failing
+    assert re.search(r"^  lab02_roofline\n    lab02\.ai \(error\)", failing, re.M), failing
 
 
 def test_progress_writes_a_self_contained_chart(course):
@@ -110,7 +142,7 @@ def test_progress_writes_a_self_contained_chart(course):
     assert bars["type"] == "bar" and bars["x"] == ["lab01_gemm", "lab02_roofline", "lab99_unknown"]
     assert bars["y"] == [1.0, 0.0, 0.0] and bars["text"][0] == "10/10" and bars["text"][2] == "not graded"
     assert "every check passes" in bars["hovertext"][0]
-    assert "still failing" in bars["hovertext"][1] and _check_ids("lab02_roofline")[0] in bars["hovertext"][1]
+    assert "not started" in bars["hovertext"][1] and _check_ids("lab02_roofline")[0] not in bars["hovertext"][1]
 
 
 def test_lab_cell_shows_the_recorded_grade(course):

