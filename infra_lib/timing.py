@@ -1,4 +1,8 @@
-"""The course's one timer: warm-up excluded, device synchronised, median reported."""
+"""The course's one timer: warm-up excluded, device synchronised, median reported.
+
+Timed code in the lessons runs inside ``infra_lib.timed_section.timed_section``, which chooses the
+torch thread count for how busy the machine is and checks the pattern the measurement should show.
+"""
 
 from __future__ import annotations
 
