@@ -9,6 +9,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = REPO_ROOT / "solutions"  # the instructor notebooks (nbgrader's source directory)
+UNREADABLE = "unreadable notebook"  # the failure reason of every check of a notebook that cannot be read
 
 
 def lab_ids(source_dir: str | Path = DEFAULT_SOURCE) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
                            SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge)
-from grading.course import DEFAULT_SOURCE, lab_ids
+from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute
@@ -29,7 +29,6 @@ from grading.sandbox import Limits
 
 MAX_RESTARTS = 6
 NOT_RUN = "not run"
-UNREADABLE = "unreadable notebook"
 _OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
 
 

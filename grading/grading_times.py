@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from grading.course import DEFAULT_SOURCE, lab_ids
+from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 
 TABLE = Path(__file__).with_name("grading_times.json")
 ABOUT = ("seconds to grade each lab's solution notebook (the report's execution_time; the shortest of the runs made), "
@@ -26,8 +26,6 @@ def last_grading_seconds(folders: list[Path]) -> float | None:
     Records of a refused grading (no tests) or of an unreadable notebook (graded without a
     kernel) are skipped: they say nothing about how long running the lab takes.
     """
-    from grading.grader import UNREADABLE
-
     newest: tuple[float, float] | None = None
     for path in (folder / "results.json" for folder in folders):
         try:

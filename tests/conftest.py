@@ -104,3 +104,27 @@ def check_fails(check_id: str, implementation) -> str:
     with pytest.raises(AssertionError) as info:
         check(check_id, implementation)
     return str(info.value)
+
+
+# `make test-fast` leaves out tests marked `notebook` or `slow`. Slow ones are found by what they
+# use, so a new test that loads the model or grades a notebook is slow without anyone marking it.
+SLOW_FIXTURES = {"smollm2", "hf_tokenizer", "minilm", "server", "client", "quick_site", "unexecuted_site", "course"}
+SLOW_GROUPS = {"smollm2", "minilm", "site", "progress"}
+SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes"}
+SLOW_CALLS = ("grade_notebook", "grade_batch", "run_benchmark", "run_workers", "execute_notebook", "_run(\"grade",
+              "_run(\"progress", "\"make\"")
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    for item in items:
+        groups = {mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args}
+        module = item.module.__name__ if item.module else ""
+        try:
+            source = inspect.getsource(item.function)
+        except (OSError, TypeError):
+            source = ""
+        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or SLOW_GROUPS & groups or module in SLOW_MODULES
+                or any(call in source for call in SLOW_CALLS)):
+            item.add_marker(pytest.mark.slow)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import papermill
 import pytest
 
 from conftest import NOTEBOOKS, REPO, SOLUTIONS, run_benchmark
+from grading import run_times
 from grading.notebook import read_notebook
 
 
@@ -17,23 +20,25 @@ def _parameters_cell(path):
     return cells[0].source
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS, ids=[p.stem for p in NOTEBOOKS + SOLUTIONS])
 def test_notebook_runs_top_to_bottom(path, tmp_path):
     source = _parameters_cell(path)
     assert "QUICK" in source and "DEVICE" in source
     out = tmp_path / path.name
+    started = time.monotonic()
     papermill.execute_notebook(str(path), str(out), parameters={"QUICK": True}, kernel_name="python3",
                                cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
+    if path in NOTEBOOKS:  # the lessons state their run time from these measurements (grading.run_times)
+        assert run_times.record(path.stem, "quick", time.monotonic() - started).is_file()
     executed = json.loads(out.read_text())
     errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    if path.stem == "01_gemm_profiling":
+        _chapter01_wrote_a_chrome_trace(tmp_path, out)
 
 
-def test_chapter01_writes_a_chrome_trace(tmp_path):
-    out = tmp_path / "01.ipynb"
-    papermill.execute_notebook(str(REPO / "notebooks" / "01_gemm_profiling.ipynb"), str(out),
-                               parameters={"QUICK": True}, kernel_name="python3", cwd=str(tmp_path),
-                               progress_bar=False, execution_timeout=600)
+def _chapter01_wrote_a_chrome_trace(tmp_path, out):
     traces = list((tmp_path / "traces").glob("*.json"))
     assert traces, "chapter 01 should export a Chrome trace into traces/"
     trace = json.loads(traces[0].read_text())
@@ -41,6 +46,50 @@ def test_chapter01_writes_a_chrome_trace(tmp_path):
     assert "aten::mm" in names or any(str(n).startswith(("sm", "ampere", "cutlass")) for n in names)
     text = out.read_text()
     assert "application/vnd.plotly.v1+json" in text, "the size sweep should be a plotly chart"
+
+
+def test_every_lesson_states_its_measured_run_times():
+    """Each lesson's "Run time" paragraph is the one grading.run_times writes from run_times.json
+    (the figures come from measurement; this checks they were carried over, not how fast anything ran)."""
+    times = run_times.read_times()
+    for path in NOTEBOOKS:
+        entry = times.get(path.stem)
+        assert entry and "quick_s" in entry and "full_s" in entry, f"notebooks/run_times.json lacks {path.stem}"
+        assert run_times.stated_paragraph(path) == run_times.run_time_paragraph(entry), (
+            f"{path.name} does not state the run times in run_times.json: run `python -m grading.run_times update`")
+        params = _parameters_cell(path)
+        assert not re.search(r"\b(minute|seconds?)\b", params), (
+            f"{path.name}'s parameters cell states a time of its own; the Run time paragraph is the one place")
+
+
+def test_update_restates_a_lesson_from_the_measurements(tmp_path):
+    """record -> update rewrites run_times.json and the lesson's Run time paragraph, and only that."""
+    import shutil
+
+    lesson = tmp_path / "notebooks" / NOTEBOOKS[1].name
+    lesson.parent.mkdir()
+    shutil.copy(NOTEBOOKS[1], lesson)
+    before = read_notebook(lesson)
+    measured, times_file = tmp_path / "measured", tmp_path / "notebooks" / "run_times.json"
+    run_times.record(lesson.stem, "quick", 24.0, measured)
+    run_times.record(lesson.stem, "full", 201.0, measured)
+    assert run_times.update(measured, times_file, lesson.parent) == [lesson.name]
+    entry = run_times.read_times(times_file)[lesson.stem]
+    assert entry["quick_s"] == 24.0 and entry["full_s"] == 201.0
+    stated = run_times.stated_paragraph(lesson)
+    assert "about 25 s with `QUICK = True`, about 3 min with the full settings" in stated
+    after = read_notebook(lesson)
+    assert [c.source for c in after.cells[1:]] == [c.source for c in before.cells[1:]]
+    assert run_times.update(measured, times_file, lesson.parent) == [], "a second update changes nothing"
+
+
+def test_run_time_descriptions():
+    assert run_times.describe(3) == "about 5 s"
+    assert run_times.describe(24) == "about 25 s"
+    assert run_times.describe(201) == "about 3 min"
+    assert run_times.describe(75) == "about 1 min"
+    with pytest.raises(ValueError):
+        run_times.describe(-1)
 
 
 def test_gemm_sweep_benchmark_writes_json(tmp_path):

@@ -1,0 +1,185 @@
+"""How long each lesson takes to run, measured, and the run-time line each lesson states.
+
+The test suite times every lesson it executes with ``QUICK=True`` and writes one JSON file per
+lesson under ``build/notebook_times/``; ``measure`` times full runs the same way. ``update``
+merges those measurements into ``notebooks/run_times.json`` (committed) and rewrites the
+"**Run time**" paragraph of each lesson's first cell from it, so that a stated time is always
+a measured one. Nothing here asserts a time: a slow run only changes what the lessons say.
+
+    python -m grading.run_times measure --full 06 09   # full runs of two lessons, recorded
+    python -m grading.run_times update                  # measurements -> run_times.json -> lessons
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO_ROOT / "notebooks"
+TIMES_FILE = NOTEBOOKS / "run_times.json"
+MEASURED_DIR = REPO_ROOT / "build" / "notebook_times"
+MODES = ("quick", "full")
+RUN_TIME_PREFIX = "**Run time**"
+_RUN_TIME_PARAGRAPH = re.compile(r"^\*\*Run time\*\*.*?(?=\n\n|\Z)", re.S | re.M)
+_TIME_PARAGRAPH = re.compile(r"^\*\*Time\*\*.*?(?=\n\n|\Z)", re.S | re.M)
+
+
+def describe(seconds: float) -> str:
+    """A duration as a person would say it: "about 25 s", "about 3 min"."""
+    if seconds < 0:
+        raise ValueError(f"a run time cannot be negative, got {seconds}")
+    if seconds < 60:
+        return f"about {max(5, 5 * round(seconds / 5))} s"
+    return f"about {max(1, round(seconds / 60))} min"
+
+
+def run_time_paragraph(entry: dict) -> str:
+    """The lesson's stated run times, from its entry in run_times.json."""
+    cores = entry.get("cores", 2)
+    return (f"{RUN_TIME_PREFIX} (measured on {cores} CPU cores): {describe(entry['quick_s'])} with `QUICK = True`, "
+            f"{describe(entry['full_s'])} with the full settings.")
+
+
+def record(stem: str, mode: str, seconds: float, out_dir: Path = MEASURED_DIR) -> Path:
+    """Write one measured run of a notebook (``build/notebook_times/<stem>.<mode>.json``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.{mode}.json"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    row = {"notebook": stem, "mode": mode, "seconds": round(seconds, 1), "date": date.today().isoformat(),
+           "cores": os.cpu_count(), "load_1min": load, "under_pytest_xdist": bool(os.environ.get("PYTEST_XDIST_WORKER"))}
+    path.write_text(json.dumps(row, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def measured(out_dir: Path = MEASURED_DIR) -> dict[str, dict[str, dict]]:
+    """Every recorded run under ``out_dir``: notebook stem -> mode -> the recorded row."""
+    rows: dict[str, dict[str, dict]] = {}
+    for path in sorted(out_dir.glob("*.json")):
+        try:
+            row = json.loads(path.read_text(encoding="utf-8"))
+            rows.setdefault(row["notebook"], {})[row["mode"]] = row
+        except (json.JSONDecodeError, KeyError, TypeError):
+            print(f"skipping {path}: not a recorded run", file=sys.stderr)
+    return rows
+
+
+def read_times(path: Path = TIMES_FILE) -> dict[str, dict]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def merge(times: dict[str, dict], runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """``times`` with each notebook's newest measurements in place of the old ones."""
+    merged = {stem: dict(entry) for stem, entry in times.items()}
+    for stem, modes in runs.items():
+        entry = merged.setdefault(stem, {})
+        for mode, row in modes.items():
+            entry[f"{mode}_s"] = row["seconds"]
+            entry[f"{mode}_date"] = row["date"]
+            entry["cores"] = row["cores"]
+    return dict(sorted(merged.items()))
+
+
+def stamp(path: Path, entry: dict) -> bool:
+    """Rewrite the lesson's run-time paragraph from ``entry``; True when the file changed."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "markdown")
+    paragraph = run_time_paragraph(entry)
+    if _RUN_TIME_PARAGRAPH.search(cell.source):
+        source = _RUN_TIME_PARAGRAPH.sub(paragraph, cell.source, count=1)
+    elif _TIME_PARAGRAPH.search(cell.source):
+        found = _TIME_PARAGRAPH.search(cell.source)
+        source = cell.source[:found.end()] + "\n\n" + paragraph + cell.source[found.end():]
+    else:
+        raise ValueError(f"{path.name}: its first cell has no '**Time**' paragraph to put the run time after")
+    if source == cell.source:
+        return False
+    cell.source = source
+    nbformat.write(nb, path)
+    return True
+
+
+def stated_paragraph(path: Path) -> str | None:
+    """The run-time paragraph a lesson states now, or None."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    found = _RUN_TIME_PARAGRAPH.search(cell.source) if cell is not None else None
+    return found.group(0) if found else None
+
+
+def lessons(names: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Path]:
+    """Lesson notebooks by chapter number or stem ("06", "06_request_journey"); all when empty."""
+    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        return paths
+    chosen = [p for p in paths if any(p.stem == n or p.stem.split("_", 1)[0] == n.zfill(2) for n in names)]
+    unknown = [n for n in names if not any(p.stem == n or p.stem.split("_", 1)[0] == n.zfill(2) for p in paths)]
+    if unknown:
+        raise ValueError(f"no lesson named {', '.join(unknown)} in {folder}")
+    return chosen
+
+
+def run_and_record(path: Path, quick: bool, out_dir: Path = MEASURED_DIR, timeout_s: int = 1800) -> float:
+    """Run one lesson top to bottom in a scratch folder (papermill) and record how long it took."""
+    import papermill
+
+    with tempfile.TemporaryDirectory(prefix=f"run-{path.stem}-") as work:
+        started = time.monotonic()
+        papermill.execute_notebook(str(path), str(Path(work) / path.name), parameters={"QUICK": quick},
+                                   kernel_name="python3", cwd=work, progress_bar=False,
+                                   execution_timeout=timeout_s)
+        seconds = time.monotonic() - started
+    record(path.stem, "quick" if quick else "full", seconds, out_dir)
+    return seconds
+
+
+def update(out_dir: Path = MEASURED_DIR, times_file: Path = TIMES_FILE, folder: Path = NOTEBOOKS) -> list[str]:
+    """Merge the measurements into run_times.json and restate every lesson's run time from it."""
+    times = merge(read_times(times_file), measured(out_dir))
+    times_file.write_text(json.dumps(times, indent=1) + "\n", encoding="utf-8")
+    changed = []
+    for path in lessons(folder=folder):
+        entry = times.get(path.stem, {})
+        if "quick_s" in entry and "full_s" in entry and stamp(path, entry):
+            changed.append(path.name)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grading.run_times", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("measure", help="run lessons top to bottom and record their run times")
+    run.add_argument("names", nargs="*", help="chapter numbers or stems (default: every lesson)")
+    run.add_argument("--full", action="store_true", help="QUICK=False (default: QUICK=True)")
+    sub.add_parser("update", help="merge build/notebook_times/ into notebooks/run_times.json and restate the lessons")
+    args = parser.parse_args(argv)
+    if args.command == "measure":
+        try:
+            paths = lessons(args.names)
+        except ValueError as exc:
+            print(f"run_times: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
+            seconds = run_and_record(path, quick=not args.full)
+            print(f"{path.stem}: {seconds:.0f} s ({'QUICK' if not args.full else 'full'})", flush=True)
+        return 0
+    changed = update()
+    print(f"wrote {TIMES_FILE}; restated {len(changed)} lesson(s): {', '.join(changed) or 'none changed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
