@@ -115,9 +115,37 @@ SLOW_CALLS = ("grade_notebook", "grade_batch", "run_benchmark", "run_workers", "
               "_run(\"progress", "\"make\"")
 
 
+# The longest tests (minutes on two cores) start first, so that no worker is left finishing one
+# alone at the end of the run; pytest-xdist hands out tests in collection order. Names are
+# prefixes of test ids, longest first; a group (the model's tests) starts with its first test.
+LONGEST_FIRST = (
+    "tests/test_adversarial.py::test_nbgrader_on_the_corpus_gives_the_documented_scores",
+    "tests/test_model.py::test_decode_benchmark_writes_json",
+    "tests/test_labs.py::test_nbgrader_autograde_agrees_with_the_course_grader",
+    "tests/test_adversarial.py::test_batch_grading_a_class_with_a_cache",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[09_spec_quant]",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[10_serving]",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[05_training_parallelism]",
+    "tests/test_spec_quant.py::test_spec_quant_benchmark_writes_json",
+    "tests/test_cli.py::test_progress_grades_each_lab_once_until_it_changes",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[lab09_spec_quant]",
+    "tests/test_training.py::test_data_parallel_follows_the_single_process_trajectory",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[13_agents]",
+    "tests/test_cli.py::test_grade_defaults_to_grades_folder_in_the_working_directory",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[12_rag]",
+    "tests/test_timing_notes.py::test_chapter06_notes_disturbed_batched_decoding",
+)
+
+
+def _start_rank(item) -> int:
+    return next((rank for rank, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     import inspect
 
+    items.sort(key=_start_rank)  # stable: every other test keeps its place
     for item in items:
         groups = {mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args}
         module = item.module.__name__ if item.module else ""

@@ -1,0 +1,89 @@
+"""Every third-party package the course imports is declared in pyproject.toml and pinned in
+constraints.txt, and nothing is declared that nothing uses."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import re
+import sys
+import tomllib
+
+from conftest import REPO
+
+# Imported by none of the course's files but needed all the same: each is a tool the course runs.
+TOOLS = {"jupyterlab": "make lab", "ipykernel": "the notebooks' kernel", "nbgrader": "the instructor's grader",
+         "faiss-cpu": "imported as faiss", "triton": "loaded through infra_lib.kernels.triton_env"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def _imports(source: str) -> set[str]:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _modules_used(folders: list[str]) -> set[str]:
+    used = set()
+    for folder in folders:
+        for path in (REPO / folder).rglob("*.py"):
+            used |= _imports(path.read_text(encoding="utf-8"))
+        for path in (REPO / folder).rglob("*.ipynb"):
+            if "adversarial" in path.parts:  # the hostile corpus: broken on purpose, and graded, not run
+                continue
+            for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+                if cell["cell_type"] == "code":
+                    lines = "".join(cell["source"]).splitlines()
+                    used |= _imports("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!"))))
+    local = {p.stem for p in (REPO / "benchmarks").glob("*.py")} | {p.stem for p in (REPO / "tests").glob("*.py")}
+    return {m for m in used if m not in sys.stdlib_module_names and m not in local | {"infra_lib", "grading"}}
+
+
+def _distributions(modules: set[str], declared: set[str]) -> set[str]:
+    """The distribution that provides each module: a declared one where several share a name
+    (langgraph's namespace is spread over langgraph, langgraph-prebuilt, ...)."""
+    owners = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in modules if m not in owners)
+    assert not missing, f"imported but not installed: {missing}"
+    found = set()
+    for module in modules:
+        names = [d.lower().replace("_", "-") for d in owners[module]]
+        found.add(next((d for d in names if d in declared), names[0]))
+    return found
+
+
+def test_every_imported_package_is_declared_and_pinned():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    runtime = {_name(r) for r in project["dependencies"]}
+    test_extra = {_name(r) for r in project["optional-dependencies"]["test"]}
+    pinned = {_name(line) for line in (REPO / "constraints.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    course = _distributions(_modules_used(["infra_lib", "grading", "notebooks", "solutions", "benchmarks"]), runtime)
+    assert course <= runtime, f"imported by the course but not in [project] dependencies: {sorted(course - runtime)}"
+    tests = _distributions(_modules_used(["tests"]), runtime | test_extra)
+    assert tests <= runtime | test_extra, f"imported by tests but not declared: {sorted(tests - runtime - test_extra)}"
+    unused = runtime - course - set(TOOLS)
+    assert not unused, f"declared but imported nowhere: {sorted(unused)} (drop them, or say in TOOLS why they stay)"
+    assert (runtime | test_extra) <= pinned, f"not pinned in constraints.txt: {sorted((runtime | test_extra) - pinned)}"
+    assert "accelerate" not in runtime | pinned
+
+
+def test_makefile_installs_with_the_constraints_and_reinstalls_when_they_change():
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    stamp_rule = re.search(r"^\$\(STAMP\):(.*)$", makefile, re.M).group(1).split()
+    assert {"pyproject.toml", "$(CONSTRAINTS)", "Makefile"} <= set(stamp_rule)
+    installs = [line for line in makefile.splitlines() if line.startswith("\t$(PIP)")]
+    assert installs and all("--constraint" in re.search(r"^PIP :=(.*)$", makefile, re.M).group(1) for _ in installs)
+    assert any('-e ".[test]"' in line for line in installs)
