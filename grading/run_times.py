@@ -121,15 +121,15 @@ def stated_paragraph(path: Path) -> str | None:
 
 
 def lessons(names: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Path]:
-    """Lesson notebooks by chapter number or stem ("06", "06_request_journey"); all when empty."""
-    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
-    if not names:
-        return paths
-    chosen = [p for p in paths if any(p.stem == n or p.stem.split("_", 1)[0] == n.zfill(2) for n in names)]
-    unknown = [n for n in names if not any(p.stem == n or p.stem.split("_", 1)[0] == n.zfill(2) for p in paths)]
-    if unknown:
-        raise ValueError(f"no lesson named {', '.join(unknown)} in {folder}")
-    return chosen
+    """Lesson notebooks by chapter number or stem ("06", "06_request_journey"); all when empty.
+
+    Raises:
+        ValueError: a name matches no lesson.
+    """
+    from grading.site import find_lessons
+
+    only = {name.split("_", 1)[0] for name in names} if names else None
+    return [lesson.path for lesson in find_lessons(folder, only)]
 
 
 def run_and_record(path: Path, quick: bool, out_dir: Path = MEASURED_DIR, timeout_s: int = 1800) -> float:
