@@ -91,15 +91,17 @@ def test_profile_names_mm_not_matmul():
 
 
 def test_first_profile_in_a_process_is_not_skewed(tmp_path):
-    """The profiler's start-up cost must not be charged to the op under study."""
+    """The profiler's start-up cost must not be charged to the op under study, and starting it
+    does not import torch's compiler (seconds) in a process that never compiled."""
     import subprocess
     import sys
 
     code = (
-        "import torch\n"
+        "import sys, torch\n"
         "from infra_lib.kernels.profiling import profile_op, self_times\n"
         "a = torch.randn(256, 256)\n"
         "_, t = self_times(profile_op(lambda: a @ a))\n"
+        "assert 'torch._inductor' not in sys.modules, 'starting the profiler imported torch._inductor'\n"
         "print(t['aten::matmul'] / t['aten::mm'])\n"
     )
     ratios = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

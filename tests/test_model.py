@@ -318,3 +318,98 @@ def test_decode_benchmark_writes_json(tmp_path):
         assert row["decode_tokens_per_s"] > 0 and row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_s"] / bound)
     cached, uncached = result["engines"]["infra_lib, KV cache"], result["engines"]["infra_lib, no cache"]
     assert result["kv_cache_speedup"] == pytest.approx(cached["decode_tokens_per_s"] / uncached["decode_tokens_per_s"])
+
+
+# --- the dequantised-weights cache --------------------------------------------------------------
+
+def _tiny_gguf(path):
+    """A one-layer llama GGUF file with fp32 tensors and a byte-level vocabulary."""
+    import gguf
+    import numpy as np
+
+    from infra_lib.model.tokenizer import byte_alphabet
+
+    rng = np.random.default_rng(0)
+    tokens = [byte_alphabet()[b] for b in range(256)] + ["he", "<s>", "</s>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(32)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_rope_dimension_count(8)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3, 3])
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+    shapes = {"token_embd.weight": (259, 16), "output_norm.weight": (16,), "blk.0.attn_norm.weight": (16,),
+              "blk.0.attn_q.weight": (16, 16), "blk.0.attn_k.weight": (8, 16), "blk.0.attn_v.weight": (8, 16),
+              "blk.0.attn_output.weight": (16, 16), "blk.0.ffn_norm.weight": (16,),
+              "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_load_gguf_keeps_the_weights_in_a_cache_and_rebuilds_a_spoilt_one(tmp_path, monkeypatch):
+    from infra_lib.model import loaders
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    direct = load_gguf(path, cache=False)
+    assert not (tmp_path / "cache").exists(), "cache=False reads the file and writes nothing"
+
+    first = load_gguf(path)
+    entries = list((tmp_path / "cache" / "gguf-fp32").iterdir())
+    assert [e.name.startswith("tiny-") for e in entries] == [True], entries
+    weights = entries[0] / "weights.safetensors"
+
+    def from_file(*args, **kwargs):
+        raise AssertionError("the cached entry should have been read instead of the GGUF file")
+
+    monkeypatch.setattr(loaders, "read_gguf", from_file)
+    cached = load_gguf(path)
+    monkeypatch.undo()
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    for loaded in (first, cached):
+        assert _same_weights(loaded, direct) and loaded.model.config == direct.model.config
+        assert loaded.tokenizer.encode("hello, héllo") == direct.tokenizer.encode("hello, héllo")
+    assert 256 in direct.tokenizer.encode("hello"), "the merge 'h e' was read"
+    x = torch.tensor([[257, 104, 105]])
+    assert torch.equal(cached.model(x), direct.model(x))
+
+    weights.write_bytes(weights.read_bytes()[:100])  # a partial write, a full disk
+    assert _same_weights(load_gguf(path), direct)
+    assert len(weights.read_bytes()) > 100, "a spoilt entry is written again"
+
+    import os
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    load_gguf(path)
+    assert len(list((tmp_path / "cache" / "gguf-fp32").iterdir())) == 2
+
+    monkeypatch.setenv(loaders.CACHE_ENV, "off")
+    assert loaders.cache_root() is None
+    assert _same_weights(load_gguf(path), direct)
+
+
+def test_the_cache_is_skipped_where_a_file_size_limit_forbids_it(tmp_path, monkeypatch):
+    from infra_lib.model import loaders
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(loaders, "_file_size_limit", lambda: 1024.0)  # a grading sandbox's limit
+    assert load_gguf(path).model.config.n_layers == 1
+    assert not list((tmp_path / "cache").glob("gguf-fp32/*")), "no entry when the weights would not fit"

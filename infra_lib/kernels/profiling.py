@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from infra_lib.hardware.flops import achieved_tflops, gemm_flops
 from infra_lib.timing import time_op
 
-__all__ = ["achieved_tflops", "dominant_op", "gemm_flops", "profile_op", "self_times", "time_op"]
+__all__ = ["achieved_tflops", "dominant_op", "gemm_flops", "profile_op", "self_times", "start_profiler", "time_op"]
 
 
 _profiler_warmed = False
@@ -50,9 +50,34 @@ def profile_op(
     return _profiled(fn, device, profile(activities=activities, record_shapes=record_shapes))
 
 
+def start_profiler(prof: profile) -> None:
+    """``prof.start()``, without torch importing its compiler to answer a question about it.
+
+    Starting a ``torch.profiler.profile`` asks ``hasattr(torch, "_inductor")`` only to read one
+    CUDA-graphs flag of ``torch.compile``; in a process that never compiled anything, asking
+    imports the whole compiler (about 3 s on two CPU cores). Until something else loads it,
+    the question is answered "not loaded", which is the truth.
+    """
+    if "torch._inductor" in sys.modules:
+        prof.start()
+        return
+    lazy = torch.__dict__.get("__getattr__")
+
+    def without_inductor(name: str):
+        if name == "_inductor":
+            raise AttributeError(name)
+        return lazy(name)
+
+    torch.__getattr__ = without_inductor
+    try:
+        prof.start()
+    finally:
+        torch.__getattr__ = lazy
+
+
 def _profiled(fn: Callable[[], Any], device: torch.device, prof: profile) -> profile:
     with _quiet_native_stderr():  # the profiler's back end logs each start and stop there
-        prof.start()
+        start_profiler(prof)
     try:
         fn()
         if device.type == "cuda":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infra_lib.kernels.profiling import start_profiler
 from infra_lib.serving.model_runner import ModelRunner
 from infra_lib.serving.scheduler import Scheduler
 
@@ -208,7 +209,7 @@ class KernelProfiler:
         # The profiler's library initialises on first use and wants that to happen on the thread
         # that registered it (this one); the engine thread's start later finds it ready.
         primer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        primer.start()
+        start_profiler(primer)
         primer.stop()
 
     def arm(self, profile: bool = True) -> None:
@@ -228,7 +229,7 @@ class KernelProfiler:
                 return
             start = time.perf_counter()
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            profiler.start()
+            start_profiler(profiler)
             self.capture = Capture(event.request_id, time.perf_counter() - start, profile=profiler)
         elif event.kind == "finished" and self.capture is not None and event.request_id == self.capture.request_id:
             finished = time.perf_counter()
