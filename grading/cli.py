@@ -182,15 +182,14 @@ def _cmd_site(args) -> int:
 
 
 def _cmd_release(args) -> int:
-    from grading.release import generate
+    from grading.release import generate_all
 
     known = lab_ids()
     unknown = [lab_id for lab_id in args.lab if lab_id not in known]
     if unknown:
         return _refuse("release", f"no lab named {', '.join(unknown)} in {DEFAULT_SOURCE} "
                                   f"(labs: {', '.join(known) or 'none'})")
-    for lab_id in args.lab or known:
-        target = generate(lab_id, Path(args.out))
+    for target in generate_all(args.lab or known, Path(args.out)):
         print(f"generated {target}")
     return EXIT_OK
 

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
@@ -66,6 +67,9 @@ class GradeReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     sandbox: dict = field(default_factory=dict)
+    # The notebook as the grading run left it (outputs of every cell, hidden checks included):
+    # for the instructor's eyes and the course's own tests, never written into learner feedback.
+    executed: Any = field(default=None, repr=False, compare=False)
 
     @property
     def score(self) -> float:
@@ -308,7 +312,8 @@ def grade_notebook(
                "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
                "time": f"{limits.check_timeout:g} s per check, {limits.cell_timeout:g} s per cell, "
                        f"{limits.budget:g} s per notebook"}
-    return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox)
+    return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox,
+                       executed=runs[-1].notebook if runs else None)
 
 
 def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, seconds: float) -> GradeReport:

@@ -44,6 +44,21 @@ def write_learner_notebook(path: Path, answers: dict[str, str], base: Path = LAB
     return path
 
 
+def parameters_cell(path: Path) -> str:
+    """The source of a notebook's one cell tagged ``parameters`` (papermill injects after it)."""
+    from grading.notebook import read_notebook
+
+    cells = [c for c in read_notebook(path).cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{path} needs exactly one cell tagged 'parameters'"
+    return cells[0].source
+
+
+def error_outputs(notebook) -> list[str]:
+    """``ename: evalue`` of every error output in an executed notebook."""
+    return [f"cell {i + 1}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(notebook["cells"])
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
 @pytest.fixture(scope="session")
 def solution_answers() -> dict[str, str]:
     return answer_cells(SOLUTION01)
@@ -65,8 +80,9 @@ def run_benchmark(name: str, out: Path) -> dict:
     return data
 
 
-# Tests that need the real model share one worker (`--dist loadgroup`), so it loads once.
-SMOLLM2 = pytest.mark.xdist_group("smollm2")
+# Tests that need the real model. Each worker loads it once (the `smollm2` fixture), in under a
+# second from infra_lib's cache of its weights, so these tests spread over the workers freely.
+SMOLLM2 = pytest.mark.smollm2
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +125,8 @@ def check_fails(check_id: str, implementation) -> str:
 # `make test-fast` leaves out tests marked `notebook` or `slow`. Slow ones are found by what they
 # use, so a new test that loads the model or grades a notebook is slow without anyone marking it.
 SLOW_FIXTURES = {"smollm2", "hf_tokenizer", "minilm", "server", "client", "quick_site", "unexecuted_site", "course"}
-SLOW_GROUPS = {"smollm2", "minilm", "site", "progress"}
+SLOW_GROUPS = {"minilm", "site", "progress"}
+SLOW_MARKERS = {"smollm2"}
 SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes"}
 SLOW_CALLS = ("grade_notebook", "grade_batch", "run_benchmark", "run_workers", "execute_notebook", "_run(\"grade",
               "_run(\"progress", "\"make\"")
@@ -117,7 +134,7 @@ SLOW_CALLS = ("grade_notebook", "grade_batch", "run_benchmark", "run_workers", "
 
 # The longest tests (minutes on two cores) start first, so that no worker is left finishing one
 # alone at the end of the run; pytest-xdist hands out tests in collection order. Names are
-# prefixes of test ids, longest first; a group (the model's tests) starts with its first test.
+# prefixes of test ids, longest first; a group starts with its first test.
 LONGEST_FIRST = (
     "tests/test_adversarial.py::test_nbgrader_on_the_corpus_gives_the_documented_scores",
     "tests/test_model.py::test_decode_benchmark_writes_json",
@@ -128,7 +145,7 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[05_training_parallelism]",
     "tests/test_spec_quant.py::test_spec_quant_benchmark_writes_json",
     "tests/test_cli.py::test_progress_grades_each_lab_once_until_it_changes",
-    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[lab09_spec_quant]",
+    "tests/test_labs.py::test_solution_runs_top_to_bottom_and_scores_full_marks[lab09_spec_quant]",
     "tests/test_training.py::test_data_parallel_follows_the_single_process_trajectory",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[13_agents]",
     "tests/test_cli.py::test_grade_defaults_to_grades_folder_in_the_working_directory",
@@ -153,6 +170,7 @@ def pytest_collection_modifyitems(config, items):
             source = inspect.getsource(item.function)
         except (OSError, TypeError):
             source = ""
+        markers = {mark.name for mark in item.iter_markers()}
         if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or SLOW_GROUPS & groups or module in SLOW_MODULES
-                or any(call in source for call in SLOW_CALLS)):
+                or SLOW_MARKERS & markers or any(call in source for call in SLOW_CALLS)):
             item.add_marker(pytest.mark.slow)

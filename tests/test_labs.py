@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, write_learner_notebook
+from conftest import (LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, error_outputs, parameters_cell,
+                      write_learner_notebook)
 from grading.grader import grade_notebook
 from grading.notebook import read_notebook
-from grading.release import CONFIG, generate, lab_ids
+from grading.release import CONFIG, generate_all, lab_ids
 
 
 def _ids(paths):
@@ -28,9 +29,15 @@ def test_every_solution_has_a_released_lab():
     assert LABS, "no labs found"
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids(SOLUTIONS))
-def test_solution_scores_full_marks(solution):
+def test_solution_runs_top_to_bottom_and_scores_full_marks(solution):
+    """Grading runs the instructor notebook top to bottom with QUICK=True (hidden checks too):
+    no cell may fail and every check passes."""
+    source = parameters_cell(solution)
+    assert "QUICK" in source and "DEVICE" in source
     report = grade_notebook(solution)
+    assert report.executed is not None and not error_outputs(report.executed), error_outputs(report.executed or {})
     failed = [c.message for t in report.tests for c in t.checks if not c.passed]
     assert report.score == report.max_score > 0, failed
     assert len(report.tests) >= 4
@@ -49,9 +56,17 @@ def test_untouched_lab_scores_zero_naming_each_task(lab):
             assert re.search(rf"NotImplementedError: {prefix} task \d+: \w+", c.message), c.message
 
 
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """Every lab as nbgrader generates it now, in one run."""
+    out = tmp_path_factory.mktemp("released")
+    generate_all([lab.stem for lab in LABS], out)
+    return out
+
+
 @pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
-def test_labs_equal_what_nbgrader_generates(lab, tmp_path):
-    fresh = generate(lab.stem, tmp_path) / lab.name
+def test_labs_equal_what_nbgrader_generates(lab, released):
+    fresh = released / lab.stem / lab.name
     assert json.loads(fresh.read_text()) == json.loads(lab.read_text()), \
         f"{lab} differs from nbgrader's output: run `make labs`"
     assert "BEGIN HIDDEN TESTS" not in lab.read_text()
