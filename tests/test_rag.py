@@ -23,7 +23,7 @@ from infra_lib.apps.rag import (Chunk, ChunkRecord, Document, ExactIndex, Hashin
                                 parse_citations, recall_at_k, top_k_cosine)
 from infra_lib.apps.rag.chunking import token_spans
 from infra_lib.apps.rag.corpus import CORPUS_DIR
-from infra_lib.apps.rag.embedders import CACHE_ENV
+from infra_lib.apps.rag.embedders import CACHE_ENV, default_cache_dir
 
 # Measured on the shipped corpus and questions (chunks of 800 characters, overlap 100): MiniLM
 # recall@5 0.76, recall@10 0.95, MRR 0.58; the hashing embedder recall@5 0.38. The floors sit
@@ -38,10 +38,12 @@ MINILM = pytest.mark.xdist_group("minilm")
 
 
 @pytest.fixture(scope="session")
-def rag_cache(tmp_path_factory):
-    """The session's embedding cache: ``<root>/embeddings``, where ``INFRA_LIB_CACHE=<root>`` points."""
-    folder = tmp_path_factory.mktemp("rag_cache") / "embeddings"
-    folder.mkdir()
+def rag_cache():
+    """The course's embedding cache (``<root>/embeddings``, where ``INFRA_LIB_CACHE=<root>`` points), the
+    one chapter 12 fills: keyed by the model and the exact texts, so whoever embeds the corpus first
+    in a run (the lesson or these tests) saves the other the work."""
+    folder = default_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -521,10 +523,13 @@ def test_the_trained_embedder_beats_word_hashing(minilm_pipeline, corpus, questi
 
 
 @MINILM
-def test_reindexing_reads_the_embeddings_from_the_cache(corpus, minilm, rag_cache, minilm_pipeline):
-    assert minilm_pipeline.cache_hit is False                 # the session's first indexing embedded the chunks
-    again = RAGPipeline(minilm, cache_dir=rag_cache).index_documents(corpus)
-    assert again.cache_hit is True and torch.equal(again.vectors, minilm_pipeline.vectors)
+def test_reindexing_reads_the_embeddings_from_the_cache(corpus, minilm, rag_cache, minilm_pipeline, tmp_path):
+    first = RAGPipeline(minilm, cache_dir=tmp_path).index_documents(corpus[:3])
+    assert first.cache_hit is False                           # an empty cache: the chunks were embedded
+    again = RAGPipeline(minilm, cache_dir=tmp_path).index_documents(corpus[:3])
+    assert again.cache_hit is True and torch.equal(again.vectors, first.vectors)
+    whole = RAGPipeline(minilm, cache_dir=rag_cache).index_documents(corpus)
+    assert whole.cache_hit is True and torch.equal(whole.vectors, minilm_pipeline.vectors)
     assert RAGPipeline(HashingEmbedder()).index_documents(corpus[:2]).cache_hit is None
 
 
