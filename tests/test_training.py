@@ -22,11 +22,13 @@ SHAPES = [(1,), (2,), (7,), (3, 5), (64, 33), (0,)]
 
 
 def workers_left() -> list:
-    """Child processes other than multiprocessing's resource tracker (one per interpreter, by design)."""
+    """Child processes other than multiprocessing's resource tracker and fork server (one each per
+    interpreter, by design: the launcher's workers are forked from the server)."""
     left = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            command = " ".join(child.cmdline())
+            if "resource_tracker" not in command and "forkserver" not in command:
                 left.append(child)
         except psutil.NoSuchProcess:
             pass
