@@ -216,7 +216,20 @@ def _drive_real_profile(dominant_op, spec: dict) -> str:
             x.add_(bias).relu_()
         return out
 
-    return dominant_op(profile_op(step, "cpu"))
+    prof = profile_op(step, "cpu")
+    for _ in range(4):
+        # On a busy machine the OS can pause this thread inside a microsecond op for a whole time
+        # slice, which then out-times the GEMM: such a profile no longer shows what the workload
+        # does, so it is taken again (the reference is driven the same way).
+        if _gemm_has_most_self_time(prof):
+            break
+        prof = profile_op(step, "cpu")
+    return dominant_op(prof)
+
+
+def _gemm_has_most_self_time(prof) -> bool:
+    rows = list(prof.key_averages())
+    return bool(rows) and max(rows, key=lambda e: e.self_cpu_time_total).key in ("aten::mm", "aten::bmm")
 
 
 def _synthetic_rows(rng: random.Random, device: bool) -> list[dict]:
