@@ -44,9 +44,8 @@ def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOUR
         (Path(scratch) / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
         env = {**os.environ, "INFRA_COURSE_ROOT": scratch}
         # "*" is every assignment in the scratch course: exactly the labs copied above.
-        assignment = labs[0] if len(labs) == 1 else "*"
         result = subprocess.run(
-            [sys.executable, "-m", "nbgrader", "generate_assignment", assignment, "--force", "--no-db",
+            [sys.executable, "-m", "nbgrader", "generate_assignment", "*", "--force", "--no-db",
              "--log-level=WARN"],
             cwd=scratch, env=env, capture_output=True, text=True,
         )
