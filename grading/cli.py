@@ -308,9 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # nbformat's schema checker would import rfc3987_syntax, which builds an IRI parser at
-    # import (about 1.5 s); notebook schemas use no IRI format. See grading.runner.
-    sys.modules.setdefault("rfc3987_syntax", None)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -21,12 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __name__ == "__main__":
-    # The child process: nbformat's schema checker imports rfc3987_syntax when it is installed,
-    # which builds a parser for IRI formats at import (about 1.5 s on two CPU cores, once per
-    # graded notebook). Notebook schemas use no such format, so the child goes without it.
-    sys.modules.setdefault("rfc3987_syntax", None)
-
 import nbformat
 import psutil
 
