@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from grading.readings import not_started_hint
 from grading.registry import Check, Mismatch, get_check
 
 RECORD_ENV = "INFRA_LAB_RECORD"
@@ -64,23 +65,26 @@ class Verdict:
         if self.passed:
             return f"{self.check_id} passed"
         what = self.what
-        if hidden and self.kind == ERROR and not _is_stub_error(what, check):
+        stub = _stub_task(what, check) if self.kind == ERROR else None
+        if hidden and self.kind == ERROR and stub is None:
             what = what.split(":", 1)[0] + " (the message is hidden: this check's inputs are secret)"
         lines = [f"{self.check_id} failed [{check.task}] ({self.kind or 'failed'})", f"  {what}"]
         if self.detail and not hidden:
             lines.append(f"  {self.detail}")
-        lines.append(f"  hint: {check.hint}")
+        # An untouched task gets where to read, not the hint for a wrong answer (that would be a recipe).
+        hint = check.hint if stub is None else not_started_hint(stub, own=stub == check.task)
+        lines.append(f"  hint: {hint}")
         return "\n".join(lines)
 
 
-def _is_stub_error(what: str, check: Check) -> bool:
-    """Whether ``what`` is exactly an untouched stub's error, for this check's task or another task
-    of its lab (a later task may check an earlier task's function): safe to show, it holds no input."""
+def _stub_task(what: str, check: Check) -> str | None:
+    """The task whose untouched stub raised ``what`` (this check's task or another task of its lab:
+    a later task may check an earlier task's function), or None. Safe to show: it holds no input."""
     from grading.registry import all_checks
 
     lab = check.task.split(" ", 1)[0]
     tasks = {c.task for c in all_checks().values() if c.task.split(" ", 1)[0] == lab}
-    return what in {f"your code raised NotImplementedError: {task}" for task in tasks}
+    return next((task for task in tasks if what == f"your code raised NotImplementedError: {task}"), None)
 
 
 _PLAIN_SCALARS = (bool, int, float, str, type(None))

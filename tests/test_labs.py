@@ -17,6 +17,8 @@ from conftest import (LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, err
                       write_learner_notebook)
 from grading.grader import grade_notebook
 from grading.notebook import read_notebook
+from grading.readings import READINGS, not_started_hint
+from grading.registry import all_checks
 from grading.release import CONFIG, generate_all, lab_ids
 
 
@@ -47,13 +49,33 @@ def test_solution_runs_top_to_bottom_and_scores_full_marks(solution):
 
 @pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
 def test_untouched_lab_scores_zero_naming_each_task(lab):
+    """...and each failure says where to read before starting, never the hint written for a wrong
+    answer (on a blank lab that hint would be the recipe)."""
     report = grade_notebook(lab)
     assert report.score == 0 and report.max_score > 0
     prefix = lab.stem.split("_")[0]  # "lab01"
+    checks = all_checks()
     for test in report.tests:
         for c in test.checks:
             assert not c.passed
-            assert re.search(rf"NotImplementedError: {prefix} task \d+: \w+", c.message), c.message
+            stub = re.search(rf"NotImplementedError: ({prefix} task \d+: [\w. ]+)", c.message)
+            assert stub, c.message
+            task = stub.group(1).strip()
+            hint = c.message.split("hint: ", 1)[1]
+            assert hint == not_started_hint(task, own=task == checks[c.check_id].task), c.message
+            assert checks[c.check_id].hint not in c.message, f"{c.check_id} gives its wrong-answer hint to a blank lab"
+
+
+def test_every_task_says_where_its_idea_is_taught():
+    """Each task of each lab has a reading, and each section it names is a heading of that lesson."""
+    tasks = {c.task for c in all_checks().values()}
+    assert tasks <= set(READINGS), f"tasks without a reading in grading/readings.py: {sorted(tasks - set(READINGS))}"
+    assert set(READINGS) <= tasks, f"readings for tasks no check exercises: {sorted(set(READINGS) - tasks)}"
+    for task, (lesson, sections) in READINGS.items():
+        headings = {line[3:].strip() for cell in read_notebook(REPO / "notebooks" / f"{lesson}.ipynb").cells
+                    if cell.cell_type == "markdown" for line in cell.source.splitlines() if line.startswith("## ")}
+        missing = [s for s in sections if s not in headings]
+        assert not missing, f"{task}: {lesson} has no section {missing}"
 
 
 @pytest.fixture(scope="module")
