@@ -213,10 +213,16 @@ class _Watch:
         return outcome
 
 
-def judge(check: Check, learner: Outcome, expected: Outcome, inputs: Any) -> Verdict:
-    """Compare the learner's outcome with the reference's, for one check."""
-    if expected.error is not None:
-        raise RuntimeError(f"the reference failed check {check.check_id}: {expected.error}")
+def needs_reference(learner: Outcome) -> bool:
+    """Whether judging ``learner`` compares data with the reference's: not when the learner's code
+    raised, ran out of time or memory, or was stopped (the verdict is then the learner's alone, so
+    an untouched lab is judged without running the reference)."""
+    return learner.error is None and learner.kind is None
+
+
+def judge(check: Check, learner: Outcome, expected: Outcome | None, inputs: Any) -> Verdict:
+    """Compare the learner's outcome with the reference's, for one check. ``expected`` may be
+    None when ``needs_reference(learner)`` is False."""
     if learner.kind == SHORTCUT:
         return Verdict(check.check_id, False, learner.error or "your code called the reference implementation", kind=SHORTCUT)
     if learner.kind == TAMPERING:
@@ -231,6 +237,10 @@ def judge(check: Check, learner: Outcome, expected: Outcome, inputs: Any) -> Ver
         return Verdict(check.check_id, False, learner.error or "wrong result", kind=WRONG)
     if learner.error is not None:
         return Verdict(check.check_id, False, f"your code raised {learner.error}", kind=ERROR)
+    if expected is None:
+        raise ValueError(f"check {check.check_id}: the learner's data needs the reference's to be judged")
+    if expected.error is not None:
+        raise RuntimeError(f"the reference failed check {check.check_id}: {expected.error}")
     try:
         mismatch = check.compare(learner.data, expected.data, inputs)
     except Exception as exc:  # malformed learner data (wrong shapes, types)
@@ -266,7 +276,7 @@ def check(check_id: str, implementation: Any) -> None:
         return
     inputs = registered.inputs(INTERACTIVE_SEED)
     learner = drive(registered, implementation, inputs)
-    expected = drive(registered, registered.reference(), inputs)
+    expected = drive(registered, registered.reference(), inputs) if needs_reference(learner) else None
     verdict = judge(registered, learner, expected, inputs)
     if not verdict.passed:
         raise AssertionError(verdict.message(registered, hidden=False))

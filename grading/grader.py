@@ -21,7 +21,7 @@ from typing import Any
 
 from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
-                           SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge)
+                           SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge, needs_reference)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
@@ -177,9 +177,10 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
                     call.check_id, registered.task, reason, f"no answer was recorded: {text}"), reason))
                 continue
             inputs = registered.inputs(seed)
-            if call.check_id not in expected_cache:
+            # The reference runs only when some answer produced data to compare with it.
+            if call.check_id not in expected_cache and any(needs_reference(answer) for answer in answers):
                 expected_cache[call.check_id] = _roundtrip(drive(registered, registered.reference(), inputs))
-            verdicts = [judge(registered, answer, expected_cache[call.check_id], inputs) for answer in answers]
+            verdicts = [judge(registered, answer, expected_cache.get(call.check_id), inputs) for answer in answers]
             verdict = next((v for v in verdicts if not v.passed), verdicts[0])
             checks.append(CheckResult(call.check_id, call.hidden, verdict.passed,
                                       verdict.message(registered, hidden=call.hidden), verdict.kind))

@@ -274,3 +274,38 @@ def test_hidden_message_hides_inputs_and_expected_values():
     visible = verdict.message(registered, hidden=False)
     assert "expected" in visible and "expected" not in hidden
     assert str(expected.data[0]) not in hidden
+
+
+def test_an_answer_that_raised_is_judged_without_running_the_reference(monkeypatch):
+    """An untouched (or crashing) answer gets its verdict at once, interactively and in the grader:
+    the reference, which may run the real model, runs only when there is data to compare."""
+    import dataclasses
+
+    from grading import registry
+    from grading.grader import evaluate
+    from grading.notebook import CheckCall, TestCell
+
+    original = get_check("lab01.gemm_flops")
+    calls = []
+
+    def counted_reference():
+        calls.append(1)
+        return original.reference()
+
+    monkeypatch.setitem(registry._REGISTRY, "lab01.gemm_flops", dataclasses.replace(original, reference=counted_reference))
+
+    def stub(m, n, k):
+        raise NotImplementedError("lab01 task 1: gemm_flops")
+
+    with pytest.raises(AssertionError, match="not started yet"):
+        check("lab01.gemm_flops", stub)
+    cell = TestCell("test_task1_gemm_flops", 2.0, [CheckCall("lab01.gemm_flops", False)], index=6,
+                    answer="task1_gemm_flops")
+    [result] = evaluate([cell], {"lab01.gemm_flops": [Outcome(error="NotImplementedError: lab01 task 1: gemm_flops",
+                                                              kind="error")]}, 0, {}, {})
+    assert result.score == 0 and "not started yet" in result.checks[0].message
+    assert calls == [], "the reference ran although no answer produced data"
+
+    check("lab01.gemm_flops", lambda m, n, k: 2 * m * n * k)
+    [result] = evaluate([cell], {"lab01.gemm_flops": [Outcome(data=[2])]}, 0, {}, {})
+    assert len(calls) == 2 and result.score == 0, "data is compared with the reference's"

@@ -251,3 +251,18 @@ def test_calibrate_times_real_steps_and_returns_a_usable_cost_model():
         calibrate(tiny_model(0), max_context=128)
     with pytest.raises(ValueError, match=">= 0"):
         StepCostModel(-1.0, 0, 0, 0)
+
+
+def test_lab08_worked_example_cuts_to_the_budget_before_asking_for_blocks():
+    """Lab 08's text: on a pool of 3 blocks of 4, a 20-token prompt with a budget of 10 is admitted
+    with a 10-token chunk (3 blocks); without chunked prefill it waits."""
+    for chunked in (True, False):
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, block_size=4, num_blocks=3,
+                                              enable_chunked_prefill=chunked))
+        scheduler.add(Sequence(0, list(range(1, 21)), block_size=4, arrival_index=0))
+        out = scheduler.schedule()
+        if chunked:
+            assert out.admitted == [0] and out.num_cached_tokens == {0: 0}
+            assert [(s.seq_id, s.num_tokens) for s in out.scheduled] == [(0, 10)] and out.num_free_blocks == 0
+        else:
+            assert out.admitted == [] and out.scheduled == [] and out.num_free_blocks == 3

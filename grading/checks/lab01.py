@@ -55,7 +55,8 @@ register(Check(
     make_inputs=_small_shapes,
     drive=call_each,
     compare=_compare_flops,
-    hint="each of the m*n outputs is a length-k dot product: k multiplies and k adds.",
+    hint="each entry of C is a dot product of length k, one multiply and one add per step, and both count as "
+    "operations (the fused multiply-add convention of every datasheet), the first step's add included.",
 ))
 
 register(Check(
@@ -65,8 +66,9 @@ register(Check(
     make_inputs=_large_shapes,
     drive=call_each,
     compare=_compare_flops,
-    hint="the count must hold for any shape: skinny (m=1), k=1, an empty dimension, and sizes "
-    "whose count does not fit in 32 bits.",
+    hint="the same count holds for every shape, with no special case: a single row (a decode GEMV), a reduction "
+    "of length one, an empty dimension (no work at all) and sizes whose count does not fit in 32 bits, so it "
+    "must stay an exact int.",
 ))
 
 
@@ -176,8 +178,9 @@ register(Check(
     make_inputs=_timing_plan,
     drive=_drive_timer(asynchronous=False),
     compare=_compare_timer,
-    hint="call fn warmup times untimed, then time each of iters calls separately with "
-    "time.perf_counter and return the median (statistics.median), in seconds.",
+    hint="the first calls are cold and must stay out of the measurement, and one slow call must not move the "
+    "result: the median of the individually timed calls, not a mean or one total, in seconds, with fn called "
+    "exactly warmup plus iters times. chapter 01, section “5 · Gotcha 1: the first call is not a typical call”.",
 ))
 
 register(Check(
@@ -187,8 +190,10 @@ register(Check(
     make_inputs=_timing_plan,
     drive=_drive_timer(asynchronous=True),
     compare=_compare_timer,
-    hint="fn may only queue work, as a GPU launch does: when sync is not None, call it after "
-    "warm-up and after every timed call, before you stop the clock.",
+    hint="fn may only queue work, as a GPU launch does, so a clock stopped when fn returns has timed the launch, "
+    "not the work: when a sync is given, every timed call must include the wait for its queued work, and work "
+    "queued during warm-up must not leak into the first measurement. chapter 01, section “6 · Gotcha 2: stopping "
+    "the clock before the work is done”.",
 ))
 
 
@@ -306,8 +311,9 @@ register(Check(
     make_inputs=_real_workload,
     drive=_drive_real_profile,
     compare=_compare_names,
-    hint="use prof.key_averages() and pick the row (its .key) with the largest self time, "
-    "not the largest total time.",
+    hint="an op's total time includes the ops it calls, so ranking by total crowns the outermost wrapper "
+    "(aten::matmul around the GEMM); the op doing the work has the largest self time, and the answer is its "
+    "name, a str. chapter 01, section “2 · Where does `a @ b` go?”.",
 ))
 
 register(Check(
@@ -317,8 +323,8 @@ register(Check(
     make_inputs=lambda rng: _synthetic_rows(rng, device=False),
     drive=_drive_synthetic,
     compare=_compare_names,
-    hint="a parent op's total time includes its children; self time (self_cpu_time_total) "
-    "does not, and self time is what names the op doing the work.",
+    hint="here the op with the largest total time is a wrapper whose child did nearly all of its work: rank by "
+    "the time each op spent in its own code, without the ops it called.",
 ))
 
 register(Check(
@@ -328,8 +334,9 @@ register(Check(
     make_inputs=lambda rng: _synthetic_rows(rng, device=True),
     drive=_drive_synthetic,
     compare=_compare_names,
-    hint="when any row has self_device_time_total > 0 the work ran on a GPU: rank by device "
-    "self time there, since CPU time only measures launches.",
+    hint="a profile that recorded any device time ran on a GPU, where the CPU side only launched the kernels "
+    "(its launch calls can out-time every op): rank by device self time then, and by CPU self time only when no "
+    "device time was recorded.",
 ))
 
 
@@ -376,7 +383,9 @@ register(Check(
     compare=lambda got, expected, cases: number_mismatch(
         got, expected, cases, "achieved_tflops returned the wrong rate",
         lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c), 1e-9),
-    hint="TFLOP/s = (2 * m * n * k) / seconds / 1e12.",
+    hint="a rate is the GEMM's operation count (task 1's count, multiplies and adds both counted) per second of "
+    "the measured time, reported in units of 10^12 FLOP/s; a factor of two or a power of ten is the usual slip. "
+    "chapter 01, section “7 · How fast, compared with what?”.",
 ))
 
 register(Check(

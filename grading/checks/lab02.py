@@ -54,7 +54,9 @@ register(Check(
     make_inputs=_square_ish,
     drive=call_each,
     compare=_compare_intensity,
-    hint="FLOPs are 2*m*n*k; bytes are (m*k + k*n + m*n) * bytes_per_element: A and B read once, C written once.",
+    hint="intensity is the GEMM's FLOPs (chapter 01's count) per byte that crosses the memory bus, and all three "
+    "matrices cross it exactly once: A and B are read, C is written, every element costing bytes_per_element. "
+    "chapter 02, section “2 · The roofline: FLOPs per byte decide which ceiling you hit”.",
 ))
 
 register(Check(
@@ -64,7 +66,9 @@ register(Check(
     make_inputs=_skinny_and_dtypes,
     drive=call_each,
     compare=_compare_intensity,
-    hint="the same formula holds for m=1 (a GEMV) and for any bytes_per_element, including 1 (fp8) and 0.5 (int4).",
+    hint="the same counting holds for a single row (a decode GEMV, where the output is tiny next to the weight) "
+    "and for any element size, fractional ones included: 1 byte for fp8, half a byte for int4. Nothing is rounded: "
+    "the result is a float.",
 ))
 
 
@@ -101,7 +105,8 @@ register(Check(
     make_inputs=_roofs,
     drive=call_each,
     compare=_compare_roof,
-    hint="the roofline is the lower of two roofs: the compute peak, and intensity * bandwidth.",
+    hint="the roofline is the lower of two ceilings: the compute peak, and the FLOP rate that memory can feed at "
+    "this intensity (every byte delivered carries that many FLOPs).",
 ))
 
 register(Check(
@@ -111,7 +116,8 @@ register(Check(
     make_inputs=_roof_edges,
     drive=call_each,
     compare=_compare_roof,
-    hint="at the ridge point both roofs give the peak; at intensity 0 nothing can be computed; far right, the peak.",
+    hint="the lower-of-two-roofs rule covers the edges with no special case: on the ridge point both roofs give "
+    "the peak, just left of it memory binds, at intensity 0 nothing can be computed, and far right the peak.",
 ))
 
 
@@ -150,7 +156,9 @@ register(Check(
     make_inputs=_mha_configs,
     drive=call_each,
     compare=_compare_kv,
-    hint="each layer stores a key AND a value vector of head_dim numbers for every KV head.",
+    hint="every layer caches, for every KV head, two vectors of head_dim numbers, a key and a value (leaving one "
+    "out halves the size), each number taking bytes_per_element bytes. chapter 02, section “5 · From bandwidth "
+    "to capacity: the KV cache”.",
 ))
 
 register(Check(
@@ -160,8 +168,9 @@ register(Check(
     make_inputs=_gqa_fp8_configs,
     drive=call_each,
     compare=_compare_kv,
-    hint="only KV heads are cached: with grouped-query or multi-query attention use n_kv_heads, not the "
-    "number of query heads; FP8 stores 1 byte per element.",
+    hint="only KV heads are cached (several query heads share one under grouped-query attention, all of them "
+    "share a single one under multi-query), and the element size is a parameter, not always 2 bytes: 1 for an "
+    "FP8 cache, 4 for fp32.",
 ))
 
 
@@ -213,7 +222,9 @@ register(Check(
     make_inputs=_fitting,
     drive=call_each,
     compare=_compare_fit,
-    hint="free = memory - weights - reserve; tokens = free // kv_bytes_per_token; sequences = tokens // context_len.",
+    hint="the cache may use only the memory left after the weights and the reserve; that holds a whole number of "
+    "tokens' caches, which make a whole number of full-length sequences, so round down at each step and return "
+    "an int. chapter 02, section “5 · From bandwidth to capacity: the KV cache”.",
 ))
 
 register(Check(
@@ -223,6 +234,7 @@ register(Check(
     make_inputs=_tight,
     drive=call_each,
     compare=_compare_fit,
-    hint="when the weights and reserve leave no room the answer is 0, never negative; round down twice: "
-    "a partial token or a partial sequence does not fit.",
+    hint="when the weights and reserve leave no room the answer is 0, never negative, and a partial token or a "
+    "partial sequence does not fit. Weights that alone overflow memory, a reserve that does, exactly nothing "
+    "left, one byte short of one more sequence, and contexts from one token to ten million.",
 ))

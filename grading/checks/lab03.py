@@ -261,9 +261,11 @@ def _describe_softmax(case) -> str:
 
 
 _SOFTMAX = reference("infra_lib.kernels.softmax", "softmax_kernel")
-_SOFTMAX_HINT = ("one program per row: row = tl.program_id(0), cols = tl.arange(0, BLOCK), mask = cols < n_cols; "
-                 "load in_ptr + row * in_row_stride + cols with other=-float('inf'), subtract tl.max, tl.exp, divide "
-                 "by tl.sum, and store to out_ptr + row * out_row_stride + cols with the same mask.")
+_SOFTMAX_HINT = ("one program owns one row, and each row starts one row stride after the previous one, with separate "
+                 "strides for the input and the output that may exceed n_cols; lanes past n_cols must be switched off "
+                 "and must load a value that changes neither the row's max nor its sum. Shapes here: [1, 1], one row, "
+                 "one column, widths that are not a power of two, strided rows (chapter 03, section “4 · Fused "
+                 "softmax: the same maths, half the bytes”).")
 
 register(Check(
     check_id="lab03.softmax_odd_shapes", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
@@ -275,16 +277,20 @@ register(Check(
     check_id="lab03.softmax_extreme_values", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_extremes, drive=_driver("softmax_kernel", _softmax_setup),
     compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5),
-    hint="subtract the row's max before tl.exp: exp(1e4) is inf in float32 and inf / inf is NaN; masked lanes "
-    "must load -inf (exp(-inf) = 0 adds nothing), and -inf logits must come out as probability 0.",
+    hint="exp overflows float32 for any logit above about 88 (and inf / inf is NaN), so each row must be shifted by "
+    "its own true maximum before the exponential; a padded lane must never become that maximum. -inf logits must "
+    "come out as probability 0, even in a row where only one logit is finite. Cases: logits of scale 1e4, every "
+    "logit near 1e4, many -inf logits, all but one logit per row -inf.",
 ))
 
 register(Check(
     check_id="lab03.softmax_in_bounds", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_bounds_cases, drive=_driver("softmax_kernel", _softmax_setup),
     compare=_compare_bounds("softmax_kernel", _describe_softmax),
-    hint="BLOCK is n_cols rounded up to a power of two, so the last lanes of each row fall outside it: give both "
-    "tl.load and tl.store mask=cols < n_cols (and the load other=-float('inf')).",
+    hint="BLOCK is n_cols rounded up to a power of two, so the last lanes of every row lie past its end, in the gap "
+    "before the next row or past the tensor: the load and the store both need a mask that switches those lanes off. "
+    "Here the rows of x or out are strided, with gaps that the checker watches (chapter 03, section “6 · Catching a "
+    "missing mask”).",
 ))
 
 register(Check(
@@ -292,8 +298,10 @@ register(Check(
     make_inputs=_softmax_traffic_cases, drive=_driver("softmax_kernel", _softmax_setup, count_traffic=True),
     compare=_compare_traffic("softmax_kernel", _describe_softmax,
                              "each element of x read once, each element of out written once", 1e-6, 1e-5),
-    hint="load the row once and keep it: the max, the exponentials, the sum and the division all work on that "
-    "block in registers; a second tl.load of the row reads it from memory again.",
+    hint="the fused kernel's promise is one trip to memory per element: once loaded, the row stays in registers "
+    "until the result is stored, and nothing in between is written out or read again. Lanes past n_cols count as "
+    "traffic too unless masked off. Budget: each element of x read once, each element of out written once "
+    "(chapter 03, section “4 · Fused softmax: the same maths, half the bytes”).",
 ))
 
 
@@ -350,18 +358,19 @@ def _describe_matmul(case) -> str:
 
 
 _MATMUL = reference("infra_lib.kernels.matmul", "matmul_kernel")
-_MATMUL_HINT = ("program (i, j) computes C[i*BLOCK_M:(i+1)*BLOCK_M, j*BLOCK_N:(j+1)*BLOCK_N]: rows = "
-                "tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), cols likewise with axis 1; loop k0 over "
-                "range(0, K, BLOCK_K); A's tile at a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, B's at "
-                "b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn; acc += tl.dot(a, b) in float32.")
+_MATMUL_HINT = ("each program owns one BLOCK_M × BLOCK_N tile of C, built up over the slices of K in a float32 "
+                "accumulator that stays in registers until the one store (chapter 03, section “5 · Tiled matrix "
+                "multiplication”).")
 
 for check_id, cases, extra in (
-        ("lab03.matmul_odd_shapes", _matmul_shapes, " Mask both loads (other=0.0) and the store: M, N and K are "
-         "not multiples of the blocks."),
-        ("lab03.matmul_strided", _matmul_strided, " Use the strides for every address (never assume K or N as a row "
-         "length): here A, B and C are transposed views."),
-        ("lab03.matmul_block_shapes", _matmul_block_shapes, " BLOCK_M and BLOCK_N differ here: rows go with "
-         "BLOCK_M and program_id(0), columns with BLOCK_N and program_id(1).")):
+        ("lab03.matmul_odd_shapes", _matmul_shapes, " M, N and K are not multiples of the blocks: the edge tiles and "
+         "the last step along K hang over A and B, and their outside lanes must contribute nothing to the product, "
+         "while C's outside lanes must not be stored."),
+        ("lab03.matmul_strided", _matmul_strided, " Every address in A, B and C comes from the strides passed in, "
+         "never from an assumed row length such as K or N: here A, B and C are transposed views."),
+        ("lab03.matmul_block_shapes", _matmul_block_shapes, " BLOCK_M and BLOCK_N differ here: a tile's rows belong "
+         "with the first grid axis and BLOCK_M, its columns with the second and BLOCK_N, so a mix-up that square "
+         "tiles hide shows up.")):
     register(Check(
         check_id=check_id, task="lab03 task 2: matmul_kernel", reference=_MATMUL, make_inputs=cases,
         drive=_driver("matmul_kernel", _matmul_setup),
@@ -373,9 +382,10 @@ register(Check(
     check_id="lab03.matmul_in_bounds", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
     make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup),
     compare=_compare_bounds("matmul_kernel", _describe_matmul),
-    hint="edge tiles hang over the matrices: A's mask is (rows[:, None] < M) & (k[None, :] < K), B's is "
-    "(k[:, None] < K) & (cols[None, :] < N), both with other=0.0 so the dot adds nothing; the store needs "
-    "(rows[:, None] < M) & (cols[None, :] < N).",
+    hint="the tiles at the bottom and right edges, and the last step along K, hang over the matrices: each tile load "
+    "needs a mask that keeps it inside its matrix along both of its dimensions, with a fill value that adds nothing "
+    "to the product, and the store one that keeps it inside C. Here some matrices are smaller than one block, and "
+    "some are transposed views (chapter 03, section “6 · Catching a missing mask”).",
 ))
 
 register(Check(
@@ -383,8 +393,9 @@ register(Check(
     make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup, count_traffic=True),
     compare=_compare_traffic("matmul_kernel", _describe_matmul,
                              "each program reads only the parts of its tiles inside A and B", 1e-4, 3e-2),
-    hint="every tl.load must read only lanes inside the matrix: mask off the rows of A past M and the columns of B "
-    "past N too, even though their products would land outside C.",
+    hint="a lane that reads outside A or B costs memory traffic even when its product never reaches C: the tile "
+    "loads must stay inside their matrices along every dimension, rows of A past M and columns of B past N "
+    "included, not only along K. Budget: each program reads only the parts of its tiles inside A and B.",
 ))
 
 
@@ -427,8 +438,10 @@ register(Check(
     check_id="lab03.rmsnorm_odd_shapes", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
     make_inputs=_rmsnorm_shapes, drive=_driver("rmsnorm_kernel", _rmsnorm_setup),
     compare=_compare_values("rmsnorm_kernel", _describe_rmsnorm, 1e-5, 1e-4),
-    hint="one program per row: load the row (masked lanes 0.0, so they add nothing to the sum of squares) and the "
-    "weight; mean = tl.sum(x * x) / n_cols (divide by n_cols, not BLOCK); out = x / tl.sqrt(mean + eps) * w.",
+    hint="the mean square is over the n_cols real elements only: padded lanes must add nothing to the sum of "
+    "squares, and the divisor is n_cols, not BLOCK. eps belongs inside the square root, added to the mean square "
+    "(it reaches 0.5 here, so its place shows), and each row of x and of out starts at its own row stride "
+    "(chapter 03, section “Lab 03: what you will write”).",
 ))
 
 register(Check(
@@ -436,6 +449,8 @@ register(Check(
     make_inputs=_rmsnorm_bounds_cases, drive=_driver("rmsnorm_kernel", _rmsnorm_setup, count_traffic=True),
     compare=_compare_traffic("rmsnorm_kernel", _describe_rmsnorm,
                              "each program reads its row of x and the n_cols weights once", 1e-5, 1e-4),
-    hint="three accesses need mask=cols < n_cols: the row of x, the weight w (it has only n_cols elements too) and "
-    "the store; a lane past n_cols must not be read even when its result is never stored.",
+    hint="the weight vector has only n_cols elements, like a row, so its load overruns just as the row's does: the "
+    "row of x, the weights and the store all need their lanes past n_cols switched off. A lane past n_cols must not "
+    "be read even when its result is never stored; here rows are strided, with gaps that the checker watches. "
+    "Budget: each program reads its row of x and the n_cols weights once.",
 ))

@@ -195,9 +195,11 @@ def _compare_histogram(got, expected, graphs) -> Mismatch | None:
     return None
 
 
-_HISTOGRAM_HINT = ("one count per node of gm.graph.nodes: call_function -> node.target.__name__, call_method -> "
-                   "node.target (the method name), call_module -> type(gm.get_submodule(node.target)).__name__, "
-                   "any other node -> node.op ('placeholder', 'get_attr', 'output').")
+_HISTOGRAM_HINT = ("every node of the graph counts once, under the name of what it does: a function call under the "
+                   "function's own name (x * y and torch.mul(x, y) are both 'mul'), a method call under the method's "
+                   "name, a submodule call under its class name, any other node under its op ('placeholder', "
+                   "'get_attr', 'output'). Keys are plain strings, not functions or their printed form (chapter 04, "
+                   "section “7 · Writing a graph pass with torch.fx”).")
 
 register(Check(
     check_id="lab04.op_histogram",
@@ -216,8 +218,8 @@ register(Check(
     make_inputs=_histogram_modules,
     drive=_drive_histogram,
     compare=_compare_histogram,
-    hint=_HISTOGRAM_HINT + " A submodule call (self.lin(x)) is one call_module node; a parameter read "
-    "(self.scale) is one get_attr node.",
+    hint=_HISTOGRAM_HINT + " A submodule call (self.lin(x)) is one call_module node, named by the submodule's "
+    "class, not by the attribute that holds it; a parameter read (self.scale) is one get_attr node.",
 ))
 
 
@@ -308,17 +310,17 @@ def _silu_lookalikes_visible(rng: random.Random) -> list[dict]:
     return [_graph(rng, ["other_operand"], 1), _graph(rng, ["sigmoid_reused", rng.choice(list(_SILU)[:4])], 1)]
 
 
-_SILU_HINT = ("for each mul node (operator.mul, torch.mul, or call_method 'mul') with two arguments, see whether one "
-              "argument is a sigmoid node (torch.sigmoid or call_method 'sigmoid') whose own argument is the mul's "
-              "other argument (the same Node: `is`), and whose only user is this mul (len(sigmoid.users) == 1). "
-              "Insert F.silu(x) before the mul, mul.replace_all_uses_with(it), then eliminate_dead_code, lint, "
-              "recompile.")
+_SILU_HINT = ("a match is a mul whose two operands are a sigmoid and that sigmoid's own input, the very same node "
+              "(an identity test, not equal names or values), with the sigmoid on either side and the mul its only "
+              "user; a mul and a sigmoid count whether called as a function or as a method (chapter 04, section "
+              "“7 · Writing a graph pass with torch.fx”).")
 
 for check_id, make_inputs, extra in (
         ("lab04.fuse_silu", _silu_visible, ""),
         ("lab04.fuse_silu_spellings", _silu_spellings,
          (" Every spelling counts: x * torch.sigmoid(x), torch.sigmoid(x) * x, x * x.sigmoid(), torch.mul(...), "
-          "x.mul(x.sigmoid()); one graph may hold several patterns.")),
+          "x.mul(x.sigmoid()); one graph may hold several patterns, some inside a longer product or on a Linear's "
+          "output.")),
         ("lab04.fuse_silu_no_match", _silu_lookalikes_visible,
          " x * sigmoid(y) is not SiLU; a sigmoid with another user must stay, and then its mul stays too."),
         ("lab04.fuse_silu_lookalikes", _silu_lookalikes,
@@ -356,19 +358,20 @@ def _add_relu_lookalikes(rng: random.Random) -> list[dict]:
             _graph(rng, names[6:] + [rng.choice(list(_ADD_RELU))], 1)]
 
 
-_ADD_RELU_HINT = ("for each relu node (torch.relu, F.relu, or call_method 'relu'), look at its argument: an add node "
-                  "(operator.add, torch.add, or call_method 'add') with exactly two args, no kwargs, and one user "
-                  "(len(add.users) == 1). Insert add_relu(*add.args) before the relu, relu.replace_all_uses_with(it), "
-                  "then eliminate_dead_code, lint, recompile.")
+_ADD_RELU_HINT = ("a match is a relu whose input is an add of exactly two operands with no keyword arguments, whose "
+                  "sum the relu alone uses; a relu and an add count whether called as a function or as a method. "
+                  "The no-keyword rule is the add's: F.relu records a keyword of its own (inplace) and still matches, "
+                  "and the fused call takes the add's two operands in their order (chapter 04, section “7 · Writing "
+                  "a graph pass with torch.fx”).")
 
 for check_id, make_inputs, extra in (
         ("lab04.fuse_add_relu", _add_relu_visible, ""),
         ("lab04.fuse_add_relu_spellings", _add_relu_spellings,
          (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu or .relu(); "
-          "a or b may be a number.")),
+          "a or b may be a number or a Linear's output.")),
         ("lab04.fuse_add_relu_no_match", _add_relu_lookalikes_visible,
-         (" torch.add(a, b, alpha=2) is a + 2 * b: leave an add with keyword arguments alone; so is a sum with "
-          "another user.")),
+         (" torch.add(a, b, alpha=2) is a + 2 * b, not a plain sum: an add with keyword arguments stays as it is, "
+          "and so does a sum with another user, which must be computed anyway.")),
         ("lab04.fuse_add_relu_lookalikes", _add_relu_lookalikes,
          (" Look-alikes must stay as they are: relu(a - b), relu(a * b), sigmoid(a + b), relu(a) + b, an add with "
           "alpha, a sum used twice."))):

@@ -165,9 +165,11 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
     return None
 
 
-_ZERO_HINT = ("per device, with p = param_bytes * num_params, g = grad_bytes * num_params and k = optimizer_bytes * "
-              "num_params: stage 0 holds p + g + k; stage 1 p + g + k / N; stage 2 p + (g + k) / N; stage 3 "
-              "(p + g + k) / N, N = num_devices. Return bytes.")
+_ZERO_HINT = ("each ZeRO stage shards one more part of the training state across the devices: stage 0 nothing, "
+              "stage 1 the optimizer state, stage 2 the gradients as well, stage 3 the parameters as well; a sharded "
+              "part is split among the devices, an unsharded one stays whole on every device. Count each part with "
+              "the byte counts passed in and return bytes, not GB (chapter 05, section “4 · ZeRO: sharding the "
+              "training state”).")
 
 register(Check(check_id="lab05.zero_memory", task=_TASKS[1], reference=reference(_ZERO, "zero_memory_per_device"),
                make_inputs=_zero_cases, drive=_drive_zero, compare=_compare_zero, hint=_ZERO_HINT))
@@ -175,7 +177,8 @@ register(Check(check_id="lab05.zero_memory_edges", task=_TASKS[1],
                reference=reference(_ZERO, "zero_memory_per_device"), make_inputs=_zero_edge_cases,
                drive=_drive_zero, compare=_compare_zero,
                hint=_ZERO_HINT + " Other byte counts (optimizer_bytes=0 for plain SGD), no parameters, one device, "
-                                 "and invalid arguments, which raise ValueError."))
+                                 "and invalid arguments (a stage outside 0 to 3, a num_devices that is not a "
+                                 "positive int, a negative num_params), which raise ValueError."))
 
 
 # --- task 2: shard_bounds ------------------------------------------------------------------------
@@ -249,9 +252,10 @@ def _compare_shards(got, expected, cases: list[list[int]]) -> Mismatch | None:
     return None
 
 
-_SHARD_HINT = ("with base, extra = divmod(numel, world_size), the first `extra` ranks own base + 1 elements and the "
-               "others base: rank r starts at r * base + min(r, extra). The shards are [start, end), in rank order, "
-               "and cover [0, numel) exactly, as torch.tensor_split splits.")
+_SHARD_HINT = ("split as evenly as possible: shard sizes differ by at most one element, and the larger shards go "
+               "to the first ranks (torch.tensor_split's split, not torch.chunk's). Return (start, end), two ints: "
+               "the half-open range [start, end); the shards are contiguous, in rank order, and cover [0, numel) "
+               "exactly.")
 
 register(Check(check_id="lab05.shard_bounds", task=_TASKS[2], reference=reference(_ZERO, "shard_bounds"),
                make_inputs=_shard_cases, drive=_drive_shards, compare=_compare_shards, hint=_SHARD_HINT))
@@ -667,24 +671,28 @@ def _compare_ring_traffic(got, expected, cases) -> Mismatch | None:
     return None
 
 
-_RING_HINT = ("split the flattened tensor into W chunks (your shard_bounds, or torch.tensor_split). Reduce-scatter: "
-              "for step s in 0..W-2, send chunk (rank - s) % W to rank (rank + 1) % W, receive chunk "
-              "(rank - s - 1) % W from rank (rank - 1) % W into a buffer made with torch.empty_like, and add it in. "
-              "All-gather: W - 1 more steps passing the finished chunks on, received straight into place. Write into "
-              "the tensor itself and return it.")
+_RING_HINT = ("a ring all-reduce is a reduce-scatter, in which each chunk travels the ring collecting one more "
+              "rank's contribution per step (received partial sums are added to the rank's own copy), then an "
+              "all-gather, in which the finished chunks travel the ring once more and replace the stale copies "
+              "(nothing is added). The sum belongs in the tensor itself, in place, which is also what is returned; "
+              "see chapter 05, section “2 · Collectives: all-reduce, reduce-scatter, all-gather”.")
 
 _RING_CHECKS = (
     ("lab05.ring_sum", _ring_sum_cases, _compare_ring_sum, _RING_HINT),
     ("lab05.ring_sum_more", _ring_sum_more_cases, _compare_ring_sum,
      _RING_HINT + " Up to 8 ranks, tens of thousands of elements."),
     ("lab05.ring_traffic", _ring_traffic_cases, _compare_ring_traffic,
-     ("each rank sends 2 (W - 1) messages of one chunk (1 / W of the tensor): 2 (W - 1) / W of the tensor in all, "
-      "whatever W is. Sending the whole tensor around the ring gives the right sum at (W - 1) x the traffic.")),
+     ("every message in a ring carries one chunk, 1 / W of the tensor, so each rank sends 2 (W - 1) / W of the "
+      "tensor in all, whatever W is; ranks share nothing but what exchange carries. Passing the whole tensor around "
+      "the ring also gives the sum, at W - 1 times the traffic (chapter 05, section “2 · Collectives: all-reduce, "
+      "reduce-scatter, all-gather”).")),
     ("lab05.ring_traffic_more", _ring_traffic_more_cases, _compare_ring_traffic,
-     "each rank sends 2 (W - 1) / W of the tensor's bytes, in chunks; up to 8 ranks, float64 tensors."),
+     ("every message carries one chunk (1 / W of the tensor), never the whole tensor, so each rank sends "
+      "2 (W - 1) / W of the tensor's bytes whatever W is. Up to 8 ranks, float64 tensors.")),
     ("lab05.ring_any_tensor", _ring_any_cases, _compare_ring_sum,
      _RING_HINT + " Sizes W does not divide (chunks differ by one element), fewer elements than ranks (empty "
-                  "chunks), 2-D, non-contiguous (reshape copies it: copy the result back) and float64 tensors."),
+                  "chunks), 2-D, non-contiguous (flattening one gives a copy, not a view: the sum must still reach "
+                  "the tensor) and float64 tensors (received data keeps the tensor's dtype)."),
     ("lab05.ring_edges", _ring_edge_cases, _compare_ring_sum,
      _RING_HINT + " One rank, empty tensors, int64, strided and permuted views, 5 ranks."),
 )

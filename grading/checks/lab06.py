@@ -83,7 +83,9 @@ register(Check(
     make_inputs=_prefill_masks,
     drive=_drive_masks,
     compare=_compare_masks,
-    hint="with t == s the mask is lower-triangular: query i sees keys 0..i (True on and below the diagonal).",
+    hint="causality: a query may see the key at its own position and every earlier one, never a later one, so with "
+    "t = s (a prefill) the mask is lower-triangular. Return a torch.bool tensor of shape [t, s], True where "
+    "attending is allowed (chapter 06, section “Lab 06”).",
 ))
 
 register(Check(
@@ -93,8 +95,9 @@ register(Check(
     make_inputs=_offset_masks,
     drive=_drive_masks,
     compare=_compare_masks,
-    hint="the t queries are the LAST t positions: query i sits at position s - t + i, so with t = 1 it sees "
-    "every key, and with t < s row i is True up to column s - t + i.",
+    hint="with a cache the t queries are the LAST t of the s positions, not the first: every cached key lies in "
+    "their past, so the mask's diagonal runs into the bottom-right corner instead of starting at the top-left, "
+    "and a decode step (t = 1) sees every key. Rows are queries, columns keys (chapter 06, section “Lab 06”).",
 ))
 
 
@@ -134,8 +137,9 @@ register(Check(
     make_inputs=_repeat_cases,
     drive=_drive_repeat,
     compare=_compare_repeat,
-    hint="query head h reads key/value head h // group, so each KV head is repeated group times in a row "
-    "(x.repeat_interleave(group, dim=1)), not the whole stack tiled (x.repeat(1, group, 1, 1)).",
+    hint="the query heads that share a KV head are neighbours (the first group of them read KV head 0, the next "
+    "group KV head 1), so each KV head's copies must sit side by side, not the whole stack of KV heads tiled group "
+    "times. With a group of 1 the heads are unchanged (chapter 06, section “Lab 06”).",
 ))
 
 
@@ -207,15 +211,19 @@ def _compare_attention(got, expected, cases):
     return None
 
 
-_ATTENTION_HINT = ("keys, values = cache.append(k_new, v_new) gives all s tokens; repeat them for the query heads "
-                   "(head h reads KV head h // group); scores = q @ k^T / sqrt(head_dim); hide key j from query i when "
-                   "j > s - t + i; softmax over the keys; multiply by the values.")
+_ATTENTION_HINT = ("cached attention must give what attention recomputed over the whole sequence gives at its last t "
+                   "positions: this call's keys and values enter the cache once, and the queries attend over all s "
+                   "tokens the cache then holds, each query head reading its group's KV head, with scaled scores and "
+                   "the causal mask (chapter 06, section “4 · Inside `generate`: prefill and decode by hand”).")
 
 for check_id, cases, extra in (
         ("lab06.cached_attention_prefill", _prefill_cases, " Prefill: the cache starts empty and t = s."),
-        ("lab06.cached_attention_decode", _decode_cases, " Decode: one new token per call sees every cached key."),
+        ("lab06.cached_attention_decode", _decode_cases,
+         " Decode: one new token per call sees every cached key, the earlier calls' as well as its own."),
         ("lab06.cached_attention_chunked_gqa", _chunked_gqa_cases,
-         " Several new tokens on top of a cache need the offset mask; n_kv_heads may be 1 (MQA) or n_heads (MHA).")):
+         " Several new tokens on top of a cache are the last t positions, so the mask is offset (a mask aligned to "
+         "the top-left, as scaled_dot_product_attention's is_causal is, hides keys they may see); n_kv_heads may "
+         "be 1 (MQA) or n_heads (MHA).")):
     register(Check(
         check_id=check_id,
         task="lab06 task 3: cached_attention",
@@ -407,9 +415,10 @@ register(Check(
     make_inputs=_decode_case,
     drive=_drive_decode,
     compare=_compare_decode,
-    hint="make a DenseKVCache.for_model(model.config, capacity=len(prompt) + max_new_tokens); prefill with "
-    "model(torch.tensor([prompt]), cache, last_only=True); then loop: argmax of the last logits, append it, feed "
-    "only that token back with the same cache.",
+    hint="with a KV cache the model sees the prompt once (the prefill) and then only each new token, because one "
+    "cache with room for the prompt and the answer already holds the keys and values of everything before it; "
+    "greedy means the most likely token at the last position. Return the generated ids as a list of Python ints "
+    "(chapter 06, section “4 · Inside `generate`: prefill and decode by hand”).",
 ))
 
 register(Check(
@@ -419,6 +428,7 @@ register(Check(
     make_inputs=_stop_case,
     drive=_drive_decode,
     compare=_compare_decode,
-    hint="stop right after generating stop_id (it is the last token of the result), and do not run the model "
-    "again once the last token is known.",
+    hint="stop_id ends the answer and is its last token; once the last token is known (stop_id, or max_new_tokens "
+    "reached) the loop is over, and running the model once more to feed that token back is work the check "
+    "counts as a token too many. stop_id None means never stop early.",
 ))

@@ -397,18 +397,51 @@ def _random_scripts(task: int):
 _TASKS = {1: "lab07 task 1: BlockPool.allocate", 2: "lab07 task 2: BlockPool.free", 3: "lab07 task 3: BlockPool.fork",
           4: "lab07 task 4: BlockPool.prepare_write"}
 
-_HINTS = {
-    1: "allocate(n) takes n ids from the FRONT of the free queue, sets each count to 1 and returns them as a list; "
-       "allocate(0) is []; n > num_free raises OutOfBlocks(n, num_free, num_blocks) before taking anything; a "
-       "negative n raises ValueError. num_free is the length of the free queue; can_allocate(n) is n <= num_free.",
-    2: "free(block_ids) first checks every id and that no block would drop below 0 (count how often each id "
-       "appears), raising ValueError before changing anything; then, in the given order, count - 1 each, and a "
-       "block reaching 0 is appended to the BACK of the free queue (the least recently freed is reused first).",
-    3: "fork(block_ids) raises ValueError, changing nothing, if any block is free (count 0); otherwise each "
-       "count + 1, and it returns a NEW list of the same ids.",
-    4: "prepare_write(b): ValueError if b is free; (b, None) if its count is 1; otherwise take one block from the "
-       "front of the free queue (count 1), drop the caller's reference to b (count - 1) and return (new, b); with "
-       "no free block raise OutOfBlocks(1, 0, num_blocks) before changing anything.",
+_POOL_SECTION = "chapter 07, section “2 · Blocks, block tables and the block pool”"
+_SHARING_SECTION = "chapter 07, section “6 · Parallel sampling: one prompt, several answers, shared blocks”"
+
+_HINTS = {  # check id -> the idea a learner failing it has most likely missed
+    "lab07.allocate":
+        "allocate hands out blocks from the front of the free queue, each then held by one table, and serves a "
+        "request in full or not at all: asking for more blocks than are free raises OutOfBlocks (the number "
+        "requested, the number free, the pool's size) before any block is taken. A negative count is a ValueError "
+        "and asking for no blocks is valid; can_allocate says, for a count of 0 or more, whether allocate would "
+        f"succeed, and num_free is always the number of blocks nobody holds ({_POOL_SECTION}).",
+    "lab07.allocate_random":
+        "if the fixed script passes, look at the edges: asking for exactly as many blocks as are free succeeds and "
+        "empties the queue, asking for none succeeds even on an empty pool, and a pool of one block follows the "
+        "same rules. A refused request changes nothing, neither a count nor the order of the free queue.",
+    "lab07.free_lru":
+        "free is all or nothing: an id outside the pool (negative ones included) or a double free (a block released "
+        "in one call more times than tables hold it) raises ValueError before any count changes, so a call that "
+        "raises leaves the pool exactly as it was. Blocks whose count reaches 0 join the back of the free queue in the "
+        "order the call releases them, so the block freed longest ago is reused first (LRU), never the one just "
+        f"freed ({_POOL_SECTION}).",
+    "lab07.free_random":
+        "over many calls the order of the free queue is what drifts first: blocks rejoin its back one at a time, in "
+        "the order each call releases them, and a call that raises (an id outside the pool, or a block freed more "
+        "times than it is held, even within one call) leaves every count and the queue's order untouched. num_free "
+        "must always equal the number of blocks whose count is 0.",
+    "lab07.fork":
+        "fork shares blocks and copies nothing: each listed block gains one holder, and the caller gets a new list "
+        "of the same ids, never the list it passed in, because the two tables change independently from then on. "
+        "Sharing a free block is a ValueError raised before any count rises, and a shared block goes back to the "
+        f"free queue only when its last holder frees it ({_SHARING_SECTION}).",
+    "lab07.fork_random":
+        "once blocks are shared, a block's count is the number of tables holding it: an id listed twice in one fork "
+        "gains two holders, and a free may release a block as often as it is held and no more, so a double free "
+        "is judged against the count, not against 1. A refused fork or free changes nothing.",
+    "lab07.copy_on_write":
+        "a block other tables also hold must never be written in place, or they would read the writer's tokens as "
+        "their own: the writer gets a fresh block from the front of the free queue and gives up its own hold on "
+        "the shared one, which the others keep, while a block the caller holds alone is written where it is. When "
+        "a copy is needed and no block is free, OutOfBlocks is raised with nothing changed, and writing a free "
+        f"block is a ValueError ({_SHARING_SECTION}).",
+    "lab07.random_ops":
+        "with every operation mixed, all of them keep one set of books: a block's count is the number of tables "
+        "holding it, a block is free exactly when that count is 0, and the free queue holds exactly the free "
+        "blocks, handed out from the front and rejoined at the back. A copy moves one holder off the shared block, "
+        "so once a single table holds it again, that table writes into it in place.",
 }
 
 for check_id, task, make, note in (
@@ -427,7 +460,7 @@ for check_id, task, make, note in (
         make_inputs=make,
         drive=_drive_replays,
         compare=_compare_replays,
-        hint=_HINTS[task] + note,
+        hint=_HINTS[check_id] + note,
     ))
 
 
@@ -568,7 +601,9 @@ for check_id, make, note in (
         make_inputs=make,
         drive=_drive_in_model,
         compare=_compare_in_model,
-        hint="the paged cache calls allocate for a prompt, prepare_write before writing into a block it already "
-        "holds, fork to share a sequence and free (tail first) to release it; if the step-by-step checks pass but "
-        "this fails, look at prepare_write: a shared block must never be written in place." + note,
+        hint="here a paged KV cache drives your pool, so a slip in its books shows up as other tokens: if the "
+        "step-by-step checks pass but a forked sample's tokens differ, a block another sample still held was "
+        "written in place instead of copied. If blocks are still held once every sequence has been released, some "
+        "count rose more often than it fell: sharing, copying and freeing must balance "
+        f"({_SHARING_SECTION})." + note,
     ))

@@ -297,19 +297,47 @@ def _preemption_random(rng: random.Random) -> list[dict]:
     return runs
 
 
-_HINTS = {
-    1: "plan the running sequences first, oldest first (list(self.running)): each takes min(its uncomputed tokens, "
-       "the budget left) (1 for a decode); stop when the budget is 0. Admit from self.waiting only while the "
-       "budget is not 0 and len(self.running) < max_num_seqs. Reserve blocks before out.add; end with "
-       "return finish_plan(self, out).",
-    2: "admission is strictly FCFS: look only at self.waiting[0] and stop at the first one that cannot come in "
-       "(never skip ahead). A new sequence computes num_tokens - cached_tokens(seq), cut at the budget left when "
-       "chunked prefill is on; when it is off, a prompt larger than the budget left waits whole. admit(seq, n), "
-       "then record out.admitted, out.num_cached_tokens[seq.seq_id] and out.add(seq, n).",
-    3: "when a running sequence cannot reserve its blocks, preempt self.running[-1] (the newest) and try again, "
-       "until it can reserve or it was itself the victim (then stop planning running sequences); a preempted "
-       "sequence is skipped if the loop reaches it (its status is no longer RUNNING). Record each victim in "
-       "out.preempted. A step that preempted admits nobody; a new sequence never preempts.",
+_STEP_SECTION = "chapter 08, section “2 · One step's plan: iteration-level scheduling under a token budget”"
+_PREEMPTION_SECTION = "chapter 08, section “4 · Preemption: a pool too small for the load”"
+_CHUNKING_SECTION = "chapter 08, section “5 · Head-of-line blocking, and chunked prefill”"
+
+_HINTS = {  # check id -> the idea a learner failing it has most likely missed
+    "lab08.decode_first":
+        "a step plans every running sequence before it admits anyone, oldest first, and each planned sequence "
+        "spends its tokens from one budget shared by the whole step: a decode costs 1 token, a sequence still in "
+        "its prompt takes as much of the rest as the budget leaves, and once the budget is spent everyone else, "
+        "running or waiting, waits for the next step. Admissions also stop while max_num_seqs sequences are "
+        "running, and a sequence goes into the plan only with the blocks for the positions it computes "
+        f"({_STEP_SECTION}).",
+    "lab08.decode_first_random":
+        "if the fixed workloads pass, look at the tight ends: a budget smaller than the number of decoding "
+        "sequences (the oldest run, the newest wait), a max_num_seqs of 1, a prompt still being prefilled in "
+        "chunks (a running sequence, served with the others before any admission), and steps in which one of the "
+        "queues is empty.",
+    "lab08.chunked_prefill":
+        "admission is first come, first served: only the head of the waiting queue is ever considered, and the "
+        "first sequence that cannot come in ends the step's admissions, even when a shorter prompt behind it would "
+        "fit. A new sequence computes its tokens beyond its prefix-cache hit, cut at what the budget leaves when "
+        "chunked prefill is on (the rest follows in later steps, as a running sequence); with it off, a prompt "
+        "larger than the budget left waits, whole, and is never admitted past the budget. Each admission is "
+        "recorded with the prefix-cache hit found before admitting it, 0 included "
+        f"({_CHUNKING_SECTION}).",
+    "lab08.chunked_prefill_random":
+        "if the fixed workloads pass, look at the edges: a prompt exactly as large as the budget left fits, a "
+        "budget the running sequences have spent admits nobody, and a sequence that cannot come in, for whatever "
+        "reason, holds back everyone behind it in the waiting queue.",
+    "lab08.preemption":
+        "when a running sequence cannot get the blocks for its next positions, blocks are freed by preempting the "
+        "newest running sequence (the most recently admitted), then the next newest, as many as needed, so that the "
+        "oldest keep making progress; a sequence that is itself the newest preempts itself, and no later running "
+        "sequence is planned. A victim goes back to the front of the waiting queue, is recorded in the order it was "
+        "preempted and gets no tokens in this step; a step that preempted admits nobody, and a waiting sequence "
+        f"never takes blocks from a running one ({_PREEMPTION_SECTION}).",
+    "lab08.preemption_random":
+        "on tight pools an admission can also fail for lack of blocks, which ends the step's admissions like any "
+        "other reason. A readmitted victim computes all its tokens so far, prompt and generated, less what the "
+        "prefix cache still holds, and its admission records that hit; every request must finish, and preempting "
+        "anything but the newest can starve one.",
 }
 
 for check_id, task, make, note in (
@@ -326,7 +354,7 @@ for check_id, task, make, note in (
         make_inputs=make,
         drive=_drive_workloads,
         compare=_compare_workloads,
-        hint=_HINTS[task] + note,
+        hint=_HINTS[check_id] + note,
     ))
 
 
@@ -418,10 +446,18 @@ def _compare_engine(got, expected, case):
     return None
 
 
-_ENGINE_HINT = ("if the simulated checks pass, this one should too: the runner computes exactly the positions "
-                "your plan schedules, so a plan that skips or repeats positions (wrong num_tokens after a "
-                "preemption or a prefix-cache hit) gives other tokens. After a preemption a sequence recomputes "
-                "its prompt and the tokens it generated so far.")
+_ENGINE_HINTS = {
+    "lab08.engine_tiny_model":
+        "the real engine computes exactly the positions each plan schedules, so tokens that differ from greedy "
+        "decoding mean a plan skipped or repeated positions: a prompt cut into chunks continues exactly where its "
+        "previous chunk stopped, and no sequence is planned for more tokens than it has left to compute. If the "
+        "simulated checks fail as well, fix those first: they name the first step that differs.",
+    "lab08.engine_preemption_prefix_cache":
+        "the real engine computes exactly the positions each plan schedules, so a plan that skips or repeats "
+        "positions gives other tokens than greedy decoding: a sequence admitted with a prefix-cache hit computes "
+        "only what follows the cached blocks, and a preempted sequence, once readmitted, recomputes its prompt and "
+        "every token it had generated. If the simulated checks fail as well, fix those first.",
+}
 
 for check_id, make, note in (
         ("lab08.engine_tiny_model", _engine_case, ""),
@@ -434,5 +470,5 @@ for check_id, make, note in (
         make_inputs=make,
         drive=_drive_engine,
         compare=_compare_engine,
-        hint=_ENGINE_HINT + note,
+        hint=_ENGINE_HINTS[check_id] + note,
     ))

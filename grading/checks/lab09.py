@@ -286,10 +286,13 @@ def _compare_quantize(got, expected, cases):
     return None
 
 
-_QUANTIZE_HINT = ("reshape w.float() to [out, in // group_size, group_size]; scales = groups.abs().amax(-1) / 127 "
-                  "([out, in // group_size], float32); q = clamp(round(groups / scale), -127, 127) as torch.int8, "
-                  "dividing by 1 where a group's scale is 0 (an all-zero group: scale 0, q 0). Raise ValueError for a "
-                  "weight that is not a 2-D floating-point tensor or a group_size that does not divide the row.")
+_QUANTIZE_HINT = ("each run of group_size consecutive weights in a row is a group with its own scale, set by the "
+                  "group's largest magnitude (not its largest value, not the row's) so that this weight lands on the "
+                  "edge of the symmetric range [-127, 127]; every weight is then rounded to the nearest step, not cut "
+                  "toward zero, and kept inside that range (chapter 09, section “5 · Weight-only quantisation”). q is "
+                  "int8 with w's shape and scales is float32 with one entry per group, computed in float32 whatever "
+                  "w's dtype; an all-zero group has scale 0 and q 0, never nan, and ValueError is raised for a weight "
+                  "that is not a 2-D floating-point tensor or a group_size that does not divide the row.")
 
 for check_id, make, note in (
         ("lab09.quantize_int8", _quantize_cases, ""),
@@ -415,10 +418,10 @@ def _compare_dequantize(got, expected, cases):
     return None
 
 
-_DEQUANTIZE_HINT = ("w' = q * scale, where the scale of q[r, c] is scales[r, c // group_size]: reshape q.float() to "
-                    "[out, in // group_size, group_size], multiply by scales[..., None], reshape back to [out, in] "
-                    "(or multiply by scales.repeat_interleave(group_size, dim=1)). Raise ValueError when scales is not "
-                    "[out, in // group_size].")
+_DEQUANTIZE_HINT = ("the way back undoes task 1's division: each int8 value goes back through the scale of its own "
+                    "group, the group_size consecutive values of its row that the scale covers (not every n-th value "
+                    "of the row), so every weight returns within half a step of the original. The result is float32 "
+                    "with q's shape; ValueError is raised when scales does not hold one scale per group of each row.")
 
 register(Check(check_id="lab09.dequantize_int8", task=_TASKS[2],
                reference=reference(_QUANT, "dequantize_int8_groupwise"), make_inputs=_dequantize_cases,
@@ -485,9 +488,11 @@ def _compare_expected(got, expected, cases):
     return None
 
 
-_EXPECTED_HINT = ("E = 1 + a + a^2 + ... + a^gamma = (1 - a^(gamma + 1)) / (1 - a): draft token i counts when the "
-                  "first i are all accepted (probability a^i), and every step ends with one token from the target. "
-                  "At a = 1 it is gamma + 1 (no division by zero); a outside [0, 1] raises ValueError.")
+_EXPECTED_HINT = ("a step yields its accepted draft tokens plus one token of the target's own, and draft token i "
+                  "counts only when every draft token up to it was accepted, so the chances shrink geometrically and "
+                  "there is one more term than there are draft tokens (chapter 09, section “2 · The acceptance "
+                  "rule”). At acceptance 1 every draft token and the target's token come out, with no division by "
+                  "zero; the result is a float, and an acceptance outside [0, 1] raises ValueError.")
 
 register(Check(check_id="lab09.expected_tokens", task=_TASKS[3], reference=reference(_SPEC, "expected_tokens_per_step"),
                make_inputs=_expected_cases, drive=_drive_expected, compare=_compare_expected, hint=_EXPECTED_HINT))
@@ -641,10 +646,12 @@ def _compare_greedy(got, expected, cases):
     return None
 
 
-_ACCEPT_HINT = ("for i, x in enumerate(draft_tokens): draw u = torch.rand((), generator=generator); if u < p[i, x] / "
-                "q[i, x], append x to accepted and go on; otherwise return accepted and a token drawn with "
-                "torch.multinomial(normalise(max(0, p[i] - q[i])), 1, generator=generator). If every draft token was "
-                "accepted, return accepted and a bonus token drawn from p[gamma].")
+_ACCEPT_HINT = ("draft tokens are checked in order, each kept with probability min(1, p/q) at its own position; the "
+                "first rejection ends the step with a replacement drawn from the target's leftover mass (where p "
+                "exceeds q), and when every draft token is kept a bonus token comes from the target's row after the "
+                "last one (chapter 09, section “2 · The acceptance rule”). Return the kept draft tokens as a list and "
+                "the next token, all as Python ints, and take every random draw from the given generator, which may "
+                "be None.")
 
 register(Check(check_id="lab09.accept_greedy", task=_TASKS[4], reference=reference(_SPEC, "accept_or_resample"),
                make_inputs=_greedy_cases, drive=_drive_greedy, compare=_compare_greedy,
@@ -1003,9 +1010,10 @@ def _compare_distribution(got, expected, cases):
     return None
 
 
-_DISTRIBUTION_HINT = (_ACCEPT_HINT + " This check runs your rule thousands of times and compares what it emits "
-                      "with the exact distributions: each emitted position must follow the target's row p[i], and a "
-                      "draft token is kept with probability sum_x min(p[i, x], q[i, x]).")
+_DISTRIBUTION_HINT = (_ACCEPT_HINT + " This check runs your rule thousands of times, and each emitted position must "
+                      "follow the target's distribution there: resampling a rejection from p itself gives the draft's "
+                      "favourite tokens a second chance, and keeping or rejecting without a random draw skews how "
+                      "many draft tokens are kept.")
 
 register(Check(check_id="lab09.accept_distribution", task=_TASKS[4], reference=reference(_SPEC, "accept_or_resample"),
                make_inputs=_distribution_cases, drive=_drive_distribution, compare=_compare_distribution,
@@ -1093,9 +1101,11 @@ def _compare_decoder(got, expected, case):
     return None
 
 
-_DECODER_HINT = ("with temperature 0 the loop passes one-hot p and q: a draft token is kept exactly when it is the "
-                 "target's argmax, and the next token is the target's argmax at the first mismatch (or after the "
-                 "last draft token). The loop may call your rule with fewer draft tokens than gamma, even none.")
+_DECODER_HINT = ("with temperature 0 the loop passes one-hot p and q, and speculative decoding must then reproduce "
+                 "plain greedy decoding token for token: a draft token is kept exactly when it is the target's argmax, "
+                 "and the step ends with the target's argmax where the agreement stops, or after the last draft token "
+                 "(chapter 09, section “2 · The acceptance rule”). The loop may call your rule with fewer draft tokens "
+                 "than gamma, even none.")
 
 register(Check(check_id="lab09.speculative_greedy", task=_TASKS[4], reference=reference(_SPEC, "accept_or_resample"),
                make_inputs=_decoder_case, drive=_drive_decoder, compare=_compare_decoder, hint=_DECODER_HINT))

@@ -223,10 +223,12 @@ def _trace_sample(rng: random.Random) -> list[dict]:
     return _trace(rng, size=24)
 
 
-_TTFT_HINT = ("TTFT = chunk_times[0] - send_time: from sending the request to the first chunk. Return float('nan') "
-              "when no chunk arrived (a request refused or failed before its first token).")
-_E2EL_HINT = ("E2EL = end_time - send_time, for every request, failed or not; a request the client abandoned has "
-              "end_time nan, so its E2EL is nan too.")
+_TTFT_HINT = ("TTFT runs from sending the request to the arrival of its first chunk, in seconds, whatever that chunk "
+              "carries; with no chunk at all (a request refused, or failed before its first token) there is no first "
+              "token and the answer is nan.")
+_E2EL_HINT = ("E2EL runs from sending the request to the end of its response, not from the first chunk nor to the "
+              "last one, for every request, failed or not; a request the client abandoned has no end time (nan), so "
+              "its E2EL is nan too.")
 
 for check_id, task, make, compare, hint in (
         ("lab10.ttft", "ttft", _mixed_timings, _compare_ttft, _TTFT_HINT),
@@ -264,9 +266,9 @@ def _compare_tpot(got, expected, cases):
     return _compare_results("tpot", got, expected, cases, _describe_timing, _tpot_problem)
 
 
-_TPOT_HINT = ("TPOT = (E2EL - TTFT) / (output_tokens - 1): the time after the first token, shared by the tokens "
-              "after the first. TPOT divides by output_tokens - 1, not by the number of chunks (a chunk can carry "
-              "several tokens); below 2 output tokens it is float('nan').")
+_TPOT_HINT = ("TPOT is the pace after the first token: the wait for the first token is left out, and the rest of "
+              "the request's time is shared by the tokens after the first one. Count tokens, not chunks (a chunk can "
+              "carry several tokens); with fewer than two output tokens there is no time between tokens: nan.")
 
 register(Check(check_id="lab10.tpot", task=_TASKS["tpot"], reference=reference(_LATENCY, "tpot"),
                make_inputs=_mixed_timings, drive=_drive_per_request, compare=_compare_tpot, hint=_TPOT_HINT))
@@ -306,9 +308,9 @@ def _compare_itl(got, expected, cases):
     return _compare_results("itl", got, expected, cases, _describe_timing, _itl_problem)
 
 
-_ITL_HINT = ("the gaps of one request: chunk_times[i + 1] - chunk_times[i] for each pair of successive chunks, in "
-             "arrival order, so n chunks give n - 1 gaps (none for 0 or 1 chunk). The wait before the first chunk is "
-             "TTFT, not a gap, and a gap is per chunk, not per token.")
+_ITL_HINT = ("ITL is the list of one request's gaps between successive chunks, in seconds and in arrival order; "
+             "0 or 1 chunk give no gap. The wait before the first chunk is TTFT and the time after the last one is "
+             "not a gap either, and a gap is per chunk, not per token.")
 
 register(Check(check_id="lab10.itl", task=_TASKS["itl"], reference=reference(_LATENCY, "itl"),
                make_inputs=_mixed_timings, drive=_drive_per_request, compare=_compare_itl, hint=_ITL_HINT))
@@ -385,9 +387,10 @@ def _compare_percentile(got, expected, cases):
     return _compare_results("percentile", got, expected, cases, _describe_values, _percentile_problem)
 
 
-_PERCENTILE_HINT = ("sort the values; rank = (n - 1) * p / 100 counting from 0; with lo = floor(rank) return "
-                    "xs[lo] + (xs[lo + 1] - xs[lo]) * (rank - lo) (just xs[lo] at the top). No values: float('nan'); "
-                    "p outside [0, 100]: raise ValueError, whatever the values.")
+_PERCENTILE_HINT = ("the values come in any order and the percentile reads them sorted, with p = 0 on the smallest "
+                    "and p = 100 on the largest, moving linearly between neighbours (numpy's default method): a "
+                    "rank that falls between two values is interpolated, not rounded to one of them. No values: "
+                    "nan; p outside [0, 100]: raise ValueError, whatever the values.")
 
 register(Check(check_id="lab10.percentile", task=_TASKS["percentile"], reference=reference(_LATENCY, "percentile"),
                make_inputs=_percentile_cases, drive=_drive_percentile, compare=_compare_percentile,
@@ -496,10 +499,10 @@ def _compare_runs(got, expected, cases):
     return _compare_results("latency_percentiles", got, expected, cases, _describe_run, _run_problem)
 
 
-_RUN_HINT = ("keep the successful requests; per metric, leave out nan values and convert seconds to milliseconds, "
-             "then take your percentile. TTFT, TPOT and E2EL give one value per request; ITL pools every gap of "
-             "every successful request into one list (do not average per request first). Use your functions from "
-             "tasks 1 to 4.")
+_RUN_HINT = ("a run's percentiles are over the successful requests only, in milliseconds, with nan values (no "
+             "chunk, fewer than two tokens) left out; a metric with no values left is nan. ITL pools every gap of "
+             "every successful request, so a stall stays one big gap and long requests weigh more; averaging each "
+             "request's gaps first hides exactly that. Build on your functions from tasks 1 to 4.")
 
 register(Check(check_id="lab10.latency_percentiles", task=_TASKS["latency_percentiles"],
                reference=lambda: reference_latency_percentiles, make_inputs=_run_cases, drive=_drive_runs,
@@ -623,10 +626,11 @@ def _compare_goodput(got, expected, cases):
     return _compare_results("goodput", got, expected, cases, _describe_goodput, _goodput_problem)
 
 
-_GOODPUT_HINT = ("count the requests that succeeded and met every SLO in slo_ms (only the keys present; latency in "
-                 "ms <= limit), then divide by duration_s. A nan TPOT (fewer than two tokens) does not count against "
-                 "a TPOT SLO; a nan TTFT or E2EL fails its SLO; a failed request never counts; no SLO at all: every "
-                 "successful request counts. duration_s <= 0: raise ValueError.")
+_GOODPUT_HINT = ("goodput counts the requests that succeeded and met every SLO present in slo_ms (limits in "
+                 "milliseconds; a latency equal to its limit meets it) per second of the run, not per request. A "
+                 "nan TPOT (fewer than two tokens) meets any TPOT limit, a nan TTFT or E2EL meets none, a failed "
+                 "request never counts, with no SLO every successful request counts, and a duration of zero or less "
+                 "raises ValueError.")
 
 register(Check(check_id="lab10.goodput", task=_TASKS["goodput"], reference=reference(_LATENCY, "goodput"),
                make_inputs=_goodput_cases, drive=_drive_goodput, compare=_compare_goodput, hint=_GOODPUT_HINT))
@@ -749,12 +753,11 @@ def _compare_diagnose(got, expected, cases):
     return _compare_results("diagnose", got, expected, cases, _describe_stats, _diagnose_problem)
 
 
-_DIAGNOSE_HINT = ("apply the rules in this order and return the first that holds: 1 slow_dependency if "
-                  "busy_fraction < 0.9 and p99_ttft_ms - engine_p99_ttft_ms > max(100, engine_p99_ttft_ms); "
-                  "2 kv_pressure if preemptions > 0 and kv_usage_peak >= 0.9; 3 head_of_line if max_step_ms > "
-                  "10 * median_step_ms and max_prefill_tokens >= 1024; 4 overload if busy_fraction >= 0.9 and "
-                  "p99_queue_ms > 10 * median_step_ms; otherwise healthy. Busy versus idle comes first: rules 1 and "
-                  "4 both read busy_fraction.")
+_DIAGNOSE_HINT = ("the answer is the first rule of the lab's table that holds, in the table's order, even when a "
+                  "later one holds as well; each comparison is exactly as the table writes it (strict or not), rule "
+                  "1's floor of 100 ms included. Rules 1 and 4 are the busy-versus-idle split: a long wait outside a "
+                  "busy engine is not a slow dependency, and a queue in front of an idle one is not overload. "
+                  "chapter 11, section “5 · The drill: P99 jumped, find the layer”.")
 
 register(Check(check_id="lab10.diagnose_scenarios", task=_TASKS["diagnose"], reference=lambda: reference_diagnose,
                make_inputs=_scenario_cases, drive=_drive_diagnose, compare=_compare_diagnose, hint=_DIAGNOSE_HINT))

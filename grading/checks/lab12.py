@@ -166,9 +166,12 @@ def _compare_chunks(got, expected, cases) -> Mismatch | None:
     return _cases_mismatch("chunk_text", got, expected, cases, _describe_chunk_case, _chunk_problem)
 
 
-_CHUNK_HINT = ("windows start at 0, step, 2*step, ... with step = size - overlap; each is text[start:start+size] "
-               "cut at len(text); stop after the window that reaches the end (no empty or repeated window after "
-               "it); an empty text gives []; raise ValueError when size < 1, overlap < 0 or overlap >= size.")
+_CHUNK_HINT = ("neighbouring windows share overlap characters, so each starts that many characters before the previous "
+               "one ends, and the last window is the first whose end reaches the end of the text: going on after it "
+               "adds an empty window or one that only repeats the tail of the one before (chapter 12, section “1 · "
+               "The pipeline, stage by stage”). Return (chunk, start, end) tuples in order, each chunk exactly the "
+               "characters between its offsets, [] for an empty text, and raise ValueError when size is below 1, "
+               "overlap is negative or overlap is not smaller than size.")
 
 for _check_id, _make, _extra in [
     ("lab12.chunk_text", _chunk_cases, ""),
@@ -284,9 +287,11 @@ def _compare_search(got, expected, cases) -> Mismatch | None:
     return _cases_mismatch("top_k_cosine", got, expected, cases, _describe_search, _search_problem)
 
 
-_SEARCH_HINT = ("normalise the query (or queries) and every row to unit length (clamp the norm away from 0), "
-                "take the matrix product, then torch.topk with k = min(k, number of rows); return (scores, "
-                "indices), highest first, shaped (q, k) or (k,) for a 1-D query; raise ValueError when k < 1.")
+_SEARCH_HINT = ("similarity is the cosine of the angle between two vectors, so a vector's length must not count: a raw "
+                "dot product lets long rows win whatever their direction, and a zero vector, which has no direction, "
+                "scores 0, never nan (chapter 12, section “Gotchas”: cosine is a dot product only on unit vectors). "
+                "Return (scores, indices) tensors sorted highest first, shaped (q, k), or (k,) for a 1-D query; when "
+                "k exceeds the number of rows every row comes back, and k below 1 raises ValueError.")
 
 for _check_id, _make, _extra in [
     ("lab12.top_k_cosine", _search_cases, ""),
@@ -380,9 +385,12 @@ def _compare_recall(got, expected, cases) -> Mismatch | None:
     return _cases_mismatch("recall_at_k", got, expected, cases, _describe_recall, _recall_problem)
 
 
-_RECALL_HINT = ("for each query, the fraction of its relevant items found among its first k retrieved "
-                "(|relevant & set(retrieved[:k])| / |relevant|), then the mean over queries; raise ValueError "
-                "when k < 1, there are no queries, the two lists differ in length or a relevant set is empty.")
+_RECALL_HINT = ("recall@k is computed per query, as the share of that query's relevant items found among its first k "
+                "results, and only then averaged over the queries: dividing by k gives precision@k, scoring a query 1 "
+                "when any relevant item appears gives the hit rate, and pooling every query's items together weights "
+                "queries with many relevant items more (chapter 12, section “2 · Why embeddings work”). Return a "
+                "float; raise ValueError when k is below 1, there are no queries, the two lists differ in length or "
+                "a relevant set is empty.")
 
 for _check_id, _make, _extra in [
     ("lab12.recall_at_k", _recall_cases, ""),
@@ -480,6 +488,6 @@ def _compare_pipeline(got, expected, case) -> Mismatch | None:
 
 register(Check(check_id="lab12.pipeline", task=_TASKS[4], reference=_reference_functions,
                make_inputs=_pipeline_case, drive=_drive_pipeline, compare=_compare_pipeline,
-               hint="pass the tuple (chunk_text, top_k_cosine, recall_at_k). The pipeline calls "
-                    "chunk_text(document_text, size, overlap) and top_k_cosine(query, matrix, k) with a single "
-                    "1-D query; tasks 1 to 3's checks pinpoint a difference faster."))
+               hint="pass your three functions as one tuple, in task order. The pipeline checks that every chunk is "
+                    "exactly its document's text between its offsets and calls your search with a single 1-D query; "
+                    "tasks 1 to 3's checks pinpoint a difference faster."))

@@ -218,10 +218,12 @@ def _compare_next(got, expected, cases) -> Mismatch | None:
     return None
 
 
-_NEXT_HINT = ("if graph.branches has the node, call its router with the state and, when a mapping is given, "
-              "look the result up in it; otherwise follow graph.edges. The result must be END or a key of "
-              "graph.nodes (raise ValueError naming it otherwise); a node with neither kind of edge is a dead end "
-              "(ValueError).")
+_NEXT_HINT = ("a node has exactly one outgoing edge: a conditional edge's router chooses from the state after the node "
+              "ran, and when the edge has a mapping the router answers with one of its keys, which the mapping turns "
+              "into the next node; a plain edge always leads to the same node (chapter 13, section “2 · The runner "
+              "loop”). The result must be END or a node of the graph: a target that is neither, an answer the "
+              "mapping lacks, and a node with no outgoing edge (a dead end) all raise ValueError naming the bad "
+              "value.")
 register(Check(check_id="lab13.next_node", task=_TASKS[1], reference=lambda: _ref("runner", "next_node"),
                make_inputs=_next_cases, drive=_drive_next, compare=_compare_next, hint=_NEXT_HINT))
 register(Check(check_id="lab13.next_node_errors", task=_TASKS[1], reference=lambda: _ref("runner", "next_node"),
@@ -323,11 +325,12 @@ def _compare_retry(got, expected, cases) -> Mismatch | None:
     return None
 
 
-_RETRY_HINT = ("call fn(state); when it raises an exception that policy.retry_on matches (isinstance with the tuple) "
-               "and attempts remain (policy.max_attempts in all), call sleep(delay) and try again, with delay number "
-               "i (from 0) = min(initial_interval * backoff_factor ** i, max_interval); re-raise a non-matching "
-               "exception at once and the last one when attempts run out; policy None means one attempt. Never call "
-               "time.sleep yourself: use the sleep argument.")
+_RETRY_HINT = ("max_attempts counts every call of fn, the first included, and a wait comes only between two attempts; "
+               "the waits grow geometrically from the first interval (exponential backoff), and each is capped at the "
+               "policy's maximum (chapter 13, section “7 · Retries with exponential backoff, under a flaky tool”). "
+               "Only the exception types the policy names are retried: any other is re-raised at once, the last one "
+               "is re-raised when the attempts run out, and no policy means a single attempt. Wait only through the "
+               "sleep argument, never time.sleep: the checks pass a recorder and compare every delay exactly.")
 register(Check(check_id="lab13.call_with_retry", task=_TASKS[2], reference=lambda: _ref("retry", "call_with_retry"),
                make_inputs=_retry_cases, drive=_drive_retry, compare=_compare_retry, hint=_RETRY_HINT))
 register(Check(check_id="lab13.call_with_retry_more", task=_TASKS[2],
@@ -480,17 +483,20 @@ def _compare_run(got, expected, cases) -> Mismatch | None:
     return None
 
 
-_RUN_HINT = ("start from checkpointer.latest(thread_id) when there is one (its state, its next_node, its step), "
-             "else from a copy of the input state at graph.entry, step 0. While the node is not END: raise "
-             "GraphRecursionError when step >= max_steps; update = call_with_retry(node.fn, dict(state), "
-             "node.retry, sleep=sleep); state = merge_update(state, update, graph.reducers); pick the next node "
-             "with next_node; step += 1; checkpointer.put(thread_id, Checkpoint(step, node, next_node, state)). "
-             "Return the state.")
+_RUN_HINT = ("one step runs one node on a copy of the state under that node's own retry policy (waiting through the "
+             "sleep argument), merges its update through the graph's reducers, chooses the next node from the merged "
+             "state, and only then checkpoints the step count, the node, the next node and the whole state (chapter "
+             "13, section “2 · The runner loop”). A thread that already has a checkpoint continues from it rather "
+             "than from the entry; at most max_steps steps run, and a node still due after that raises "
+             "GraphRecursionError. A node whose retries run out ends the run with its exception; otherwise the final "
+             "state is returned.")
 register(Check(check_id="lab13.run_graph", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_run_cases, drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
-_RESUME_HINT = ("a second call with the same checkpointer and thread_id must continue from "
-                "checkpointer.latest(thread_id): its state, its next_node (the node that crashed runs again) and its "
-                "step count; the input state is ignored. A finished thread (next_node END) returns its state at once.")
+_RESUME_HINT = ("a second call with the same checkpointer and thread_id takes everything from the thread's latest "
+                "checkpoint, not from the input state: its state, its step count and the node it had chosen next, "
+                "which is the node that crashed, so that node runs again and no finished node runs twice (chapter 13, "
+                "section “5 · Crash and resume from an SQLite checkpoint”). A thread whose latest checkpoint leads to "
+                "END has finished and returns its state without running anything.")
 register(Check(check_id="lab13.run_graph_resume", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run, hint=_RESUME_HINT))
 register(Check(check_id="lab13.run_graph_resume_sqlite", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
