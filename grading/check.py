@@ -33,6 +33,7 @@ SHORTCUT = "reference shortcut"
 TAMPERING = "tampering detected"
 PROCESSES = "process limit"
 WRONG = "wrong result"
+TRAFFIC = "excess traffic"  # right values, but more bytes moved than the task needs
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Verdict:
     passed: bool
     what: str = ""
     detail: str = ""
-    kind: str = ""  # "passed", "wrong result", or an Outcome kind
+    kind: str = ""  # "passed", "wrong result", "excess traffic", or an Outcome kind
+    hint: str = ""  # the comparison's hint for the mistake it found; empty: the check's own
 
     def message(self, check: Check, *, hidden: bool) -> str:
         """The feedback text; for hidden checks, without inputs, expected values or error text
@@ -72,7 +74,7 @@ class Verdict:
         if self.detail and not hidden:
             lines.append(f"  {self.detail}")
         # An untouched task gets where to read, not the hint for a wrong answer (that would be a recipe).
-        hint = check.hint if stub is None else not_started_hint(stub, own=stub == check.task)
+        hint = (self.hint or check.hint) if stub is None else not_started_hint(stub, own=stub == check.task)
         lines.append(f"  hint: {hint}")
         return "\n".join(lines)
 
@@ -247,7 +249,8 @@ def judge(check: Check, learner: Outcome, expected: Outcome | None, inputs: Any)
         mismatch = Mismatch(f"your result has the wrong form ({type(exc).__name__}: {exc})")
     if mismatch is None:
         return Verdict(check.check_id, True, kind="passed")
-    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind=WRONG)
+    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind=mismatch.reason or WRONG,
+                   hint=mismatch.hint)
 
 
 def check(check_id: str, implementation: Any) -> None:

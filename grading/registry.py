@@ -21,11 +21,17 @@ class Mismatch:
     """Why a learner's data differs from the reference's.
 
     ``what`` never contains inputs or expected values (it is shown for hidden checks);
-    ``detail`` does (shown only for visible checks and interactively).
+    ``detail`` does (shown only for visible checks and interactively). ``hint``, when given,
+    replaces the check's own hint: the comparison knows which mistake it found (a load past
+    the edge of one argument, excess traffic, values to fix first) and names that idea.
+    ``reason`` replaces "wrong result" as the failure's label where the output was right but
+    something else was not (``TRAFFIC``).
     """
 
     what: str
     detail: str = ""
+    hint: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True)

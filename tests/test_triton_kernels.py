@@ -420,7 +420,8 @@ def test_lab03_names_the_argument_and_side_a_missing_mask_overruns():
 @needs_interpreter
 def test_lab03_counts_the_bytes_an_unfused_softmax_reads():
     verdict = lab03_verdict("lab03.softmax_reads_once", softmax_reading_three_times)
-    assert not verdict.passed and verdict.what == "softmax_kernel loads more bytes than it needs"
+    assert not verdict.passed and verdict.what == "softmax_kernel loads more bytes than it needs (its output is right)"
+    assert verdict.kind == "excess traffic"
     found = re.search(r"counted ([\d,]+) bytes, the budget is ([\d,]+)", verdict.detail)
     counted, budget = (int(n.replace(",", "")) for n in found.groups())
     assert counted == 3 * budget
@@ -429,3 +430,102 @@ def test_lab03_counts_the_bytes_an_unfused_softmax_reads():
 def test_lab03_stub_fails_with_its_task_name():
     verdict = lab03_verdict("lab03.softmax_odd_shapes", softmax_stub)
     assert verdict.kind == "error" and "NotImplementedError: lab03 task 1: softmax_kernel" in verdict.what
+
+
+# --- typical mistakes in lab 03: each fails its own checks, with the hint written for it ------------
+
+@triton.jit
+def softmax_without_max(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=inside, other=-float("inf"))
+    e = tl.exp(x)  # no shift by the row's max: fine for small logits, inf for large ones
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=inside)
+
+
+@triton.jit
+def matmul_unmasked_store(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                          stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc)  # the edge tiles overrun C
+
+
+@triton.jit
+def matmul_unmasked_last_k(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                           stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks  # the last step along K hangs over A's rows and B's columns: no mask on k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=rows[:, None] < M, other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=cols[None, :] < N, other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def matmul_reading_rows_past_m(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks  # A is masked along K only: rows past M are read, and only feed rows of C never stored
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def test_lab03_a_softmax_without_the_max_passes_plain_logits_and_fails_extreme_ones_with_the_overflow_hint():
+    from grading.checks.lab03 import _SOFTMAX_NAN_HINT
+
+    assert lab03_verdict("lab03.softmax_odd_shapes", softmax_without_max).passed
+    verdict = lab03_verdict("lab03.softmax_extreme_values", softmax_without_max)
+    assert not verdict.passed and verdict.kind == "wrong result"
+    assert "NaN or inf where the result is finite" in verdict.what and verdict.hint == _SOFTMAX_NAN_HINT
+
+
+def test_lab03_an_unmasked_store_is_named_with_the_store_hint_for_c():
+    verdict = lab03_verdict("lab03.matmul_in_bounds", matmul_unmasked_store)
+    assert not verdict.passed and verdict.what.startswith("matmul_kernel stored") and "`c_ptr`" in verdict.what
+    assert verdict.hint.startswith("a store reached lanes outside `c_ptr`")
+
+
+def test_lab03_an_unmasked_last_k_step_is_named_as_a_load_of_a_or_b():
+    verdict = lab03_verdict("lab03.matmul_odd_shapes", matmul_unmasked_last_k)
+    assert not verdict.passed and verdict.what.startswith("matmul_kernel loaded")
+    argument = re.search(r"`(\w+)`", verdict.what).group(1)
+    assert argument in ("a_ptr", "b_ptr") and verdict.hint.startswith(f"a load reached lanes outside `{argument}`")
+
+
+@needs_interpreter
+def test_lab03_reading_rows_of_a_past_m_is_excess_traffic_not_a_wrong_result():
+    """Its output is right (the rows it reads past M only feed rows of C it never stores), so only
+    the traffic check fails, labelled as traffic, with the check's own hint about masking A's rows."""
+    from grading.registry import get_check
+
+    for check_id in ("lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_in_bounds"):
+        assert lab03_verdict(check_id, matmul_reading_rows_past_m).passed, check_id
+    verdict = lab03_verdict("lab03.matmul_traffic", matmul_reading_rows_past_m)
+    assert not verdict.passed and verdict.kind == "excess traffic"
+    assert verdict.what == "matmul_kernel loads more bytes than it needs (its output is right)"
+    message = verdict.message(get_check("lab03.matmul_traffic"), hidden=True)
+    assert "(excess traffic)" in message and "rows of A past M" in message

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 
+from grading.check import TRAFFIC
 from grading.checks.common import array_mismatch, reference
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
@@ -98,40 +99,55 @@ def _outside(violation: dict) -> str:
     return f"{action} {_SIDES[violation['side']]} `{violation['argument']}`"
 
 
+_MASK_SECTION = "chapter 03, section “6 · Catching a missing mask”"
+
+
+def _mask_hint(violation: dict) -> str:
+    """The hint for an access outside a tensor: which argument, and loads and stores told apart."""
+    argument = f"`{violation['argument']}`" if violation["side"] in _SIDES else "a tensor"
+    if violation["kind"] == "store":
+        return (f"a store reached lanes outside {argument}: where a tile or a row hangs over the edge, the store "
+                f"must be switched off for the lanes past it ({_MASK_SECTION}).")
+    return (f"a load reached lanes outside {argument} (past an edge, or into the gaps between strided rows): those "
+            f"lanes must not be read, and the value they get instead must leave the result unchanged "
+            f"({_MASK_SECTION}).")
+
+
 def _bounds_problem(name: str, violations: list, where: str) -> Mismatch | None:
     if not violations:
         return None
     what = f"{name} {_outside(violations[0])}" + (" (and the values reached the output)"
                                                   if violations[0]["kind"] == "load" else "")
     details = "; ".join(f"{_outside(v)}: {v['elements']} element(s)" for v in violations)
-    return Mismatch(what, f"on {where}: {details}")
+    return Mismatch(what, f"on {where}: {details}", hint=_mask_hint(violations[0]))
 
 
-def _values_problem(name: str, g: dict, e: dict, where: str, atol: float) -> Mismatch | None:
+def _values_problem(name: str, g: dict, e: dict, where: str, atol: float, nan_hint: str) -> Mismatch | None:
     import numpy as np
 
     loads = [v for v in g["violations"] if v["kind"] == "load"]
     if loads:  # out-of-range values reached the output: that is the error to fix first
         return Mismatch(f"{name} {_outside(loads[0])}, and those values reached its output",
                         f"on {where}: " + "; ".join(f"{_outside(v)}: {v['elements']} output element(s) affected"
-                                                    for v in loads))
+                                                    for v in loads), hint=_mask_hint(loads[0]))
     note = f" (it also {_outside(g['violations'][0])})" if g["violations"] else ""
     got, expected = np.asarray(g["out"], dtype=np.float64), np.asarray(e["out"], dtype=np.float64)
     if got.shape == expected.shape and (np.isfinite(expected) & ~np.isfinite(got)).any():
         bad = int((np.isfinite(expected) & ~np.isfinite(got)).sum())
         return Mismatch(f"{name} returned NaN or inf where the result is finite{note}",
-                        f"on {where}: {bad} of {got.size} elements")
+                        f"on {where}: {bad} of {got.size} elements", hint=nan_hint)
     return array_mismatch(g["out"], e["out"], f"{name}'s output differs from the reference{note}", where,
                           atol=atol, rtol=max(atol, 1e-4))
 
 
-def _compare_values(name: str, describe, atol: float, gpu_atol: float):
+def _compare_values(name: str, describe, atol: float, gpu_atol: float, nan_hint: str = ""):
     """``gpu_atol`` applies when either side ran compiled: GPU maths differs in the last bits, and
-    tl.dot rounds float32 inputs to tf32 there."""
+    tl.dot rounds float32 inputs to tf32 there. ``nan_hint`` is the hint for NaN or inf where the
+    result is finite (empty: the check's own)."""
     def compare(got, expected, cases):
         for case, g, e in zip(cases, got, expected):
             tolerance = atol if g["interpreted"] is True and e["interpreted"] is True else gpu_atol
-            problem = _values_problem(name, g, e, describe(case), tolerance)
+            problem = _values_problem(name, g, e, describe(case), tolerance, nan_hint)
             if problem:
                 return problem
         return None
@@ -150,11 +166,18 @@ def _compare_bounds(name: str, describe):
     return compare
 
 
-def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float):
-    values, bounds = _compare_values(name, describe, atol, gpu_atol), _compare_bounds(name, describe)
+_VALUES_FIRST = ("this check counts bytes only once the output is right, and here it is not: fix the values "
+                 "first (the value checks name the first difference), then come back to the traffic.")
+
+
+def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float, nan_hint: str = ""):
+    values, bounds = _compare_values(name, describe, atol, gpu_atol, nan_hint), _compare_bounds(name, describe)
 
     def compare(got, expected, cases):
-        problem = values(got, expected, cases) or bounds(got, expected, cases)
+        problem = values(got, expected, cases)
+        if problem:  # a mask or a NaN keeps its own hint; any other difference: values before bytes
+            return problem if problem.hint else Mismatch(problem.what, problem.detail, hint=_VALUES_FIRST)
+        problem = bounds(got, expected, cases)
         if problem:
             return problem
         for case, g, e in zip(cases, got, expected):
@@ -163,9 +186,9 @@ def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: fl
                                 "start Jupyter with TRITON_INTERPRET=1 to count bytes in the interpreter")
             for key, verb in (("bytes_loaded", "loads"), ("bytes_stored", "stores")):
                 if g[key] > e[key]:
-                    return Mismatch(f"{name} {verb} more bytes than it needs",
+                    return Mismatch(f"{name} {verb} more bytes than it needs (its output is right)",
                                     f"on {describe(case)}: counted {g[key]:,} bytes, the budget is {e[key]:,} "
-                                    f"({budget})")
+                                    f"({budget})", reason=TRAFFIC)
         return None
 
     return compare
@@ -267,16 +290,21 @@ _SOFTMAX_HINT = ("one program owns one row, and each row starts one row stride a
                  "one column, widths that are not a power of two, strided rows (chapter 03, section “4 · Fused "
                  "softmax: the same maths, half the bytes”).")
 
+_SOFTMAX_NAN_HINT = ("a NaN or inf where every probability is finite comes from the exponential: without each row "
+                     "shifted by its own maximum first, exp overflows float32 above about 88 and inf / inf is NaN; "
+                     "a padded lane that loads a value which changes the row's max or sum spoils the row the same "
+                     "way (chapter 03, section “4 · Fused softmax: the same maths, half the bytes”).")
+
 register(Check(
     check_id="lab03.softmax_odd_shapes", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_shapes, drive=_driver("softmax_kernel", _softmax_setup),
-    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5), hint=_SOFTMAX_HINT,
+    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT), hint=_SOFTMAX_HINT,
 ))
 
 register(Check(
     check_id="lab03.softmax_extreme_values", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_extremes, drive=_driver("softmax_kernel", _softmax_setup),
-    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5),
+    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT),
     hint="exp overflows float32 for any logit above about 88 (and inf / inf is NaN), so each row must be shifted by "
     "its own true maximum before the exponential; a padded lane must never become that maximum. -inf logits must "
     "come out as probability 0, even in a row where only one logit is finite. Cases: logits of scale 1e4, every "
@@ -297,7 +325,8 @@ register(Check(
     check_id="lab03.softmax_reads_once", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_traffic_cases, drive=_driver("softmax_kernel", _softmax_setup, count_traffic=True),
     compare=_compare_traffic("softmax_kernel", _describe_softmax,
-                             "each element of x read once, each element of out written once", 1e-6, 1e-5),
+                             "each element of x read once, each element of out written once", 1e-6, 1e-5,
+                             _SOFTMAX_NAN_HINT),
     hint="the fused kernel's promise is one trip to memory per element: once loaded, the row stays in registers "
     "until the result is stored, and nothing in between is written out or read again. Lanes past n_cols count as "
     "traffic too unless masked off. Budget: each element of x read once, each element of out written once "

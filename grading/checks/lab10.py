@@ -755,8 +755,9 @@ def _compare_diagnose(got, expected, cases):
 
 _DIAGNOSE_HINT = ("the answer is the first rule of the lab's table that holds, in the table's order, even when a "
                   "later one holds as well; each comparison is exactly as the table writes it (strict or not), rule "
-                  "1's floor of 100 ms included. Rules 1 and 4 are the busy-versus-idle split: a long wait outside a "
-                  "busy engine is not a slow dependency, and a queue in front of an idle one is not overload. "
+                  "1's floor of 100 ms included. Busy versus idle comes first: rules 1 and 4 both read how busy the "
+                  "engine was, since a long wait outside a busy engine is not a slow dependency, and a queue in "
+                  "front of an idle one is not overload. "
                   "chapter 11, section “5 · The drill: P99 jumped, find the layer”.")
 
 register(Check(check_id="lab10.diagnose_scenarios", task=_TASKS["diagnose"], reference=lambda: reference_diagnose,

@@ -157,9 +157,13 @@ def _chunk_problem(got: list, expected: list, case: dict, where: str) -> Mismatc
     if len(spans) > len(want):
         return Mismatch("too many chunks",
                         f"on {where}: expected {len(want)} chunks ending with {want[-1:]}, got {len(spans)}; "
-                        f"the extra ones start at {[s for s, _ in spans[len(want):]][:4]}")
+                        f"the extra ones start at {[s for s, _ in spans[len(want):]][:4]}",
+                        hint="stop after the window that reaches the end of the text: a window starting after it "
+                             "adds only a repeat of the tail, or nothing at all.")
     return Mismatch("too few chunks",
-                    f"on {where}: expected {len(want)} chunks, got {len(spans)}; missing {want[len(spans):][:4]}")
+                    f"on {where}: expected {len(want)} chunks, got {len(spans)}; missing {want[len(spans):][:4]}",
+                    hint="every character belongs to some window: the windows go on until one reaches the end of "
+                         "the text, even when that last window is shorter than size.")
 
 
 def _compare_chunks(got, expected, cases) -> Mismatch | None:
