@@ -109,8 +109,9 @@ def _failures(folder: Path) -> list[str]:
     return [t["output"] for t in results["tests"] if t["status"] != "passed"]
 
 
-def _nbgrader_scores(names: list[str], course: Path) -> dict[str, float | str]:
-    """Autograde the named corpus entries with nbgrader, as an instructor would."""
+def _nbgrader_scores(names: list[str], course: Path) -> tuple[dict[str, float | str], str]:
+    """Autograde the named corpus entries with nbgrader, as an instructor would; the scores, and
+    nbgrader's log of errors (to say why a score differs)."""
     import os
     import re
     import subprocess
@@ -145,16 +146,17 @@ def _nbgrader_scores(names: list[str], course: Path) -> dict[str, float | str]:
                 scores[name] = "error" if name in failed else gradebook.find_submission("lab01_gemm", name).score
             except MissingEntry:
                 scores[name] = "error"
-    return scores
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or "Error" in line]
+    return scores, "\n".join(errors[-40:])
 
 
 @pytest.mark.parametrize("half", [0, 1])
 def test_nbgrader_on_the_corpus_gives_the_documented_scores(half, tmp_path):
     """The comparison the README shows instructors, measured: where nbgrader can be fooled or fails."""
     names = [case["name"] for case in EXPECTED][half::2]
-    scores = _nbgrader_scores(names, tmp_path / "course")
+    scores, errors = _nbgrader_scores(names, tmp_path / "course")
     documented = {case["name"]: case["nbgrader"] for case in EXPECTED if case["name"] in names}
-    assert scores == documented
+    assert scores == documented, f"nbgrader's errors:\n{errors}"
 
 
 def test_readme_table_matches_the_corpus():

@@ -136,10 +136,10 @@ entry("infinite_loop", "task 3 never returns",
       _lab(with_answers(task3_dominant_op="def dominant_op(prof):\n    while True:\n        pass\n")),
       7, {T3: "time-out"})
 
-entry("memory_bomb", "task 2 fills 6 GiB of memory in 512 MiB pieces",
+entry("memory_bomb", "task 2 fills 4 GiB of memory in 512 MiB pieces",
       _lab(with_answers(task2_time_op=(
           "def time_op(fn, *, warmup=3, iters=10, sync=None):\n"
-          "    hoard = [b'x' * (512 << 20) for _ in range(12)]\n"
+          "    hoard = [b'x' * (512 << 20) for _ in range(8)]\n"
           "    return float(len(hoard))\n"))),
       7, {T2: "memory limit"})
 
