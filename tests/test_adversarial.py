@@ -159,6 +159,22 @@ def test_nbgrader_on_the_corpus_gives_the_documented_scores(half, tmp_path):
     assert scores == documented, f"nbgrader's errors:\n{errors}"
 
 
+def test_corpus_is_what_make_corpus_builds_from_the_current_lab(tmp_path):
+    """The corpus follows the released lab: rebuilt from labs/ today, every file is the same."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_corpus", CORPUS / "make_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(tmp_path)
+    built = sorted(p.name for p in tmp_path.iterdir())
+    committed = sorted(p.name for p in CORPUS.iterdir() if p.name.endswith((".ipynb", ".broken", ".json")))
+    assert built == committed
+    stale = [name for name in built if (tmp_path / name).read_bytes() != (CORPUS / name).read_bytes()]
+    assert not stale, (f"{stale} differ from what tests/adversarial/make_corpus.py builds from the current lab; "
+                       "rerun it (.venv/bin/python tests/adversarial/make_corpus.py) and check the scores")
+
+
 def test_readme_table_matches_the_corpus():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for case in EXPECTED:
