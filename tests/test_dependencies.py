@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import tomllib
+from pathlib import Path
 
 from conftest import REPO
 
@@ -87,3 +88,20 @@ def test_makefile_installs_with_the_constraints_and_reinstalls_when_they_change(
     installs = [line for line in makefile.splitlines() if line.startswith("\t$(PIP)")]
     assert installs and all("--constraint" in re.search(r"^PIP :=(.*)$", makefile, re.M).group(1) for _ in installs)
     assert any('-e ".[test]"' in line for line in installs)
+
+
+def test_the_environment_holds_bytecode_for_what_the_course_imports():
+    """`make` installs with --no-compile and then runs grading.precompile: without its bytecode,
+    torch alone would be compiled again by every process that imports it (seconds each)."""
+    import importlib.util
+
+    import papermill
+    import torch
+
+    from grading import precompile
+
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    assert "-m grading.precompile" in makefile
+    for module in (torch, torch.nn.functional, papermill):
+        assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), f"no bytecode for {module.__name__}"
+    assert "torch" in precompile.TORCH_SIDE and "papermill" in precompile.TOOL_SIDE
