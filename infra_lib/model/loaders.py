@@ -144,18 +144,24 @@ def config_from_gguf(fields: dict) -> LlamaConfig:
     )
 
 
-def read_gguf(path: str | Path, progress: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
-    """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file."""
+def _open_gguf(path: Path):
+    """The gguf package's reader on ``path``; FileNotFoundError or ValueError in words otherwise."""
     import gguf
-    from gguf.quants import dequantize
 
-    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
+
+
+def read_gguf(path: str | Path, progress: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file."""
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = _open_gguf(path)
     fields = gguf_fields(reader)
     config = config_from_gguf(fields)  # refuses a non-llama file before any dequantising
     tensors = reader.tensors
@@ -241,6 +247,30 @@ def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> L
     return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
 
 
+def stored_blocks(path: str | Path, kind: str = "Q4_1",
+                  cache: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """How a GGUF file stores each tensor, and its ``kind`` tensors exactly as stored.
+
+    Returns ``({GGUF tensor name: storage type name}, {GGUF tensor name: uint8 rows of blocks})``
+    for the tensors of type ``kind`` (for example ``"Q4_1"``). Parsing the file takes seconds (its
+    tokenizer alone is 100,000 strings); the result is kept in the cache folder beside the
+    dequantised weights, so the next process reads it back at once.
+    """
+    path = Path(path)
+    entry = _cache_entry(path, f"blocks{kind}") if cache else None
+    cached = _read_cache(entry) if entry else None
+    if cached is not None:
+        types, blocks = cached
+        return types, {name: rows for name, rows in blocks.items() if name != "_"}
+    reader = _open_gguf(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    blocks = {t.name: torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+              for t in reader.tensors if t.tensor_type.name == kind}
+    if entry:
+        _write_cache(entry, types, blocks)
+    return types, blocks
+
+
 # --- the dequantised-weights cache ----------------------------------------------------------------
 
 CACHE_ENV = "INFRA_LIB_CACHE"  # the same root as the RAG embeddings' cache
@@ -254,7 +284,7 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def _cache_entry(path: Path) -> Path | None:
+def _cache_entry(path: Path, kind: str = "fp32") -> Path | None:
     """The folder for this exact file: its resolved path, size and modification time name it,
     so an edited or replaced file never reads stale weights."""
     try:
@@ -262,7 +292,7 @@ def _cache_entry(path: Path) -> Path | None:
     except OSError:
         return None  # read_gguf says what is wrong with the path
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_FORMAT}"
-    return cache_dir() / f"{path.stem}-fp32-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cache_dir() / f"{path.stem}-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _read_cache(entry: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -290,7 +320,8 @@ def _write_cache(entry: Path, fields: dict, state: dict[str, torch.Tensor]) -> N
         entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
         (scratch / "fields.json").write_text(json.dumps(fields), encoding="utf-8")
-        save_file({k: v.contiguous() for k, v in state.items()}, str(scratch / "weights.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()} or {"_": torch.zeros(0)},
+                  str(scratch / "weights.safetensors"))
         if entry.exists():  # a corrupt entry (a complete one would have been read)
             shutil.rmtree(entry, ignore_errors=True)
         os.rename(scratch, entry)

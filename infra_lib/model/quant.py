@@ -193,19 +193,15 @@ def quantize_model(model, bits: int = 8, group_size: int = 64):
 def load_gguf_q4_1(path=None):
     """The course's GGUF model with its Q4_1 linear weights kept as stored (``Q4_1Linear``), the rest
     (embeddings, norms) as the fp32 loader makes them. Returns a ``LoadedModel``."""
-    import gguf
-
-    from infra_lib.model.loaders import default_gguf_path, gguf_tensor_name, load_gguf, unpermute_rope_rows
+    from infra_lib.model.loaders import (default_gguf_path, gguf_tensor_name, load_gguf, stored_blocks,
+                                         unpermute_rope_rows)
 
     path = path or default_gguf_path()
     loaded = load_gguf(path)
     model, config = loaded.model, loaded.model.config
-    reader = gguf.GGUFReader(str(path))
-    for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            continue
-        name = gguf_tensor_name(t.name).removesuffix(".weight")
-        module = Q4_1Linear.from_gguf_rows(torch.from_numpy(t.data.copy()))
+    for gguf_name, rows in stored_blocks(path, "Q4_1")[1].items():
+        name = gguf_tensor_name(gguf_name).removesuffix(".weight")
+        module = Q4_1Linear.from_gguf_rows(rows)
         if name.endswith("self_attn.q_proj"):
             module.permute_rows(lambda w: unpermute_rope_rows(w, config.n_heads))
         elif name.endswith("self_attn.k_proj"):

@@ -1,0 +1,333 @@
+"""Warm kernels: graded kernels forked from a template process that has already imported torch.
+
+A fresh kernel that imports torch costs about 3 s of CPU before the learner's first line runs
+(2.3 s of it torch's own import), for every graded notebook. A grading process (``infra-lab
+grade``, a batch worker, a test worker) therefore keeps one *template*: a child process that
+imports ipykernel, IPython, numpy and torch once, runs nothing else, and forks a kernel for each
+notebook it is asked for. The forked kernel
+
+* applies the same sandbox as :mod:`grading.sandbox` (address space, file size, no network)
+  and writes the same status file, with its pid;
+* starts in a session of its own, in the notebook's folder, with the environment the kernel
+  manager gave it, its random generators reseeded, stdin closed;
+* runs ipykernel in place of the command ``grading.sandbox`` would have executed.
+
+Every kernel starts from the template's pristine state: the template never runs learner code,
+and a fork shares nothing writable with its parent or its siblings. The kernel is the
+template's child, not the runner's; the runner finds it through the status file to count and
+kill its processes (:func:`grading.runner.execute`).
+
+The kernel manager reaches the template through :class:`WarmProvisioner`, the provisioner the
+sandboxed kernelspec names: it sends the kernel command it would have run, its cwd and its
+environment, with a token, over the template's Unix socket (``INFRA_LAB_WARM_SOCKET`` and
+``INFRA_LAB_WARM_TOKEN`` in the runner's environment, never the kernel's). Without a template
+(another OS, ``INFRA_LAB_COLD_KERNELS=1``, or a template that failed to start) the kernel
+starts the usual way, through ``grading.sandbox``.
+
+Until the kernel runs in namespaces of its own, a kernel of the same user can read other
+processes' environments; the token keeps out other users, not a hostile kernel of the same
+user, which could ask the template for another kernel under limits of its choosing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hmac
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SOCKET_ENV = "INFRA_LAB_WARM_SOCKET"
+TOKEN_ENV = "INFRA_LAB_WARM_TOKEN"
+COLD_ENV = "INFRA_LAB_COLD_KERNELS"
+PROVISIONER = "infra-lab-warm"
+# What a graded notebook imports before its first answer: imported once, by the template.
+PRELOAD = ["numpy", "torch", "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets",
+           "grading.check", "grading.progress_panel"]
+_READY_S = 60.0  # how long a runner waits for a template that is still importing
+_MAX_REQUEST = 1 << 20
+
+
+# --- the grading process's side: one template per process -----------------------------------------
+
+class Template:
+    """The template process of this grading process, started on first use."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="infra-lab-warm-"))  # 0700: this user only
+        self.socket_path = self.folder / "template.sock"
+        self.token = secrets.token_hex(16)
+        env = {**os.environ, TOKEN_ENV: self.token}
+        env.pop(SOCKET_ENV, None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "grading.warm", str(self.socket_path)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def env(self) -> dict[str, str]:
+        """What a runner needs to reach the template."""
+        return {SOCKET_ENV: str(self.socket_path), TOKEN_ENV: self.token}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        """Stop the template (its stdin closes, it exits); kernels it forked exit with their runners."""
+        try:
+            if self.process.stdin:
+                self.process.stdin.close()
+            self.process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_template: Template | None = None
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether graded kernels are forked from a template here (POSIX with fork, and not turned off)."""
+    return (hasattr(os, "fork") and hasattr(socket, "AF_UNIX") and sys.platform != "win32"
+            and os.environ.get(COLD_ENV, "") not in ("1", "true", "yes"))
+
+
+def provisioner_installed() -> bool:
+    """Whether jupyter_client can find :class:`WarmProvisioner` (the package's entry point)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PROVISIONER for ep in entry_points(group="jupyter_client.kernel_provisioners"))
+
+
+def template() -> Template | None:
+    """This process's template, started on first use; None where kernels start cold."""
+    global _template
+    if not enabled() or not provisioner_installed():
+        return None
+    with _lock:
+        if _template is None or not _template.alive():
+            try:
+                _template = Template()
+            except OSError:
+                _template = None
+                return None
+            atexit.register(_template.close)
+        return _template
+
+
+# --- the runner's side: the kernel provisioner -----------------------------------------------------
+
+def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
+    """Ask the template for a kernel; its pid, or None when no template answers."""
+    path, token = os.environ.get(SOCKET_ENV), os.environ.get(TOKEN_ENV)
+    if not path or not token:
+        return None
+    deadline = time.monotonic() + _READY_S
+    while not os.path.exists(path):  # the template may still be importing torch
+        if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(path)):
+            return None
+        time.sleep(0.05)
+    kernel_env = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV)}
+    message = json.dumps({"token": token, "cmd": cmd, "cwd": cwd, "env": kernel_env}).encode() + b"\n"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(30)
+            client.connect(path)
+            client.sendall(message)
+            answer = client.makefile("rb").readline(_MAX_REQUEST)
+    except OSError:
+        return None
+    try:
+        return int(json.loads(answer)["pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class _Forked:
+    """A Popen-like handle on a kernel forked by the template (not this process's child)."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.pid = pid
+        self.returncode = None
+        try:
+            self._proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            self._proc, self.returncode = None, -1
+
+    def poll(self) -> int | None:
+        import psutil
+
+        if self.returncode is None:
+            try:
+                if self._proc.status() == psutil.STATUS_ZOMBIE:
+                    self.returncode = -1
+            except psutil.NoSuchProcess:
+                self.returncode = -1  # the template reaps its children; the exit code is gone with them
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+try:
+    from jupyter_client.provisioning import LocalProvisioner
+except ImportError:  # jupyter_client is a dependency; this keeps the module importable without it
+    LocalProvisioner = object
+
+
+class WarmProvisioner(LocalProvisioner):
+    """jupyter_client's local provisioner, with the kernel forked by the template when one answers."""
+
+    async def launch_kernel(self, cmd: list[str], **kwargs):
+        env = dict(kwargs.get("env") or os.environ)
+        cwd = str(kwargs.get("cwd") or os.getcwd())
+        pid = _request(cmd, cwd, env)
+        if pid is None:
+            if "env" in kwargs:
+                kwargs["env"] = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV)}
+            return await super().launch_kernel(cmd, **kwargs)
+        self.process = _Forked(pid)
+        self.pid, self.pgid, self.cwd = pid, pid, cwd  # the kernel leads a session of its own
+        return self.connection_info
+
+
+# --- the template process ---------------------------------------------------------------------------
+
+def _kernel_command(cmd: list[str]) -> tuple[dict, list[str]]:
+    """Split the sandboxed kernelspec's command into the sandbox's options and ipykernel's arguments."""
+    from grading.sandbox import parse_launcher
+
+    args = parse_launcher(cmd[cmd.index("grading.sandbox") + 1:])
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if "ipykernel_launcher" not in command:
+        raise ValueError(f"not an ipykernel command: {command}")
+    return vars(args), command[command.index("ipykernel_launcher") + 1:]
+
+
+def _run_kernel(request: dict) -> None:
+    """In the forked child: become the sandboxed kernel. Never returns."""
+    code = 1
+    try:
+        options, kernel_args = _kernel_command(request["cmd"])
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the learner's subprocesses report their exit codes
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        status_file = Path(options["status"])
+        log = os.open(status_file.with_name("kernel.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from grading.sandbox import apply_limits
+
+        status = apply_limits(options["memory_mb"], options["file_size_mb"], options["no_network"])
+        status["pid"] = os.getpid()
+        status["kernel"] = "forked from the grader's template (torch already imported)"
+        status_file.write_text(json.dumps(status), encoding="utf-8")
+        _reseed()
+        sys.argv = ["ipykernel_launcher", *kernel_args]
+        from ipykernel.kernelapp import IPKernelApp
+
+        IPKernelApp.launch_instance(argv=kernel_args)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0
+    except BaseException:  # noqa: BLE001 - say why in the kernel's log, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _reseed() -> None:
+    """Fresh random state in each kernel, as a freshly started one has (torch's default seed is fixed
+    at startup, so it stays as it is)."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+def _serve(socket_path: str) -> int:
+    import importlib
+    import select
+
+    token = os.environ.pop(TOKEN_ENV, "")
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the kernel imports it (or fails) itself
+            pass
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forked kernels are reaped by the system
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    scratch = socket_path + ".tmp"
+    server.bind(scratch)
+    server.listen(16)
+    os.rename(scratch, socket_path)  # the socket appears only once it accepts connections
+    try:
+        while True:
+            ready, _, _ = select.select([server, sys.stdin], [], [])
+            if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
+                return 0  # the grading process closed our stdin, or died
+            if server not in ready:
+                continue
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(10)
+                try:
+                    request = json.loads(conn.makefile("rb").readline(_MAX_REQUEST))
+                    if not hmac.compare_digest(str(request.get("token", "")), token):
+                        continue
+                    _kernel_command(request["cmd"])  # refuse a malformed command here, not in the child
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    server.close()
+                    conn.close()
+                    token = ""
+                    _run_kernel(request)
+                try:
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                except OSError:
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1]))
