@@ -266,3 +266,59 @@ def test_lab08_worked_example_cuts_to_the_budget_before_asking_for_blocks():
             assert [(s.seq_id, s.num_tokens) for s in out.scheduled] == [(0, 10)] and out.num_free_blocks == 0
         else:
             assert out.admitted == [] and out.scheduled == [] and out.num_free_blocks == 3
+
+
+def _schedule_preempting_the_oldest(self):
+    """A typical lab 08 mistake: room is made by preempting the *oldest* running sequence, which
+    this step may already have scheduled."""
+
+    def make_room(seq, num_tokens, out):
+        while not self.can_reserve(seq, num_tokens):
+            victim = self.running[0]
+            self.preempt(victim)
+            out.preempted.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    self.make_room = make_room
+    return Scheduler.schedule(self)
+
+
+def test_a_plan_that_schedules_a_preempted_sequence_is_refused_before_it_runs():
+    from infra_lib.serving import LLMEngine, SimulatedRunner, StepCostModel, random_workload, replay
+
+    class Oldest(Scheduler):
+        schedule = _schedule_preempting_the_oldest
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=10)
+    engine = LLMEngine(SimulatedRunner(StepCostModel(1e-3, 1e-4, 1e-4, 1e-6)), config, scheduler=Oldest(config))
+    with pytest.raises(RuntimeError, match=r"scheduled seq \[\d+\] and preempted it in the same step"):
+        replay(engine, random_workload(6, 0, rate=float("inf"), prompt_len=(6, 10), output_len=(10, 20)),
+               max_steps=500)
+    scheduler = Oldest(config)  # the scheduler's own check says the same of such a plan
+    for i in range(6):
+        scheduler.add(Sequence(i, list(range(1, 9)), block_size=4, arrival_index=i))
+    with pytest.raises(AssertionError, match="and preempted it in the same step"):
+        for _ in range(50):
+            out = scheduler.schedule()
+            scheduler.check_output(out)
+            scheduler.commit(out)
+            for s in out.scheduled:
+                if s.samples:
+                    scheduler._find(s.seq_id).append_token(1)
+
+
+def test_lab08_shows_the_first_plan_difference_with_the_invariant_that_broke():
+    import random
+
+    from grading.checks import lab08
+
+    runs = lab08._preemption_runs(random.Random(0))
+    got = lab08._drive_workloads(_schedule_preempting_the_oldest, runs)
+    expected = lab08._drive_workloads(Scheduler.schedule, runs)
+    assert any(r["violation"] and "preempted it in the same step" in r["violation"] for r in got), got
+    mismatch = lab08._compare_workloads(got, expected, runs)
+    assert mismatch is not None and mismatch.what.startswith("which running sequences are preempted")
+    assert "and then the run stopped" in mismatch.detail and "preempted it in the same step" in mismatch.detail
+    assert "IndexError" not in mismatch.detail

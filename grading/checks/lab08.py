@@ -77,9 +77,10 @@ def _describe_config(c: dict) -> str:
             f"block_size={c['block_size']}, num_blocks={c['num_blocks']}{flags})")
 
 
-def _record(engine) -> dict:
-    """One step as plain data: the plan (``SchedulerOutput.as_dict``) and the queues after the step."""
-    step = engine.steps[-1].output.as_dict()
+def _record(engine, output=None) -> dict:
+    """One step as plain data: the plan (``SchedulerOutput.as_dict``; the last step's, or ``output``,
+    a plan the engine refused) and the queues after the step."""
+    step = (output if output is not None else engine.steps[-1].output).as_dict()
     step["running"] = [s.seq_id for s in engine.scheduler.running]
     step["waiting"] = [s.seq_id for s in engine.scheduler.waiting]
     return step
@@ -99,6 +100,14 @@ def _watch_steps(engine, steps: list):
     return after
 
 
+def _record_refused(engine, exc: RuntimeError, steps: list) -> None:
+    """A plan the engine refused to run is still a step the scheduler planned: recorded, so that it is
+    compared with the reference's like any other."""
+    plan = getattr(exc, "output", None)
+    if plan is not None:
+        steps.append(_record(engine, plan))
+
+
 def _engine_stopped(exc: RuntimeError, too_long: str) -> str:
     """The engine's own complaints about a plan, as a violation; anything else is re-raised."""
     text = str(exc)
@@ -106,6 +115,8 @@ def _engine_stopped(exc: RuntimeError, too_long: str) -> str:
         return too_long
     if "the scheduler made no progress" in text:
         return f"{text.split(':', 1)[0]}: the plan is empty although sequences are unfinished"
+    if "and preempted it in the same step" in text:
+        return text.split(": the scheduler gave", 1)[0]  # the engine refused the plan before running it
     raise exc
 
 
@@ -137,6 +148,7 @@ def _drive_workloads(schedule, runs):
         except _Violation as exc:
             result["violation"] = str(exc)
         except RuntimeError as exc:
+            _record_refused(engine, exc, steps)
             result["violation"] = _engine_stopped(exc, f"not every request finished within {run['max_steps']} steps "
                                                        "(starvation, or a scheduler that makes no progress)")
         results.append(result)
@@ -190,12 +202,14 @@ def _compare_steps(got: list, expected: list, where: str) -> Mismatch | None:
 
 
 def _violation(g: dict, e: dict, where: str) -> Mismatch:
-    """A run stopped by a broken invariant: the first step that differed before it, if any, is named
-    first (it is usually the cause); otherwise the violation itself."""
+    """A run stopped by a broken invariant: the first step that differed from the reference's, if any
+    (the step that broke it included), is shown with the invariant (the difference is usually the cause);
+    otherwise the violation alone."""
     k = len(g["steps"])
-    earlier = _compare_steps(g["steps"][:k - 1], e["steps"][:k - 1], where) if k > 1 else None
-    if earlier is not None and "different number of steps" not in earlier.what:
-        return earlier
+    first = _compare_steps(g["steps"], e["steps"][:k], where) if k else None
+    if first is not None and "different number of steps" not in first.what:
+        return Mismatch(first.what, f"{first.detail}\n  and then the run stopped: {g['violation']}",
+                        hint=first.hint, reason=first.reason)
     return Mismatch("your scheduler broke an invariant of the scheduler (check_invariants / check_output, or an "
                     "empty plan)", f"on {where}: {g['violation']}")
 
@@ -419,6 +433,7 @@ def _drive_engine(schedule, case):
         except _Violation as exc:
             result["violation"] = str(exc)
         except RuntimeError as exc:
+            _record_refused(engine, exc, steps)
             result["violation"] = _engine_stopped(exc, "not every request finished within 2000 steps")
         results.append(result)
     return results

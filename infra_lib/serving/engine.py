@@ -64,6 +64,14 @@ class StepRecord:
     output: SchedulerOutput
 
 
+class PlanRefused(RuntimeError):
+    """The scheduler's plan cannot run (it schedules a sequence it preempted); ``output`` is the plan."""
+
+    def __init__(self, message: str, output):
+        super().__init__(message)
+        self.output = output
+
+
 class LLMEngine:
     """Continuous batching: a scheduler, a runner and the requests' bookkeeping.
 
@@ -163,6 +171,10 @@ class LLMEngine:
                                    f"{len(self.scheduler.running)} running: the scheduler made no progress "
                                    f"({'; '.join(out.reasons) or 'no reason given'})")
             return []
+        both = [s.seq_id for s in out.scheduled if s.seq_id in out.preempted]
+        if both:  # a preempted sequence gave its blocks back: running it would write to blocks it lost
+            raise PlanRefused(f"step {out.step} scheduled seq {both} and preempted it in the same step: the scheduler "
+                              "gave a plan that cannot run (the plan was not run)", out)
         start = self.clock.now()
         batch = [(self.sequences[s.seq_id], s) for s in out.scheduled]
         for seq_id in out.preempted:

@@ -183,7 +183,7 @@ class Scheduler:
 
     def check_output(self, out: SchedulerOutput) -> None:
         """A step's plan respects the limits: budget, max_num_seqs, each sequence once with >= 1 token,
-        whole prompts only when chunked prefill is off."""
+        none both scheduled and preempted, whole prompts only when chunked prefill is off."""
         cfg = self.config
         if out.num_batched_tokens > cfg.max_num_batched_tokens:
             raise AssertionError(f"step {out.step} scheduled {out.num_batched_tokens} tokens, budget "
@@ -192,6 +192,9 @@ class Scheduler:
         if len(ids) > cfg.max_num_seqs or len(set(ids)) != len(ids) or any(s.num_tokens < 1 for s in out.scheduled):
             raise AssertionError(f"step {out.step} schedules {ids}: at most {cfg.max_num_seqs} distinct sequences, "
                                  "each with at least one token")
+        both = [i for i in ids if i in out.preempted]
+        if both:
+            raise AssertionError(f"step {out.step} scheduled seq {both} and preempted it in the same step")
         if not cfg.enable_chunked_prefill and not all(s.samples for s in out.scheduled):
             raise AssertionError(f"step {out.step} split a prefill although chunked prefill is off")
 
