@@ -189,14 +189,136 @@ class _Replay:
             self.call("prepare_write", free[pick % len(free)])
 
 
-def _drive_replays(pool_class, sessions):
-    traces = []
-    for session in sessions:
-        replay = _Replay(_new_pool(pool_class, session["num_blocks"], session["block_size"]), session["num_blocks"])
-        for kind, *args in session["ops"]:
-            getattr(replay, kind)(*args)
-        traces.append(replay.steps)
-    return traces
+# --- one task at a time ------------------------------------------------------------------------------
+#
+# A task's checks call the learner's methods for that task and the course's own versions of the
+# other tasks' methods, so that a slip in one method never costs another task's points. The course's
+# versions keep the books `__init__` starts with (`ref_counts`, a list, and `free_queue`, a deque);
+# a pool that keeps them some other way is driven with all its own methods, and a failure inside
+# another task's method then names that method and its task.
+
+_METHOD_TASK = {"num_free": 1, "ref_count": 1, "can_allocate": 1, "allocate": 1, "free": 2, "fork": 3,
+                "prepare_write": 4}
+_BOOKS = {"num_blocks", "block_size", "ref_counts", "free_queue"}
+
+
+def _course_id(pool, block_id) -> int:
+    if type(block_id) is not int or not 0 <= block_id < pool.num_blocks:
+        raise ValueError(f"block id {block_id!r} is not in 0..{pool.num_blocks - 1}")
+    return block_id
+
+
+def _course_num_free(self) -> int:
+    return len(self.free_queue)
+
+
+def _course_ref_count(self, block_id: int) -> int:
+    return self.ref_counts[_course_id(self, block_id)]
+
+
+def _course_can_allocate(self, n: int) -> bool:
+    return n <= len(self.free_queue)
+
+
+def _course_allocate(self, n: int) -> list[int]:
+    from infra_lib.serving.errors import OutOfBlocks
+
+    if type(n) is not int or n < 0:
+        raise ValueError(f"the number of blocks must be a non-negative integer, got {n!r}")
+    if n > len(self.free_queue):
+        raise OutOfBlocks(n, len(self.free_queue), self.num_blocks)
+    taken = [self.free_queue.popleft() for _ in range(n)]
+    for block_id in taken:
+        self.ref_counts[block_id] = 1
+    return taken
+
+
+def _course_free(self, block_ids) -> None:
+    block_ids = [_course_id(self, b) for b in block_ids]
+    for block_id in set(block_ids):
+        if block_ids.count(block_id) > self.ref_counts[block_id]:
+            raise ValueError(f"block {block_id} cannot be freed {block_ids.count(block_id)} time(s) (a double free)")
+    for block_id in block_ids:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_queue.append(block_id)
+
+
+def _course_fork(self, block_ids) -> list[int]:
+    block_ids = [_course_id(self, b) for b in block_ids]
+    if any(self.ref_counts[b] == 0 for b in block_ids):
+        raise ValueError("only blocks some table holds can be shared")
+    for block_id in block_ids:
+        self.ref_counts[block_id] += 1
+    return block_ids
+
+
+def _course_prepare_write(self, block_id: int) -> tuple[int, int | None]:
+    from infra_lib.serving.errors import OutOfBlocks
+
+    block_id = _course_id(self, block_id)
+    if self.ref_counts[block_id] == 0:
+        raise ValueError(f"block {block_id} is free; a table can only write blocks it holds")
+    if self.ref_counts[block_id] == 1:
+        return block_id, None
+    if not self.free_queue:
+        raise OutOfBlocks(1, 0, self.num_blocks)
+    new_id = self.free_queue.popleft()
+    self.ref_counts[new_id] = 1
+    self.ref_counts[block_id] -= 1
+    return new_id, block_id
+
+
+_COURSE_METHODS = {"num_free": property(_course_num_free), "ref_count": _course_ref_count,
+                   "can_allocate": _course_can_allocate, "allocate": _course_allocate, "free": _course_free,
+                   "fork": _course_fork, "prepare_write": _course_prepare_write}
+
+
+def _keeps_the_starting_books(pool) -> bool:
+    """Whether a new pool keeps exactly the books the lab's ``__init__`` sets up (so that the course's
+    versions of the other tasks' methods can work on them)."""
+    from collections import deque
+
+    books = getattr(pool, "__dict__", None)
+    return (type(books) is dict and set(books) == _BOOKS and type(books["ref_counts"]) is list
+            and type(books["free_queue"]) is deque and books["ref_counts"] == [0] * pool.num_blocks
+            and list(books["free_queue"]) == list(range(pool.num_blocks)))
+
+
+def pool_for_task(pool_class, task: int):
+    """``(class, isolated)``: the learner's class with the other tasks' methods replaced by the course's,
+    when its books allow it (``isolated`` True); else the learner's class itself."""
+    if not isinstance(pool_class, type):
+        return pool_class, False
+    try:
+        probe = pool_class(3, 4)
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception:
+        return pool_class, False  # the check's own construction reports it
+    if not _keeps_the_starting_books(probe):
+        return pool_class, False
+    others = {name: method for name, method in _COURSE_METHODS.items() if _METHOD_TASK[name] != task}
+    return type(pool_class.__name__, (pool_class,), {**others, "__module__": pool_class.__module__}), True
+
+
+def _drive_replays_for(task: int):
+    def drive(pool_class, sessions):
+        from infra_lib.serving.block_pool import BlockPool
+
+        isolated = False
+        if pool_class is not BlockPool:
+            pool_class, isolated = pool_for_task(pool_class, task)
+        traces = []
+        for session in sessions:
+            replay = _Replay(_new_pool(pool_class, session["num_blocks"], session["block_size"]),
+                             session["num_blocks"])
+            for kind, *args in session["ops"]:
+                getattr(replay, kind)(*args)
+            traces.append(replay.steps)
+        return {"isolated": isolated, "traces": traces}
+
+    return drive
 
 
 # --- comparing traces -----------------------------------------------------------------------------
@@ -221,46 +343,127 @@ def _broken_invariant(step: dict) -> str | None:
     return None
 
 
-def _step_difference(g: dict, e: dict, g_before: dict) -> tuple[str, str] | None:
-    """(what, detail) for the first way one step differs, else None."""
+# What a learner most likely missed, by the kind of difference found (and the method it was found in).
+_MISSED = {
+    "atomic":
+        "a call that raises must leave the pool exactly as it was: every reason to refuse it (an id outside the "
+        "pool, a free block, more releases of a block than it has holders, too few free blocks) is found before "
+        "any count or the free queue changes.",
+    "refuse": {
+        "allocate": "allocate serves a request in full or not at all: more blocks than are free is OutOfBlocks, and a "
+                    "negative count is a ValueError.",
+        "free": "free refuses a double free: within one call a block may be released at most as many times as "
+                "tables hold it, so a block listed twice that only one table holds is refused, and so is a free block "
+                "or an id outside the pool.",
+        "fork": "only blocks some table holds can be shared: a free block, or an id outside the pool, anywhere in the "
+                "list refuses the whole fork.",
+        "prepare_write": "a table can only write blocks it holds, so writing a free block is refused; and a copy "
+                         "needs a free block, so when none is left the call is refused with OutOfBlocks.",
+        "": "this method must refuse this call: see the table of errors in the lab's text.",
+    },
+    "accept": {
+        "allocate": "a request for no blocks, or for exactly as many as are free, is valid.",
+        "free": "a block held by several tables may be released once per holder, even several times in one call; "
+                "only releases beyond its count are a double free.",
+        "fork": "any block some table holds can be shared again, however many tables already hold it, and a list may "
+                "name a block twice.",
+        "prepare_write": "writing a block the caller holds is always allowed: a block held by one table is written "
+                         "in place, a shared one is copied first.",
+        "": "this call is valid: compare it with the table of errors in the lab's text.",
+    },
+    "exception": "the pool raises two kinds of error: OutOfBlocks when there are too few free blocks, and ValueError "
+                 "for a wrong argument (a negative count, an id outside the pool, a double free, sharing or writing "
+                 "a free block).",
+    "out_of_blocks": "OutOfBlocks carries three numbers: how many blocks the call needed, how many were free at the "
+                     "moment it was refused, and the pool's size.",
+    "same_list": "the table that fork returns changes independently of the one it was given (copy-on-write "
+                 "replaces entries in one of them), so it must be a list of its own, not the same object.",
+    "order": "blocks are handed out from the front of the free queue and join its back when their count reaches 0, "
+             "one at a time in the order the call releases them, so the block freed longest ago is reused first.",
+    "result": {
+        "allocate": "allocate returns the blocks it took, in the order taken, as a list.",
+        "can_allocate": "can_allocate answers whether allocate would succeed for that count now.",
+        "fork": "fork returns the same ids it was given, in the same order.",
+        "prepare_write": "prepare_write returns the block to write and the block it was copied from: the block itself "
+                         "and None when the caller holds it alone, else a new block and the shared one.",
+        "": "compare what this call returned with the lab's table of methods.",
+    },
+    "books": "num_free and the reference counts are two views of one set of books: num_free is always exactly the "
+             "number of blocks whose count is 0, and no count is ever negative.",
+    "counts": {
+        "allocate": "each block allocate hands out is then held by one table: count 1.",
+        "free": "free takes one holder from each listed block (twice for a block listed twice), never more.",
+        "fork": "fork adds one holder to each listed block (twice for a block listed twice), and copies nothing.",
+        "prepare_write": "a copy moves the writer's hold from the shared block to the new one: the shared block loses "
+                         "one holder (the others keep it), the new block has one; a block held alone is untouched.",
+        "": "each call changes the counts of exactly the blocks it names.",
+    },
+}
+
+
+def _missed(kind: str, method: str) -> str:
+    entry = _MISSED[kind]
+    return entry.get(method, entry[""]) if isinstance(entry, dict) else entry
+
+
+def _other_blocks_alike(method: str, got: str, expected: str) -> bool:
+    """Whether two results differ only in which free blocks were handed out: the same number of blocks
+    from allocate, or a copy from prepare_write of the same shared block."""
+    if method == "allocate":
+        return got.startswith("[") and expected.startswith("[") and got.count(",") == expected.count(",")
+    if method == "prepare_write":
+        return (got.startswith("(") and expected.startswith("(") and not expected.endswith("None)")
+                and got.split(",")[-1] == expected.split(",")[-1])
+    return False
+
+
+def _step_difference(g: dict, e: dict, g_before: dict) -> tuple[str, str, str] | None:
+    """(what, detail, hint) for the first way one step differs, else None; the hint is chosen by the
+    kind of difference and the method it was found in."""
     method = e["call"].split("(")[0]
     expected_error = f"{e['error']} ({e['message']})" if e["error"] else None
     if g["call"] != e["call"]:
         return ("the check's operations went differently on your pool",
-                f"the check called {g['call']} on your pool but {e['call']} on the reference")
+                f"the check called {g['call']} on your pool but {e['call']} on the reference",
+                _missed("result", method))
     if e["error"] and not g["error"]:
         return (f"{method} did not raise where the reference pool raises",
-                f"expected {expected_error}, but it returned {g['result']}")
+                f"expected {expected_error}, but it returned {g['result']}", _missed("refuse", method))
     if g["error"] and not e["error"]:
         return (f"{method} raised where the reference pool does not",
-                f"it raised {g['error']}: {g['message']}; expected it to return {e['result']}")
+                f"it raised {g['error']}: {g['message']}; expected it to return {e['result']}",
+                _missed("accept", method))
     if g["error"] != e["error"]:
-        return (f"{method} raised the wrong exception", f"expected {expected_error}, got {g['error']}: {g['message']}")
+        return (f"{method} raised the wrong exception", f"expected {expected_error}, got {g['error']}: {g['message']}",
+                _missed("exception", method))
     if e["error"] and (g["counts"], g["num_free"]) != (g_before["counts"], g_before["num_free"]):
         return (f"{method} raised but changed the pool first (a call that raises must change nothing)",
-                f"it raised {g['error']} as expected, but {_state_change(g_before, g)}")
+                f"it raised {g['error']} as expected, but {_state_change(g_before, g)}", _missed("atomic", method))
     if e["out_of_blocks"] is not None and g["out_of_blocks"] != e["out_of_blocks"]:
         return ("OutOfBlocks carries the wrong numbers",
                 "expected OutOfBlocks(requested={}, free={}, total={}), got OutOfBlocks(requested={}, free={}, "
-                "total={})".format(*e["out_of_blocks"], *g["out_of_blocks"]))
+                "total={})".format(*e["out_of_blocks"], *g["out_of_blocks"]), _missed("out_of_blocks", method))
     if g["result"] != e["result"]:
-        order = ""
-        same_shape = g["result"][:1] == e["result"][:1] and g["result"].count(",") == e["result"].count(",")
-        if method in ("allocate", "prepare_write") and same_shape and e["result"][:1] in "[(":
-            order = ("; with the same counts your pool handed out other blocks, so its free queue is in another order: "
-                     "allocate and prepare_write take from the front, free appends each block reaching 0 to the back")
+        if g["result"] == "the very list it was given":
+            return ("fork returned the list it was given instead of a new one",
+                    f"expected a new list {e['result']}, got the caller's own list object", _missed("same_list", method))
+        if _other_blocks_alike(method, g["result"], e["result"]):
+            return (f"{method} handed out other blocks than the reference pool",
+                    f"expected {e['result']}, got {g['result']}; with the same counts your pool took other free "
+                    "blocks, so its free queue is in another order", _missed("order", method))
         return (f"{method} returned something different from the reference pool",
-                f"expected {e['result']}, got {g['result']}{order}")
+                f"expected {e['result']}, got {g['result']}", _missed("result", method))
     broken = _broken_invariant(g)
     if broken:
-        return "the pool's books disagree with each other", f"afterwards {broken}"
+        return "the pool's books disagree with each other", f"afterwards {broken}", _missed("books", method)
     if g["counts"] != e["counts"]:
         block = next(b for b, (x, y) in enumerate(zip(g["counts"], e["counts"])) if x != y)
         return ("reference counts differ from the reference pool's",
                 f"afterwards block {block} has reference count {g['counts'][block]}, expected {e['counts'][block]} "
-                f"(all counts: expected {e['counts']}, got {g['counts']})")
+                f"(all counts: expected {e['counts']}, got {g['counts']})", _missed("counts", method))
     if g["num_free"] != e["num_free"]:
-        return "num_free differs from the reference pool's", f"expected {e['num_free']}, got {g['num_free']}"
+        return ("num_free differs from the reference pool's", f"expected {e['num_free']}, got {g['num_free']}",
+                _missed("books", method))
     return None
 
 
@@ -277,24 +480,36 @@ def _history(steps: list[dict], upto: int, shown: int = 8) -> str:
     return f"{which} before it, as the reference pool answered them: {earlier}"
 
 
-def _compare_replays(got, expected, sessions):
-    if type(got) is not list or len(got) != len(expected):
-        return Mismatch("the check recorded the wrong number of pools")
-    for session, g_steps, e_steps in zip(sessions, got, expected):
-        n = session["num_blocks"]
-        before = {"counts": [0] * n, "num_free": n}
-        for k, (g, e) in enumerate(zip(g_steps, e_steps)):
-            problem = _step_difference(g, e, before)
-            if problem:
-                what, detail = problem
-                return Mismatch(what, f"on BlockPool({n}, {session['block_size']}), call {k + 1}: {e['call']}: "
-                                      f"{detail}\n  {_history(e_steps, k)}")
-            before = g
-        if len(g_steps) != len(e_steps):
-            return Mismatch("the check's operations went differently on your pool",
-                            f"on BlockPool({n}, {session['block_size']}): {len(g_steps)} calls instead of "
-                            f"{len(e_steps)}")
-    return None
+def _compare_replays_for(task: int):
+    def compare(got, expected, sessions):
+        if type(got) is not dict or type(got.get("traces")) is not list or len(got["traces"]) != len(expected["traces"]):
+            return Mismatch("the check recorded the wrong number of pools")
+        for session, g_steps, e_steps in zip(sessions, got["traces"], expected["traces"]):
+            n = session["num_blocks"]
+            before = {"counts": [0] * n, "num_free": n}
+            for k, (g, e) in enumerate(zip(g_steps, e_steps)):
+                problem = _step_difference(g, e, before)
+                if problem:
+                    what, detail, hint = problem
+                    detail = (f"on BlockPool({n}, {session['block_size']}), call {k + 1}: {e['call']}: {detail}\n"
+                              f"  {_history(e_steps, k)}")
+                    owner = _METHOD_TASK.get(e["call"].split("(")[0], task)
+                    if owner != task and not got["isolated"]:
+                        # Only when the pool keeps other books: the course's versions could not stand in.
+                        what = f"in your {e['call'].split('(')[0]} (task {owner}): {what}"
+                        hint = (f"this check of task {task} used your task {owner} method too, because your pool keeps "
+                                "its books differently from the lab's __init__ (the checks put the course's own "
+                                "methods in place of other tasks' only on those books); fix task "
+                                f"{owner} first. {hint[:1].upper()}{hint[1:]}")
+                    return Mismatch(what, detail, hint=hint)
+                before = g
+            if len(g_steps) != len(e_steps):
+                return Mismatch("the check's operations went differently on your pool",
+                                f"on BlockPool({n}, {session['block_size']}): {len(g_steps)} calls instead of "
+                                f"{len(e_steps)}")
+        return None
+
+    return compare
 
 
 # --- scripts: fixed shapes (visible checks) and random mixes (hidden checks) -----------------------
@@ -458,8 +673,8 @@ for check_id, task, make, note in (
         task=_TASKS[task],
         reference=_POOL,
         make_inputs=make,
-        drive=_drive_replays,
-        compare=_compare_replays,
+        drive=_drive_replays_for(task),
+        compare=_compare_replays_for(task),
         hint=_HINTS[check_id] + note,
     ))
 
@@ -515,7 +730,10 @@ def _drive_in_model(pool_class, case):
 
     from infra_lib.model.generation import greedy_decode
     from infra_lib.serving import PagedKVStore, paged_greedy_decode
+    from infra_lib.serving.block_pool import BlockPool
 
+    if pool_class is not BlockPool:
+        pool_class, _ = pool_for_task(pool_class, 4)  # prepare_write is task 4's; the rest the course's
     if case["model"] == "tiny":
         from grading.checks.lab06 import tiny_model
 

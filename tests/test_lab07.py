@@ -1,0 +1,174 @@
+"""Lab 07's checks score each task on its own: a typical mistake in one method loses exactly that
+task's checks, with the hint written for that mistake, while the other tasks' checks (which drive the
+course's own versions of the other methods) still pass."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import pytest
+
+from conftest import REPO, check_fails, solution_namespace
+from grading import check
+from grading.checks.lab07 import _MISSED, pool_for_task
+from grading.registry import all_checks
+
+SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
+# The step-by-step checks of each task (the model checks are task 4's too; see below).
+TASK_CHECKS = {1: ["lab07.allocate", "lab07.allocate_random"], 2: ["lab07.free_lru", "lab07.free_random"],
+               3: ["lab07.fork", "lab07.fork_random"], 4: ["lab07.copy_on_write", "lab07.random_ops"]}
+
+
+@pytest.fixture(scope="module")
+def solution() -> type:
+    return solution_namespace(SOLUTION, Counter=Counter, deque=deque)["BlockPool"]
+
+
+def _scores(pool_class) -> dict[int, list[str]]:
+    """The checks each task fails, and the message of each failure."""
+    failed: dict[int, list[str]] = {}
+    for task, ids in TASK_CHECKS.items():
+        for check_id in ids:
+            try:
+                check(check_id, pool_class)
+            except AssertionError as exc:
+                failed.setdefault(task, []).append(str(exc))
+    return failed
+
+
+def _only_task_fails(pool_class, task: int, hint: str) -> list[str]:
+    failed = _scores(pool_class)
+    assert set(failed) == {task}, {t: [m.splitlines()[0] for m in ms] for t, ms in failed.items()}
+    for message in failed[task]:
+        assert f"[lab07 task {task}" in message and f"hint: {hint}" in message, message
+    return failed[task]
+
+
+def test_the_instructor_pool_passes_every_check_of_every_task(solution):
+    assert _scores(solution) == {}
+    check("lab07.pool_in_model", solution)
+
+
+def test_allocating_from_the_back_of_the_queue_loses_task_1_only_with_the_order_hint(solution):
+    class FromTheBack(solution):
+        def allocate(self, n):
+            if type(n) is not int or n < 0:
+                raise ValueError(n)
+            if n > self.num_free:
+                raise OutOfBlocks(n, self.num_free, self.num_blocks)
+            taken = [self.free_queue.pop() for _ in range(n)]
+            for block_id in taken:
+                self.ref_counts[block_id] = 1
+            return taken
+
+    from infra_lib.serving.errors import OutOfBlocks
+
+    messages = _only_task_fails(FromTheBack, 1, _MISSED["order"])
+    assert "allocate handed out other blocks than the reference pool" in messages[0]
+
+
+def test_a_free_that_changes_counts_before_finding_a_double_free_loses_task_2_only(solution):
+    class NotAtomic(solution):
+        def free(self, block_ids):
+            for block_id in block_ids:
+                self._check_id(block_id)
+                if self.ref_counts[block_id] == 0:
+                    raise ValueError(f"block {block_id} is already free")
+                self.ref_counts[block_id] -= 1
+                if self.ref_counts[block_id] == 0:
+                    self.free_queue.append(block_id)
+
+    messages = _only_task_fails(NotAtomic, 2, _MISSED["atomic"])
+    assert "free raised but changed the pool first" in messages[0]
+    check("lab07.pool_in_model", NotAtomic)  # task 4's model check uses the course's free
+
+
+def test_a_free_that_puts_blocks_at_the_front_loses_task_2_only_with_the_order_hint(solution):
+    class MostRecentFirst(solution):
+        def free(self, block_ids):
+            super().free(block_ids)
+            # the blocks that just became free move to the front: the newest is reused first
+            for block_id in reversed([b for b in block_ids if self.ref_counts[b] == 0]):
+                if block_id in self.free_queue:
+                    self.free_queue.remove(block_id)
+                    self.free_queue.appendleft(block_id)
+
+    _only_task_fails(MostRecentFirst, 2, _MISSED["order"])
+
+
+def test_a_fork_that_returns_its_argument_loses_task_3_only_with_its_own_hint(solution):
+    class SameList(solution):
+        def fork(self, block_ids):
+            super().fork(block_ids)
+            return block_ids
+
+    messages = _only_task_fails(SameList, 3, _MISSED["same_list"])
+    assert "fork returned the list it was given instead of a new one" in messages[0]
+
+
+def test_a_copy_that_keeps_the_writers_hold_loses_task_4_only_with_the_copy_hint(solution):
+    class KeepsItsHold(solution):
+        def prepare_write(self, block_id):
+            block_id = self._check_id(block_id)
+            if self.ref_counts[block_id] == 0:
+                raise ValueError("free")
+            if self.ref_counts[block_id] == 1:
+                return block_id, None
+            (new_id,) = self.allocate(1)
+            return new_id, block_id  # the shared block keeps the writer as a holder too
+
+    messages = _only_task_fails(KeepsItsHold, 4, _MISSED["counts"]["prepare_write"])
+    assert "reference counts differ" in messages[0]
+    assert "pool_in_model failed [lab07 task 4" in check_fails("lab07.pool_in_model", KeepsItsHold)
+
+
+def test_a_pool_that_keeps_other_books_is_driven_whole_and_a_sibling_is_named(solution):
+    """With its own books the course's methods cannot stand in: task 3's check then runs the learner's
+    free, and its failure names free and task 2 instead of blaming fork."""
+
+    class OwnBooks(solution):
+        def __init__(self, num_blocks, block_size):
+            super().__init__(num_blocks, block_size)
+            self.freed_calls = 0
+
+        def free(self, block_ids):
+            self.freed_calls += 1
+            for block_id in block_ids:  # not all or nothing
+                if self.ref_counts[self._check_id(block_id)] == 0:
+                    raise ValueError(f"block {block_id} is already free")
+                self.ref_counts[block_id] -= 1
+                if self.ref_counts[block_id] == 0:
+                    self.free_queue.append(block_id)
+
+    assert pool_for_task(OwnBooks, 3) == (OwnBooks, False)
+    assert pool_for_task(solution, 3)[1] is True
+    message = check_fails("lab07.fork", OwnBooks)
+    assert "in your free (task 2): free raised but changed the pool first" in message, message
+    assert "fix task 2 first" in message
+
+
+def _without_messages(traces: list) -> list:
+    return [[{k: v for k, v in step.items() if k != "message"} for step in steps] for steps in traces]
+
+
+def test_the_course_methods_equal_the_reference_pool_on_every_check(solution):
+    """The methods that stand in for other tasks' are the course's own code, not the reference pool
+    (a call into it would be a shortcut): driven alone they must give the reference's traces."""
+    from grading.checks import lab07
+
+    class Bare:
+        def __init__(self, num_blocks, block_size):
+            self.num_blocks, self.block_size = num_blocks, block_size
+            self.ref_counts = [0] * num_blocks
+            self.free_queue = deque(range(num_blocks))
+
+    for name, method in lab07._COURSE_METHODS.items():
+        setattr(Bare, name, method)
+    for ids in TASK_CHECKS.values():
+        for check_id in ids:
+            registered = all_checks()[check_id]
+            for seed in range(3):
+                inputs = registered.inputs(seed)
+                got, want = (registered.drive(pool, inputs)["traces"] for pool in (Bare, registered.reference()))
+                # Error messages are the course's own words, never compared: everything else must agree.
+                assert _without_messages(got) == _without_messages(want), (check_id, seed)
