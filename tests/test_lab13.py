@@ -1,6 +1,8 @@
 """Lab 13's checks: the instructor's runner passes every check, and the classic runner mistakes
-fail with messages that name them (an unmapped router, an uncapped or miscounted backoff, a run
-that never resumes, checkpoints of the wrong state, a loop without a step limit)."""
+fail with messages and hints that name them (an unmapped router, an uncapped or miscounted backoff,
+a run that never resumes, checkpoints of the wrong state, a loop without a step limit). Each task is
+scored on its own: the checks of tasks 3 and 4 run the learner's run_graph on the course's next_node
+and call_with_retry, so a slip in task 1 or 2 costs only that task, as whole gradings show."""
 
 from __future__ import annotations
 
@@ -10,26 +12,70 @@ from typing import Annotated, TypedDict
 
 import pytest
 
-from conftest import REPO, check_fails, solution_namespace
+from conftest import REPO, answer_cells, check_fails, solution_namespace, write_learner_notebook
 from grading import check
+from grading.checks.lab13 import _NEXT_MISSED, _RETRY_MISSED, _RUN_MISSED
 
 SOLUTION = REPO / "solutions" / "lab13_agents" / "lab13_agents.ipynb"
+LAB = REPO / "labs" / "lab13_agents" / "lab13_agents.ipynb"
 CHECKS = {"next_node": ["lab13.next_node", "lab13.next_node_errors"],
           "call_with_retry": ["lab13.call_with_retry", "lab13.call_with_retry_more"],
           "run_graph": ["lab13.run_graph", "lab13.run_graph_resume", "lab13.run_graph_resume_sqlite",
                         "lab13.run_graph_limits"]}
 
 
-@pytest.fixture(scope="module")
-def solution() -> dict:
-    """The instructor's answers with the names the lab's setup cell imports."""
+# The test cell of each task, and its points.
+TASK_TESTS = {1: "test_task1_next_node", 2: "test_task2_call_with_retry", 3: "test_task3_run_graph",
+              4: "test_task4_resume"}
+POINTS = {1: 3.0, 2: 4.0, 3: 3.0, 4: 3.0}
+
+# Typical mistakes, as edits (old text, new text) of the instructor's answer cells.
+UNMAPPED = {"task1_next_node": [("""        if mapping is not None:
+            if choice not in mapping:
+                raise ValueError(f"the router of {current!r} returned {choice!r}, not a key of {sorted(mapping)}")
+            choice = mapping[choice]
+""", "")]}  # the router's answer is taken for the node
+UNCAPPED = {"task2_call_with_retry": [(
+    "sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))",
+    "sleep(policy.initial_interval * policy.backoff_factor ** attempt)")]}
+RETRIES_EVERY_ERROR = {"task2_call_with_retry": [("not isinstance(error, policy.retry_on) or ", "")]}
+CHECKPOINTS_BEFORE_MERGE = {"task3_run_graph": [
+    ("        state = merge_update(", "        before, state = state, merge_update("),
+    ("next_node=nxt, state=state)", "next_node=nxt, state=before)")]}
+NEVER_RESUMES = {"task3_run_graph": [("cp = checkpointer.latest(thread_id)", "cp = None")]}
+
+
+def _answers(*mistakes: dict) -> dict[str, str]:
+    """The instructor's answer cells (by grade_id) with the mistakes' edits made."""
+    answers = answer_cells(SOLUTION)
+    for mistake in mistakes:
+        for grade_id, edits in mistake.items():
+            for old, new in edits:
+                assert answers[grade_id].count(old) == 1, f"{grade_id} has no single {old!r}"
+                answers[grade_id] = answers[grade_id].replace(old, new)
+    return answers
+
+
+def _setup_names() -> dict:
+    """The names the lab's setup cell gives the answer cells."""
     import infra_lib.apps.agents as agents
 
     names = {name: getattr(agents, name) for name in ("END", "START", "Checkpoint", "GraphRecursionError",
                                                       "MemoryCheckpointer", "RetryPolicy", "StateGraph",
                                                       "merge_update")}
-    return solution_namespace(SOLUTION, time=time, operator=operator, Annotated=Annotated, TypedDict=TypedDict,
-                              **names)
+    return {"time": time, "operator": operator, "Annotated": Annotated, "TypedDict": TypedDict, **names}
+
+
+def _namespace(tmp_path, *mistakes: dict) -> dict:
+    """The answer cells with these mistakes, run in one namespace as the notebook runs them."""
+    notebook = write_learner_notebook(tmp_path / SOLUTION.name, _answers(*mistakes), base=SOLUTION)
+    return solution_namespace(notebook, **_setup_names())
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The instructor's answers with the names the lab's setup cell imports."""
+    return solution_namespace(SOLUTION, **_setup_names())
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -44,7 +90,8 @@ def test_task1_a_router_without_its_mapping_is_caught(solution):
             return graph.branches[current][0](state)
         return graph.edges[current]
 
-    assert "next_node picked the wrong edge" in check_fails("lab13.next_node", unmapped)
+    text = check_fails("lab13.next_node", unmapped)
+    assert "next_node picked the wrong edge" in text and f"hint: {_NEXT_MISSED['mapping']}" in text
 
 
 def test_task1_unknown_targets_and_dead_ends_must_raise(solution):
@@ -54,7 +101,8 @@ def test_task1_unknown_targets_and_dead_ends_must_raise(solution):
             return mapping[router(state)] if mapping else router(state)
         return graph.edges.get(current, solution["END"])
 
-    assert "next_node should raise ValueError here" in check_fails("lab13.next_node_errors", trusting)
+    text = check_fails("lab13.next_node_errors", trusting)
+    assert "next_node should raise ValueError here" in text and f"hint: {_NEXT_MISSED['unknown']}" in text
 
 
 def test_task2_an_uncapped_backoff_is_caught(solution):
@@ -68,7 +116,8 @@ def test_task2_an_uncapped_backoff_is_caught(solution):
                     raise
                 sleep(policy.initial_interval * policy.backoff_factor ** attempt)
 
-    assert "call_with_retry slept the wrong backoff" in check_fails("lab13.call_with_retry", uncapped)
+    text = check_fails("lab13.call_with_retry", uncapped)
+    assert "call_with_retry slept the wrong backoff" in text and f"hint: {_RETRY_MISSED['cap']}" in text
 
 
 def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
@@ -92,8 +141,10 @@ def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
                     raise
                 sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
 
-    for wrong in (retries_everything, one_more):
-        assert "call_with_retry made the wrong number of attempts" in check_fails("lab13.call_with_retry", wrong)
+    for wrong, missed in ((retries_everything, "retry_on"), (one_more, "count")):
+        text = check_fails("lab13.call_with_retry", wrong)
+        assert "call_with_retry made the wrong number of attempts" in text
+        assert f"hint: {_RETRY_MISSED[missed]}" in text, text
 
 
 def _runner(solution, *, resume=True, checkpoint_before_merge=False, limit=True):
@@ -126,16 +177,18 @@ def _runner(solution, *, resume=True, checkpoint_before_merge=False, limit=True)
 def test_task3_a_runner_that_never_resumes_is_caught(solution):
     text = check_fails("lab13.run_graph_resume", _runner(solution, resume=False))
     assert "the resumed run did not start from the last checkpoint" in text
+    assert f"hint: {_RUN_MISSED['resume']}" in text
 
 
 def test_task3_checkpoints_of_the_old_state_are_caught(solution):
     text = check_fails("lab13.run_graph", _runner(solution, checkpoint_before_merge=True))
     assert "run_graph saved the wrong checkpoints" in text and "[step, node, next_node, state]" in text
+    assert f"hint: {_RUN_MISSED['after merge']}" in text
 
 
 def test_task3_a_loop_without_a_step_limit_is_caught(solution):
     text = check_fails("lab13.run_graph_limits", _runner(solution, limit=False))
-    assert "run_graph should raise GraphRecursionError here" in text
+    assert "run_graph should raise GraphRecursionError here" in text and f"hint: {_RUN_MISSED['limit']}" in text
 
 
 def test_task3_the_reference_runner_agrees_with_the_compiled_graph(solution):
@@ -166,3 +219,93 @@ def test_a_checkpoints_next_node_field_is_not_the_reference_function():
     assert {f.kind for f in tamper.scan(module, modules, names)} == {tamper.SHORTCUT}
     shadowed = "import infra_lib.apps.agents.runner as R\n\ndef f(g):\n    R = R\n    return R.run_graph\n"
     assert {f.kind for f in tamper.scan(shadowed, modules, names)} == {tamper.SHORTCUT}
+
+
+# --- each task scored on its own ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_course_versions_equal_the_reference_on_task_1_and_2_inputs(seed):
+    """The checks of tasks 3 and 4 run the learner's run_graph on the course's next_node and call_with_retry:
+    separate code from the reference (which the call monitor guards), so it must not drift from it."""
+    from grading.check import drive
+    from grading.checks.lab13 import course_call_with_retry, course_next_node
+    from grading.registry import get_check
+
+    for course, name in ((course_next_node, "next_node"), (course_call_with_retry, "call_with_retry")):
+        for check_id in CHECKS[name]:
+            registered = get_check(check_id)
+            inputs = registered.inputs(seed)
+            assert drive(registered, course, inputs) == drive(registered, registered.reference(), inputs), check_id
+
+
+def test_the_course_next_node_equals_the_reference_on_every_call_the_runner_checks_make(solution, monkeypatch):
+    from grading.checks import lab13
+    from infra_lib.apps.agents.runner import next_node as reference
+
+    calls = []
+
+    def compared(graph, current, state):
+        ours = lab13._outcome(lab13.course_next_node, graph, current, state)
+        assert ours[:2] == lab13._outcome(reference, graph, current, state)[:2], (current, state)
+        calls.append(current)
+        return lab13.course_next_node(graph, current, state)
+
+    monkeypatch.setitem(lab13._COURSE, "next_node", compared)
+    for check_id in CHECKS["run_graph"]:
+        check(check_id, solution["run_graph"])
+    assert len(calls) > 100
+
+
+def test_the_runner_checks_give_the_course_versions_to_helpers_of_the_answer_cell_too(tmp_path):
+    """A run_graph that calls next_node through a helper of its own cell still runs the course's."""
+    helper = {"task3_run_graph": [
+        ("def run_graph(", "def _advance(graph, node, state):\n    return next_node(graph, node, state)\n\n\n"
+                           "def run_graph("),
+        ("nxt = next_node(graph, node, state)", "nxt = _advance(graph, node, state)")]}
+    namespace = _namespace(tmp_path, UNMAPPED, RETRIES_EVERY_ERROR, helper)
+    own = {name: namespace[name] for name in ("next_node", "call_with_retry")}
+    assert "next_node raised where it should return the next node" in check_fails("lab13.next_node",
+                                                                                  own["next_node"])
+    for check_id in CHECKS["run_graph"]:
+        check(check_id, namespace["run_graph"])
+    assert all(namespace[name] is function for name, function in own.items())  # the learner's own, back again
+
+
+def test_a_run_graph_that_keeps_its_own_next_node_is_told_which_task_failed(tmp_path):
+    """A default argument holds the learner's next_node itself, which no check can replace: a failure it
+    causes names that function and its task."""
+    default = {"task3_run_graph": [("sleep=time.sleep) -> dict:", "sleep=time.sleep, choose=next_node) -> dict:"),
+                                   ("nxt = next_node(graph, node, state)", "nxt = choose(graph, node, state)")]}
+    namespace = _namespace(tmp_path, UNMAPPED, default)
+    text = check_fails("lab13.run_graph", namespace["run_graph"])
+    assert "[lab13 task 3: run_graph]" in text and "your run_graph ran your own next_node" in text
+    assert "(lab13 task 1: next_node)" in text.split("hint: ", 1)[1]
+    check("lab13.run_graph", _namespace(tmp_path, default)["run_graph"])  # a right one passes, of course
+
+
+def _graded_alone(tmp_path, mistake: dict) -> dict[int, tuple[float, list[str]]]:
+    """Grade the lab with one mistake in the instructor's answers: per task, its points and the messages
+    of its failed checks."""
+    from grading.grader import grade_notebook
+
+    notebook = write_learner_notebook(tmp_path / LAB.name, _answers(mistake), base=LAB)
+    tests = {test.grade_id: test for test in grade_notebook(notebook, seed=13).tests}
+    return {task: (tests[name].score, [c.message for c in tests[name].checks if not c.passed])
+            for task, name in TASK_TESTS.items()}
+
+
+@pytest.mark.parametrize("mistake, losing, hint", [
+    (UNMAPPED, {1}, _NEXT_MISSED["mapping"]),
+    (UNCAPPED, {2}, _RETRY_MISSED["cap"]),
+    (RETRIES_EVERY_ERROR, {2}, _RETRY_MISSED["retry_on"]),
+    (CHECKPOINTS_BEFORE_MERGE, {3, 4}, _RUN_MISSED["after merge"]),
+    (NEVER_RESUMES, {4}, _RUN_MISSED["resume"]),
+], ids=["unmapped router", "uncapped backoff", "retries every error", "checkpoints before the merge",
+        "never resumes"])
+def test_a_mistake_costs_only_its_own_task_with_the_hint_for_it(tmp_path, mistake, losing, hint):
+    graded = _graded_alone(tmp_path, mistake)
+    assert {task: score for task, (score, _) in graded.items()} == \
+        {task: 0.0 if task in losing else points for task, points in POINTS.items()}
+    for task in losing:
+        messages = graded[task][1]
+        assert messages and all(f"hint: {hint}" in message for message in messages), messages

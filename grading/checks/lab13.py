@@ -10,13 +10,22 @@ the counter passes a limit. Flaky functions fail a planned number of times with 
 types; ``sleep`` is replaced by a recorder, so the backoff sequence is compared exactly and no
 check waits. A crash is a planned exception at step k; the resumed run must end in the same state
 as an uninterrupted one, re-running only the node that crashed.
+
+Each task is scored on its own: while a check of task 3 or 4 runs, the learner's notebook sees the
+course's ``next_node`` and ``call_with_retry`` under those names, so a slip in task 1 or 2 costs only
+that task. A failure's hint is chosen by the mistake the comparison found.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import random
+import sys
 import tempfile
+import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, TypedDict
 
@@ -199,22 +208,50 @@ def _describe_next(case: dict) -> str:
     return f"node {name!r} with {how}, state x={case['x']}"
 
 
+_GRAPHS = "chapter 13, section “1 · A state graph: nodes, edges, reducers”"
+_LOOP = "chapter 13, section “2 · The runner loop”"
+_NEXT_MISSED = {
+    "form": "the answer is the name of the node that runs next (a string), or END: never the router, the edge or "
+            "the mapping itself.",
+    "mapping": "when a conditional edge has a mapping, the router does not name a node: it answers with one of the "
+               f"mapping's keys, and the mapping turns that key into the node that runs next ({_GRAPHS}).",
+    "router": "a conditional edge is decided by its router, on the state it is given (the state after the node "
+              f"ran); a plain edge always leads to the same node ({_LOOP}).",
+    "unknown": "a router's answer is checked against the graph: one that is neither END nor a node (nor, with a "
+               "mapping, one of its keys) must fail loudly with ValueError, not send the run to a node that does "
+               "not exist.",
+    "dead end": "a node with no outgoing edge is a dead end, a mistake in the graph, and raises ValueError: a run "
+                "stops only where an edge leads to END.",
+    "kind": "every malformed edge (an unknown target, an answer the mapping lacks, a dead end) raises ValueError, "
+            "the one kind of error a caller catches for a broken graph.",
+}
+
+
 def _compare_next(got, expected, cases) -> Mismatch | None:
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results from next_node, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
         where = _describe_next(case)
+        branch = case["spec"]["branches"].get(case["current"])
+        mapped = branch is not None and "mapping" in branch
         (gk, gv), (ek, ev) = unwrap(g), unwrap(e)
         if gk == "malformed":
-            return Mismatch("next_node must return a node name or END", f"on {where}: got {gv}")
+            return Mismatch("next_node must return a node name or END", f"on {where}: got {gv}",
+                            hint=_NEXT_MISSED["form"])
         if ek == "raised" and gk != "raised":
-            return Mismatch(f"next_node should raise {ev} here", f"on {where}: got {gv!r}")
+            dead_end = branch is None and case["current"] not in case["spec"]["edges"]
+            return Mismatch(f"next_node should raise {ev} here", f"on {where}: got {gv!r}",
+                            hint=_NEXT_MISSED["dead end" if dead_end else "unknown"])
         if gk == "raised" and ek != "raised":
-            return Mismatch("next_node raised where it should return the next node", f"on {where}: {gv}")
+            return Mismatch("next_node raised where it should return the next node", f"on {where}: {gv}",
+                            hint=_NEXT_MISSED["mapping"] if mapped else "")
         if gk == "raised" and gv != ev:
-            return Mismatch("next_node raised the wrong kind of exception", f"on {where}: expected {ev}, got {gv}")
+            return Mismatch("next_node raised the wrong kind of exception", f"on {where}: expected {ev}, got {gv}",
+                            hint=_NEXT_MISSED["kind"])
         if gk == "value" and gv != ev:
-            return Mismatch("next_node picked the wrong edge", f"on {where}: expected {ev!r}, got {gv!r}")
+            unmapped = mapped and gv in branch["mapping"]  # the router's own answer, not the node it names
+            return Mismatch("next_node picked the wrong edge", f"on {where}: expected {ev!r}, got {gv!r}",
+                            hint=_NEXT_MISSED["mapping" if unmapped else "router"])
     return None
 
 
@@ -306,6 +343,39 @@ def _describe_retry(case: dict) -> str:
             f"({', '.join(policy['retry_on'])})), fn raising {errors} on its first calls")
 
 
+_BACKOFF = "chapter 13, section “7 · Retries with exponential backoff, under a flaky tool”"
+_RETRY_MISSED = {
+    "count": "max_attempts counts every call of fn, the first one included: it is not the number of retries "
+             f"({_BACKOFF}).",
+    "retry_on": "only the exception types the policy names are passing failures worth another attempt; any other "
+                "error is a bug, and it goes to the caller at once, before any wait.",
+    "no policy": "no policy means a single attempt: nothing is retried and nothing is waited for.",
+    "cap": f"every wait is capped at the policy's max_interval, however many failures came before ({_BACKOFF}).",
+    "between": "a wait comes only between two attempts: none before the first call, none after the last one.",
+    "growth": "the waits grow geometrically: the first failure waits the initial interval, and each later wait is "
+              f"backoff_factor times the one before, up to the cap ({_BACKOFF}).",
+    "ending": "the first attempt that succeeds ends the call with fn's own result; when the attempts run out, the "
+              "last error goes to the caller unchanged, never swallowed or replaced.",
+}
+
+
+def _attempts_hint(case: dict, got: int, expected: int) -> str:
+    if case["policy"] is None:
+        return _RETRY_MISSED["no policy"]
+    stopped_by = case["errors"][expected - 1] if expected <= len(case["errors"]) else None
+    if got > expected and stopped_by is not None and stopped_by not in case["policy"]["retry_on"]:
+        return _RETRY_MISSED["retry_on"]
+    return _RETRY_MISSED["count"]
+
+
+def _sleeps_hint(case: dict, got: list, expected: list) -> str:
+    policy = case["policy"]
+    if len(got) != len(expected):
+        return _RETRY_MISSED["between"]
+    uncapped = [round(policy["initial_interval"] * policy["backoff_factor"] ** i, 9) for i in range(len(got))]
+    return _RETRY_MISSED["cap" if got == uncapped else "growth"]
+
+
 def _compare_retry(got, expected, cases) -> Mismatch | None:
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
@@ -313,15 +383,18 @@ def _compare_retry(got, expected, cases) -> Mismatch | None:
         where = _describe_retry(case)
         if g["attempts"] != e["attempts"]:
             return Mismatch("call_with_retry made the wrong number of attempts",
-                            f"on {where}: expected {e['attempts']} calls of fn, got {g['attempts']}")
+                            f"on {where}: expected {e['attempts']} calls of fn, got {g['attempts']}",
+                            hint=_attempts_hint(case, g["attempts"], e["attempts"]))
         if g["sleeps"] != e["sleeps"]:
             return Mismatch("call_with_retry slept the wrong backoff",
-                            f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}")
+                            f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}",
+                            hint=_sleeps_hint(case, g["sleeps"], e["sleeps"]))
         (gk, gv), (ek, ev) = g["result"][:2], e["result"][:2]
         if gk != ek or gv != ev:
             said = {"value": "returned {}", "raised": "raised {}"}
             return Mismatch("call_with_retry ended the wrong way",
-                            f"on {where}: expected it to {said[ek].format(ev)}, it {said.get(gk, '{}').format(gv)}")
+                            f"on {where}: expected it to {said[ek].format(ev)}, it {said.get(gk, '{}').format(gv)}",
+                            hint=_RETRY_MISSED["ending"])
     return None
 
 
@@ -399,11 +472,90 @@ def _end():
     return END
 
 
+# --- tasks 3 and 4: run_graph on the course's next_node and call_with_retry ----------------------------
+#
+# run_graph calls next_node (task 1) and call_with_retry (task 2). While a check of task 3 or 4 runs,
+# the learner's notebook sees the course's versions under those two names, its helpers included, so a
+# slip in task 1 or 2 costs only that task. A run_graph that reaches its own versions some other way
+# (another name, a default argument) still runs them: a failure then names them and their tasks.
+
+def course_next_node(graph, current: str, state: dict) -> str:
+    """Task 1 as the course answers it: the node after ``current``, or ValueError for a malformed edge."""
+    from infra_lib.apps.agents import END
+
+    if current not in graph.branches:
+        if current not in graph.edges:
+            raise ValueError(f"node {current!r} is a dead end: it has no outgoing edge")
+        return graph.edges[current]
+    router, mapping = graph.branches[current]
+    choice = router(state)
+    try:
+        target = choice if mapping is None else mapping[choice]
+    except (KeyError, TypeError):
+        raise ValueError(f"the router of {current!r} answered {choice!r}, which its mapping lacks") from None
+    if not isinstance(target, str) or (target != END and target not in graph.nodes):
+        raise ValueError(f"the router of {current!r} chose {target!r}, which is neither a node nor END")
+    return target
+
+
+def course_call_with_retry(fn, state: dict, policy, sleep=time.sleep):
+    """Task 2 as the course answers it: ``fn(state)``, tried again with capped exponential backoff."""
+    attempts = 1 if policy is None else policy.max_attempts
+    for attempt in range(attempts):
+        try:
+            return fn(state)
+        except Exception as error:
+            if attempt == attempts - 1 or not policy.should_retry(error):
+                raise
+            sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+_COURSE = {"next_node": course_next_node, "call_with_retry": course_call_with_retry}
+_SIBLING_TASKS = {"next_node": _TASKS[1], "call_with_retry": _TASKS[2]}
+
+
+@contextlib.contextmanager
+def _course_siblings(run_graph) -> Iterator[set]:
+    """While the block runs, next_node and call_with_retry in the namespace ``run_graph`` was defined in are
+    the course's versions (the learner's come back after it). Yields a set that collects the names of the
+    learner's own versions that ran all the same, reached some other way than by those names."""
+    ran: set[str] = set()
+    namespace = run_graph.__globals__ if isinstance(run_graph, types.FunctionType) else None
+    if namespace is None:
+        yield ran
+        return
+    saved = {name: namespace[name] for name in _COURSE if name in namespace}
+    previous = sys.gettrace()
+
+    def watch(frame, event, arg):  # called for each new frame; passes it on to a tracer already there
+        if frame.f_code.co_name in _COURSE and frame.f_globals is namespace:
+            ran.add(frame.f_code.co_name)
+        return previous(frame, event, arg) if previous is not None else None
+
+    namespace.update(_COURSE)
+    sys.settrace(watch)
+    try:
+        yield ran
+    finally:
+        if sys.gettrace() is watch:
+            sys.settrace(previous)
+        for name in _COURSE:
+            namespace.pop(name, None)
+        namespace.update(saved)
+
+
 def _drive_run(run_graph, cases: list[dict]) -> list:
+    learner = run_graph is not _ref("runner", "run_graph")  # the reference runs on its own next_node and retry
     results = []
-    for case in cases:
-        with tempfile.TemporaryDirectory() as folder:
-            results.append(_run_case(run_graph, case, Path(folder) / "checkpoints.sqlite"))
+    with _course_siblings(run_graph) if learner else contextlib.nullcontext(set()) as ran:
+        for case in cases:
+            ran.clear()
+            with tempfile.TemporaryDirectory() as folder:
+                record = _run_case(run_graph, case, Path(folder) / "checkpoints.sqlite")
+            if ran:
+                record["own_siblings"] = sorted(ran)
+            results.append(record)
     return results
 
 
@@ -424,6 +576,7 @@ def _run_case(run_graph, case: dict, database: Path) -> dict:
     first = run(build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky")), checkpointer)
     record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events)}
     if crash is not None or case.get("rerun_finished"):
+        record["history_first"] = _history(checkpointer, "t")
         events.clear()
         checkpointer = new_checkpointer() if new_checkpointer else checkpointer
         second = run(build_graph(case["spec"], events), checkpointer)  # the same graph, no crash: resume
@@ -448,38 +601,122 @@ def _describe_run(case: dict) -> str:
     return text + f", max_steps={case['max_steps']}"
 
 
+_RESUME = "chapter 13, section “5 · Crash and resume from an SQLite checkpoint”"
+_RESUME_HINT = ("a second call with the same checkpointer and thread_id takes everything from the thread's latest "
+                "checkpoint, not from the input state: its state, its step count and the node it had chosen next, "
+                "which is the node that crashed, so that node runs again and no finished node runs twice "
+                f"({_RESUME}). A thread whose latest checkpoint leads to END has finished and returns its state "
+                "without running anything.")
+_RUN_MISSED = {
+    "limit": "a run is bounded by max_steps, the steps taken before a resume included: once that many steps "
+             "have run, a node still due ends the run with GraphRecursionError, so a loop whose exit never comes "
+             f"cannot run forever, while a run that needs exactly max_steps steps finishes ({_LOOP}).",
+    "gives up": "a node whose retries run out ends the whole run with its own error, unchanged; the checkpoints "
+                "saved before it stay, ready for a resume.",
+    "reducers": "a key with a reducer combines the old value with the node's update (the log grows step by step); "
+                f"only the other keys are overwritten ({_GRAPHS}).",
+    "order": "one node runs per step, exactly once (through its retry policy): the entry node first, then the node "
+             f"that the finished node's edge picks from the state with its update merged ({_LOOP}).",
+    "retry": "each node runs under its own retry policy (none: a single attempt), and every wait goes through the "
+             "sleep argument the run was given.",
+    "after merge": "a checkpoint is taken once its step is complete: it holds the state with that step's update "
+                   "merged, so that a resume neither loses nor repeats what the step did "
+                   f"({_LOOP}).",
+    "steps": "a checkpoint's step is the number of steps completed so far, this one included, and the count "
+             "goes on across a resume.",
+    "next": "a checkpoint names the node chosen to run next (END after the last one): that is where a resume "
+            f"starts ({_RESUME}).",
+    "every step": "there is exactly one checkpoint per completed step, the last one included, so that a finished "
+                  "thread is seen to be finished and a crash loses at most the step that was running.",
+    "resume": _RESUME_HINT,
+}
+
+
+def _own_siblings_hint(names: list[str]) -> str:
+    own = " and ".join(f"{name} ({_SIBLING_TASKS[name]})" for name in names)
+    return (f"this check runs the course's next_node and call_with_retry in place of yours, so that run_graph is "
+            f"judged on its own, but your run_graph still reached your own {own} some other way than by that name "
+            "(another name, a default argument), so a mistake there shows here too: get that task's checks to "
+            "pass first; if they pass, the difference is in run_graph itself.")
+
+
+def _state_hint(got, expected) -> str:
+    same_x = isinstance(got, dict) and got.get("x") == expected["x"]
+    return _RUN_MISSED["reducers"] if same_x and got.get("log") != expected["log"] else ""
+
+
+def _checkpoints_hint(got: list, expected: list, first: int, start: dict) -> str:
+    if first >= min(len(got), len(expected)):
+        return _RUN_MISSED["every step"]
+    g, e = got[first], expected[first]
+    before_the_step = expected[first - 1][3] if first else start
+    if g[3] != e[3] and g[3] == before_the_step:
+        return _RUN_MISSED["after merge"]
+    if g[0] != e[0]:
+        return _RUN_MISSED["steps"]
+    return _RUN_MISSED["next"] if g[2] != e[2] else ""
+
+
+def _checkpoints_mismatch(got: list, expected: list, where: str, start: dict, when: str) -> Mismatch | None:
+    if got == expected:
+        return None
+    first = first_difference(got, expected)
+    return Mismatch("run_graph saved the wrong checkpoints",
+                    f"on {where}: {when}, expected {len(expected)} checkpoints [step, node, next_node, state], got "
+                    f"{len(got)}; the first difference is checkpoint {first}: expected {expected[first:first + 1]}, "
+                    f"got {got[first:first + 1]}", hint=_checkpoints_hint(got, expected, first, start))
+
+
+def _run_mismatch(g: dict, e: dict, case: dict) -> Mismatch | None:
+    where, start = _describe_run(case), {"x": case["x"], "log": []}
+    (gk, gv), (ek, ev) = g["first"][:2], e["first"][:2]
+    if [gk, gv] != [ek, ev]:
+        if ek == "raised":
+            return Mismatch(f"run_graph should raise {ev} here", f"on {where}: got {gv!r:.200}",
+                            hint=_RUN_MISSED["limit" if ev == "GraphRecursionError" else "gives up"])
+        if gk == "raised":
+            return Mismatch("run_graph raised where it should finish", f"on {where}: expected {ev!r:.200}, got {gv}",
+                            hint=_RUN_MISSED["limit"] if gv == "GraphRecursionError" else "")
+        if gk != "value":
+            return Mismatch("run_graph must return the final state, a dict", f"on {where}: got {gv}")
+        return Mismatch("run_graph ended in the wrong state", f"on {where}: expected {ev!r:.200}, got {gv!r:.200}",
+                        hint=_state_hint(gv, ev))
+    if g["events"] != e["events"]:
+        return Mismatch("run_graph ran the nodes in the wrong order",
+                        f"on {where}: expected the calls {e['events']}, got {g['events']}", hint=_RUN_MISSED["order"])
+    if g["sleeps"] != e["sleeps"]:
+        return Mismatch("run_graph did not retry as the node's policy says",
+                        f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}",
+                        hint=_RUN_MISSED["retry"])
+    if "resumed" in e:
+        # Checkpoints that were already wrong before the second run explain a wrong resume: they come first.
+        wrong = _checkpoints_mismatch(g.get("history_first"), e["history_first"], where, start, "after the first run")
+        if wrong:
+            return wrong
+        if g.get("resumed", [None])[:2] != e["resumed"][:2]:
+            return Mismatch("the resumed run ended in the wrong state",
+                            f"on {where}: expected {e['resumed'][1]!r:.200}, got {g.get('resumed')!r:.200}",
+                            hint=_RUN_MISSED["resume"])
+        if g.get("resumed_events") != e["resumed_events"]:
+            return Mismatch("the resumed run did not start from the last checkpoint",
+                            f"on {where}: expected it to call {e['resumed_events']}, "
+                            f"it called {g.get('resumed_events')}",
+                            hint=_RUN_MISSED["resume"])
+    return _checkpoints_mismatch(g["history"], e["history"], where, start,
+                                 "after the second run" if "resumed" in e else "after the run")
+
+
 def _compare_run(got, expected, cases) -> Mismatch | None:
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     for case, g, e in zip(cases, got, expected):
-        where = _describe_run(case)
-        if g["first"][:2] != e["first"][:2]:
-            if e["first"][0] == "raised":
-                return Mismatch(f"run_graph should raise {e['first'][1]} here",
-                                f"on {where}: got {g['first'][1]!r:.200}")
-            return Mismatch("run_graph ended in the wrong state" if g["first"][0] == "value" else
-                            "run_graph raised where it should finish",
-                            f"on {where}: expected {e['first'][1]!r:.200}, got {g['first'][1]!r:.200}")
-        if g["events"] != e["events"]:
-            return Mismatch("run_graph ran the nodes in the wrong order",
-                            f"on {where}: expected the calls {e['events']}, got {g['events']}")
-        if g["sleeps"] != e["sleeps"]:
-            return Mismatch("run_graph did not retry as the node's policy says",
-                            f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}")
-        if "resumed" in e:
-            if g.get("resumed", [None])[:2] != e["resumed"][:2]:
-                return Mismatch("the resumed run ended in the wrong state",
-                                f"on {where}: expected {e['resumed'][1]!r:.200}, got {g.get('resumed')!r:.200}")
-            if g.get("resumed_events") != e["resumed_events"]:
-                return Mismatch("the resumed run did not start from the last checkpoint",
-                                f"on {where}: expected it to call {e['resumed_events']}, "
-                                f"it called {g.get('resumed_events')}")
-        if g["history"] != e["history"]:
-            first = first_difference(g["history"], e["history"])
-            return Mismatch("run_graph saved the wrong checkpoints",
-                            f"on {where}: expected {len(e['history'])} checkpoints [step, node, next_node, state], "
-                            f"got {len(g['history'])}; the first difference is checkpoint {first}: expected "
-                            f"{e['history'][first:first + 1]}, got {g['history'][first:first + 1]}")
+        wrong = _run_mismatch(g, e, case)
+        if wrong and g.get("own_siblings"):
+            names = g["own_siblings"]
+            return Mismatch(f"{wrong.what}; your run_graph ran your own {' and '.join(names)}, not the course's",
+                            wrong.detail, hint=_own_siblings_hint(names))
+        if wrong:
+            return wrong
     return None
 
 
@@ -492,11 +729,6 @@ _RUN_HINT = ("one step runs one node on a copy of the state under that node's ow
              "state is returned.")
 register(Check(check_id="lab13.run_graph", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_run_cases, drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
-_RESUME_HINT = ("a second call with the same checkpointer and thread_id takes everything from the thread's latest "
-                "checkpoint, not from the input state: its state, its step count and the node it had chosen next, "
-                "which is the node that crashed, so that node runs again and no finished node runs twice (chapter 13, "
-                "section “5 · Crash and resume from an SQLite checkpoint”). A thread whose latest checkpoint leads to "
-                "END has finished and returns its state without running anything.")
 register(Check(check_id="lab13.run_graph_resume", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run, hint=_RESUME_HINT))
 register(Check(check_id="lab13.run_graph_resume_sqlite", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
