@@ -310,15 +310,17 @@ def test_a_plan_that_schedules_a_preempted_sequence_is_refused_before_it_runs():
 
 
 def test_lab08_shows_the_first_plan_difference_with_the_invariant_that_broke():
+    """In the real engine (lab 08's own plans, run for real), a plan the engine refuses is shown with
+    the first step that differs from the reference's, the refused step included."""
     import random
 
     from grading.checks import lab08
 
-    runs = lab08._preemption_runs(random.Random(0))
-    got = lab08._drive_workloads(_schedule_preempting_the_oldest, runs)
-    expected = lab08._drive_workloads(Scheduler.schedule, runs)
+    case = lab08._engine_preemption_case(random.Random(0))
+    got = lab08._drive_engine(_schedule_preempting_the_oldest, case)
+    expected = lab08._drive_engine(Scheduler.schedule, case)
     assert any(r["violation"] and "preempted it in the same step" in r["violation"] for r in got), got
-    mismatch = lab08._compare_workloads(got, expected, runs)
+    mismatch = lab08._compare_engine(got, expected, case)
     assert mismatch is not None and mismatch.what.startswith("which running sequences are preempted")
     assert "and then the run stopped" in mismatch.detail and "preempted it in the same step" in mismatch.detail
     assert "IndexError" not in mismatch.detail

@@ -1,0 +1,137 @@
+"""Lab 08's checks score each part on its own: every simulated step is planned from the reference's
+state, each part judges only what its behaviour decides, so a typical mistake loses exactly its own
+part's checks, with the hint written for that mistake."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import REPO, answer_cells
+from grading import check
+from grading.checks import lab08
+from grading.registry import all_checks
+from infra_lib.serving import Scheduler, SchedulerConfig, SchedulerOutput, SequenceStatus
+
+SOLUTION = REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb"
+PARTS = {1: ["lab08.decode_first", "lab08.decode_first_random"],
+         2: ["lab08.chunked_prefill", "lab08.chunked_prefill_random"],
+         3: ["lab08.preemption", "lab08.preemption_random", "lab08.engine_preemption"],
+         4: ["lab08.engine_tiny_model", "lab08.engine_prefix_cache"],
+         5: ["lab08.records", "lab08.records_random"]}
+SIMULATED = [c for part in (1, 2, 3, 5) for c in PARTS[part] if "engine" not in c]
+
+
+def _answer(*edits: tuple[str, str]):
+    """The instructor's schedule with lines of its source replaced (each edit must apply once)."""
+    source = answer_cells(SOLUTION)["schedule"]
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    namespace = {"Scheduler": Scheduler, "SchedulerConfig": SchedulerConfig, "SchedulerOutput": SchedulerOutput,
+                 "SequenceStatus": SequenceStatus}
+    exec(source, namespace)
+    return namespace["schedule"]
+
+
+def _failures(schedule, parts=(1, 2, 3, 4, 5)) -> dict[int, list[str]]:
+    failed: dict[int, list[str]] = {}
+    for part in parts:
+        for check_id in PARTS[part]:
+            try:
+                check(check_id, schedule)
+            except AssertionError as exc:
+                failed.setdefault(part, []).append(str(exc))
+    return failed
+
+
+def _only_part_fails(schedule, part: int, hint: str, what: str, parts=(1, 2, 3, 4, 5)) -> None:
+    failed = _failures(schedule, parts)
+    assert set(failed) == {part}, {p: [m.splitlines()[:2] for m in ms] for p, ms in failed.items()}
+    for message in failed[part]:
+        if "engine" in message.split()[0]:
+            continue  # the real engine's check names the run that stopped, with the scheduler's own words
+        assert f"  {what}" in message and f"hint: {hint}" in message, message
+
+
+def test_the_instructor_schedule_passes_every_part():
+    assert _failures(_answer(), (1, 2, 3, 5)) == {}
+
+
+def test_preempting_the_oldest_loses_part_3_only_with_the_newest_first_hint():
+    oldest = _answer(("victim = self.running[-1]", "victim = self.running[0]"))
+    _only_part_fails(oldest, 3, lab08._HINT["victim"], "other sequences were preempted than the reference's")
+
+
+def test_a_budget_the_running_sequences_do_not_spend_loses_part_1_only():
+    unspent = _answer(("        out.add(seq, n)\n        budget -= n\n    while", "        out.add(seq, n)\n    while"))
+    _only_part_fails(unspent, 1, lab08._HINT["budget"], "the step plans more tokens than the budget",
+                     parts=(1, 2, 3, 5))
+
+
+def test_asking_for_the_whole_prompts_blocks_before_cutting_loses_part_2_only():
+    check_then_cut = _answer(("        n = min(n, budget)\n        if not self.can_admit(seq, n):",
+                              "        if not self.can_admit(seq, n):\n            break\n        n = min(n, budget)\n"
+                              "        if not self.can_admit(seq, n):"))
+    _only_part_fails(check_then_cut, 2, lab08._HINT["cut_first"], "a prompt whose chunk fits was not admitted",
+                     parts=(1, 2, 3, 5))
+
+
+def test_leaving_out_the_zero_hits_loses_the_records_part_only():
+    no_zeros = _answer(("        out.num_cached_tokens[seq.seq_id] = cached",
+                        "        if cached:\n            out.num_cached_tokens[seq.seq_id] = cached"))
+    _only_part_fails(no_zeros, 5, lab08._HINT["cached_record"], "an admission's prefix-cache hit is not recorded")
+
+
+def test_a_schedule_that_admits_nothing_cannot_pass_the_records_part():
+    nothing = _answer(("    while self.waiting and not out.preempted:", "    while False:"))
+    message = str(pytest.raises(AssertionError, check, "lab08.records", nothing).value)
+    assert "could not be judged" in message and "fix part 2 (admission) first" in message
+
+
+def test_the_course_planning_equals_the_reference_scheduler():
+    """The planning that drives the simulated runs is the course's own code (the reference's may not run
+    while a learner's code is watched): it must plan every step as the reference does."""
+    for check_id in SIMULATED:
+        registered = all_checks()[check_id]
+        for seed in range(3):
+            inputs = registered.inputs(seed)
+            steps = lab08._drive_forced(lab08._course_schedule, inputs)
+            reference = lab08._drive_forced(Scheduler.schedule, inputs)
+            strip = [[{k: v for k, v in s.items() if k != "reasons"} for s in run["steps"]] for run in steps]
+            assert strip == [[{k: v for k, v in s.items() if k != "reasons"} for s in run["steps"]]
+                             for run in reference], (check_id, seed)
+
+
+def test_each_part_judges_steps_it_owns_on_every_seed():
+    """No part passes for want of steps to judge: each visible and hidden workload has admissions,
+    preemptions (part 3) and hits of both kinds (part 5) in the reference's run."""
+    for check_id in SIMULATED:
+        registered = all_checks()[check_id]
+        for seed in range(4):
+            runs = lab08._drive_forced(Scheduler.schedule, registered.inputs(seed))
+            steps = [s for run in runs for s in run["steps"]]
+            assert any(s["admitted"] for s in steps), check_id
+            if check_id.startswith("lab08.preemption"):
+                assert any(s["preempted"] for s in steps), (check_id, seed)
+            if check_id.startswith("lab08.records"):
+                hits = [n for s in steps for _, n in s["hits"]]
+                assert any(hits) and 0 in hits, (check_id, seed)
+
+
+def test_a_step_that_raises_is_reported_at_that_step_and_the_run_goes_on():
+    calls = {"n": 0}
+    solution = _answer()
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyError("oops")
+        return solution(self)
+
+    message = str(pytest.raises(AssertionError, check, "lab08.decode_first", flaky).value)
+    assert "your schedule raised KeyError at step 2" in message and "oops" in message
+    calls["n"] = 0
+    runs = lab08._drive_forced(flaky, lab08._decode_first_runs(random.Random(0)))
+    assert len(runs[0]["steps"]) > 3 and runs[0]["steps"][2]["error"].startswith("KeyError")
