@@ -1,0 +1,136 @@
+"""What the grader still checks once a visible check passes: one line per visible check.
+
+A lab's test cell runs its visible checks for the learner and holds hidden checks (between
+``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``) that only the grader runs. A ✓ on
+the visible check is not the score, so ``check()`` prints the line below under it: what kind
+of input the cell's hidden checks add (extreme values, traffic, other shapes, random
+sequences, the real model), never the inputs themselves. A cell without hidden checks says
+that the grader reruns the visible check on inputs drawn from its own seed.
+"""
+
+from __future__ import annotations
+
+ALSO_CHECKS = "the grader also checks: "
+NOTHING_HIDDEN = "this cell has no hidden checks: the grader reruns this check on new random inputs"
+
+_SOFTMAX = ("logits of the order of ±10^4, where exp overflows unless each row is shifted by its own maximum, and "
+            "rows that are mostly -inf or -inf in all but one place")
+_CACHED_ATTENTION = ("several new tokens on top of a filled cache (t > 1 after a prefill), with one KV head shared by "
+                     "every query head (MQA) and one KV head per query head (MHA)")
+_SIMULATED_TRACES = "request timings from the simulated serving engine, some failed, some with several tokens per chunk"
+
+_TEXTS: dict[str, str | None] = {
+    # lab 01
+    "lab01.gemm_flops": "shapes whose count does not fit in 32 bits, a single row (a decode GEMV), a reduction of "
+                        "length one, and an empty dimension",
+    "lab01.time_op_warmup": "an operation that only queues its work, as a GPU launch does, timed with a sync function",
+    "lab01.dominant_op_real": "made-up profiles where a wrapper's total time nearly equals its child's, and GPU "
+                              "profiles where the kernels' device time, not the CPU's launch time, decides",
+    "lab01.achieved_tflops": "a measured time of zero or below, which must raise ValueError",
+    # lab 02
+    "lab02.arithmetic_intensity": "one-row and small-batch shapes (decode) and other element sizes: 1 byte (fp8), "
+                                  "4 (fp32) and half a byte (int4)",
+    "lab02.attainable_flops": "the edges: exactly on the ridge point, just left of it, intensity 0, and far to the "
+                              "right",
+    "lab02.kv_bytes_per_token": "grouped-query and multi-query models (fewer KV heads than query heads), and 1- and "
+                                "4-byte elements",
+    "lab02.max_concurrency": "tight fits: weights or a reserve that alone overflow memory, exactly nothing left, one "
+                             "byte short of one more sequence, and contexts from 1 to 10 million tokens",
+    # lab 03
+    "lab03.softmax_odd_shapes": _SOFTMAX,
+    "lab03.softmax_in_bounds": _SOFTMAX,
+    "lab03.softmax_reads_once": None,
+    "lab03.matmul_odd_shapes": "transposed (column-major) A, B and C, and tiles whose BLOCK_M and BLOCK_N differ",
+    "lab03.matmul_in_bounds": "the bytes your kernel loads on these shapes: a lane that reads outside A or B fails "
+                              "even when C comes out right (counted when Triton runs in its interpreter)",
+    "lab03.rmsnorm_odd_shapes": "the bytes your kernel loads: each row of x and the weights once, no lane past n_cols "
+                                "read even when its result is never stored (counted when Triton runs in its "
+                                "interpreter)",
+    # lab 04
+    "lab04.op_histogram": "graphs with submodule calls (an nn.Linear) and parameter reads next to the fusion patterns",
+    "lab04.fuse_silu": "every spelling of x * sigmoid(x) (function or method, torch.mul, either order), several in one "
+                       "graph, inside longer products and on a Linear's output",
+    "lab04.fuse_silu_no_match": "more look-alikes that must stay as they are: x + sigmoid(x), sigmoid(x) * "
+                                "sigmoid(x), x * tanh(x), a sigmoid used twice, mixed with real matches",
+    "lab04.fuse_add_relu": "every spelling of relu(a + b) (torch.add, a.add(b), F.relu, .relu()), with a number or a "
+                           "Linear's output as an operand",
+    "lab04.fuse_add_relu_no_match": "more look-alikes that must stay as they are: relu(a - b), relu(a * b), "
+                                    "sigmoid(a + b), relu(a) + b, mixed with real matches",
+    # lab 05
+    "lab05.zero_memory": "other byte counts (plain SGD keeps no optimizer state), no parameters, and invalid "
+                         "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
+                         "parameters) that must raise ValueError",
+    "lab05.shard_bounds": "empty tensors, fewer elements than ranks, a single rank, and a billion elements",
+    "lab05.ring_sum": "up to 8 ranks and tensors of thousands of elements",
+    "lab05.ring_traffic": "up to 8 ranks, 2-D tensors and float64 elements: one chunk per message, whatever W and the "
+                          "element size",
+    "lab05.ring_any_tensor": "a single rank, empty tensors, int64 tensors, strided and permuted views, and 5 ranks",
+    # lab 06
+    "lab06.causal_mask_prefill": "masks with a cache: fewer queries than keys, a decode step (t = 1) included",
+    "lab06.repeat_kv": None,
+    "lab06.cached_attention_prefill": _CACHED_ATTENTION,
+    "lab06.cached_attention_decode": _CACHED_ATTENTION,
+    "lab06.cached_attention_in_model": "the real SmolLM2-135M-Instruct model answering a question through your "
+                                       "attention",
+    "lab06.greedy_decode": "a stop token that ends the answer early, with no model call after the last token",
+    # lab 07
+    "lab07.allocate": "random sequences of calls on pools of 1 to 14 blocks",
+    "lab07.free_lru": "random sequences of allocate and free on pools of 1 to 14 blocks, double frees included",
+    "lab07.fork": "random sequences of allocate, free and fork on pools of 1 to 14 blocks",
+    "lab07.copy_on_write": "random sequences of every operation on pools of 1 to 14 blocks",
+    "lab07.pool_in_model": "forked samples of one prompt on the real SmolLM2-135M-Instruct model, through your pool",
+    # lab 08
+    "lab08.decode_first": "random configurations (1 to 8 running sequences, budgets of 3 to 128 tokens, blocks of 1 "
+                          "to 16 tokens) and requests that arrive over time",
+    "lab08.chunked_prefill": "random budgets and prompt lengths, with chunked prefill on and off, and requests that "
+                             "arrive over time",
+    "lab08.preemption": "random pools of one to two times the blocks of the longest request, some with prefix "
+                        "caching, and the real engine on pools small enough to force preemptions, where every "
+                        "request must finish with greedy decoding's tokens",
+    "lab08.records": "random budgets with prefix caching, over longer runs",
+    "lab08.engine_tiny_model": "prefix caching and whole prompts (chunked prefill off) on the real engine",
+    # lab 09
+    "lab09.quantize_int8": "group size 1, whole rows of zeros, float64, float16 and bfloat16 weights, invalid "
+                           "arguments that must raise ValueError, and rows as long as SmolLM2's projections with "
+                           "outlier input channels",
+    "lab09.dequantize_int8": "a round trip through quantisation with long rows, group size 1 and all-zero groups, and "
+                             "scales of the wrong shape, which must raise ValueError",
+    "lab09.expected_tokens": "the edges: acceptance rates of 0 and 1 (the int 1 too), gamma = 0, a rate very close "
+                             "to 1, and rates outside [0, 1]",
+    "lab09.accept_greedy": None,
+    "lab09.accept_distribution": "one-hot drafts under a sampling target, a draft row equal to the target's, tokens "
+                                 "the draft never proposes, and gamma = 4",
+    "lab09.speculative_greedy": "gamma from 1 to 8, a one-token prompt, and a step cut short by max_new_tokens",
+    # lab 10
+    "lab10.ttft": _SIMULATED_TRACES,
+    "lab10.e2el": _SIMULATED_TRACES,
+    "lab10.tpot": _SIMULATED_TRACES,
+    "lab10.itl": _SIMULATED_TRACES,
+    "lab10.percentile": "about a thousand values, ties, integers, p = 99.9, empty lists and invalid p",
+    "lab10.latency_percentiles": "whole traces of the simulated engine, p = 99.9 and 50, a run where nothing "
+                                 "succeeded, and one of single-token answers",
+    "lab10.goodput": "latencies exactly at their limits, single tokens, a failed fast request, a success without a "
+                     "chunk, no requests, a duration of zero or below, and a trace of the simulated engine",
+    "lab10.diagnose_scenarios": "windows on and just past each rule's threshold, windows where two rules hold at "
+                                "once, and more seeds of every scenario",
+    # lab 12
+    "lab12.chunk_text": "texts exactly one window long or ending exactly on a window, one character, a step of one "
+                        "character, non-ASCII and empty texts, invalid sizes, and documents of the shipped corpus",
+    "lab12.top_k_cosine": "a 1-D query, k above the number of rows, an all-zero row, k = 0 (ValueError) and a "
+                          "single row",
+    "lab12.recall_at_k": "k beyond every list, a query that retrieved nothing, and invalid inputs",
+    "lab12.pipeline": None,
+    # lab 13
+    "lab13.next_node": "a router that names a node the graph lacks, a node with no outgoing edge, and a mapped "
+                       "router exactly at its limit",
+    "lab13.call_with_retry": "two retried error types, a fatal error after a retry, a single attempt, and a long run "
+                             "of failures against the backoff cap",
+    "lab13.run_graph": "a loop that outlasts max_steps, and a node whose retries run out",
+    "lab13.run_graph_resume": "a crash at every step of a graph with a flaky node, resumed from SQLite checkpoints "
+                              "by a new checkpointer",
+}
+
+# Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).
+STILL_CHECKED: dict[str, str] = {
+    check_id: NOTHING_HIDDEN if text is None else ALSO_CHECKS + text for check_id, text in _TEXTS.items()
+}
