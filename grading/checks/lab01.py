@@ -100,6 +100,7 @@ class _Workload:
         self.asynchronous = asynchronous
         self.calls = 0
         self.queued_s = 0.0
+        self.leaked_s = 0.0  # warm-up work still queued when the first timed call started
         self.lock = threading.Lock()
 
     def cost_s(self, index: int) -> float:
@@ -110,6 +111,8 @@ class _Workload:
 
     def fn(self) -> None:
         with self.lock:
+            if self.calls == self.plan["warmup"]:
+                self.leaked_s = self.queued_s
             cost = self.cost_s(self.calls)
             self.calls += 1
             if self.asynchronous:
@@ -128,7 +131,7 @@ def _drive_timer(asynchronous: bool):
         workload = _Workload(plan, asynchronous)
         seconds = time_op(workload.fn, warmup=plan["warmup"], iters=plan["iters"],
                           sync=workload.sync if asynchronous else None)
-        return {"seconds": seconds, "calls": workload.calls}
+        return {"seconds": seconds, "calls": workload.calls, "warmup_leaked_ms": round(workload.leaked_s * 1000, 3)}
 
     return drive
 
@@ -163,10 +166,23 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     if type(seconds) not in (int, float):
         return Mismatch("time_op must return seconds as a float", f"got {seconds!r:.80}")
     want = _planned_median_s(plan)
-    if not want * 0.9 <= seconds <= want + _allowed_overshoot_s(expected, want):
+    highest = want + _allowed_overshoot_s(expected, want)
+    if not want * 0.9 <= seconds <= highest:
+        in_milliseconds = want * 900 <= seconds <= highest * 1000
         return Mismatch(
             "time_op returned the wrong time",
             f"with {setting}: expected about {want * 1000:.1f} ms (the median timed call), got {seconds * 1000:.1f} ms",
+            hint="the value is about a thousand times the median call: time_op returns seconds, the unit "
+            "time.perf_counter() counts in, not milliseconds." if in_milliseconds else "",
+        )
+    if got.get("warmup_leaked_ms", 0) > expected.get("warmup_leaked_ms", 0):
+        return Mismatch(
+            "time_op let work queued during the warm-up leak into the first timed call",
+            f"with {setting}: {got['warmup_leaked_ms']:.0f} ms of warm-up work was still queued when the first "
+            "timed call started (the median hid it here)",
+            hint="a device may still be busy with the warm-up calls' work when timing starts, and the first timed "
+            "call then waits for it too: when a sync is given, the warm-up's work must be finished before the first "
+            "measurement begins. chapter 01, section “6 · Gotcha 2: stopping the clock before the work is done”.",
         )
     return None
 

@@ -105,11 +105,13 @@ _MASK_SECTION = "chapter 03, section “6 · Catching a missing mask”"
 def _mask_hint(violation: dict) -> str:
     """The hint for an access outside a tensor: which argument, and loads and stores told apart."""
     argument = f"`{violation['argument']}`" if violation["side"] in _SIDES else "a tensor"
+    addresses = ("If those lanes are already switched off, look at the addresses instead: each tensor is walked "
+                 "with its own strides, never with another tensor's or an assumed row length")
     if violation["kind"] == "store":
         return (f"a store reached lanes outside {argument}: where a tile or a row hangs over the edge, the store "
-                f"must be switched off for the lanes past it ({_MASK_SECTION}).")
+                f"must be switched off for the lanes past it. {addresses} ({_MASK_SECTION}).")
     return (f"a load reached lanes outside {argument} (past an edge, or into the gaps between strided rows): those "
-            f"lanes must not be read, and the value they get instead must leave the result unchanged "
+            f"lanes must not be read, and the value they get instead must leave the result unchanged. {addresses} "
             f"({_MASK_SECTION}).")
 
 
@@ -438,7 +440,8 @@ def _rmsnorm_case(rng: random.Random, rows: int, cols: int, *, pad: int = 0, out
 
 def _rmsnorm_shapes(rng):
     return [_rmsnorm_case(rng, 1, 1), _rmsnorm_case(rng, rng.randint(2, 6), 576, eps=1e-6),
-            _rmsnorm_case(rng, rng.randint(10, 30), rng.randint(33, 200), pad=rng.randint(1, 20), out_pad=3),
+            # x and out padded differently, so that using one's row stride for the other shows
+            _rmsnorm_case(rng, rng.randint(10, 30), rng.randint(33, 200), pad=rng.randint(4, 20), out_pad=3),
             _rmsnorm_case(rng, rng.randint(3, 8), rng.randint(5, 30), eps=0.5)]
 
 

@@ -254,19 +254,33 @@ def _drive_pass(graph_pass, graphs: list[dict]) -> list[dict]:
     return results
 
 
+# Hints for a pass whose matching may be right but whose rewrite is not finished.
+_RETURN_HINT = ("a pass changes the graph of the module it is given, in place, and hands that same module back; "
+                "the check runs what the pass returns.")
+_LINT_HINT = ("every node must come after the nodes it uses and before the nodes that use it, and no node may still "
+              "use one that was erased: the lint message names the node in question (chapter 04, section “7 · "
+              "Writing a graph pass with torch.fx”).")
+_STALE_HINT = ("a GraphModule runs the Python code generated from its graph, and that code is generated again only "
+               "when asked: after the graph changes, the module must regenerate it.")
+_LEFTOVER_HINT = ("the fused nodes are there, but other nodes differ: a node left without users still sits in the "
+                  "graph, and still runs, until dead-code elimination removes it; any other difference is a node that "
+                  "should have been left alone.")
+
+
 def _pass_compare(name: str, fused: str, pattern: str):
     def compare(got, expected, graphs) -> Mismatch | None:
         for graph, g, e in zip(graphs, got, expected):
             where = _describe(graph)
             if g["returned"] != "GraphModule":
                 return Mismatch(f"{name} must return the GraphModule it rewrote",
-                                f"on {where}: it returned a {g['returned']}; end with `return gm`")
+                                f"on {where}: it returned a {g['returned']}; end with `return gm`",
+                                hint=_RETURN_HINT)
             if g["lint"]:
                 return Mismatch(f"the graph after {name} is malformed (gm.graph.lint() fails)",
-                                f"on {where}: {g['lint']}")
+                                f"on {where}: {g['lint']}", hint=_LINT_HINT)
             if g["stale"]:
                 return Mismatch(f"after {name} the module still runs its old code: call gm.recompile() "
-                                "after changing gm.graph", f"on {where}")
+                                "after changing gm.graph", f"on {where}", hint=_STALE_HINT)
             if g["error"]:
                 return Mismatch(f"the module returned by {name} raises when called", f"on {where}: {g['error']}")
             if g["histogram"] != e["histogram"]:
@@ -279,7 +293,7 @@ def _pass_compare(name: str, fused: str, pattern: str):
                     what = (f"the graph after {name} holds the wrong nodes (left-over dead nodes? "
                             "call gm.graph.eliminate_dead_code())")
                 return Mismatch(what, f"on {where}:\nexpected nodes {e['histogram']},\ngot            "
-                                      f"{g['histogram']}")
+                                      f"{g['histogram']}", hint="" if got_fused != want_fused else _LEFTOVER_HINT)
             problem = array_mismatch(g["output"], e["output"], f"the module after {name} computes different values",
                                      where, atol=1e-5, rtol=1e-5)
             if problem:
