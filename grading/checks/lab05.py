@@ -510,10 +510,11 @@ def _element_note(got: float, want: float, values: list[float]) -> str:
         if mask == 2**world - 1 or abs(part - got) > 1e-4 * scale:
             continue
         if len(ranks) == 1:
-            return (f"; that element holds only {which}: nothing was added into it. In the reduce-scatter, receive "
-                    "into a new buffer (torch.empty_like(chunk)) and add it to your chunk (receiving straight into "
-                    f"the chunk replaces it); it takes W - 1 = {world - 1} steps, and check which chunk index each "
-                    "step sends and receives")
+            return (f"; that element holds only {which}: nothing was added into it. Either the reduce-scatter "
+                    "replaced chunks instead of adding to them (receiving straight into a chunk replaces it) or ran "
+                    f"fewer than W - 1 = {world - 1} steps, or the all-gather passed on chunks that were not "
+                    "finished yet (at every all-gather step a rank sends the finished chunk it holds or has just "
+                    "received): check which chunk each step sends and receives, in both phases")
         return (f"; that element holds the sum over ranks {ranks} only, of {world}: each chunk needs W - 1 = "
                 f"{world - 1} reduce-scatter steps, each adding what the left neighbour sent into the chunk it sends "
                 "on at the next step")

@@ -402,11 +402,17 @@ def _compare_decode(got, expected, case):
             return Mismatch("greedy_decode produced different tokens",
                             f"on {where}: expected {e['tokens']}, got {g['tokens']}")
         if g["tokens_in"] != e["tokens_in"]:
+            one_more = g["calls"] == e["calls"] + 1 and g["tokens_in"] == e["tokens_in"] + 1
             return Mismatch("greedy_decode fed the model more tokens than a cached loop needs",
                             f"on {where}: expected {e['tokens_in']} tokens over {e['calls']} model calls (the prompt once, "
-                            f"then one token per step), got {g['tokens_in']} over {g['calls']} calls")
+                            f"then each new token but the last), got {g['tokens_in']} over {g['calls']} calls",
+                            hint=_LAST_CALL_HINT if one_more else "")
     return None
 
+
+_LAST_CALL_HINT = ("the answer is complete as soon as its last token is chosen (max_new_tokens reached, or stop_id): "
+                   "the tokens were right, but your loop ran the model once more to feed that last token back, a call "
+                   "whose logits nobody reads.")
 
 register(Check(
     check_id="lab06.greedy_decode",

@@ -452,11 +452,16 @@ def _expected_note(a: float, gamma: int, got) -> str:
     def close(x):
         return math.isclose(got, x, rel_tol=1e-6)
 
+    want = float(gamma + 1) if a == 1 else (1 - a ** (gamma + 1)) / (1 - a)
+    if close(want - 1) and not close(want):
+        return ("; that counts only the accepted draft tokens: every step also emits one token of the target's own "
+                "(the replacement at the first rejection, or the bonus)")
     if a < 1:
         if gamma > 0 and close((1 - a ** gamma) / (1 - a)):
             return "; that sums gamma terms: with the bonus token there are gamma + 1, 1 + a + ... + a^gamma"
         if close(a ** (gamma + 1) / (1 - a)) or close((1 - a ** (gamma + 1)) * (1 - a)):
-            return "; E = (1 - a^(gamma + 1)) / (1 - a)"
+            return ("; that is not the closed form of 1 + a + ... + a^gamma: try yours where the answer is known, "
+                    "E = 1 at a = 0 and at gamma = 0")
         if close(1 / (1 - a)):
             return "; that is the limit for an endless draft: gamma drafts give only gamma + 1 terms"
     if close(1 + a * gamma) or close(a * gamma):
@@ -826,8 +831,8 @@ _MISTAKES = (
                          "draft's favourite tokens")),
     ({"resample": "reversed"}, ("at a rejection you drew from max(0, q - p): the replacement comes from the "
                                 "target's excess over the draft, max(0, p - q), normalised")),
-    ({"resample": "argmax"}, ("at a rejection you took the argmax of max(0, p - q): draw the replacement at random, "
-                              "torch.multinomial(residual / residual.sum(), 1, generator=generator)")),
+    ({"resample": "argmax"}, ("at a rejection you took the argmax of max(0, p - q): draw the replacement at random "
+                              "from it, in proportion to its (normalised) weights")),
     ({"accept": "reversed"}, ("you keep a draft token when u > p(x) / q(x) (or reject it when u < p(x) / q(x)): "
                               "keep it when u < p(x) / q(x), so that a token the target likes at least as much as "
                               "the draft is always kept")),
@@ -836,10 +841,9 @@ _MISTAKES = (
     ({"accept": "p"}, ("you keep a draft token with probability p(x): the acceptance probability is "
                        "min(1, p(x) / q(x))")),
     ({"accept": "deterministic"}, ("you keep a draft token when p(x) >= q(x), without a random draw: keep it with "
-                                   "probability min(1, p(x) / q(x)), u = torch.rand((), generator=generator) < "
-                                   "p(x) / q(x)")),
+                                   "probability min(1, p(x) / q(x)), decided by a uniform random draw of its own")),
     ({"bonus": "argmax"}, ("when every draft token is accepted you took the argmax of p[gamma]: draw the bonus "
-                           "token at random, torch.multinomial(p[gamma], 1, generator=generator)")),
+                           "token at random from p[gamma], as the target would sample it")),
     ({"bonus": "previous"}, ("when every draft token is accepted you drew the bonus token from p[gamma - 1]: it "
                              "comes from p[gamma], the target's row after the last draft token")),
 )
@@ -970,10 +974,17 @@ def _distribution_problem(case: dict, record: dict) -> Mismatch | None:
                         + _detail_table(name, counts, probs, p, q))
     zero = [i for i, c in enumerate(counts) if c and float(probs[i]) <= 1e-12]
     if zero:
+        if name == "resampled_first":
+            why = ("the replacement is drawn from max(0, p - q), normalised, which is 0 wherever q >= p: a token the "
+                   "draft already proposes at least as often as the target wants can never be the replacement")
+        elif name == f"position {gamma}":
+            why = f"the bonus token is drawn from p[{gamma}], the target's row after the last draft token"
+        else:
+            why = ("a draft token with p(x) = 0 must always be rejected, and the replacement from max(0, p - q) "
+                   "never picks it either")
         return Mismatch(f"{_statistic_text(name, gamma)} came out as a token it can never be",
                         f"on {where}: token {zero[0]} has probability 0 there, yet your rule emitted it "
-                        f"{counts[zero[0]]} times; a draft token with p(x) = 0 must always be rejected, and "
-                        "max(0, p - q) is 0 there\n" + _detail_table(name, counts, probs, p, q))
+                        f"{counts[zero[0]]} times; {why}\n" + _detail_table(name, counts, probs, p, q))
     return Mismatch(f"{_statistic_text(name, gamma)} is not distributed as it should be",
                     f"on {where}: chi-square p-value {value:.2g} (a correct rule stays above {_FAIL_P:g})\n"
                     + _detail_table(name, counts, probs, p, q))

@@ -380,6 +380,9 @@ def _percentile_problem(case: list, got, want):
             note = f"; sorted, the value at rank (n - 1) * p / 100 = {rank:g} (counting from 0) is the answer"
         elif _same(got, interpolate(xs, min(n * p / 100, n - 1))):
             note = f"; the rank is (n - 1) * p / 100 = {rank:g} (counting from 0), not n * p / 100"
+        elif _same(got, interpolate(xs, min(max((n + 1) * p / 100 - 1, 0), n - 1))):
+            note = ("; that places the sorted values at p = 100 (k + 1) / (n + 1), as statistics.quantiles' default "
+                    "(exclusive) method does: here the smallest value sits at p = 0 and the largest at p = 100")
     return "percentile returned the wrong value", f"expected {_fmt(want)}, got {_fmt(got)}{note}"
 
 
@@ -585,7 +588,8 @@ def _describe_goodput(case: dict) -> str:
             f"duration_s={case['duration_s']}, slo_ms={case['slo_ms']}")
 
 
-def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, strict=False, seconds=False) -> float:
+def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, nan_meets=False, strict=False,
+                     seconds=False) -> float:
     """Goodput computed with one common mistake, for the message."""
     met = 0
     for d in case["timings"]:
@@ -597,7 +601,7 @@ def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, st
         ok = d["success"] or count_failed
         for key, limit in case["slo_ms"].items():
             value = measured[key] * (1 if seconds else 1000)
-            if key == "tpot" and math.isnan(value) and not nan_tpot_fails:
+            if math.isnan(value) and (nan_meets or (key == "tpot" and not nan_tpot_fails)):
                 continue
             if not (value < limit if strict else value <= limit):
                 ok = False
@@ -611,11 +615,15 @@ def _goodput_problem(case: dict, got, want):
     mistakes = {"you counted failed requests: a request that failed never meets an SLO": {"count_failed": True},
                 "a request with fewer than two tokens has no TPOT (nan) and meets any TPOT SLO":
                     {"nan_tpot_fails": True},
+                "you counted a request without a TTFT or an E2EL (nan: no chunk, or no end): nan meets no TTFT or "
+                "E2EL limit, and a test such as value > limit lets it through": {"nan_meets": True},
                 "a latency equal to its limit meets the SLO (<=, not <)": {"strict": True},
                 "the limits are in milliseconds and the latencies in seconds: multiply by 1000": {"seconds": True}}
-    note = next((f"; {why}" for why, flags in mistakes.items()
-                 if is_number(got) and not _same(_variant_goodput(case, **flags), want)
-                 and _same(got, _variant_goodput(case, **flags))), "")
+    fits = [why for why, flags in mistakes.items()
+            if is_number(got) and not _same(_variant_goodput(case, **flags), want)
+            and _same(got, _variant_goodput(case, **flags))]
+    note = "".join(f"; {why}" for why in fits) if len(fits) < 2 else (
+        "; this rate fits more than one mistake: " + "; or ".join(f"({i}) {why}" for i, why in enumerate(fits, 1)))
     per_request = want * case["duration_s"] / len(case["timings"]) if case["timings"] else _NAN
     if not note and _same(got, per_request) and not _same(per_request, want):
         note = "; divide the count by duration_s (requests per second), not by the number of requests"

@@ -151,9 +151,11 @@ def _chunk_problem(got: list, expected: list, case: dict, where: str) -> Mismatc
         return None
     for i, (g, w) in enumerate(zip(spans, want)):
         if g != w:
+            past = (f"; the text has {len(text)} characters, so no window ends after {len(text)}"
+                    if g[1] > len(text) else "")
             return Mismatch("wrong chunk boundaries",
                             f"on {where}: chunk {i} should span {w}, got {g} (expected {len(want)} chunks: "
-                            f"{want[:4]}{' ...' if len(want) > 4 else ''})")
+                            f"{want[:4]}{' ...' if len(want) > 4 else ''}){past}")
     if len(spans) > len(want):
         return Mismatch("too many chunks",
                         f"on {where}: expected {len(want)} chunks ending with {want[-1:]}, got {len(spans)}; "
@@ -371,6 +373,12 @@ def _hit_rate(case: dict) -> float:
         case["retrieved"])
 
 
+def _pooled_recall(case: dict) -> float:
+    k = case["k"]
+    found = sum(len(set(r[:k]) & set(rel)) for r, rel in zip(case["retrieved"], case["relevant"]))
+    return found / sum(len(set(rel)) for rel in case["relevant"])
+
+
 def _recall_problem(got: float, expected: float, case: dict, where: str) -> Mismatch | None:
     if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
         return None
@@ -382,6 +390,10 @@ def _recall_problem(got: float, expected: float, case: dict, where: str) -> Mism
         return Mismatch("this is the hit rate, not recall@k",
                         f"on {where}: expected {expected!r}, got {got!r}; count how many of the relevant items "
                         "are in the top k, not whether any is")
+    if math.isclose(got, _pooled_recall(case), rel_tol=1e-9):
+        return Mismatch("this pools every query's relevant items together",
+                        f"on {where}: expected {expected!r}, got {got!r}; take each query's share of its own "
+                        "relevant items first, then average the shares, so that every query weighs the same")
     return Mismatch("wrong recall@k", f"on {where}: expected {expected!r}, got {got!r}")
 
 
