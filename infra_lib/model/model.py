@@ -139,6 +139,17 @@ class Llama(nn.Module):
         finally:
             self.attention_fn = previous
 
+    def using_backend(self, name: str):
+        """Run the model with its attention in PyTorch (``"torch"``, the default) or in the course's
+        Triton FlashAttention kernel (``"triton"``) inside the ``with`` block."""
+        if name == "torch":
+            return self.using_attention(cached_attention)
+        if name == "triton":
+            from infra_lib.kernels.flash_attention import flash_cached_attention
+
+            return self.using_attention(flash_cached_attention)
+        raise ValueError(f"the attention backend must be 'torch' or 'triton', got {name!r}")
+
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """Logits ``[batch, t, vocab]`` for ``tokens`` ``[batch, t]``.

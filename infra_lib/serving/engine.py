@@ -98,11 +98,12 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
-                   **kwargs) -> LLMEngine:
-        """An engine on ``model`` with a paged KV store of ``config.num_blocks`` blocks."""
+                   attention_backend: str = "torch", **kwargs) -> LLMEngine:
+        """An engine on ``model`` with a paged KV store of ``config.num_blocks`` blocks; its attention
+        runs in PyTorch (``"torch"``) or in the course's Triton kernels (``"triton"``)."""
         weight = model.embed_tokens.weight
         store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size, weight.dtype, weight.device)
-        return cls(ModelRunner(model, store), config, tokenizer, **kwargs)
+        return cls(ModelRunner(model, store, attention_backend), config, tokenizer, **kwargs)
 
     # --- requests ----------------------------------------------------------------------------------
 

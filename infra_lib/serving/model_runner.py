@@ -22,11 +22,35 @@ import torch
 from infra_lib.model.model import Llama, apply_rope
 from infra_lib.model.sampling import sample
 from infra_lib.serving.kv_store import PagedKVStore
-from infra_lib.serving.paged_attention import paged_attention
+from infra_lib.serving.paged_attention import gather_kv, paged_attention
 from infra_lib.serving.scheduler_output import ScheduledSeq
 from infra_lib.serving.sequence import Sequence
 
 Batch = list[tuple[Sequence, ScheduledSeq]]
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def _flash_chunk(q, k_cache, v_cache, block_tables, seq_lens):
+    """A prefill chunk's attention with the Triton FlashAttention kernel: the sequence's keys and
+    values gathered from their blocks, then the chunk's queries (the last ``t`` positions) over them."""
+    from infra_lib.kernels.flash_attention import flash_attention
+
+    k, v = gather_kv(k_cache, block_tables, seq_lens), gather_kv(v_cache, block_tables, seq_lens)
+    return flash_attention(q, k, v, causal=True)[0]
+
+
+def attention_backends(name: str):
+    """``(decode, chunk)`` attention for an engine step: ``"torch"`` (``paged_attention``, the
+    default) or ``"triton"`` (the paged decode kernel, which reads the blocks in place, and the
+    FlashAttention kernel for prefill chunks). Both take ``(q, k_cache, v_cache, block_tables,
+    seq_lens)``; on a CPU the Triton kernels run in the interpreter, slowly but exactly."""
+    if name == "torch":
+        return paged_attention, paged_attention
+    if name == "triton":
+        from infra_lib.kernels.paged_decode import paged_decode_attention
+
+        return paged_decode_attention, _flash_chunk
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
 class ModelRunner:
@@ -37,12 +61,14 @@ class ModelRunner:
         store: the paged K/V tensors, with as many blocks as the scheduler's pool.
     """
 
-    def __init__(self, model: Llama, store: PagedKVStore):
+    def __init__(self, model: Llama, store: PagedKVStore, attention_backend: str = "torch"):
         if store.n_layers != model.config.n_layers:
             raise ValueError(f"the store has {store.n_layers} layers, the model {model.config.n_layers}: "
                              "build it with PagedKVStore.for_model(model.config, ...)")
         self.model, self.store = model, store
         self.max_position = model.config.max_position
+        self.decode_attention, self.chunk_attention = attention_backends(attention_backend)
+        self.attention_backend = attention_backend
 
     def run(self, batch: Batch) -> dict[int, int]:
         """Compute the step; return the next token of every sequence that samples, by seq_id."""
@@ -93,13 +119,14 @@ class ModelRunner:
                 decodes.append((rows, seq.block_table.blocks, s.context_len))
             else:
                 chunk = q[:, :, rows:rows + s.num_tokens]  # [1, heads, n, hd]
-                out[:, :, rows:rows + s.num_tokens] = paged_attention(
+                out[:, :, rows:rows + s.num_tokens] = self.chunk_attention(
                     chunk, k_cache, v_cache, [seq.block_table.blocks], [s.context_len])
             rows += s.num_tokens
         if decodes:
             at = torch.tensor([r for r, _, _ in decodes], device=q.device)
             q_dec = q[0][:, at].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
-            o_dec = paged_attention(q_dec, k_cache, v_cache, [b for _, b, _ in decodes], [c for _, _, c in decodes])
+            o_dec = self.decode_attention(q_dec, k_cache, v_cache, [b for _, b, _ in decodes],
+                                          [c for _, _, c in decodes])
             out[0][:, at] = o_dec.squeeze(2).transpose(0, 1)  # [heads, B, hd]
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, attn.n_heads * attn.head_dim))
 
