@@ -32,7 +32,7 @@ PIP := $(BIN)/python -m pip install --quiet --constraint $(CONSTRAINTS)
 #   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: lab test test-fast .venv labs doctor site browser clean-venv
+.PHONY: lab test test-fast .venv labs doctor gpu-check site browser clean-venv
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
@@ -87,6 +87,10 @@ labs: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/infra-lab doctor
+
+# On an NVIDIA GPU: run every branch only a GPU takes, step by step; report in benchmarks/results/gpu_check.json.
+gpu-check: $(STAMP)
+	$(BIN)/python -m grading.gpu_check
 
 # The course as a static web site in site/: every lesson run with QUICK=True and rendered to HTML.
 site: $(STAMP)
