@@ -71,6 +71,13 @@ READINGS: dict[str, tuple[str, list[str]]] = {
     "lab13 task 2: call_with_retry": ("13_agents", ["7 · Retries with exponential backoff, under a flaky tool"]),
     "lab13 task 3: run_graph": ("13_agents", ["2 · The runner loop"]),
     "lab13 task 4: resume after a crash": ("13_agents", ["5 · Crash and resume from an SQLite checkpoint"]),
+    "lab15 task 1: online_softmax_kernel": ("15_serving_kernels", ["1 · Where attention's bytes go",
+                                                                  "2 · Online softmax"]),
+    "lab15 task 2: flash_attention_kernel": ("15_serving_kernels", ["3 · FlashAttention: tiles and a running max",
+                                                                   "4 · Causal tiles and grouped heads",
+                                                                   "7 · The real model through the kernels"]),
+    "lab15 task 3: paged_decode_kernel": ("15_serving_kernels", ["5 · Paged decode: reading blocks in place"]),
+    "lab15 task 4: q4_gemv_kernel": ("15_serving_kernels", ["6 · A fused 4-bit GEMV"]),
 }
 
 

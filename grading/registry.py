@@ -13,7 +13,7 @@ from typing import Any
 CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
                  "grading.checks.lab05", "grading.checks.lab06", "grading.checks.lab07", "grading.checks.lab08",
                  "grading.checks.lab09", "grading.checks.lab10", "grading.checks.lab12",
-                 "grading.checks.lab13")
+                 "grading.checks.lab13", "grading.checks.lab15")
 
 
 @dataclass(frozen=True)

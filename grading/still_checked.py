@@ -128,6 +128,23 @@ _TEXTS: dict[str, str | None] = {
     "lab13.run_graph": "a loop that outlasts max_steps, and a node whose retries run out",
     "lab13.run_graph_resume": "a crash at every step of a graph with a flaky node, resumed from SQLite checkpoints "
                               "by a new checkpointer",
+    # lab 15
+    "lab15.softmax_long_rows": "logits near +10^4 and near -10^4, rows that begin with whole blocks of -inf, and "
+                               "rows with a single finite logit",
+    "lab15.softmax_two_passes": None,
+    "lab15.flash_odd_shapes": "scores of the order of 10^4, scores near -300 for every visible key, scores that grow "
+                              "along the keys, tiles with BLOCK_M != BLOCK_N, and head_dim 64 with SmolLM2's three "
+                              "query heads per KV head",
+    "lab15.flash_traffic": None,
+    "lab15.flash_in_tiny_model": "the real SmolLM2-135M-Instruct model generating two greedy tokens through your "
+                                 "kernel",
+    "lab15.paged_ragged": "blocks of 6 slots, SmolLM2's 9 query heads over 3 KV heads with head_dim 64 and rows "
+                          "padded past head_dim, scores of the order of 10^4, a batch of empty contexts, and the small "
+                          "random decoder decoding through your kernel",
+    "lab15.paged_in_place": None,
+    "lab15.gemv_q4_odd_shapes": "the bytes your kernel loads, on one row of x against SmolLM2's 576 inputs in groups "
+                                "of 64: the packed bytes and scales of its rows once, x once, no float copy of the "
+                                "weight (counted when Triton runs in its interpreter)",
 }
 
 # Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).

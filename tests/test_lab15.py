@@ -1,0 +1,227 @@
+"""Lab 15's checks on kernels a learner might write.
+
+Each usual mistake is the course's answer with one idea taken out (one line replaced), written to a
+file so that Triton can read its source. It must lose exactly the checks listed for it, all of its
+own task (a check launches one task's kernel, so other tasks' checks never meet it), and each lost
+kernel check must carry the hint written for that mistake; a check that runs the kernel inside a
+model gives its own hint. A Python stand-in for a kernel, and a kernel that sends its scores
+through memory, score zero on the checks they cheat. The SmolLM2 check is left out (about half a
+minute of interpreter per kernel): the small decoder's checks stand in for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
+
+import torch  # noqa: E402
+
+from conftest import REPO, answer_cells  # noqa: E402
+from grading.check import INTERACTIVE_SEED, TRAFFIC, drive, judge  # noqa: E402
+from grading.checks import lab15  # noqa: E402
+from grading.registry import all_checks, get_check  # noqa: E402
+from infra_lib.kernels.triton_env import interpreter_active, load_triton  # noqa: E402
+
+load_triton()
+
+SOLUTION = REPO / "solutions" / "lab15_serving_kernels" / "lab15_serving_kernels.ipynb"
+ANSWERS = {1: "task1_online_softmax_kernel", 2: "task2_flash_attention_kernel", 3: "task3_paged_decode_kernel",
+           4: "task4_q4_gemv_kernel"}
+SLOW = {"lab15.flash_in_smollm2"}
+IN_A_MODEL = {"lab15.flash_in_tiny_model", "lab15.paged_in_tiny_model"}
+needs_interpreter = pytest.mark.skipif(not interpreter_active(), reason="traffic is counted in the interpreter")
+_count = itertools.count()
+
+
+def variant(tmp_path, task: int, replacements=()):
+    """The course's answer to ``task`` with each (old, new) replacement made, as a Triton kernel."""
+    source = answer_cells(SOLUTION)[ANSWERS[task]]
+    for old, new in replacements:
+        assert source.count(old) == 1, f"the answer to task {task} no longer holds {old!r}"
+        source = source.replace(old, new)
+    path = tmp_path / f"lab15_variant_{next(_count)}.py"
+    path.write_text("import math\n\nimport torch\nimport triton\nimport triton.language as tl\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, ANSWERS[task].split("_", 1)[1])
+
+
+@functools.cache
+def _reference(check_id: str):
+    registered = get_check(check_id)
+    inputs = registered.inputs(INTERACTIVE_SEED)
+    return inputs, drive(registered, registered.reference(), inputs)
+
+
+def verdict(check_id: str, kernel):
+    inputs, expected = _reference(check_id)
+    registered = get_check(check_id)
+    return judge(registered, drive(registered, kernel, inputs), expected, inputs)
+
+
+def task_checks(task: int) -> list[str]:
+    return sorted(c for c, registered in all_checks().items()
+                  if registered.task == lab15._TASKS[task] and c not in SLOW)
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str
+    task: int
+    replacements: tuple[tuple[str, str], ...]
+    loses: frozenset[str]
+    hint: str
+
+
+_MASK_SCORES = "        scores = tl.where(seen, scores"
+_NEW_MAX = "        new_max = tl.maximum(row_max, tl.max(scores, axis=1))\n"
+_FIRST_WALK = 'x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))\n        new_max'
+MISTAKES = [
+    Mistake("softmax sum not rescaled", 1,
+            (("row_sum = row_sum * tl.exp(row_max - shift) + ", "row_sum = row_sum + "),),
+            frozenset({"lab15.softmax_long_rows", "lab15.softmax_extreme_values", "lab15.softmax_two_passes"}),
+            lab15.SOFTMAX_RESCALE_HINT),
+    Mistake("softmax masked after the max", 1,
+            ((_FIRST_WALK, 'x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)\n        new_max'),
+             ("        shift = tl.where(", '        x = tl.where(cols < n_cols, x, float("-inf"))\n'
+                                         "        shift = tl.where(")),
+            frozenset({"lab15.softmax_extreme_values"}), lab15.SOFTMAX_MASK_HINT),
+    Mistake("flash accumulator not rescaled", 2,
+            (("acc = acc * shrink[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)"),),
+            frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
+                       "lab15.flash_traffic"}), lab15.FLASH_RESCALE_HINT),
+    Mistake("flash causal mask on the wrong diagonal", 2,
+            (("(keys[None, :] <= s - t + rows[:, None])", "(keys[None, :] <= rows[:, None])"),),
+            frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
+                       "lab15.flash_traffic", "lab15.flash_in_tiny_model"}), lab15.FLASH_DIAGONAL_HINT),
+    Mistake("flash masked after the max", 2,
+            ((_NEW_MAX, ""), (_MASK_SCORES, _NEW_MAX + _MASK_SCORES)),
+            frozenset({"lab15.flash_extreme_scores"}), lab15.FLASH_MASK_HINT),
+    Mistake("flash GQA heads mapped by modulo", 2,
+            (("kv_head = head // group", "kv_head = head % (n_heads // group)"),),
+            frozenset({"lab15.flash_odd_shapes", "lab15.flash_in_tiny_model"}), lab15.FLASH_GQA_HINT),
+    Mistake("paged block table read with the wrong stride", 3,
+            (("tables_ptr + seq * stride_table + i", "tables_ptr + seq + i"),),
+            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}), lab15.PAGED_TABLE_HINT),
+    Mistake("paged off by one in the last partial block", 3,
+            (("i * BLOCK_SIZE + slots < length", "i * BLOCK_SIZE + slots <= length"),),
+            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}),
+            lab15.PAGED_LAST_BLOCK_HINT),
+    Mistake("gemv nibbles swapped", 4,
+            (("low = (byte & 15)", "low = (byte >> 4)"), ("high = (byte >> 4)", "high = (byte & 15)")),
+            frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}), lab15.GEMV_NIBBLE_HINT),
+]
+
+
+def test_the_course_answers_pass_every_check_but_smollm2s(tmp_path):
+    for task in ANSWERS:
+        kernel = variant(tmp_path, task)
+        for check_id in task_checks(task):
+            assert verdict(check_id, kernel).passed, check_id
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered",
+                            "ignore:divide by zero encountered", "ignore:All-NaN slice encountered")
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
+def test_a_usual_mistake_loses_its_own_checks_with_the_hint_written_for_it(mistake, tmp_path):
+    kernel = variant(tmp_path, mistake.task, mistake.replacements)
+    verdicts = {check_id: verdict(check_id, kernel) for check_id in task_checks(mistake.task)}
+    lost = {check_id for check_id, v in verdicts.items() if not v.passed}
+    assert lost == mistake.loses, {c: verdicts[c].what for c in lost}
+    for check_id in lost:
+        wanted = "" if check_id in IN_A_MODEL else mistake.hint  # "": the check's own hint
+        assert verdicts[check_id].hint == wanted, (check_id, verdicts[check_id].what, verdicts[check_id].hint)
+
+
+class HostSoftmax:
+    """A stand-in with a kernel's surface whose launch computes torch.softmax on the host."""
+
+    arg_names = lab15.SIGNATURES["online_softmax_kernel"]
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("never launched through run")
+
+    def __getitem__(self, grid):
+        def launch(out, x, n_cols, in_row_stride, out_row_stride, BLOCK):
+            out.copy_(torch.softmax(x, dim=1))
+
+        return launch
+
+
+def host_softmax(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, BLOCK):
+    out_ptr.copy_(torch.softmax(in_ptr, dim=1))
+
+
+@pytest.mark.parametrize("stand_in", [HostSoftmax(), host_softmax], ids=["object", "function"])
+def test_a_host_softmax_standing_in_for_the_kernel_scores_zero(stand_in):
+    for check_id in task_checks(1):
+        result = verdict(check_id, stand_in)
+        assert not result.passed and result.kind == "error", check_id
+        assert "must be a Triton kernel" in result.what
+
+
+_SPILL = '''
+        spill = (out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
+                 + (keys - start)[None, :] * stride_od)
+        kept = row_ok[:, None] & ((keys - start)[None, :] < head_dim)
+        tl.store(spill, scores, mask=kept)
+        scores = tl.where(kept, tl.load(spill, mask=kept, other=0.0), scores)
+'''
+
+
+@needs_interpreter
+def test_a_kernel_that_sends_its_scores_through_memory_fails_only_the_traffic_check(tmp_path):
+    """Its only writable memory is its outputs: it stores every score tile into out (overwritten by the
+    result at the end) and reads it back. The values are right; the bytes are not."""
+    kernel = variant(tmp_path, 2, (("  # masked before the max\n", "\n" + _SPILL.lstrip("\n")),))
+    verdicts = {check_id: verdict(check_id, kernel) for check_id in task_checks(2) if check_id not in IN_A_MODEL}
+    assert {c for c, v in verdicts.items() if not v.passed} == {"lab15.flash_traffic"}
+    traffic = verdicts["lab15.flash_traffic"]
+    assert traffic.kind == TRAFFIC and traffic.what.startswith("flash_attention_kernel loads more bytes")
+
+
+def test_the_kernel_signatures_are_the_reference_kernels():
+    for task in ANSWERS:
+        reference = get_check(task_checks(task)[0]).reference()
+        assert list(reference.arg_names) == lab15.SIGNATURES[lab15._TASKS[task].rsplit(" ", 1)[1]]
+
+
+def test_the_online_softmax_reference_equals_torch_on_every_case():
+    for check_id in ("lab15.softmax_long_rows", "lab15.softmax_extreme_values"):
+        inputs, expected = _reference(check_id)
+        for case, result in zip(inputs, expected.data):
+            want = torch.softmax(lab15._logits(case).double(), dim=1)
+            assert torch.allclose(torch.tensor(result["out"], dtype=torch.float64), want, atol=1e-6), case
+
+
+@needs_interpreter
+def test_the_traffic_budgets_are_the_lessons_formulas():
+    from infra_lib.kernels.flash_attention import flash_attention_bytes
+    from infra_lib.kernels.gemv_q4 import q4_matmul_bytes
+    from infra_lib.kernels.paged_decode import paged_decode_bytes
+
+    inputs, expected = _reference("lab15.softmax_two_passes")
+    for case, result in zip(inputs, expected.data):
+        elements = case["rows"] * case["cols"] * 4
+        assert (result["bytes_loaded"], result["bytes_stored"]) == (2 * elements, elements)
+    inputs, expected = _reference("lab15.flash_traffic")
+    for case, result in zip(inputs, expected.data):
+        formula = flash_attention_bytes(case["batch"], case["heads"], case["t"], case["s"], case["head_dim"],
+                                        causal=case["causal"], block_m=case["blocks"][0])
+        assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
+    inputs, expected = _reference("lab15.gemv_q4_reads_packed")
+    for case, result in zip(inputs, expected.data):
+        formula = q4_matmul_bytes(case["m"], case["n"], case["k"], case["group"], block_m=16, block_n=case["block_n"])
+        assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
+    inputs, expected = _reference("lab15.paged_in_place")
+    for case, result in zip(inputs, expected.data):
+        formula = paged_decode_bytes(case["lengths"], case["heads"], case["kv_heads"], case["head_dim"],
+                                     case["block_size"])
+        assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
