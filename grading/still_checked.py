@@ -136,8 +136,8 @@ _TEXTS: dict[str, str | None] = {
                               "along the keys, tiles with BLOCK_M != BLOCK_N, and head_dim 64 with SmolLM2's three "
                               "query heads per KV head",
     "lab15.flash_traffic": None,
-    "lab15.flash_in_tiny_model": "the real SmolLM2-135M-Instruct model generating two greedy tokens through your "
-                                 "kernel",
+    "lab15.flash_in_tiny_model": "the real SmolLM2-135M-Instruct model reading a short prompt through your kernel "
+                                 "(its logits and first greedy token)",
     "lab15.paged_ragged": "blocks of 6 slots, SmolLM2's 9 query heads over 3 KV heads with head_dim 64 and rows "
                           "padded past head_dim, scores of the order of 10^4, a batch of empty contexts, and the small "
                           "random decoder decoding through your kernel",

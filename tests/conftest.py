@@ -142,6 +142,9 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[09_spec_quant]",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[10_serving]",
     "tests/test_labs.py::test_nbgrader_autograde_agrees_with_the_course_grader",
+    "tests/test_labs.py::test_solution_runs_top_to_bottom_and_scores_full_marks[lab15_serving_kernels]",
+    "tests/test_labs.py::test_nbgrader_grades_the_kernels_lab_as_the_course_grader_does",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[15_serving_kernels]",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[05_training_parallelism]",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[12_rag]",
     "tests/test_adversarial.py::test_batch_grading_a_class_with_a_cache",
@@ -155,7 +158,6 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[08_continuous_batching]",
     "tests/test_serving_server.py::test_load_with_hundreds_of_streams_some_hanging_up_leaks_nothing",
     "tests/test_check_api.py::test_every_check_passes_its_own_reference",
-    "tests/test_attention_backends.py::test_smollm2_answers_identically_through_every_triton_attention_path",
     "tests/test_labs.py::test_solution_runs_top_to_bottom_and_scores_full_marks[lab09_spec_quant]",
 )
 

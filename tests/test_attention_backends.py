@@ -1,15 +1,14 @@
 """The attention backend switch: the model and the engine give the same greedy tokens with their
 attention in the course's Triton kernels (FlashAttention for prompts, paged decode for one-token
-steps; the interpreter on a CPU) as in PyTorch."""
+steps; the interpreter on a CPU) as in PyTorch. SmolLM2 through both Triton paths is asserted by
+chapter 15, section 7, which runs in the suite (tests/test_notebooks.py)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-import torch
 
-from conftest import SMOLLM2
 from grading.checks.lab06 import tiny_model
 from infra_lib.model.generation import greedy_decode
 from infra_lib.model.sampling import SamplingParams
@@ -56,22 +55,3 @@ def test_an_unknown_backend_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLMEngine.from_model(model, config=SchedulerConfig(num_blocks=8), attention_backend="Triton")
     assert ModelRunner.__init__.__defaults__ == ("torch",)
-
-
-@SMOLLM2
-def test_smollm2_answers_identically_through_every_triton_attention_path(smollm2):
-    """SmolLM2 on a short prompt: greedy tokens through FlashAttention (the model's own loop) and
-    through the engine's Triton backend equal PyTorch's. Short because the interpreter runs every
-    kernel program in Python: a GPU runs the same kernels compiled."""
-    model, tokenizer = smollm2.model, smollm2.tokenizer
-    prompt = tokenizer.encode("The capital of France is")
-    with torch.inference_mode():
-        expected = greedy_decode(model, prompt, 2)
-        with model.using_backend("triton"):
-            assert greedy_decode(model, prompt, 2) == expected
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=16, num_blocks=8)
-    engine = LLMEngine.from_model(model, config=config, attention_backend="triton")
-    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=2, stop_ids=()))
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.output(seq).token_ids == expected

@@ -24,9 +24,7 @@ CHECKS = {"next_node": ["lab13.next_node", "lab13.next_node_errors"],
                         "lab13.run_graph_limits"]}
 
 
-# The test cell of each task, and its points.
-TASK_TESTS = {1: "test_task1_next_node", 2: "test_task2_call_with_retry", 3: "test_task3_run_graph",
-              4: "test_task4_resume"}
+# The points of each task's test cell.
 POINTS = {1: 3.0, 2: 4.0, 3: 3.0, 4: 3.0}
 
 # Typical mistakes, as edits (old text, new text) of the instructor's answer cells.
@@ -284,14 +282,20 @@ def test_a_run_graph_that_keeps_its_own_next_node_is_told_which_task_failed(tmp_
 
 
 def _graded_alone(tmp_path, mistake: dict) -> dict[int, tuple[float, list[str]]]:
-    """Grade the lab with one mistake in the instructor's answers: per task, its points and the messages
-    of its failed checks."""
-    from grading.grader import grade_notebook
+    """Every check of the lab, visible and hidden, on the instructor's answers with one mistake: per
+    task, the points its cell keeps (all of its checks must pass) and the messages of its failed checks."""
+    from grading.registry import all_checks
 
-    notebook = write_learner_notebook(tmp_path / LAB.name, _answers(mistake), base=LAB)
-    tests = {test.grade_id: test for test in grade_notebook(notebook, seed=13).tests}
-    return {task: (tests[name].score, [c.message for c in tests[name].checks if not c.passed])
-            for task, name in TASK_TESTS.items()}
+    namespace = _namespace(tmp_path, mistake)
+    failed: dict[int, list[str]] = {task: [] for task in POINTS}
+    for name, check_ids in CHECKS.items():
+        for check_id in check_ids:
+            task = int(all_checks()[check_id].task.split(":")[0].rsplit(" ", 1)[1])
+            try:
+                check(check_id, namespace[name])
+            except AssertionError as exc:
+                failed[task].append(str(exc))
+    return {task: (0.0 if failed[task] else points, failed[task]) for task, points in POINTS.items()}
 
 
 @pytest.mark.parametrize("mistake, losing, hint", [

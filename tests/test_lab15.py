@@ -54,6 +54,7 @@ def variant(tmp_path, task: int, replacements=()):
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def _reference(check_id: str):
     registered = get_check(check_id)
     inputs = registered.inputs(INTERACTIVE_SEED)
@@ -118,13 +119,6 @@ MISTAKES = [
             (("low = (byte & 15)", "low = (byte >> 4)"), ("high = (byte >> 4)", "high = (byte & 15)")),
             frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}), lab15.GEMV_NIBBLE_HINT),
 ]
-
-
-def test_the_course_answers_pass_every_check_but_smollm2s(tmp_path):
-    for task in ANSWERS:
-        kernel = variant(tmp_path, task)
-        for check_id in task_checks(task):
-            assert verdict(check_id, kernel).passed, check_id
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered",

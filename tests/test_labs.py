@@ -136,3 +136,29 @@ def test_nbgrader_autograde_agrees_with_the_course_grader(tmp_path):
             for s in submissions}
     assert nbgrader_scores == {"complete": 10, "untouched": 0, "one_wrong": 7}
     assert ours == nbgrader_scores
+
+
+def test_nbgrader_grades_the_kernels_lab_as_the_course_grader_does(tmp_path):
+    """Lab 15's Triton kernels under nbgrader's own run (the learner's kernels in nbgrader's kernel, the
+    hidden checks included): the instructor's answers get full marks and an untouched lab zero, the
+    scores the course's grader gives them (test_solution_runs_top_to_bottom_and_scores_full_marks and
+    test_untouched_lab_scores_zero_naming_each_task)."""
+    from nbgrader.api import Gradebook
+
+    lab = "lab15_serving_kernels"
+    course = tmp_path / "course"
+    (course / "solutions").mkdir(parents=True)
+    shutil.copytree(REPO / "solutions" / lab, course / "solutions" / lab)
+    (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
+    _nbgrader(course, "generate_assignment", lab, "--force")
+    solution = REPO / "solutions" / lab / f"{lab}.ipynb"
+    submissions = {"complete": answer_cells(solution), "untouched": {}}
+    for student, filled in submissions.items():
+        write_learner_notebook(course / "submitted" / student / lab / f"{lab}.ipynb", filled,
+                               base=REPO / "labs" / lab / f"{lab}.ipynb")
+    _nbgrader(course, "autograde", lab, "--create", "--force")
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="infra-course") as gradebook:
+        scores = {s: gradebook.find_submission(lab, s).score for s in submissions}
+    points = sum(c.metadata.get("nbgrader", {}).get("points", 0) for c in read_notebook(solution).cells)
+    assert points > 0 and scores == {"complete": points, "untouched": 0}, scores

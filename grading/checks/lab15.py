@@ -783,7 +783,9 @@ _SHORT_PROMPTS = ["The capital of France is", "Water boils at", "The largest pla
 
 
 def _smollm2_case(rng: random.Random) -> dict:
-    return {"model": "smollm2", "new_tokens": 2, "prompts": [rng.choice(_SHORT_PROMPTS)]}
+    # One greedy token (the prompt's prefill through the learner's kernel, its logits compared too): the
+    # interpreter runs every program of 30 layers in Python; the small decoder's checks decode several.
+    return {"model": "smollm2", "new_tokens": 1, "prompts": [rng.choice(_SHORT_PROMPTS)]}
 
 
 def _compare_in_model(got, expected, case):
