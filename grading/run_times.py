@@ -134,11 +134,11 @@ def lessons(names: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Pa
 
 def run_and_record(path: Path, quick: bool, out_dir: Path = MEASURED_DIR, timeout_s: int = 1800) -> float:
     """Run one lesson top to bottom in a scratch folder (papermill) and record how long it took."""
-    import papermill
+    from grading.notebook import run_with_papermill
 
     with tempfile.TemporaryDirectory(prefix=f"run-{path.stem}-") as work:
         started = time.monotonic()
-        papermill.execute_notebook(str(path), str(Path(work) / path.name), parameters={"QUICK": quick},
+        run_with_papermill(path, Path(work) / path.name, parameters={"QUICK": quick},
                                    kernel_name="python3", cwd=work, progress_bar=False,
                                    execution_timeout=timeout_s)
         seconds = time.monotonic() - started

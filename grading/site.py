@@ -18,6 +18,7 @@ from pathlib import Path
 
 import nbformat
 
+from grading.notebook import run_with_papermill
 from grading.site_render import PLOTLY_JS, nav_bar, render_page
 
 CELL_TIMEOUT_S = 900
@@ -97,13 +98,12 @@ def execute_lesson(lesson: Lesson, out: Path, *, progress: bool = True) -> Failu
     Returns:
         None when every cell ran, else where it failed (``out`` then holds the run so far).
     """
-    import papermill
     from papermill.exceptions import PapermillExecutionError
 
     bar = {"desc": lesson.path.stem, "leave": True, "file": sys.stderr} if progress else False
     with tempfile.TemporaryDirectory(prefix=f"site-{lesson.number}-") as scratch:
         try:
-            papermill.execute_notebook(str(lesson.path), str(out), parameters={"QUICK": True}, kernel_name="python3",
+            run_with_papermill(lesson.path, out, parameters={"QUICK": True}, kernel_name="python3",
                                        cwd=scratch, progress_bar=bar, execution_timeout=CELL_TIMEOUT_S)
         except PapermillExecutionError as exc:
             first = next((line for line in str(exc.source).splitlines() if line.strip()), "")

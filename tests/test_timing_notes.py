@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 import nbformat
-import papermill
 import pytest
 
 import infra_lib.timed_section as ts
 import infra_lib.timing as timing
+from grading.notebook import run_with_papermill
 from conftest import REPO
 from infra_lib.timed_section import MachineLoad, timed_section
 
@@ -84,7 +84,7 @@ def run_disturbed(name: str, tmp_path) -> list[dict]:
     source = tmp_path / f"disturbed_{name}"
     nbformat.write(nb, source)
     out = tmp_path / f"out_{name}"
-    papermill.execute_notebook(str(source), str(out), parameters={"QUICK": True}, kernel_name="python3",
+    run_with_papermill(source, out, parameters={"QUICK": True}, kernel_name="python3",
                                cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
