@@ -128,6 +128,29 @@ def test_launcher_reports_failures_and_leaves_no_process():
         run_workers(failing_worker, 0)
 
 
+def test_launcher_starts_the_group_again_when_its_port_is_taken(monkeypatch):
+    """Another program holding the port the group was given: the launcher starts it again on another."""
+    import socket
+
+    from infra_lib.training import launcher
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = launcher._free_port
+    monkeypatch.setattr(launcher, "_free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        assert run_workers(_identity, 2, timeout_s=60) == [0, 1]
+        monkeypatch.setattr(launcher, "_free_port", lambda: taken)
+        with pytest.raises(WorkerError, match=r"could not form a process group \(3 attempt"):
+            run_workers(_identity, 2, timeout_s=60)
+    finally:
+        squatter.close()
+    no_children_left()
+
+
 def _identity(rank: int, world_size: int) -> int:
     return rank
 

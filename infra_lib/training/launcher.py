@@ -46,6 +46,10 @@ def _context():
     return ctx
 
 
+class _GroupDidNotForm(Exception):
+    """The workers could not connect to each other (for example a port taken by another program)."""
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, results) -> None:
     import torch
     import torch.distributed as dist
@@ -54,6 +58,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, resul
     torch.set_num_threads(1)  # N processes share this machine's cores
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - the group did not form: the parent may start it again
+        results.put((rank, "no group", traceback.format_exc()))
+        return
+    try:
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
         finally:
@@ -66,10 +74,30 @@ def run_workers(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns their results by rank.
 
     Raises ``WorkerError`` if a worker raises or exits without a result, or if the whole group
-    takes longer than ``timeout_s``; every worker is stopped before it returns or raises.
+    takes longer than ``timeout_s``; every worker is stopped before it returns or raises. A group
+    that cannot form (its port taken by another program) is started again on a new port, up to
+    three times.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, _GROUP_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, deadline, timeout_s, backend)
+        except _GroupDidNotForm as exc:
+            # The port is chosen free, then released for rank 0 to bind: on a busy machine
+            # another program can take it in between, or connect to it. Start the group again on
+            # a new port; whatever a rank that did connect had begun is discarded with it.
+            if attempt == _GROUP_ATTEMPTS or time.monotonic() > deadline:
+                raise WorkerError(f"the {world_size} workers could not form a process group "
+                                  f"({attempt} attempt(s)):\n{exc}") from None
+    raise AssertionError("unreachable")
+
+
+_GROUP_ATTEMPTS = 3
+
+
+def _run_once(fn, world_size: int, args: tuple, deadline: float, timeout_s: float, backend: str) -> list:
     ctx = _context()
     results = ctx.Queue()
     port = _free_port()
@@ -78,7 +106,6 @@ def run_workers(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
     for p in procs:
         p.start()
     out: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
             try:
@@ -92,6 +119,8 @@ def run_workers(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                     raise WorkerError(f"ranks {missing} did not finish within {timeout_s} s (a collective waiting "
                                       "for a rank that never joins it hangs: check every rank calls it)")
                 continue
+            if status == "no group":
+                raise _GroupDidNotForm(f"rank {rank}: {value.strip().splitlines()[-1]}")
             if status == "error":
                 raise WorkerError(f"rank {rank} failed:\n{value}")
             out[rank] = value
