@@ -45,17 +45,22 @@ test: $(STAMP) browser
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not notebook and not slow" $(PYTEST_ARGS)
 
-# Chromium and its driver for tests/test_browser.py: installed from Debian when missing and
-# running as root (CI, containers); otherwise the command to run is printed.
+# Chromium and its driver for tests/test_browser.py, and bubblewrap, the sandbox that
+# `infra-lab grade --submissions` runs each learner's kernel in: installed from Debian (one
+# apt-get run) when missing and running as root (CI, containers); otherwise the command to run
+# is printed.
+BWRAP ?= /usr/bin/bwrap
+MISSING_DEBS = $(strip $(if $(wildcard $(CHROMIUM)),,chromium) $(if $(wildcard $(CHROMEDRIVER)),,chromium-driver) \
+                       $(if $(wildcard $(BWRAP)),,bubblewrap))
 browser:
-	@if [ -x "$(CHROMIUM)" ] && [ -x "$(CHROMEDRIVER)" ]; then \
+	@if [ -z "$(MISSING_DEBS)" ]; then \
 		exit 0; \
 	elif [ "$(USER_ID)" = 0 ]; then \
-		echo "installing chromium and chromium-driver for the browser test"; \
-		$(APT_GET) update && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y chromium chromium-driver; \
+		echo "installing $(MISSING_DEBS) (the browser test, the grading sandbox)"; \
+		$(APT_GET) update && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y $(MISSING_DEBS); \
 	else \
-		echo "The browser test needs $(CHROMIUM) and $(CHROMEDRIVER). Install them, then run make test again:" >&2; \
-		echo "    sudo apt-get update && sudo apt-get install -y chromium chromium-driver" >&2; \
+		echo "The browser test and the grading sandbox need $(MISSING_DEBS). Install them, then run make test again:" >&2; \
+		echo "    sudo apt-get update && sudo apt-get install -y $(MISSING_DEBS)" >&2; \
 		exit 1; \
 	fi
 

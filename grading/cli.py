@@ -36,12 +36,27 @@ def _cmd_doctor(args) -> int:
     return code
 
 
-def _limits(args):
+def _limits(args, bwrap: bool = False):
     from grading.sandbox import Limits
 
     return Limits(cell_timeout=args.cell_timeout, check_timeout=args.check_timeout, budget=args.budget,
                   memory_mb=args.memory_mb, max_processes=args.max_processes, file_size_mb=args.file_size_mb,
-                  output_kb=args.output_kb, isolate_network=not args.allow_network)
+                  output_kb=args.output_kb, isolate_network=not args.allow_network, bwrap=bwrap)
+
+
+def _use_bubblewrap(args, default: bool) -> tuple[bool, str]:
+    """(whether to grade in bubblewrap, why not when it was asked for and cannot run: else "").
+
+    Other people's work (``--submissions``) is graded in bubblewrap unless ``--no-sandbox``;
+    one notebook, usually the learner's own, only with ``--sandbox``.
+    """
+    from grading import bwrap
+
+    wanted = (default or args.sandbox) and not args.no_sandbox
+    if not wanted:
+        return False, ""
+    ok, why = bwrap.availability()
+    return (True, "") if ok else (False, f"cannot sandbox the learners' kernels: {why}; {bwrap.INSTALL_HINT}")
 
 
 def _lab_to_grade(args) -> str:
@@ -85,8 +100,11 @@ def _cmd_grade(args) -> int:
     from grading.grading_times import estimate
     from grading.report import default_out_dir, table, write_reports
 
+    sandboxed, problem = _use_bubblewrap(args, default=False)
+    if problem:
+        return _refuse_grading(args, problem, EXIT_PROBLEM)
     try:
-        limits = _limits(args)
+        limits = _limits(args, bwrap=sandboxed)
         lab_id = _lab_to_grade(args)
     except (GradingError, ValueError) as exc:
         return _refuse_grading(args, str(exc))
@@ -119,9 +137,13 @@ def _cmd_grade_batch(args) -> int:
     if not args.lab:
         return _refuse("grade", "--submissions needs --lab LAB_ID")
     out_dir = Path(args.out) if args.out else GRADES / args.lab
+    sandboxed, problem = _use_bubblewrap(args, default=True)
+    if problem:
+        return _refuse("grade", problem, EXIT_PROBLEM)
     try:
         trusted_source(args.submissions, args.lab, args.source)
-        rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source, limits=_limits(args),
+        rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source,
+                           limits=_limits(args, bwrap=sandboxed),
                            workers=args.workers, seed=args.seed)
     except (GradingError, FileNotFoundError, ValueError) as exc:
         return _refuse("grade", str(exc))
@@ -148,8 +170,11 @@ def _cmd_progress(args) -> int:
     if not labs:
         return _refuse("progress", f"no labs (<lab>/<lab>.ipynb) under {args.labs}; pass --labs with the course's "
                                    f"labs folder")
+    sandboxed, problem = _use_bubblewrap(args, default=False)
+    if problem:
+        return _refuse("progress", problem, EXIT_PROBLEM)
     try:
-        limits = _limits(args)
+        limits = _limits(args, bwrap=sandboxed)
     except ValueError as exc:
         return _refuse("progress", str(exc))
     rows = course_progress(labs, args.out, limits=limits, regrade=args.regrade)
@@ -235,6 +260,12 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--file-size-mb", type=int, default=d.file_size_mb, help=f"largest file in MiB ({d.file_size_mb})")
     group.add_argument("--output-kb", type=int, default=d.output_kb, help=f"output kept per cell in KiB ({d.output_kb})")
     group.add_argument("--allow-network", action="store_true", help="do not isolate the kernel from the network")
+    sandbox = group.add_mutually_exclusive_group()
+    sandbox.add_argument("--sandbox", action="store_true",
+                         help="run the kernel in bubblewrap (the default with --submissions): it sees only the "
+                              "environment, infra_lib/ and grading/, read-only, and a scratch folder")
+    sandbox.add_argument("--no-sandbox", action="store_true",
+                         help="run the kernel without bubblewrap, even for --submissions (where it is missing)")
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:

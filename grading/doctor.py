@@ -108,6 +108,17 @@ def sandbox_finding() -> Finding:
                    "grade untrusted notebooks in a container without network", required=False)
 
 
+def bubblewrap_finding() -> Finding:
+    """Whether the learners' kernels can be graded in bubblewrap (``infra-lab grade --submissions``)."""
+    from grading import bwrap
+
+    ok, why = bwrap.availability()
+    if ok:
+        return Finding("bubblewrap", True, f"{why}: a class's kernels are graded in a sandbox", required=False)
+    return Finding("bubblewrap", False, f"{why}: `infra-lab grade --submissions` refuses without --no-sandbox",
+                   bwrap.INSTALL_HINT.split(", or pass")[0], required=False)
+
+
 def warm_finding() -> Finding:
     """Whether graded kernels fork from a template that has imported torch (grading.warm)."""
     from grading import warm
@@ -156,6 +167,7 @@ def findings(run_triton: bool = True) -> list[Finding]:
     if run_triton:
         items.append(triton_sanity())
     items.append(sandbox_finding())
+    items.append(bubblewrap_finding())
     items.append(warm_finding())
     items.append(model_finding())
     return items

@@ -289,13 +289,15 @@ def grade_notebook(
     deadline = started + limits.budget
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
-        record_path = Path(work) / "answers.jsonl"
+        # In bubblewrap the kernel sees one folder of the grader's: its own, where it records answers.
+        kernel_dir = Path(work) / "kernel" if limits.bwrap else Path(work)
+        record_path = kernel_dir / "answers.jsonl"
         env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
                MAX_PROCESSES_ENV: str(limits.max_processes)}
         to_run = spliced.notebook
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
-                          budget=deadline - time.monotonic())
+                          budget=deadline - time.monotonic(), kernel_dir=kernel_dir)
             runs.append(run)
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
@@ -309,10 +311,13 @@ def grade_notebook(
         spliced.notes.append(f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
                              f"{limits.output_kb} KiB was dropped")
     tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings)
-    sandbox = {**(runs[0].sandbox if runs else {}),
-               "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
+    sandbox = {"processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
+               **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
                "time": f"{limits.check_timeout:g} s per check, {limits.cell_timeout:g} s per cell, "
                        f"{limits.budget:g} s per notebook"}
+    if not limits.bwrap:
+        sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "
+                                   "(fine for grading your own work; grade others' work in bubblewrap)")
     return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox,
                        executed=runs[-1].notebook if runs else None)
 

@@ -87,6 +87,8 @@ def gradescope_results(report: GradeReport) -> dict:
             }
             for test in report.tests
         ],
+        # Which protections held while the notebook ran (Gradescope keeps extra_data as it is).
+        "extra_data": {"protections": report.sandbox},
     }
 
 

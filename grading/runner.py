@@ -26,7 +26,7 @@ import nbformat
 import psutil
 
 from grading import warm
-from grading.sandbox import Limits, write_kernelspec
+from grading.sandbox import Limits, remove_cgroup, write_kernelspec
 
 POLL_S = 0.25
 INTERRUPT_GRACE_S = 5.0
@@ -148,6 +148,7 @@ def execute(
     env: dict[str, str],
     limits: Limits,
     budget: float,
+    kernel_dir: Path | None = None,
 ) -> Execution:
     """Run ``notebook`` in ``workdir`` under ``limits`` and return what came back.
 
@@ -156,6 +157,9 @@ def execute(
         env: extra environment variables for the kernel.
         limits: the kernel's limits (cell time-out, memory, processes, output...).
         budget: seconds this run may take before it is killed.
+        kernel_dir: the kernel's working directory (default ``workdir``). With ``limits.bwrap``
+            it is the only folder the kernel can see of the grader's, so it must not be ``workdir``:
+            the notebooks, the progress and status files and the log stay out of its reach.
     """
     workdir = Path(workdir)
     source, output = workdir / "graded.ipynb", workdir / "graded.out.ipynb"
@@ -168,16 +172,28 @@ def execute(
     for stale in (output, progress, status):
         stale.unlink(missing_ok=True)
     jupyter_dir = workdir / "jupyter"
-    template = warm.template()  # graded kernels fork from it, torch already imported (grading.warm)
-    kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None)
+    kernel_dir = Path(kernel_dir or workdir)
+    if limits.bwrap and kernel_dir.resolve() == workdir.resolve():
+        raise ValueError("a kernel in bubblewrap needs a kernel_dir of its own inside workdir")
+    kernel_dir.mkdir(parents=True, exist_ok=True)
+    # Graded kernels fork from the template, torch already imported (grading.warm); one in
+    # bubblewrap starts cold, in a view of its own.
+    template = None if limits.bwrap else warm.template()
+    kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None,
+                              scratch=kernel_dir if limits.bwrap else None)
     command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
                "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
-               "--cwd", str(workdir), "--progress", str(progress)]
+               "--cwd", str(kernel_dir), "--progress", str(progress)]
     for name, value in parameters.items():
         command += ["-p", name, repr(value)]
     jupyter_path = os.pathsep.join(p for p in (str(jupyter_dir), os.environ.get("JUPYTER_PATH", "")) if p)
     child_env = {**os.environ, **env, "JUPYTER_PATH": jupyter_path, "PYDEVD_DISABLE_FILE_VALIDATION": "1",
                  **(template.env() if template else {})}
+    if limits.bwrap:
+        # The kernel manager writes the connection file with mkstemp: into the one folder the
+        # kernel can read (its own /tmp is empty).
+        (kernel_dir / ".runtime").mkdir(exist_ok=True)
+        child_env["TMPDIR"] = child_env["JUPYTER_RUNTIME_DIR"] = str(kernel_dir / ".runtime")
     started = time.monotonic()
     log_path = workdir / "runner.log"
     with open(log_path, "w", encoding="utf-8") as log_file:
@@ -193,7 +209,8 @@ def execute(
             elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
                 stop, reason, stuck = STOP_TIMEOUT, (
                     f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"), index
-            elif spawned > limits.max_processes + 2:  # + the runner's kernel and its launcher
+            elif spawned > limits.max_processes + (4 if limits.bwrap else 2):  # + the runner's kernel and its
+                # launcher; bubblewrap adds two of its own (its monitor and the namespace's first process)
                 stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
             if stop:
                 _kill_tree(proc.pid)
@@ -213,6 +230,7 @@ def execute(
         truncated = [i for i, cell in enumerate(executed.cells)
                      if cell.get("metadata", {}).get("infra_lab", {}).get("output_truncated")]
     sandbox = json.loads(status.read_text()) if status.exists() else {}
+    remove_cgroup(sandbox.get("cgroup", ""))  # its processes are gone: the cgroup goes too
     result = Execution(executed, complete=not stop and code == EXIT_COMPLETE, sandbox=sandbox, truncated=truncated)
     if result.complete:
         return result

