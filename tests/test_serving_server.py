@@ -345,3 +345,23 @@ def test_readme_client_example_answers_right(server, capsys):
     exec(snippet.replace("http://127.0.0.1:8000/v1", thread.url + "/v1"), {})
     assert capsys.readouterr().out.startswith("The capital of France is Paris")
     wait_idle(engine)
+
+
+def test_a_slow_dependency_in_front_of_the_server_is_diagnosed_as_one(smollm2):
+    """Chapter 11's drill, asserted: a delay in the handler, before the engine, shows at the client and
+    not inside the engine, and the diagnosis names it (short answers at a low rate keep the engine
+    mostly idle even on a busy machine)."""
+    from infra_lib.ops import run_load
+    from infra_lib.ops.diagnose import diagnose, window_stats
+    from infra_lib.serving.server import ServerThread, build_engine, create_app
+
+    engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=8, kv_blocks=64)
+    with ServerThread(create_app(engine, MODEL, downstream_delay_s=1.0)) as thread:
+        result = run_load(thread.url, ["Hello", "What is 2 + 2?", "Name a colour.", "Hi"], model=MODEL, rate=1.0,
+                          max_tokens=2, seed=1, progress=False)
+        wait_idle(engine)
+    assert result.status_counts == {"200": 4}
+    stats = window_stats(engine.engine.events, result.timings)
+    assert stats["p99_ttft_ms"] - stats["engine_p99_ttft_ms"] > 900, stats
+    diagnosis = diagnose(stats)
+    assert diagnosis.fault == "slow_dependency", str(diagnosis)
