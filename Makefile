@@ -50,7 +50,8 @@ test-fast: $(STAMP)
 # apt-get run) when missing and running as root (CI, containers); otherwise the command to run
 # is printed.
 BWRAP ?= /usr/bin/bwrap
-MISSING_DEBS = $(strip $(if $(wildcard $(CHROMIUM)),,chromium) $(if $(wildcard $(CHROMEDRIVER)),,chromium-driver) \
+# Chromium and its driver go together (the driver must match the browser's version).
+MISSING_DEBS = $(strip $(if $(and $(wildcard $(CHROMIUM)),$(wildcard $(CHROMEDRIVER))),,chromium chromium-driver) \
                        $(if $(wildcard $(BWRAP)),,bubblewrap))
 browser:
 	@if [ -z "$(MISSING_DEBS)" ]; then \

@@ -230,6 +230,8 @@ def test_make_test_gets_the_browser_first(tmp_path):
     as_user = _make_browser(CHROMEDRIVER=missing, USER_ID="1000", APT_GET="false")
     assert as_user.returncode != 0 and as_user.stdout == ""
     assert "sudo apt-get update && sudo apt-get install -y chromium chromium-driver" in as_user.stderr
+    no_sandbox = _make_browser(BWRAP=str(tmp_path / "bwrap"), USER_ID="0", APT_GET="echo apt-get")
+    assert no_sandbox.stdout.splitlines()[1:] == ["apt-get update", "apt-get install -y bubblewrap"]
 
 
 def test_site_formulas_render_as_mathml_in_chromium(tmp_path):

@@ -96,12 +96,17 @@ def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path):
     assert seen["course folder"] == sorted([".venv", "grading", "infra_lib"]) or \
         set(seen["course folder"]) <= {".venv", "grading", "infra_lib"}, seen["course folder"]
     assert seen["home"] in ([], [".pyenv"]), f"the instructor's home is visible: {seen['home']}"
+    # The course root itself is a folder bubblewrap made to hold the read-only parts: read-only when it
+    # sits on the view's root, on the kernel's private /tmp when the course lives under /tmp. Either
+    # way nothing reaches the real folder (asserted below).
+    wrote.pop("_probe.py")
     assert wrote == {"infra_lib/_probe.py": False, "grading/_probe.py": False, "solutions/_probe.py": False,
-                     "_probe.py": False, "/etc/_probe": False, "/usr/_probe": False,
-                     str(tmp_path / "outside" / "_probe"): False, "scratch": True}
+                     "/etc/_probe": False, "/usr/_probe": False, str(tmp_path / "outside" / "_probe"): False,
+                     "scratch": True}
     assert (found["work"] / "kernel" / "scratch_file").read_text() == "mine"  # the scratch is the real folder
-    for written in ("infra_lib/_probe.py", "grading/_probe.py", "_probe.py"):
-        assert not (REPO / written).exists()
+    for written in ("infra_lib/_probe.py", "grading/_probe.py", "solutions/_probe.py", "_probe.py"):
+        assert not (REPO / written).exists(), f"the graded kernel wrote {written} in the course"
+    assert not (tmp_path / "outside" / "_probe").exists()
     assert not seen["grader's server"], "the kernel reached a server on the grader's loopback"
     assert not seen["grader's process"] and seen["processes"] <= 4, "the kernel sees the grader's processes"
     assert found["sandbox"]["view"].startswith("bubblewrap") and "bubblewrap" in found["sandbox"]["network"]
