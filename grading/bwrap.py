@@ -1,7 +1,8 @@
 """The graded kernel inside bubblewrap: a view of the machine with only what a lab needs.
 
-``kernel_prefix(scratch)`` is the ``bwrap`` command that the sandboxed kernelspec puts in front of
-the launcher (:mod:`grading.sandbox`) and the kernel. Inside it the kernel sees:
+``kernel_prefix(scratch)`` is the ``bwrap`` command that the sandboxed kernelspec runs between the
+launcher (:mod:`grading.sandbox`, which applies the limits and executes it) and the kernel.
+Inside it the kernel sees:
 
 * read-only: the system's programs and libraries (``/usr``, ``/etc`` and the ``/bin``, ``/lib``
   links), the Python installation and the virtual environment, and from the course only
@@ -10,7 +11,9 @@ the launcher (:mod:`grading.sandbox`) and the kernel. Inside it the kernel sees:
   kernel's sockets live; a private ``/tmp`` that vanishes with it;
 * nothing else: not ``solutions/`` (the answer key), not the submissions folder (other learners'
   work), not the gradebook or the grades written so far, not the instructor's home. The course
-  folder itself is an empty directory holding the two read-only folders above.
+  folder itself is a directory bubblewrap makes to hold the two read-only folders above (on the
+  kernel's private ``/tmp`` when the course lives under ``/tmp``): what is written there stays
+  in the sandbox.
 
 It runs in namespaces of its own: no network (only a loopback device of its own), its own process
 IDs (the kernel cannot see or signal the grader's processes, and every process it starts dies
