@@ -25,7 +25,7 @@ from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, 
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
-from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute
+from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
 from grading.sandbox import Limits
 
 MAX_RESTARTS = 6
@@ -289,15 +289,13 @@ def grade_notebook(
     deadline = started + limits.budget
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
-        # In bubblewrap the kernel sees one folder of the grader's: its own, where it records answers.
-        kernel_dir = Path(work) / "kernel" if limits.bwrap else Path(work)
-        record_path = kernel_dir / "answers.jsonl"
+        record_path = kernel_folder(Path(work), limits) / "answers.jsonl"  # where the kernel can write
         env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
                MAX_PROCESSES_ENV: str(limits.max_processes)}
         to_run = spliced.notebook
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
-                          budget=deadline - time.monotonic(), kernel_dir=kernel_dir)
+                          budget=deadline - time.monotonic())
             runs.append(run)
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break

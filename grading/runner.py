@@ -140,6 +140,13 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def kernel_folder(workdir: Path, limits: Limits) -> Path:
+    """The kernel's working directory. In bubblewrap it is the only folder of the grader's the
+    kernel can see, so it is a folder of its own: the notebooks, the progress and status files and
+    the log in ``workdir`` stay out of its reach."""
+    return Path(workdir) / "kernel" if limits.bwrap else Path(workdir)
+
+
 def execute(
     notebook: nbformat.NotebookNode,
     workdir: Path,
@@ -148,7 +155,6 @@ def execute(
     env: dict[str, str],
     limits: Limits,
     budget: float,
-    kernel_dir: Path | None = None,
 ) -> Execution:
     """Run ``notebook`` in ``workdir`` under ``limits`` and return what came back.
 
@@ -157,9 +163,8 @@ def execute(
         env: extra environment variables for the kernel.
         limits: the kernel's limits (cell time-out, memory, processes, output...).
         budget: seconds this run may take before it is killed.
-        kernel_dir: the kernel's working directory (default ``workdir``). With ``limits.bwrap``
-            it is the only folder the kernel can see of the grader's, so it must not be ``workdir``:
-            the notebooks, the progress and status files and the log stay out of its reach.
+
+    The kernel works in ``kernel_folder(workdir, limits)``.
     """
     workdir = Path(workdir)
     source, output = workdir / "graded.ipynb", workdir / "graded.out.ipynb"
@@ -172,9 +177,7 @@ def execute(
     for stale in (output, progress, status):
         stale.unlink(missing_ok=True)
     jupyter_dir = workdir / "jupyter"
-    kernel_dir = Path(kernel_dir or workdir)
-    if limits.bwrap and kernel_dir.resolve() == workdir.resolve():
-        raise ValueError("a kernel in bubblewrap needs a kernel_dir of its own inside workdir")
+    kernel_dir = kernel_folder(workdir, limits)
     kernel_dir.mkdir(parents=True, exist_ok=True)
     # Graded kernels fork from the template, torch already imported (grading.warm); one in
     # bubblewrap starts cold, in a view of its own.

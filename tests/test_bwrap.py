@@ -81,7 +81,7 @@ def _probe(tmp_path: Path, limits: Limits) -> dict:
                                                                port=server.getsockname()[1])))
         work = tmp_path / "work"
         work.mkdir()
-        run = execute(nb, work, parameters={}, env={}, limits=limits, budget=120, kernel_dir=work / "kernel")
+        run = execute(nb, work, parameters={}, env={}, limits=limits, budget=120)
     assert run.complete, run.reason
     text = "".join(o.get("text", "") for o in run.notebook.cells[0].outputs)
     assert "PROBE " in text, run.notebook.cells[0].outputs
