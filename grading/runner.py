@@ -275,11 +275,11 @@ def _child(argv: list[str] | None = None) -> int:
     import ast
     import logging
 
-    import papermill
     from nbclient.exceptions import DeadKernelError
     from papermill.clientwrap import PapermillNotebookClient
     from papermill.exceptions import PapermillExecutionError
-    from traitlets.config import Config
+
+    from grading.notebook import run_with_papermill
 
     parser = argparse.ArgumentParser()
     parser.add_argument("source")
@@ -301,15 +301,13 @@ def _child(argv: list[str] | None = None) -> int:
 
     PapermillNotebookClient.execute_cell = tracked_execute_cell
     _limit_output(PapermillNotebookClient, args.output_kb * 1024)
-    config = Config()
-    config.KernelManager.transport = "ipc"  # Unix sockets: the kernel may have no network
     try:
-        papermill.execute_notebook(
+        run_with_papermill(  # Unix sockets: the kernel may have no network
             args.source, args.output,
             parameters={name: ast.literal_eval(value) for name, value in args.p},
             kernel_name=args.kernel, cwd=args.cwd, progress_bar=False,
             request_save_on_cell_execute=True, execution_timeout=args.cell_timeout,
-            allow_errors=True, interrupt_on_timeout=True, config=config, start_timeout=120,
+            allow_errors=True, interrupt_on_timeout=True, start_timeout=120,
         )
     except PapermillExecutionError:
         pass  # a cell raised: allowed, the verdicts read it from the output notebook
