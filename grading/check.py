@@ -143,19 +143,31 @@ def drive(check: Check, implementation: Any, inputs: Any) -> Outcome:
         return Outcome(error=f"your code {_error_text(exc).split(': ', 1)[-1]}", kind=WRONG)
 
 
+WALL_FACTOR = 3  # a check may wait (a sleep, a lock, a child process) this many times its processor time
+
+
 class _Watch:
-    """While a learner's implementation runs: a time limit, and a monitor of calls into
-    the reference implementation (a shortcut). Both are per check and in-process: they
-    catch honest mistakes and naive shortcuts; the grader's own process and limits are
-    what a determined adversary meets."""
+    """While a learner's implementation runs: a time limit, and a monitor of calls into the
+    reference implementation (a shortcut). Both are per check and in-process: they catch honest
+    mistakes and naive shortcuts; the grader's own process and limits are what a determined
+    adversary meets.
+
+    The limit is processor time, that of the thread running the check (the learner's Python
+    code and the share of any parallel work it takes part in): time spent waiting for a core on
+    a busy machine is not the learner's, and a grading run beside other jobs must give the
+    verdict a quiet one gives. A check that waits instead of computing is stopped after
+    ``WALL_FACTOR`` times the limit in wall time.
+    """
 
     def __init__(self, lab: str, timeout: float, max_processes: int):
+        from grading.call_monitor import CallMonitor
         from grading.registry import shortcut_functions
 
-        self.codes = {fn.__code__: f"{fn.__module__}.{fn.__qualname__}" for fn in shortcut_functions(lab)}
+        self.monitor = CallMonitor(shortcut_functions(lab))
         self.timeout = timeout
         self.max_processes = max_processes
-        self.hits: list[str] = []
+        self._armed = False
+        self._spent = False  # the processor-time limit was reached (else the wall-time one)
 
     @staticmethod
     def _children() -> dict:
@@ -179,38 +191,61 @@ class _Watch:
         psutil.wait_procs(new, timeout=2)
         return len(new)
 
-    def _monitor(self, frame, event, arg):
-        if event == "call" and frame.f_code in self.codes:
-            self.hits.append(self.codes[frame.f_code])
-
     def _alarm(self, signum, frame):
-        raise CheckTimeout(f"the check ran past its limit of {self.timeout:g} s")
+        if not self._armed:  # a signal that arrived as the check ended
+            return
+        self._armed = False
+        if self._spent:
+            raise CheckTimeout(f"the check used more than its limit of {self.timeout:g} s of processor time")
+        raise CheckTimeout(f"the check was still running after {WALL_FACTOR * self.timeout:g} s while using "
+                           f"little processor time: your code waits (a sleep, a lock, input, a child process?)")
+
+    def _clock(self, done, clock_id: int, main_thread: int) -> None:
+        """Watch the checking thread's processor time; past the limit, signal that thread."""
+        import signal
+        import time
+
+        started = time.clock_gettime(clock_id)
+        while not done.wait(0.05):
+            if time.clock_gettime(clock_id) - started > self.timeout:
+                self._spent = True
+                signal.pthread_kill(main_thread, signal.SIGALRM)
+                return
 
     def run(self, check: Check, implementation: Any, inputs: Any) -> Outcome:
         import signal
-        import sys
         import threading
+        import time
 
         before = self._children()
+        done = threading.Event()
+        thread_id = threading.get_ident()
+        clock = threading.Thread(target=self._clock, args=(done, time.pthread_getcpuclockid(thread_id), thread_id),
+                                 name="check-clock", daemon=True)
         previous = signal.signal(signal.SIGALRM, self._alarm)
-        signal.setitimer(signal.ITIMER_REAL, self.timeout)
-        sys.setprofile(self._monitor)
-        threading.setprofile(self._monitor)
+        self._armed, self._spent = True, False
+        signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * self.timeout)
+        clock.start()
+        self.monitor.start()
         try:
             outcome = drive(check, implementation, inputs)
+        except CheckTimeout as exc:  # the limit was reached as drive() returned, outside its own guard
+            outcome = Outcome(error=str(exc), kind=TIMEOUT)
         finally:
-            still_ours = sys.getprofile() == self._monitor
-            sys.setprofile(None)
-            threading.setprofile(None)
+            self._armed = False  # from here the alarm raises nothing (no call before this line: no signal runs)
+            intact = self.monitor.intact()
+            self.monitor.stop()
+            done.set()
             signal.setitimer(signal.ITIMER_REAL, 0)
+            clock.join()
             signal.signal(signal.SIGALRM, previous)
             started = self._stop_new_processes(before)
         if started > self.max_processes:
             return Outcome(error=f"your code started {started} processes (the limit is {self.max_processes})",
                            kind=PROCESSES)
-        if self.hits:
-            return Outcome(error=f"your code called the reference {self.hits[0]}", kind=SHORTCUT)
-        if not still_ours:
+        if self.monitor.hits:
+            return Outcome(error=f"your code called the reference {self.monitor.hits[0]}", kind=SHORTCUT)
+        if not intact:
             return Outcome(error="your code removed the grader's call monitor", kind=TAMPERING)
         return outcome
 

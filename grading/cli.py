@@ -252,7 +252,7 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
 
     d = Limits()
     group = parser.add_argument_group("limits on the learner's kernel")
-    group.add_argument("--check-timeout", type=float, default=d.check_timeout, help=f"seconds per check ({d.check_timeout:g})")
+    group.add_argument("--check-timeout", type=float, default=d.check_timeout, help=f"seconds of processor time per check ({d.check_timeout:g})")
     group.add_argument("--cell-timeout", type=float, default=d.cell_timeout, help=f"seconds per cell ({d.cell_timeout:g})")
     group.add_argument("--budget", type=float, default=d.budget, help=f"seconds per notebook ({d.budget:g})")
     group.add_argument("--memory-mb", type=int, default=d.memory_mb, help=f"address space in MiB ({d.memory_mb})")

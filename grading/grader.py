@@ -21,7 +21,7 @@ from typing import Any
 
 from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
-                           SHORTCUT, TAMPERING, TIMEOUT, WRONG, Outcome, drive, judge, needs_reference)
+                           SHORTCUT, TAMPERING, TIMEOUT, WALL_FACTOR, WRONG, Outcome, drive, judge, needs_reference)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
@@ -311,7 +311,8 @@ def grade_notebook(
     tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings)
     sandbox = {"processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
                **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
-               "time": f"{limits.check_timeout:g} s per check, {limits.cell_timeout:g} s per cell, "
+               "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
+                       f"in all), {limits.cell_timeout:g} s per cell, "
                        f"{limits.budget:g} s per notebook"}
     if not limits.bwrap:
         sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "

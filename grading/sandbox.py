@@ -29,7 +29,8 @@ class Limits:
 
     Attributes:
         cell_timeout: seconds one cell may run before the kernel is interrupted.
-        check_timeout: seconds one check may spend in the learner's code.
+        check_timeout: seconds of processor time one check may spend in the learner's code
+            (``grading.check.WALL_FACTOR`` times as long in wall time).
         budget: seconds for the whole notebook, restarts included.
         memory_mb: address space of the kernel.
         max_processes: processes the kernel may have alive at once (children included).

@@ -241,6 +241,7 @@ def test_a_class_registered_as_reference_stands_for_all_its_methods(tmp_path, mo
 
 
 def test_a_slow_answer_is_stopped_by_the_check_time_limit(tmp_path, monkeypatch):
+    """An answer that waits is stopped by the wall-time limit (three times the processor-time one)."""
     def slow(m, n, k):
         try:
             time.sleep(30)
@@ -251,16 +252,104 @@ def test_a_slow_answer_is_stopped_by_the_check_time_limit(tmp_path, monkeypatch)
     started = time.monotonic()
     row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", slow, timeout="0.5")
     assert row["kind"] == "time-out" and time.monotonic() - started < 5
+    assert "still running after 1.5 s" in row["error"] and "waits" in row["error"], row
+
+
+def test_a_busy_answer_is_stopped_by_its_processor_time(tmp_path, monkeypatch):
+    def busy(m, n, k):
+        total = 0
+        while True:
+            try:
+                total += 1
+            except Exception:
+                pass
+
+    started = time.monotonic()
+    row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", busy, timeout="0.5")
+    assert row["kind"] == "time-out" and "0.5 s of processor time" in row["error"], row
+    assert time.monotonic() - started < 5
+
+
+def test_time_spent_waiting_is_not_counted_as_the_answers(tmp_path, monkeypatch):
+    """A check is limited by the processor time its code uses: an answer that waits a while (as on a
+    machine busy with other jobs) but computes little is not a time-out, up to the wall-time limit."""
+    waited = []
+
+    def patient(m, n, k):
+        if not waited:  # the check calls it once per input
+            time.sleep(0.8)
+            waited.append(1)
+        return 2 * m * n * k
+
+    row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", patient, timeout="0.5")
+    assert row["kind"] is None and row["error"] is None, row
 
 
 def test_removing_the_call_monitor_is_tampering(tmp_path, monkeypatch):
-    import sys
+    from infra_lib.hardware import flops
 
     def sneaky(m, n, k):
-        sys.setprofile(None)
+        flops.gemm_flops.__code__ = (lambda m, n, k: 2 * m * n * k).__code__  # the monitor's stand-in, gone
+        return flops.gemm_flops(m, n, k)
+
+    original = flops.gemm_flops.__code__
+    try:
+        assert _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", sneaky)["kind"] == "tampering detected"
+    finally:
+        flops.gemm_flops.__code__ = original
+
+
+def test_the_call_monitor_taxes_no_other_call_and_leaves_the_reference_as_it_was(tmp_path, monkeypatch):
+    """No profile hook runs during a check (the Triton interpreter's millions of calls would pay for
+    it); the reference's own body is back after the check, and a call from another thread is seen."""
+    import sys
+    import threading
+
+    from infra_lib.hardware import flops
+
+    original = flops.gemm_flops.__code__
+    seen = {}
+
+    def honest(m, n, k):
+        seen["profile"] = sys.getprofile()
         return 2 * m * n * k
 
-    assert _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", sneaky)["kind"] == "tampering detected"
+    assert _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", honest)["kind"] is None
+    assert seen["profile"] is None
+    assert flops.gemm_flops.__code__ is original and flops.gemm_flops(2, 3, 4) == 48
+
+    def threaded(m, n, k):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(flops.gemm_flops(m, n, k)))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", threaded)
+    assert row["kind"] == "reference shortcut" and "gemm_flops" in row["error"], row
+    assert flops.gemm_flops.__code__ is original
+
+
+def test_an_answer_decorated_like_a_reference_is_not_taken_for_it(tmp_path, monkeypatch):
+    """lab06's reference greedy_decode is wrapped by ``@torch.no_grad()``, whose wrapper code every
+    function so decorated shares: the learner's own decorated answer is not the reference."""
+    import torch
+
+    @torch.no_grad()
+    def mask(t, s, device=None):
+        return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+
+    row = _recorded(tmp_path, monkeypatch, "lab06.causal_mask_prefill", mask)
+    assert row["kind"] is None and row["error"] is None, row
+
+    from infra_lib.model import generation
+
+    @torch.no_grad()
+    def forwarding(*args, **kwargs):
+        return generation.greedy_decode(*args, **kwargs)
+
+    row = _recorded(tmp_path, monkeypatch, "lab06.greedy_decode", forwarding)
+    assert row["kind"] == "reference shortcut" and "generation.greedy_decode" in row["error"], row
 
 
 def test_memory_errors_are_reported_as_the_memory_limit(tmp_path, monkeypatch):
