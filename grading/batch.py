@@ -3,7 +3,9 @@
 A submissions folder holds either one sub-folder per learner (with the lab's notebook, or
 a single .ipynb, inside) or one ``<learner>.ipynb`` per learner. Each learner gets
 ``OUT/<learner>/results.json`` and ``feedback.md``; ``OUT/scores.csv`` has one row per
-learner. A re-run skips learners whose submission and grader are unchanged.
+learner, and ``OUT/similarity.md`` lists answers close to the solution, the reference or each
+other (:mod:`grading.similarity`; the ``flags`` column repeats them per learner). A re-run skips
+learners whose submission and grader are unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class BatchRow:
     seconds: float
     tests: dict[str, float]
     note: str = ""
+    flags: str = ""  # close matches (grading.similarity), for the instructor to look at
 
 
 def find_submissions(folder: Path, lab_id: str) -> dict[str, Path]:
@@ -150,7 +153,14 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
                     bar.set_postfix_str(f"{learner}: {rows[learner].score:g}")
                     bar.update(1)
     bar.close()
+    from grading.similarity import class_matches, flags, report
+
+    matches = class_matches(found, lab_id, source_dir)
+    (out_dir / "similarity.md").write_text(report(matches, lab_id, len(found)), encoding="utf-8")
+    flagged = flags(matches)
     ordered = [rows[learner] for learner in found]
+    for row in ordered:
+        row.flags = flagged.get(row.learner, "")
     write_csv(ordered, out_dir / "scores.csv")
     return ordered
 
@@ -159,7 +169,8 @@ def write_csv(rows: list[BatchRow], path: Path) -> None:
     test_names = list(dict.fromkeys(name for row in rows for name in row.tests))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", "score", "max_score", "status", "seconds", *test_names, "note"])
+        writer.writerow(["learner", "score", "max_score", "status", "seconds", *test_names, "flags", "note"])
         for row in rows:
             writer.writerow([row.learner, f"{row.score:g}", f"{row.max_score:g}", row.status, f"{row.seconds:.1f}",
-                             *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names), row.note])
+                             *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names),
+                             row.flags, row.note])

@@ -13,7 +13,9 @@ Inside it the kernel sees:
   work), not the gradebook or the grades written so far, not the instructor's home. The course
   folder itself is a directory bubblewrap makes to hold the two read-only folders above (on the
   kernel's private ``/tmp`` when the course lives under ``/tmp``): what is written there stays
-  in the sandbox.
+  in the sandbox;
+* in place of the files that hold the graded lab's reference, stubs (``hide``, built by
+  :mod:`grading.hidden_reference`).
 
 It runs in namespaces of its own: no network (only a loopback device of its own), its own process
 IDs (the kernel cannot see or signal the grader's processes, and every process it starts dies

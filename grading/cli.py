@@ -157,6 +157,9 @@ def _cmd_grade_batch(args) -> int:
     failed = sum(r.status == "failed" for r in rows)
     print(f"\n{len(rows)} learners: {graded} graded, {cached} unchanged (cached), {failed} failed; "
           f"scores in {out_dir / 'scores.csv'}")
+    flagged = [r.learner for r in rows if r.flags]
+    if flagged:
+        print(f"similar answers ({len(flagged)} learners: {', '.join(flagged)}): see {out_dir / 'similarity.md'}")
     return EXIT_OK
 
 

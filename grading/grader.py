@@ -23,6 +23,7 @@ from grading import tamper
 from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
                            SHORTCUT, TAMPERING, TIMEOUT, WALL_FACTOR, WRONG, Outcome, drive, judge, needs_reference)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
+from grading.hidden_reference import hidden_files
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
@@ -293,9 +294,11 @@ def grade_notebook(
         env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
                MAX_PROCESSES_ENV: str(limits.max_processes)}
         to_run = spliced.notebook
+        # In bubblewrap the kernel sees the lab's reference functions as stubs (grading.hidden_reference).
+        hidden = hidden_files(lab_id, Path(work) / "hidden") if limits.bwrap else None
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
-                          budget=deadline - time.monotonic())
+                          budget=deadline - time.monotonic(), hidden=hidden)
             runs.append(run)
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
@@ -314,6 +317,10 @@ def grade_notebook(
                "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
                        f"in all), {limits.cell_timeout:g} s per cell, "
                        f"{limits.budget:g} s per notebook"}
+    if hidden:
+        modules = sum(path.suffix == ".py" for path in hidden)
+        sandbox["reference"] = (f"absent: the kernel saw the {modules} module(s) holding this lab's reference with "
+                                f"its bodies replaced by stubs")
     if not limits.bwrap:
         sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "
                                    "(fine for grading your own work; grade others' work in bubblewrap)")

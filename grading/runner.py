@@ -155,6 +155,7 @@ def execute(
     env: dict[str, str],
     limits: Limits,
     budget: float,
+    hidden: dict[Path, Path] | None = None,
 ) -> Execution:
     """Run ``notebook`` in ``workdir`` under ``limits`` and return what came back.
 
@@ -163,6 +164,7 @@ def execute(
         env: extra environment variables for the kernel.
         limits: the kernel's limits (cell time-out, memory, processes, output...).
         budget: seconds this run may take before it is killed.
+        hidden: in bubblewrap, files the kernel sees replaced (real path -> file shown instead).
 
     The kernel works in ``kernel_folder(workdir, limits)``.
     """
@@ -183,7 +185,7 @@ def execute(
     # bubblewrap starts cold, in a view of its own.
     template = None if limits.bwrap else warm.template()
     kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None,
-                              scratch=kernel_dir if limits.bwrap else None)
+                              scratch=kernel_dir if limits.bwrap else None, hide=hidden)
     command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
                "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
                "--cwd", str(kernel_dir), "--progress", str(progress)]

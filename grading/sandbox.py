@@ -58,7 +58,7 @@ class Limits:
 
 
 def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm: bool = False,
-                     scratch: Path | None = None) -> str:
+                     scratch: Path | None = None, hide: dict[Path, Path] | None = None) -> str:
     """Install the sandboxed kernelspec under ``jupyter_dir/kernels``; returns its name.
 
     ``warm``: the kernel manager asks the grading process's template for a forked kernel
@@ -66,6 +66,7 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     ``scratch``: with ``limits.bwrap``, the kernel's only writable folder. The launcher runs
     outside bubblewrap (it writes the status file where the kernel cannot, and puts the kernel in
     a process-count cgroup where the OS lets it), then executes ``bwrap``, which runs the kernel.
+    ``hide``: with ``limits.bwrap``, files of the kernel's view replaced (real path -> file shown).
     """
     spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,8 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
             raise ValueError("a kernel in bubblewrap needs its scratch folder")
         if warm:
             raise ValueError("a kernel in bubblewrap starts cold: a template's fork would share its view")
-        argv += ["--max-processes", str(limits.max_processes), "--bwrap", "--"] + bwrap.kernel_prefix(scratch) + kernel
+        argv += ["--max-processes", str(limits.max_processes), "--bwrap", "--"]
+        argv += bwrap.kernel_prefix(scratch, hide=hide) + kernel
     else:
         if limits.isolate_network:
             argv.append("--no-network")

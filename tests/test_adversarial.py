@@ -91,6 +91,14 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
     assert [row["learner"] for row in table] == list(picks)
     assert {row["learner"]: float(row["score"]) for row in table} == expected
     assert float(table[0]["test_task1_gemm_flops"]) == 2
+    # the corpus is built from the course's solution: its answers are flagged as copies of it and of
+    # each other (dave's notebook cannot be read, so it is not compared); the flag costs no point
+    flags = {row["learner"]: row["flags"] for row in table}
+    assert "task2_time_op: bob 1.00, carol 1.00, erin 1.00, the course's solution 1.00" in flags["alice"], flags
+    assert "task3_dominant_op: bob 1.00" in flags["alice"] and flags["dave"] == "", flags
+    similarity = (out / "similarity.md").read_text()
+    assert "| alice | task2_time_op | the course's solution | 1.00 |" in similarity
+    assert "| alice | task2_time_op | reference infra_lib.timing.time_op |" in similarity
     for learner in picks:
         assert json.loads((out / learner / "results.json").read_text())["score"] == expected[learner]
         assert (out / learner / "feedback.md").exists()

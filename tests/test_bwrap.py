@@ -148,6 +148,18 @@ from _key_GRADE_ID import *
 '''
 
 
+# A learner who copies the reference's source file into a module of their own and imports that (no
+# import of the reference, no call of it: a copy is new code the call monitor does not know).
+REFERENCE_COPIER = '''
+import sys
+from pathlib import Path
+
+Path("_copied_timing.py").write_text((Path(sys.prefix).parent / "infra_lib" / "timing.py").read_text())
+sys.path.insert(0, str(Path.cwd()))
+from _copied_timing import time_op
+'''
+
+
 def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_path):
     """`--submissions` grades in the sandbox by default: the honest learner gets full marks, the one
     whose every answer reads the instructor's notebook from disk gets none (it has 10/10 without
@@ -157,14 +169,19 @@ def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_
     write_learner_notebook(submitted / "alice.ipynb", answers)
     write_learner_notebook(submitted / "mallory.ipynb",
                            {gid: KEY_READER.replace("GRADE_ID", gid) for gid in answers})
+    write_learner_notebook(submitted / "carol.ipynb", {**answers, "task2_time_op": REFERENCE_COPIER})
     out = tmp_path / "grades"
     result = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
                              "--lab", "lab01_gemm", "--out", str(out), "--workers", "2"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    scores = {name: json.loads((out / name / "results.json").read_text()) for name in ("alice", "mallory")}
+    scores = {name: json.loads((out / name / "results.json").read_text()) for name in ("alice", "mallory", "carol")}
     assert scores["alice"]["score"] == 10, scores["alice"]
     assert scores["mallory"]["score"] == 0
+    # carol's copy of the reference is the stub the sandbox shows: task 2 (3 points) fails, saying so
+    assert scores["carol"]["score"] == 7, scores["carol"]
+    task2 = next(t for t in scores["carol"]["tests"] if t["name"] == "test_task2_time_op")
+    assert "RuntimeError" in task2["output"] and "not available while lab01_gemm is graded" in task2["output"], task2
     for test in scores["mallory"]["tests"]:  # the answers found no key, so they defined nothing
         assert test["tags"] == ["error"] and "is not defined" in test["output"], test
     assert scores["alice"]["extra_data"]["protections"]["view"].startswith("bubblewrap")
@@ -194,3 +211,57 @@ def test_the_answer_key_is_in_reach_without_the_sandbox(tmp_path):
     report = grade_notebook(mallory, lab_id="lab01_gemm", limits=Limits())
     assert report.score == report.max_score == 10, [c.message for t in report.tests for c in t.checks]
     assert report.sandbox["view"].startswith("no sandbox")
+    carol = write_learner_notebook(tmp_path / "carol.ipynb", {**answer_cells(SOLUTION01),
+                                                              "task2_time_op": REFERENCE_COPIER})
+    report = grade_notebook(carol, lab_id="lab01_gemm", limits=Limits())
+    assert report.score == 10, [c.message for t in report.tests for c in t.checks]
+
+
+REFERENCE_PROBE = '''
+import json, subprocess, sys
+from pathlib import Path
+import infra_lib.timing as timing
+import infra_lib.kernels.profiling as profiling
+
+found = {}
+try:
+    timing.time_op(lambda: None)
+    found["call"] = "ran"
+except RuntimeError as exc:
+    found["call"] = str(exc)
+source = Path(timing.__file__).read_text()
+found["body in the source"] = "statistics.median" in source
+found["lines"] = len(source.splitlines())
+found["cached bytecode"] = [p.stat().st_size for p in (Path(timing.__file__).parent / "__pycache__").glob("timing.*")]
+child = subprocess.run([sys.executable, "-c", "import infra_lib.timing as t; t.time_op(lambda: None)"],
+                       capture_output=True, text=True)
+found["another process"] = (child.stderr.strip().splitlines() or [""])[-1]
+found["rest of the module"] = profiling.profile_op.__name__  # not a reference: unchanged
+print("PROBE " + json.dumps(found))
+'''
+
+
+def test_the_labs_reference_is_a_stub_in_the_sandbox(tmp_path):
+    """While lab 01 is graded in bubblewrap its reference functions are stubs by every route (a call,
+    the source file, the cached bytecode, another process); the rest of their modules, and the real
+    files outside the sandbox, are unchanged."""
+    from grading.hidden_reference import hidden_files
+
+    real = REPO / "infra_lib" / "timing.py"
+    before = real.read_bytes()
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell(REFERENCE_PROBE))
+    work = tmp_path / "work"
+    work.mkdir()
+    run = execute(nb, work, parameters={}, env={}, limits=Limits(bwrap=True), budget=120,
+                  hidden=hidden_files("lab01_gemm", tmp_path / "hidden"))
+    assert run.complete, run.reason
+    text = "".join(o.get("text", "") for o in run.notebook.cells[0].outputs)
+    found = json.loads(text.split("PROBE ", 1)[1])
+    assert found["call"] == ("infra_lib.timing.time_op is the reference for lab01_gemm: it is not available while "
+                             "lab01_gemm is graded"), found
+    assert not found["body in the source"] and found["lines"] == len(before.decode().splitlines())
+    assert set(found["cached bytecode"]) <= {0}, found
+    assert "RuntimeError: infra_lib.timing.time_op is the reference for lab01_gemm" in found["another process"]
+    assert found["rest of the module"] == "profile_op"
+    assert real.read_bytes() == before
