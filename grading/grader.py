@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from grading import tamper
-from grading.check import (CHECK_TIMEOUT_ENV, ERROR, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV, SEED_ENV,
-                           SHORTCUT, TAMPERING, TIMEOUT, WALL_FACTOR, WRONG, Outcome, drive, judge, needs_reference)
+from grading.check import (CHECK_TIMEOUT_ENV, ERROR, INPUTS_ENV, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV,
+                           SEED_ENV, SHORTCUT, TAMPERING, TIMEOUT, WALL_FACTOR, WRONG, Outcome, drive, judge,
+                           needs_reference)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.hidden_reference import hidden_files
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
@@ -149,6 +150,21 @@ def _roundtrip(outcome: Outcome) -> Outcome:
 
 def _failed(check_id: str, task: str, reason: str, text: str) -> str:
     return f"{check_id} failed [{task}] ({reason})\n  {text}"
+
+
+def _write_inputs(tests: list[TestCell], seed: int, folder: Path) -> Path:
+    """One pickle per check the test cells call, of the inputs its grade-time seed draws; a check
+    whose inputs cannot be pickled is left out (the kernel then draws them itself)."""
+    import pickle
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for check_id in dict.fromkeys(call.check_id for test in tests for call in test.checks):
+        try:
+            data = pickle.dumps(get_check(check_id).inputs(seed))
+        except Exception:  # noqa: BLE001 - an unknown check or unpicklable inputs: the kernel makes them
+            continue
+        (folder / f"{check_id}.pickle").write_bytes(data)
+    return folder
 
 
 def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int,
@@ -294,8 +310,11 @@ def grade_notebook(
         env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
                MAX_PROCESSES_ENV: str(limits.max_processes)}
         to_run = spliced.notebook
-        # In bubblewrap the kernel sees the lab's reference functions as stubs (grading.hidden_reference).
+        # In bubblewrap the kernel sees the lab's reference functions as stubs (grading.hidden_reference),
+        # so the grader makes the checks' inputs (some are runs of the course's own code) and hands them over.
         hidden = hidden_files(lab_id, Path(work) / "hidden") if limits.bwrap else None
+        if limits.bwrap:
+            env[INPUTS_ENV] = str(_write_inputs(spliced.tests, seed, kernel_folder(Path(work), limits) / "inputs"))
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
                           budget=deadline - time.monotonic(), hidden=hidden)

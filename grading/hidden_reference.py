@@ -21,9 +21,11 @@ import importlib
 import inspect
 from pathlib import Path
 
-# lab -> reference names ("module:name") the kernel runs while that lab is graded, and why.
+# lab -> reference names ("module:name") the kernel runs while that lab is graded, and why. (The
+# checks' inputs are made by the grader, outside the sandbox, so none is needed for them.)
 KEEP: dict[str, dict[str, str]] = {}
 
+_ROOT = Path(__file__).resolve().parents[1]
 STUB_MESSAGE = "{name} is the reference for {lab}: it is not available while {lab} is graded"
 
 
@@ -40,9 +42,9 @@ def targets(lab: str) -> list[str]:
     return [t for t in dict.fromkeys(found) if t and t not in kept]
 
 
-def _defining(lab: str) -> dict[Path, dict[str, str]]:
-    """Source file -> {top-level name in it: "module.qualname"} of the lab's reference objects."""
-    files: dict[Path, dict[str, str]] = {}
+def _defining(lab: str) -> dict[Path, dict[str, set[str] | None]]:
+    """Source file -> {top-level name in it: the methods to stub, or None for the object entirely}."""
+    files: dict[Path, dict[str, set[str] | None]] = {}
     for target in targets(lab):
         module_name, name = target.split(":")
         obj = getattr(importlib.import_module(module_name), name)
@@ -50,27 +52,34 @@ def _defining(lab: str) -> dict[Path, dict[str, str]]:
         obj = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
         home = importlib.import_module(obj.__module__)
         path = Path(inspect.getsourcefile(home)).resolve()
-        files.setdefault(path, {})[obj.__qualname__.split(".")[0]] = f"{obj.__module__}.{obj.__qualname__}"
+        top, *member = obj.__qualname__.split(".")
+        names = files.setdefault(path, {})
+        if not member or (top in names and names[top] is None):
+            names[top] = None
+        else:  # one method of a class (lab 08 names the scheduler's planning, not the class)
+            names.setdefault(top, set()).add(member[0])
     return files
 
 
-def _functions(tree: ast.Module, names: dict[str, str]):
-    """(function node, dotted name) for each named top-level function and each method of a named class."""
+def _functions(tree: ast.Module, names: dict[str, set[str] | None], module: str):
+    """(function node, dotted name) for each named top-level function, and each named method (every
+    method when the value is None) of a named class."""
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
-            yield node, names[node.name]
+            yield node, f"{module}.{node.name}"
         elif isinstance(node, ast.ClassDef) and node.name in names:
+            members = names[node.name]
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    yield item, f"{names[node.name]}.{item.name}"
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (members is None or item.name in members):
+                    yield item, f"{module}.{node.name}.{item.name}"
 
 
-def stub_source(source: str, names: dict[str, str], lab: str) -> str:
+def stub_source(source: str, names: dict[str, set[str] | None], lab: str, module: str) -> str:
     """``source`` with the bodies of the named functions (and the methods of the named classes)
     replaced by a raise, each on the body's first line, blank lines after it (same line count)."""
     lines = source.splitlines(keepends=True)
     edits = []
-    for node, dotted in _functions(ast.parse(source), names):
+    for node, dotted in _functions(ast.parse(source), names, module):
         body = node.body[1:] if (isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
                                  and isinstance(node.body[0].value.value, str)) else node.body
         if not body:
@@ -96,7 +105,8 @@ def hidden_files(lab: str, folder: Path) -> dict[Path, Path]:
     shown: dict[Path, Path] = {}
     for index, (path, names) in enumerate(sorted(_defining(lab).items())):
         stub = folder / f"{index}_{path.name}"
-        stub.write_text(stub_source(path.read_text(encoding="utf-8"), names, lab), encoding="utf-8")
+        module = ".".join(path.relative_to(_ROOT).with_suffix("").parts)
+        stub.write_text(stub_source(path.read_text(encoding="utf-8"), names, lab, module), encoding="utf-8")
         shown[path] = stub
         for cached in sorted((path.parent / "__pycache__").glob(f"{path.stem}.*.pyc")):
             shown[cached] = empty

@@ -265,3 +265,15 @@ def test_the_labs_reference_is_a_stub_in_the_sandbox(tmp_path):
     assert "RuntimeError: infra_lib.timing.time_op is the reference for lab01_gemm" in found["another process"]
     assert found["rest of the module"] == "profile_op"
     assert real.read_bytes() == before
+
+
+@pytest.mark.parametrize("lab", ["lab10_serving_metrics", "lab13_agents"])
+def test_a_lab_whose_inputs_run_its_reference_grades_in_the_sandbox(lab):
+    """Lab 10's inputs are runs of the simulated engine, lab 13's count a graph's steps with the course's
+    runner: both use the lab's reference, which the sandboxed kernel sees as stubs. The grader makes the
+    inputs and hands them over, so the instructor's answers still get full marks there."""
+    from grading.grader import grade_notebook
+
+    report = grade_notebook(REPO / "solutions" / lab / f"{lab}.ipynb", lab_id=lab, limits=Limits(bwrap=True))
+    assert report.score == report.max_score > 0, [c.message for t in report.tests for c in t.checks if not c.passed]
+    assert report.sandbox["reference"].startswith("absent"), report.sandbox
