@@ -255,7 +255,17 @@ def test_a_slow_answer_is_stopped_by_the_check_time_limit(tmp_path, monkeypatch)
     assert "still running after 1.5 s" in row["error"] and "waits" in row["error"], row
 
 
+def _patient_wall_clock(monkeypatch) -> None:
+    """A wall-time limit far above the processor-time one: on a machine busy with other jobs a thread
+    may get a third of a core or less, and these tests are about processor time."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("grading.check"), "WALL_FACTOR", 30)
+
+
 def test_a_busy_answer_is_stopped_by_its_processor_time(tmp_path, monkeypatch):
+    _patient_wall_clock(monkeypatch)
+
     def busy(m, n, k):
         total = 0
         while True:
@@ -267,12 +277,13 @@ def test_a_busy_answer_is_stopped_by_its_processor_time(tmp_path, monkeypatch):
     started = time.monotonic()
     row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", busy, timeout="0.5")
     assert row["kind"] == "time-out" and "0.5 s of processor time" in row["error"], row
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15
 
 
 def test_time_spent_waiting_is_not_counted_as_the_answers(tmp_path, monkeypatch):
     """A check is limited by the processor time its code uses: an answer that waits a while (as on a
     machine busy with other jobs) but computes little is not a time-out, up to the wall-time limit."""
+    _patient_wall_clock(monkeypatch)
     waited = []
 
     def patient(m, n, k):
