@@ -160,6 +160,29 @@ from _copied_timing import time_op
 '''
 
 
+# A learner whose answers try to rewrite the course for everyone graded after her: the checks to pass
+# anything, the reference, the answer key, the lab, and another learner's submission.
+VANDAL = '''
+import sys
+from pathlib import Path
+
+_course = Path(sys.prefix).parent
+for _target in [_course / "grading" / "checks" / "lab01.py", _course / "grading" / "check.py",
+                _course / "infra_lib" / "timing.py", _course / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb",
+                _course / "labs" / "lab01_gemm" / "lab01_gemm.ipynb", Path(ALICE)]:
+    try:
+        _target.write_text("# rewritten by a graded kernel\\n")
+    except OSError:
+        pass
+'''
+
+
+def _tracked_files() -> dict[str, bytes]:
+    listed = subprocess.run(["git", "ls-files", "-z", "infra_lib", "grading", "solutions", "labs"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    return {name: (REPO / name).read_bytes() for name in listed if name and (REPO / name).is_file()}
+
+
 def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_path):
     """`--submissions` grades in the sandbox by default: the honest learner gets full marks, the one
     whose every answer reads the instructor's notebook from disk gets none (it has 10/10 without
@@ -170,6 +193,11 @@ def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_
     write_learner_notebook(submitted / "mallory.ipynb",
                            {gid: KEY_READER.replace("GRADE_ID", gid) for gid in answers})
     write_learner_notebook(submitted / "carol.ipynb", {**answers, "task2_time_op": REFERENCE_COPIER})
+    write_learner_notebook(submitted / "trudy.ipynb",
+                           {"task1_gemm_flops": VANDAL.replace("ALICE", repr(str(submitted / "alice.ipynb")))})
+    assert Path(sys.prefix).parent == REPO  # trudy's targets are the course's real files
+    alice_before = (submitted / "alice.ipynb").read_bytes()
+    tracked = _tracked_files()
     out = tmp_path / "grades"
     result = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
                              "--lab", "lab01_gemm", "--out", str(out), "--workers", "2"],
@@ -180,6 +208,9 @@ def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_
     assert scores["mallory"]["score"] == 0
     # carol's copy of the reference is the stub the sandbox shows: task 2 (3 points) fails, saying so
     assert scores["carol"]["score"] == 7, scores["carol"]
+    # trudy wrote nothing: the course's tracked files and alice's submission are byte for byte the same
+    assert json.loads((out / "trudy" / "results.json").read_text())["score"] == 0
+    assert _tracked_files() == tracked and (submitted / "alice.ipynb").read_bytes() == alice_before
     task2 = next(t for t in scores["carol"]["tests"] if t["name"] == "test_task2_time_op")
     assert "RuntimeError" in task2["output"] and "not available while lab01_gemm is graded" in task2["output"], task2
     for test in scores["mallory"]["tests"]:  # the answers found no key, so they defined nothing
