@@ -154,9 +154,9 @@ REFERENCE_COPIER = '''
 import sys
 from pathlib import Path
 
-Path("_copied_timing.py").write_text((Path(sys.prefix).parent / "infra_lib" / "timing.py").read_text())
+Path("_copied_profiling.py").write_text((Path(sys.prefix).parent / "infra_lib" / "kernels" / "profiling.py").read_text())
 sys.path.insert(0, str(Path.cwd()))
-from _copied_timing import time_op
+from _copied_profiling import dominant_op
 '''
 
 
@@ -192,7 +192,7 @@ def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_
     write_learner_notebook(submitted / "alice.ipynb", answers)
     write_learner_notebook(submitted / "mallory.ipynb",
                            {gid: KEY_READER.replace("GRADE_ID", gid) for gid in answers})
-    write_learner_notebook(submitted / "carol.ipynb", {**answers, "task2_time_op": REFERENCE_COPIER})
+    write_learner_notebook(submitted / "carol.ipynb", {**answers, "task3_dominant_op": REFERENCE_COPIER})
     write_learner_notebook(submitted / "trudy.ipynb",
                            {"task1_gemm_flops": VANDAL.replace("ALICE", repr(str(submitted / "alice.ipynb")))})
     assert Path(sys.prefix).parent == REPO  # trudy's targets are the course's real files
@@ -206,13 +206,13 @@ def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_
     scores = {name: json.loads((out / name / "results.json").read_text()) for name in ("alice", "mallory", "carol")}
     assert scores["alice"]["score"] == 10, scores["alice"]
     assert scores["mallory"]["score"] == 0
-    # carol's copy of the reference is the stub the sandbox shows: task 2 (3 points) fails, saying so
+    # carol's copy of the reference is the stub the sandbox shows: task 3 (3 points) fails, saying so
     assert scores["carol"]["score"] == 7, scores["carol"]
     # trudy wrote nothing: the course's tracked files and alice's submission are byte for byte the same
     assert json.loads((out / "trudy" / "results.json").read_text())["score"] == 0
     assert _tracked_files() == tracked and (submitted / "alice.ipynb").read_bytes() == alice_before
-    task2 = next(t for t in scores["carol"]["tests"] if t["name"] == "test_task2_time_op")
-    assert "RuntimeError" in task2["output"] and "not available while lab01_gemm is graded" in task2["output"], task2
+    task3 = next(t for t in scores["carol"]["tests"] if t["name"] == "test_task3_dominant_op")
+    assert "RuntimeError" in task3["output"] and "not available while lab01_gemm is graded" in task3["output"], task3
     for test in scores["mallory"]["tests"]:  # the answers found no key, so they defined nothing
         assert test["tags"] == ["error"] and "is not defined" in test["output"], test
     assert scores["alice"]["extra_data"]["protections"]["view"].startswith("bubblewrap")
@@ -243,7 +243,7 @@ def test_the_answer_key_is_in_reach_without_the_sandbox(tmp_path):
     assert report.score == report.max_score == 10, [c.message for t in report.tests for c in t.checks]
     assert report.sandbox["view"].startswith("no sandbox")
     carol = write_learner_notebook(tmp_path / "carol.ipynb", {**answer_cells(SOLUTION01),
-                                                              "task2_time_op": REFERENCE_COPIER})
+                                                              "task3_dominant_op": REFERENCE_COPIER})
     report = grade_notebook(carol, lab_id="lab01_gemm", limits=Limits())
     assert report.score == 10, [c.message for t in report.tests for c in t.checks]
 
