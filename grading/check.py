@@ -322,7 +322,8 @@ def check(check_id: str, implementation: Any) -> None:
         seed = int(os.environ.get(SEED_ENV, "0"))
         watch = _Watch(check_id.split(".")[0], float(os.environ.get(CHECK_TIMEOUT_ENV, "60")),
                        int(os.environ.get(MAX_PROCESSES_ENV, "32")))
-        outcome = watch.run(registered, implementation, _grader_inputs(check_id) or registered.inputs(seed))
+        inputs = _grader_inputs(check_id)
+        outcome = watch.run(registered, implementation, registered.inputs(seed) if inputs is None else inputs)
         line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error,
                            "kind": outcome.kind})
         with open(record_path, "a", encoding="utf-8") as f:

@@ -60,7 +60,7 @@ def tokens(source: str) -> list[str] | None:
     out: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.expr_context, ast.Load, ast.Store, ast.Del)):
+        if isinstance(node, ast.expr_context):
             return
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and _is_docstring(body[0]):
