@@ -103,7 +103,7 @@ def execute_lesson(lesson: Lesson, out: Path, *, progress: bool = True) -> Failu
     bar = {"desc": lesson.path.stem, "leave": True, "file": sys.stderr} if progress else False
     with tempfile.TemporaryDirectory(prefix=f"site-{lesson.number}-") as scratch:
         try:
-            run_with_papermill(lesson.path, out, parameters={"QUICK": True}, kernel_name="python3",
+            run_with_papermill(lesson.path, out, parameters={"QUICK": True}, kernel_name="python3", warm=True,
                                        cwd=scratch, progress_bar=bar, execution_timeout=CELL_TIMEOUT_S)
         except PapermillExecutionError as exc:
             first = next((line for line in str(exc.source).splitlines() if line.strip()), "")

@@ -12,10 +12,18 @@ notebook it is asked for. The forked kernel
   manager gave it, its random generators reseeded, stdin closed;
 * runs ipykernel in place of the command ``grading.sandbox`` would have executed.
 
+The same template serves *plain* kernels too: the lessons the suite and the site run, and the
+kernels nbgrader starts for an instructor (``grading/nbgrader_config.py``). A plain kernel gets no
+limits and no status file; it is what ``python -m ipykernel_launcher`` would have been, without
+the wait for torch. :func:`plain_kernels` puts such a kernelspec first on the path.
+
 Every kernel starts from the template's pristine state: the template never runs learner code,
 and a fork shares nothing writable with its parent or its siblings. The kernel is the
 template's child, not the runner's; the runner finds it through the status file to count and
 kill its processes (:func:`grading.runner.execute`).
+
+A process whose environment names a live template (its socket and token), such as a command a
+test worker runs, uses that template rather than starting one of its own.
 
 The kernel manager reaches the template through :class:`WarmProvisioner`, the provisioner the
 sandboxed kernelspec names: it sends the kernel command it would have run, its cwd and its
@@ -32,6 +40,7 @@ user, which could ask the template for another kernel under limits of its choosi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import json
 import os
@@ -49,6 +58,9 @@ from pathlib import Path
 SOCKET_ENV = "INFRA_LAB_WARM_SOCKET"
 TOKEN_ENV = "INFRA_LAB_WARM_TOKEN"
 COLD_ENV = "INFRA_LAB_COLD_KERNELS"
+# Set by nbgrader_warm_kernels: the provisioner starts this process's template on its first kernel.
+AUTO_ENV = "INFRA_LAB_WARM_AUTO"
+PLAIN_KERNEL = "python3"  # the kernel the lessons and labs name in their metadata
 PROVISIONER = "infra-lab-warm"
 # What a graded notebook imports before its first answer: imported once, by the template.
 PRELOAD = ["numpy", "torch", "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets",
@@ -90,6 +102,21 @@ class Template:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class _Inherited(Template):
+    """A template another process started and named in this one's environment (a test worker's,
+    for the commands it runs): used while its socket exists, never stopped from here."""
+
+    def __init__(self, socket_path: str, token: str):  # noqa: super().__init__ would start a process
+        self.socket_path, self.token, self.process = Path(socket_path), token, None
+        self.folder = self.socket_path.parent
+
+    def alive(self) -> bool:
+        return self.socket_path.exists()
+
+    def close(self) -> None:
+        pass
+
+
 _template: Template | None = None
 _lock = threading.Lock()
 
@@ -108,12 +135,17 @@ def provisioner_installed() -> bool:
 
 
 def template() -> Template | None:
-    """This process's template, started on first use; None where kernels start cold."""
+    """This process's template, started on first use, or the one its environment names; None where
+    kernels start cold."""
     global _template
     if not enabled() or not provisioner_installed():
         return None
     with _lock:
         if _template is None or not _template.alive():
+            inherited = _Inherited(os.environ.get(SOCKET_ENV, ""), os.environ.get(TOKEN_ENV, ""))
+            if inherited.token and os.environ.get(SOCKET_ENV) and inherited.alive():
+                _template = inherited
+                return _template
             try:
                 _template = Template()
             except OSError:
@@ -123,10 +155,70 @@ def template() -> Template | None:
         return _template
 
 
+def write_plain_kernelspec(jupyter_dir: Path) -> Path:
+    """A kernelspec named ``python3`` under ``jupyter_dir/kernels`` whose kernels the template forks
+    (plain ones: no limits); the usual ``python -m ipykernel_launcher`` when no template answers.
+    Returns ``jupyter_dir``, for ``JUPYTER_PATH``."""
+    spec_dir = Path(jupyter_dir) / "kernels" / PLAIN_KERNEL
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (infra course)", "language": "python",
+            "metadata": {"kernel_provisioner": {"provisioner_name": PROVISIONER}}}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
+    return Path(jupyter_dir)
+
+
+def _with_jupyter_path(folder: Path, environ: dict[str, str]) -> str:
+    return os.pathsep.join(p for p in (str(folder), environ.get("JUPYTER_PATH", "")) if p)
+
+
+def plain_kernel_env() -> dict[str, str]:
+    """Environment under which jupyter_client (papermill, nbgrader) starts ``python3`` kernels as forks
+    of this process's template; empty where kernels start cold."""
+    current = template()
+    if current is None:
+        return {}
+    jupyter_dir = write_plain_kernelspec(current.folder / "jupyter")
+    return {**current.env(), "JUPYTER_PATH": _with_jupyter_path(jupyter_dir, os.environ)}
+
+
+@contextlib.contextmanager
+def plain_kernels():
+    """In this process, for the length of the block: ``python3`` kernels fork from the template."""
+    env = plain_kernel_env()
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield bool(env)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def nbgrader_warm_kernels() -> bool:
+    """For ``nbgrader_config.py``: the notebooks nbgrader executes get plain kernels forked from a
+    template, which this process starts when it launches its first kernel (``generate_assignment``
+    and the other commands that run no notebook start none). Returns whether it is on."""
+    if not enabled() or not provisioner_installed():
+        return False
+    folder = Path(tempfile.mkdtemp(prefix="infra-lab-kernels-"))
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ["JUPYTER_PATH"] = _with_jupyter_path(write_plain_kernelspec(folder), os.environ)
+    os.environ[AUTO_ENV] = "1"
+    return True
+
+
 # --- the runner's side: the kernel provisioner -----------------------------------------------------
 
 def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
     """Ask the template for a kernel; its pid, or None when no template answers."""
+    if not os.environ.get(SOCKET_ENV) and os.environ.get(AUTO_ENV) == "1":
+        current = template()
+        if current is not None:
+            os.environ.update(current.env())
     path, token = os.environ.get(SOCKET_ENV), os.environ.get(TOKEN_ENV)
     if not path or not token:
         return None
@@ -135,7 +227,7 @@ def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
         if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(path)):
             return None
         time.sleep(0.05)
-    kernel_env = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV)}
+    kernel_env = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV, AUTO_ENV)}
     message = json.dumps({"token": token, "cmd": cmd, "cwd": cwd, "env": kernel_env}).encode() + b"\n"
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
@@ -211,7 +303,7 @@ class WarmProvisioner(LocalProvisioner):
         pid = _request(cmd, cwd, env)
         if pid is None:
             if "env" in kwargs:
-                kwargs["env"] = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV)}
+                kwargs["env"] = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV, AUTO_ENV)}
             return await super().launch_kernel(cmd, **kwargs)
         self.process = _Forked(pid)
         self.pid, self.pgid, self.cwd = pid, pid, cwd  # the kernel leads a session of its own
@@ -220,10 +312,15 @@ class WarmProvisioner(LocalProvisioner):
 
 # --- the template process ---------------------------------------------------------------------------
 
-def _kernel_command(cmd: list[str]) -> tuple[dict, list[str]]:
-    """Split the sandboxed kernelspec's command into the sandbox's options and ipykernel's arguments."""
+def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
+    """Split a kernelspec's command into the sandbox's options (None for a plain kernel) and
+    ipykernel's arguments."""
     from grading.sandbox import parse_launcher
 
+    if "grading.sandbox" not in cmd:
+        if cmd[1:3] != ["-m", "ipykernel_launcher"]:
+            raise ValueError(f"not an ipykernel command: {cmd}")
+        return None, cmd[3:]
     args = parse_launcher(cmd[cmd.index("grading.sandbox") + 1:])
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if "ipykernel_launcher" not in command:
@@ -240,19 +337,22 @@ def _run_kernel(request: dict) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the learner's subprocesses report their exit codes
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
-        status_file = Path(options["status"])
-        log = os.open(status_file.with_name("kernel.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A sandboxed kernel logs beside its status file; a plain one in the template's folder.
+        log_path = (Path(options["status"]).with_name("kernel.log") if options else
+                    Path(request["folder"]) / f"kernel-{os.getpid()}.log")
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        from grading.sandbox import apply_limits
+        if options is not None:
+            from grading.sandbox import apply_limits
 
-        status = apply_limits(options["memory_mb"], options["file_size_mb"], options["no_network"])
-        status["pid"] = os.getpid()
-        status["kernel"] = "forked from the grader's template (torch already imported)"
-        status_file.write_text(json.dumps(status), encoding="utf-8")
+            status = apply_limits(options["memory_mb"], options["file_size_mb"], options["no_network"])
+            status["pid"] = os.getpid()
+            status["kernel"] = "forked from the grader's template (torch already imported)"
+            Path(options["status"]).write_text(json.dumps(status), encoding="utf-8")
         _reseed()
         sys.argv = ["ipykernel_launcher", *kernel_args]
         from ipykernel.kernelapp import IPKernelApp
@@ -315,6 +415,7 @@ def _serve(socket_path: str) -> int:
                     _kernel_command(request["cmd"])  # refuse a malformed command here, not in the child
                 except (OSError, ValueError, KeyError, TypeError, AttributeError):
                     continue
+                request["folder"] = os.path.dirname(socket_path)
                 pid = os.fork()
                 if pid == 0:
                     server.close()

@@ -59,6 +59,19 @@ def error_outputs(notebook) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_template_per_worker():
+    """Each test process keeps one warm template (grading.warm) and names it in its environment:
+    the commands the tests run (infra-lab grade and progress, nbgrader, batch workers) fork their
+    kernels from it instead of each starting a template that imports torch again."""
+    from grading import warm
+
+    current = warm.template()
+    if current is not None:
+        os.environ.update(current.env())
+    yield
+
+
 @pytest.fixture(scope="session")
 def solution_answers() -> dict[str, str]:
     return answer_cells(SOLUTION01)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from grading import warm
 from grading.batch import grade_batch
 from grading.grader import DEFAULT_SOURCE, grade_notebook
 from grading.report import gradescope_results, write_reports
@@ -132,7 +133,9 @@ def _nbgrader_scores(names: list[str], course: Path) -> tuple[dict[str, float | 
     (course / "solutions").mkdir(parents=True)
     shutil.copytree(DEFAULT_SOURCE / "lab01_gemm", course / "solutions" / "lab01_gemm")
     (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
-    env = {**os.environ, "INFRA_COURSE_ROOT": str(course),
+    # nbgrader's kernels fork from this worker's template (grading.warm), as nbgrader_config.py
+    # has them fork from a template of nbgrader's own.
+    env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def nbgrader(*args: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import (LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, error_outputs, parameters_cell,
                       write_learner_notebook)
+from grading import warm
 from grading.grader import grade_notebook
 from grading.notebook import read_notebook
 from grading.readings import READINGS, not_started_hint
@@ -105,7 +106,9 @@ def test_notebooks_are_committed_without_outputs(path):
 def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
     # nbgrader runs `alembic` by name: the venv's bin must be on PATH, as it is once activated.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "INFRA_COURSE_ROOT": str(course), "PATH": path}
+    # nbgrader's kernels fork from this worker's template (grading.warm), as nbgrader_config.py
+    # has them fork from a template of nbgrader's own.
+    env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course), "PATH": path}
     result = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr

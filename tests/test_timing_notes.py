@@ -84,7 +84,7 @@ def run_disturbed(name: str, tmp_path) -> list[dict]:
     source = tmp_path / f"disturbed_{name}"
     nbformat.write(nb, source)
     out = tmp_path / f"out_{name}"
-    run_with_papermill(source, out, parameters={"QUICK": True}, kernel_name="python3",
+    run_with_papermill(source, out, parameters={"QUICK": True}, kernel_name="python3", warm=True,
                                cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]

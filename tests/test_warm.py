@@ -90,3 +90,101 @@ def test_the_template_forks_nothing_for_a_request_without_its_token():
             client.sendall(message)
             assert client.makefile("rb").readline() == b"", "the template answered a request it should refuse"
     assert {p.pid for p in psutil.Process(template.process.pid).children()} == before
+
+
+# What a plain kernel (a lesson's, nbgrader's) reports about itself.
+PLAIN_PROBE = """
+import json, os, resource, sys
+print(json.dumps({"torch_before_import": "torch" in sys.modules, "parent": os.getppid(), "cwd": os.getcwd(),
+                  "memory_limit": resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY,
+                  "secrets": [k for k in os.environ if k.startswith("INFRA_LAB_WARM")],
+                  "marker": os.environ.get("WARM_TEST_MARKER")}))
+"""
+
+
+def _plain_notebook(folder: Path) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(PLAIN_PROBE)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, folder / "probe.ipynb")
+    return folder / "probe.ipynb"
+
+
+def _probe_output(nb) -> dict:
+    return json.loads("".join(o.get("text", "") for o in nb.cells[0].outputs if o.get("output_type") == "stream"))
+
+
+def test_a_lesson_kernel_is_a_plain_fork_and_starts_cold_on_request(tmp_path, monkeypatch):
+    """papermill's kernels (the lessons in the suite and the site) fork from the template, torch
+    imported, with no sandbox limits and without the template's socket and token; warm=False
+    starts one cold."""
+    import os
+
+    from grading.notebook import run_with_papermill
+
+    monkeypatch.setenv("WARM_TEST_MARKER", "seen")
+    source = _plain_notebook(tmp_path / "lesson")
+    environ_before, probes = dict(os.environ), {}
+    for warm_kernel in (True, False):
+        out = run_with_papermill(source, tmp_path / f"out-{warm_kernel}.ipynb", cwd=str(tmp_path / "lesson"),
+                                 kernel_name="python3", progress_bar=False, warm=warm_kernel)
+        probes[warm_kernel] = _probe_output(out)
+    assert environ_before == dict(os.environ), "plain_kernels() puts this process's environment back"
+    forked, cold = probes[True], probes[False]
+    assert forked["torch_before_import"] and forked["parent"] == warm.template().process.pid
+    assert not cold["torch_before_import"] and cold["parent"] != warm.template().process.pid
+    assert forked["secrets"] == [], "the template's socket and token stay out of the kernel"
+    for probe in (forked, cold):
+        assert probe["memory_limit"] and probe["marker"] == "seen"
+        assert Path(probe["cwd"]).resolve() == (tmp_path / "lesson").resolve()
+
+
+def test_nbgrader_config_forks_its_kernels_from_a_template_of_its_own(tmp_path, monkeypatch):
+    """nbgrader_config.py's nbgrader_warm_kernels(): no template until the first kernel, then every
+    python3 kernel forks from one the kernel manager's process started."""
+    import os
+    import subprocess
+    import sys
+
+    source = _plain_notebook(tmp_path / "nb")
+    script = f"""
+import json, os, sys
+from grading import warm
+assert warm.nbgrader_warm_kernels()
+assert warm._template is None, "a template before any kernel"
+from grading.notebook import run_with_papermill
+outs = [run_with_papermill({str(source)!r}, {str(tmp_path)!r} + f"/out{{i}}.ipynb", cwd={str(tmp_path / 'nb')!r},
+                           kernel_name="python3", progress_bar=False) for i in range(2)]
+probes = [json.loads(o.cells[0].outputs[0]["text"]) for o in outs]
+print(json.dumps({{"template": warm._template.process.pid, "probes": probes}}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFRA_LAB_WARM")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for probe in report["probes"]:
+        assert probe["torch_before_import"] and probe["parent"] == report["template"]
+        assert probe["memory_limit"] and probe["secrets"] == []
+
+
+def test_a_command_uses_the_template_its_environment_names():
+    """A command run with a live template's socket and token in its environment (infra-lab grade from
+    a test worker) forks its kernels from that template rather than starting its own; a stale name
+    is ignored."""
+    import os
+    import subprocess
+    import sys
+
+    template = warm.template()
+    deadline = time.monotonic() + 60
+    while not template.socket_path.exists() and time.monotonic() < deadline:  # still importing torch
+        time.sleep(0.1)
+    script = "from grading import warm; t = warm.template(); print(type(t).__name__, t.socket_path)"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("INFRA_LAB_WARM")}
+    named = subprocess.run([sys.executable, "-c", script], env={**base, **template.env()},
+                           capture_output=True, text=True, timeout=120)
+    assert named.stdout.split() == ["_Inherited", str(template.socket_path)], named.stderr
+    stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**base, warm.SOCKET_ENV: "/nonexistent/template.sock", warm.TOKEN_ENV: "x"})
+    assert stale.stdout.split()[0] == "Template" and stale.stdout.split()[1] != "/nonexistent/template.sock"
