@@ -43,7 +43,7 @@ SEED = 0
 def plan(quick: bool) -> dict:
     """Backlog size, length ranges (inclusive) and the batch limit B."""
     if quick:
-        return {"num_prompts": 8, "prompt_len": [8, 24], "output_len": [2, 8], "batch": 4}
+        return {"num_prompts": 4, "prompt_len": [8, 24], "output_len": [2, 6], "batch": 3}
     return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8}
 
 

@@ -31,7 +31,7 @@ from infra_lib.kernels.triton_env import interpreter_active, kernel_device
 SEED = 0
 DTYPE = torch.float32
 BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 9, 3, 64, 16
-CONTEXTS, QUICK_CONTEXTS = (64, 256, 1024), (64, 256)
+CONTEXTS, QUICK_CONTEXTS = (64, 256, 1024), (16, 32)  # quick: 1 and 2 blocks a sequence
 
 
 def decode_inputs(context_len: int, device: torch.device):

@@ -37,8 +37,8 @@ KEYS = ("completed", "failed", "request_throughput", "output_throughput", "reque
 
 def plan(quick: bool) -> dict:
     if quick:
-        return {"num_requests": 12, "max_tokens": 6, "rate": float("inf"), "max_num_seqs": 8,
-                "sequential_requests": 4}
+        return {"num_requests": 6, "max_tokens": 6, "rate": float("inf"), "max_num_seqs": 4,
+                "sequential_requests": 2, "kv_blocks": 64}
     return {"num_requests": 200, "max_tokens": 24, "rate": 8.0, "max_num_seqs": 32, "sequential_requests": 16}
 
 
@@ -55,7 +55,8 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
     p = plan(quick)
     load_before = load_average()
     loaded = load_default()
-    engine = build_engine(loaded.model, loaded.tokenizer, max_num_seqs=p["max_num_seqs"], kv_blocks=512)
+    kv_blocks = p.get("kv_blocks", 512)  # a smaller pool in --quick: allocating it (zeroed) takes time too
+    engine = build_engine(loaded.model, loaded.tokenizer, max_num_seqs=p["max_num_seqs"], kv_blocks=kv_blocks)
     prompts = [f"In one sentence, why is the number {i} interesting?" for i in range(p["num_requests"])]
     hang_ups = {i: 2 for i in range(0, p["num_requests"], 10)}
     runs = {}
@@ -72,7 +73,7 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
     return {
         "benchmark": "serve_load", "seed": SEED, "plan": p, "slo_ms": SLO_MS,
         "flags": {"quick": quick, "device": str(device), "dtype": "float32", "endpoint": "chat", "stream": True},
-        "engine": {"max_num_seqs": p["max_num_seqs"], "kv_blocks": 512, "block_size": 16},
+        "engine": {"max_num_seqs": p["max_num_seqs"], "kv_blocks": kv_blocks, "block_size": 16},
         "runs": runs,
         "throughput_vs_sequential": runs["open_loop"]["output_throughput"] / runs["sequential"]["output_throughput"],
         "engine_alive_after": alive,

@@ -182,7 +182,10 @@ def quantize_model(model, bits: int = 8, group_size: int = 64):
 
     The embedding table (tied to the output head in SmolLM2) and the norms stay in float.
     """
-    out = copy.deepcopy(model)
+    # Copy everything but the float weights about to be replaced (most of the model's bytes): the
+    # copy shares them with ``model`` only until each is swapped for its QuantLinear just below.
+    replaced = (layer.get_submodule(name).weight for layer in model.layers for name in LINEAR_NAMES)
+    out = copy.deepcopy(model, memo={id(w): w for w in replaced})
     for i, layer in enumerate(out.layers):
         for name in LINEAR_NAMES:
             linear = layer.get_submodule(name)

@@ -23,6 +23,14 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 DIGITS_PATTERN = r"\p{N}"
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """A chat template compiled once (milliseconds a call otherwise; a server renders one per request)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+
+
 @functools.lru_cache(maxsize=1)
 def byte_alphabet() -> dict[int, str]:
     """Byte -> printable character: printable Latin-1 bytes map to themselves, the rest to
@@ -161,10 +169,7 @@ class Tokenizer:
             raise ValueError("messages is empty")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
+        return _compiled_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.tokens[self.bos_id], eos_token=self.tokens[self.eos_id])
 
