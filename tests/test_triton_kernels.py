@@ -95,6 +95,37 @@ def test_load_triton_recovers_when_torch_imported_triton_first():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
+@triton.jit
+def scaled_index(out_ptr, scale, n, BLOCK: tl.constexpr):
+    """out[i] = i * scale in int32 arithmetic (wraps around past 2**31 - 1)."""
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, offsets * scale + 7, mask=offsets < n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's options")
+def test_skipping_the_interpreters_discarded_overflow_checks_changes_nothing():
+    """load_triton turns off the overflow checks the interpreter computes and never asserts (its
+    options never ask for debugging): an overflowing kernel gives the same wrapped result, and no
+    error, with the checks on and off."""
+    from dataclasses import replace
+
+    from triton.runtime.interpreter import interpreter_builder
+
+    options = interpreter_builder.options
+    assert not options.debug and not options.sanitize_overflow
+    results = []
+    try:
+        for sanitize in (True, False):
+            interpreter_builder.options = replace(options, sanitize_overflow=sanitize)
+            out = torch.zeros(8, dtype=torch.int32)
+            scaled_index[(1,)](out, 1_000_000_000, 8, BLOCK=8)
+            results.append(out.tolist())
+    finally:
+        interpreter_builder.options = options
+    wrapped = [((i * 1_000_000_000 + 7 + 2**31) % 2**32) - 2**31 for i in range(8)]
+    assert results == [wrapped, wrapped]
+
+
 def test_require_tensor_names_argument_value_and_fix():
     x = randn(3, 5)
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
