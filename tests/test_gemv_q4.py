@@ -307,6 +307,30 @@ def test_smollm2_q4_1_layers_as_stored_match_their_dequantised_forward():
         torch.testing.assert_close(q4_1_matmul(row, layer.d, layer.m, layer.qs), layer(row), atol=1e-4, rtol=1e-4)
 
 
+@SMOLLM2
+@torch.inference_mode()
+def test_smollm2_decodes_the_same_tokens_through_the_fused_q4_1_kernel(monkeypatch):
+    """The whole model, as stored in its GGUF file: a decode step with all 210 Q4_1 layers in the
+    fused kernel picks the token the stored dequantise-then-matmul path picks. Wide tiles (512 output
+    features, 16 blocks of k a step) keep the interpreter to a few programs per layer; the default
+    tiles are checked layer by layer above."""
+    import functools
+
+    from infra_lib.model.generation import greedy_decode
+    from infra_lib.model.quant import load_gguf_q4_1
+
+    loaded = load_gguf_q4_1()
+    model, tokenizer = loaded.model.to(DEVICE), loaded.tokenizer
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    stored = greedy_decode(model, prompt, 2)
+    monkeypatch.setattr(gemv_q4, "q4_1_matmul", functools.partial(gemv_q4.q4_1_matmul, block_n=512, k_groups=16))
+    calls = count_calls(monkeypatch, "q4_1_matmul")
+    assert len(use_fused_q4(model, max_rows=1)) == 30 * 7
+    fused = greedy_decode(model, prompt, 2)
+    assert calls == [1] * 30 * 7, "the prefill keeps the stored path; the one decode step takes the kernel"
+    assert fused == stored and tokenizer.decode(fused) == "The capital", tokenizer.decode(fused)
+
+
 # --- the benchmark -----------------------------------------------------------------------------------
 
 def test_traffic_benchmark_writes_json(tmp_path):

@@ -161,6 +161,34 @@ def test_a_host_softmax_standing_in_for_the_kernel_scores_zero(stand_in):
         assert "must be a Triton kernel" in result.what
 
 
+def host_flash(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, *args, **kwargs):
+    """Attention on the host, through torch, with the kernel's pointers taken as tensors."""
+    group = q_ptr.shape[1] // k_ptr.shape[1]
+    k, v = k_ptr.repeat_interleave(group, dim=1), v_ptr.repeat_interleave(group, dim=1)
+    out_ptr.copy_(torch.nn.functional.scaled_dot_product_attention(q_ptr, k, v, is_causal=True))
+
+
+def host_paged(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, *args, **kwargs):
+    """Host code in the kernel's place: whatever it would compute, the check must refuse it unlaunched."""
+    raise AssertionError("never launched: the check refuses a stand-in before it runs")
+
+
+def host_gemv(*args, **kwargs):
+    """The same for the GEMV task."""
+    raise AssertionError("never launched: the check refuses a stand-in before it runs")
+
+
+@pytest.mark.parametrize("task, stand_in", [(2, host_flash), (3, host_paged), (4, host_gemv)],
+                         ids=["flash", "paged", "gemv"])
+def test_a_host_function_standing_in_for_each_later_kernel_scores_zero(task, stand_in):
+    """Every check of the flash, paged and GEMV tasks (the ones inside a model included) refuses a
+    Python function in place of the kernel, before it runs."""
+    for check_id in task_checks(task):
+        result = verdict(check_id, stand_in)
+        assert not result.passed and result.kind == "error", check_id
+        assert "must be a Triton kernel" in result.what, (check_id, result.what)
+
+
 _SPILL = '''
         spill = (out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
                  + (keys - start)[None, :] * stride_od)
