@@ -1,8 +1,9 @@
 """The compiled-Triton steps of ``python -m grading.gpu_check``: every kernel of the course against its reference.
 
 On a CPU the tests run these kernels in Triton's interpreter; here each is compiled for the GPU
-(the matmul autotuned), run twice (the first call pays for the compile) and compared, case by
-case, with PyTorch. Most shapes leave a ragged last tile, so the masks are exercised too.
+(the matmul autotuned by Triton's autotuner; FlashAttention's and the 4-bit GEMV's tiles tuned by
+``sweep_tiles``), run twice (the first call pays for the compile) and compared, case by case, with
+PyTorch. Most shapes leave a ragged last tile, so the masks are exercised too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,35 @@ import math
 import torch
 
 from grading.gpu_steps import SEED, StepFailed, StepSkipped, check_case, compiled_triton, randn, require_cases_close
+
+
+def _bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median")
+
+
+def sweep_tiles(facts: dict, label: str, configs: list[dict], run, want: torch.Tensor, tol: float,
+                bench=_bench_ms) -> dict:
+    """Tune a kernel's tiles by measurement: each config (keyword arguments of ``run``) is checked
+    against ``want`` like any case, then timed (``bench``: median milliseconds over repeated calls);
+    the fastest config that is right is kept.
+
+    Records ``facts["tile_sweep"][label]`` = ``{"ms": {config: ms}, "best": config}`` and returns
+    the best config's keyword arguments. A config outside the tolerance is a failed case (and the
+    step fails on it in ``require_cases_close``), never a candidate.
+    """
+    timed: dict[str, float] = {}
+    by_name: dict[str, dict] = {}
+    for config in configs:
+        name = f"{label}.tiles(" + ",".join(f"{k}={v}" for k, v in config.items()) + ")"
+        check_case(facts, name, lambda: run(**config), want, tol)
+        if facts["cases"][name]["ok"]:
+            timed[name] = round(float(bench(lambda: run(**config))), 4)
+            by_name[name] = config
+    best = min(timed, key=timed.get) if timed else None
+    facts.setdefault("tile_sweep", {})[label] = {"ms": timed, "best": best}
+    return by_name.get(best, {})
 
 
 def vector_add_step(facts: dict, quick: bool) -> None:
@@ -100,6 +130,9 @@ def flash_attention_step(facts: dict, quick: bool) -> None:
         check_case(facts, f"{name}.lse", lambda: flash_attention(qd, kd, vd, causal=causal)[1], want_lse, case_tol)
     want = attention_reference(q, k, v, causal=True)[0]
     check_case(facts, "naive_three_kernels.causal", lambda: naive_attention(q, k, v, causal=True), want, tol)
+    tiles = [{"block_m": m, "block_n": n} for m, n in ((16, 16), (32, 32), (64, 32), (64, 64), (128, 32), (128, 64))]
+    sweep_tiles(facts, "prefill.causal", tiles if not quick else tiles[:3],
+                lambda **t: flash_attention(q, k, v, causal=True, **t)[0], want, tol)
     require_cases_close(facts)
 
 
@@ -148,4 +181,11 @@ def gemv_q4_step(facts: dict, quick: bool) -> None:
             check_case(facts, f"q4_symmetric.m={rows}",
                        lambda: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias), layer(x), 1e-3)
             check_case(facts, f"q4_1_gguf.m={rows}", lambda: q4_1_matmul(x, q4_1.d, q4_1.m, q4_1.qs), q4_1(x), 1e-3)
+        x = randn(1, k, device=device, seed=2)
+        tiles = [{"block_n": n, "k_groups": g} for n in (32, 64, 128, 256) for g in (2, 8)]
+        sweep_tiles(facts, "q4_symmetric.m=1", tiles if not quick else tiles[::3],
+                    lambda **t: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias, **t),
+                    layer(x), 1e-3)
+        sweep_tiles(facts, "q4_1_gguf.m=1", tiles if not quick else tiles[::3],
+                    lambda **t: q4_1_matmul(x, q4_1.d, q4_1.m, q4_1.qs, **t), q4_1(x), 1e-3)
     require_cases_close(facts)

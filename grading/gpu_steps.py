@@ -201,12 +201,23 @@ def model_step(facts: dict, quick: bool) -> None:
               "cuda": greedy_decode(on_gpu, prompt, new_tokens, stop_id=tokenizer.eos_id)}
     with on_gpu.using_backend("triton"):
         tokens["cuda.triton"] = greedy_decode(on_gpu, prompt, new_tokens, stop_id=tokenizer.eos_id)
+    # The model as its GGUF file stores it (Q4_1 linears): decode steps through the fused 4-bit GEMV.
+    from infra_lib.kernels.gemv_q4 import use_fused_q4
+    from infra_lib.model.quant import load_gguf_q4_1
+
+    q4_1 = load_gguf_q4_1().model.to(device)
+    tokens["cuda.q4_1"] = greedy_decode(q4_1, prompt, new_tokens, stop_id=tokenizer.eos_id)
+    use_fused_q4(q4_1)
+    tokens["cuda.q4_1.fused"] = greedy_decode(q4_1, prompt, new_tokens, stop_id=tokenizer.eos_id)
     facts.update(prompt=PROMPT, tokens=tokens, answer=tokenizer.decode(tokens["cuda"], skip_special=True),
                  cuda_first_difference_from_cpu=first_difference(tokens["cuda"], tokens["cpu"]),
-                 triton_first_difference_from_torch=first_difference(tokens["cuda.triton"], tokens["cuda"]))
+                 triton_first_difference_from_torch=first_difference(tokens["cuda.triton"], tokens["cuda"]),
+                 fused_q4_first_difference_from_stored=first_difference(tokens["cuda.q4_1.fused"],
+                                                                        tokens["cuda.q4_1"]))
     facts["summary"] = f"{len(tokens['cuda'])} tokens: {facts['answer'][:50]!r}"
     for name, key in (("cuda against cpu", "cuda_first_difference_from_cpu"),
-                      ("the triton backend against torch on cuda", "triton_first_difference_from_torch")):
+                      ("the triton backend against torch on cuda", "triton_first_difference_from_torch"),
+                      ("the fused 4-bit GEMV against the stored Q4_1 path", "fused_q4_first_difference_from_stored")):
         if facts[key] is not None:
             raise StepFailed(f"greedy tokens differ, {name}, from token {facts[key]} on: {tokens}")
 

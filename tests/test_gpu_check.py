@@ -119,3 +119,37 @@ def test_a_step_past_its_limit_is_stopped_and_recorded_as_failed(monkeypatch):
     record = run_in_child(STEPS[0], quick=True, limit_s=0.2)  # stopped before it could even import torch
     assert record["status"] == "failed" and "ran past its limit" in record["error"], record
     assert record["wall_s"] < 30
+
+
+def test_a_tile_sweep_keeps_the_fastest_config_that_is_right(monkeypatch):
+    """gpu-check tunes FlashAttention's and the GEMV's tiles by measurement: a config whose result is
+    wrong is a failed case (the step then fails naming it), never the one kept, however fast."""
+    import pytest
+    import torch
+
+    from grading.gpu_kernel_steps import sweep_tiles
+    from grading.gpu_steps import require_cases_close
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the check's timing waits for a GPU
+    want = torch.arange(6.0)
+    speed = {16: 3.0, 32: 1.0, 64: 0.5, 128: 2.0}  # 64 is fastest but wrong
+
+    launched = []
+
+    def run(block):
+        launched.append(block)
+        return want + (1.0 if block == 64 else 0.0)
+
+    def bench(fn):  # the "milliseconds" of whichever config fn launches
+        fn()
+        return speed[launched[-1]]
+
+    facts: dict = {}
+    best = sweep_tiles(facts, "demo", [{"block": b} for b in speed], run, want, 1e-6, bench=bench)
+    assert best == {"block": 32}
+    sweep = facts["tile_sweep"]["demo"]
+    assert sweep["best"] == "demo.tiles(block=32)" and set(sweep["ms"]) == {
+        "demo.tiles(block=16)", "demo.tiles(block=32)", "demo.tiles(block=128)"}
+    assert not facts["cases"]["demo.tiles(block=64)"]["ok"]
+    with pytest.raises(StepFailed, match=r"demo.tiles\(block=64\)"):
+        require_cases_close(facts)
