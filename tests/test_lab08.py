@@ -135,3 +135,37 @@ def test_a_step_that_raises_is_reported_at_that_step_and_the_run_goes_on():
     calls["n"] = 0
     runs = lab08._drive_forced(flaky, lab08._decode_first_runs(random.Random(0)))
     assert len(runs[0]["steps"]) > 3 and runs[0]["steps"][2]["error"].startswith("KeyError")
+
+
+def _engine_verdict(check_id: str, schedule, seed: int = 0):
+    """The verdict on one of the real engine's checks, on the inputs the grader draws with ``seed``."""
+    from grading.check import drive, judge
+    from grading.registry import get_check
+
+    registered = get_check(check_id)
+    inputs = registered.inputs(seed)
+    expected = drive(registered, registered.reference(), inputs)
+    return judge(registered, drive(registered, schedule, inputs), expected, inputs)
+
+
+def test_an_empty_plan_in_the_engine_still_shows_the_first_step_that_differed():
+    """Preempting the oldest leaves the engine with an empty plan a step later: the verdict shows the
+    step where the victim differed, then the stop, on the grader's own inputs."""
+    oldest = _answer(("victim = self.running[-1]", "victim = self.running[0]"))
+    verdict = _engine_verdict("lab08.engine_preemption", oldest)
+    assert not verdict.passed and verdict.what.startswith("which running sequences are preempted"), verdict.what
+    assert "preempted: expected [2], got [0]" in verdict.detail
+    assert "and then the run stopped: step 3 scheduled nothing" in verdict.detail
+
+
+def test_an_engine_error_on_a_plan_is_blamed_on_the_plan_not_on_the_learners_code():
+    """Admitting a prompt without taking off its cached tokens plans positions the engine cannot
+    compute: the engine's error is reported as the engine's, with the plan's first difference."""
+    uncut = _answer(("        n = seq.num_tokens - cached\n", "        n = seq.num_tokens\n"))
+    for check_id in ("lab08.engine_prefix_cache", "lab08.engine_preemption"):
+        verdict = _engine_verdict(check_id, uncut)
+        assert not verdict.passed and verdict.kind != "error", (check_id, verdict.kind, verdict.what)
+        assert "your code raised" not in verdict.what + verdict.detail
+        assert "scheduled: expected" in verdict.detail, verdict.detail
+        assert "the engine could not run the plan your scheduler returned (ValueError in the course's engine" \
+            in verdict.detail, verdict.detail

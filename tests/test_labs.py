@@ -23,6 +23,12 @@ from grading.registry import all_checks
 from grading.release import CONFIG, generate_all, lab_ids
 
 
+# What code looks like in a message: a call or an index (a name right before "(" or "["), an
+# assignment, a Triton or torch attribute, a Python keyword that starts a statement. The lesson
+# sections a blank task is sent to are quoted by title and left out.
+CODE = re.compile(r"\w[(\[]|\s=\s|[-+*/]=|\b(tl|torch|np|self)\.\w|\b(return|def|lambda|import)\s|\bfor \w+ in\b")
+
+
 def _ids(paths):
     return [p.stem for p in paths]
 
@@ -65,6 +71,8 @@ def test_untouched_lab_scores_zero_naming_each_task(lab):
             hint = c.message.split("hint: ", 1)[1]
             assert hint == not_started_hint(task, own=task == checks[c.check_id].task), c.message
             assert checks[c.check_id].hint not in c.message, f"{c.check_id} gives its wrong-answer hint to a blank lab"
+            code = CODE.search(re.sub(r"“[^”]*”", "“…”", c.message))  # a section's title may name torch.fx
+            assert not code, f"{c.check_id} shows code to a blank lab ({code.group(0)!r}): {c.message}"
 
 
 def test_every_task_says_where_its_idea_is_taught():

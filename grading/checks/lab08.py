@@ -753,6 +753,7 @@ def _drive_engine(schedule, case):
     from infra_lib.model.generation import greedy_decode
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving import LLMEngine
+    from infra_lib.serving.engine import PlanRefused
 
     cls = _scheduler_class(schedule)
     model = tiny_model(case["seed"])
@@ -764,6 +765,7 @@ def _drive_engine(schedule, case):
                for p in run["prompts"]]
         steps: list[dict] = []
         after = _watch_steps(engine, steps)
+        planning = _PlanWatch(engine.scheduler)
         result = {"steps": steps, "violation": None, "tokens": None, "num_free": None,
                   "contiguous": [greedy_decode(model, p, case["new_tokens"]) for p in run["prompts"]]}
         try:
@@ -778,11 +780,36 @@ def _drive_engine(schedule, case):
             result["num_free"] = engine.scheduler.pool.num_free
         except _Violation as exc:
             result["violation"] = str(exc)
-        except RuntimeError as exc:
+        except PlanRefused as exc:
             _record_refused(engine, exc, steps)
             result["violation"] = _engine_stopped(exc, "not every request finished within 2000 steps")
+        except Exception as exc:  # noqa: BLE001 - whose error it is decides how it is reported
+            if planning.inside or planning.last is None:
+                raise  # raised by your schedule: reported as your code's error
+            # Raised by the course's engine while it ran the plan your schedule returned: the plan is
+            # the cause, so it is recorded and compared like any other step.
+            steps.append(_record(engine, planning.last))
+            result["violation"] = (f"step {planning.last.step}: the engine could not run the plan your scheduler "
+                                   f"returned ({type(exc).__name__} in the course's engine: {exc})")
         results.append(result)
     return results
+
+
+class _PlanWatch:
+    """Wraps a scheduler's ``schedule`` to know whether an error arose inside it (the learner's code)
+    or after it returned (the engine running its plan), and which plan it returned last."""
+
+    def __init__(self, scheduler):
+        self.inside, self.last = False, None
+        own = scheduler.schedule
+
+        def schedule():
+            self.inside = True
+            out = own()
+            self.inside, self.last = False, out
+            return out
+
+        scheduler.schedule = schedule
 
 
 def _compare_engine(got, expected, case):

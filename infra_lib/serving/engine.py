@@ -65,7 +65,8 @@ class StepRecord:
 
 
 class PlanRefused(RuntimeError):
-    """The scheduler's plan cannot run (it schedules a sequence it preempted); ``output`` is the plan."""
+    """The engine will not run the scheduler's plan: it is empty while sequences are unfinished (no
+    progress), or it schedules a sequence it preempts. ``output`` is the plan."""
 
     def __init__(self, message: str, output):
         super().__init__(message)
@@ -168,9 +169,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
-                raise RuntimeError(f"step {out.step} scheduled nothing with {len(self.scheduler.waiting)} waiting and "
-                                   f"{len(self.scheduler.running)} running: the scheduler made no progress "
-                                   f"({'; '.join(out.reasons) or 'no reason given'})")
+                raise PlanRefused(f"step {out.step} scheduled nothing with {len(self.scheduler.waiting)} waiting and "
+                                  f"{len(self.scheduler.running)} running: the scheduler made no progress "
+                                  f"({'; '.join(out.reasons) or 'no reason given'})", out)
             return []
         both = [s.seq_id for s in out.scheduled if s.seq_id in out.preempted]
         if both:  # a preempted sequence gave its blocks back: running it would write to blocks it lost
