@@ -397,9 +397,12 @@ def test_count_traffic_nests_and_restores_the_interpreter():
         softmax(x)
         with count_traffic() as inner:
             softmax(x)
-    assert inner == Traffic(160, 160, 0, 4, 4)
-    assert outer == Traffic(320, 320, 0, 8, 8)
+    assert inner == Traffic(160, 160, 0, 4, 4, {"in_ptr": 160}, {"out_ptr": 160})
+    assert outer == Traffic(320, 320, 0, 8, 8, {"in_ptr": 320}, {"out_ptr": 320})
     assert "create_masked_load" not in vars(interpreter_builder)
+    from triton.runtime.interpreter import GridExecutor
+
+    assert GridExecutor._init_args_hst.__name__ == "_init_args_hst"  # the launch hook is gone too
     with count_traffic() as after:
         pass
     assert after.intensity == 0.0
@@ -451,11 +454,24 @@ def test_lab03_names_the_argument_and_side_a_missing_mask_overruns():
 @needs_interpreter
 def test_lab03_counts_the_bytes_an_unfused_softmax_reads():
     verdict = lab03_verdict("lab03.softmax_reads_once", softmax_reading_three_times)
-    assert not verdict.passed and verdict.what == "softmax_kernel loads more bytes than it needs (its output is right)"
+    assert not verdict.passed
+    assert verdict.what == "softmax_kernel loads more bytes than it needs from `in_ptr` (its output is right)"
     assert verdict.kind == "excess traffic"
     found = re.search(r"counted ([\d,]+) bytes, the budget is ([\d,]+)", verdict.detail)
     counted, budget = (int(n.replace(",", "")) for n in found.groups())
     assert counted == 3 * budget
+    per_argument = re.search(r"([\d,]+) bytes from `in_ptr`, the reference loads ([\d,]+)", verdict.detail)
+    assert [int(n.replace(",", "")) for n in per_argument.groups()] == [counted, budget]  # in_ptr is all it loads
+
+
+@needs_interpreter
+def test_count_traffic_splits_the_bytes_by_argument():
+    x, w = randn(5, 100), randn(100, seed=1)
+    out = torch.empty_like(x)
+    with count_traffic() as traffic:
+        rmsnorm_kernel[(5,)](out, x, w, 100, 100, 100, 1e-5, BLOCK=128)
+    assert traffic.loaded_from == {"x_ptr": 5 * 100 * 4, "w_ptr": 5 * 100 * 4}
+    assert traffic.stored_to == {"out_ptr": 5 * 100 * 4}
 
 
 def test_lab03_stub_fails_with_its_task_name():
@@ -536,9 +552,25 @@ def test_lab03_a_softmax_without_the_max_passes_plain_logits_and_fails_extreme_o
 
 
 def test_lab03_an_unmasked_store_is_named_with_the_store_hint_for_c():
+    """Every matmul check it fails names the store past C and gives the store's hint, not the check's own
+    (the strided check's "transposed views", the block-shapes check's grid axes)."""
+    from grading.registry import get_check
+
     verdict = lab03_verdict("lab03.matmul_in_bounds", matmul_unmasked_store)
     assert not verdict.passed and verdict.what.startswith("matmul_kernel stored") and "`c_ptr`" in verdict.what
     assert verdict.hint.startswith("a store reached lanes outside `c_ptr`")
+    failed = []
+    for check_id in ("lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_block_shapes",
+                     "lab03.matmul_traffic"):
+        verdict = lab03_verdict(check_id, matmul_unmasked_store)
+        if verdict.passed:
+            continue
+        failed.append(check_id)
+        assert "`c_ptr`" in verdict.what, check_id
+        assert verdict.hint.startswith("a store reached lanes outside `c_ptr`"), check_id
+        message = verdict.message(get_check(check_id), hidden=True)
+        assert "transposed views" not in message and "grid axis" not in message, check_id
+    assert {"lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_block_shapes"} <= set(failed)
 
 
 def test_lab03_an_unmasked_last_k_step_is_named_as_a_load_of_a_or_b():
@@ -558,6 +590,30 @@ def test_lab03_reading_rows_of_a_past_m_is_excess_traffic_not_a_wrong_result():
         assert lab03_verdict(check_id, matmul_reading_rows_past_m).passed, check_id
     verdict = lab03_verdict("lab03.matmul_traffic", matmul_reading_rows_past_m)
     assert not verdict.passed and verdict.kind == "excess traffic"
-    assert verdict.what == "matmul_kernel loads more bytes than it needs (its output is right)"
+    assert verdict.what == "matmul_kernel loads more bytes than it needs from `a_ptr` (its output is right)"
+    assert re.search(r"[\d,]+ bytes from `a_ptr`, the reference loads [\d,]+", verdict.detail)
+    assert "`b_ptr`" not in verdict.detail  # B is masked along both of its axes
     message = verdict.message(get_check("lab03.matmul_traffic"), hidden=True)
-    assert "(excess traffic)" in message and "rows of A past M" in message
+    assert "(excess traffic)" in message and "rows past M" in message and "columns past N" not in message
+
+
+@triton.jit
+def rmsnorm_unmasked_weights(out_ptr, x_ptr, w_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0)
+    w = tl.load(w_ptr + cols)  # no mask: the lanes past n_cols read past w, and only feed lanes never stored
+    y = x / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps) * w
+    tl.store(out_ptr + row * out_row_stride + cols, y, mask=inside)
+
+
+@needs_interpreter
+def test_lab03_an_unmasked_weight_load_is_excess_traffic_from_w():
+    from grading.checks.lab03 import _RMSNORM_EXCESS_HINTS
+
+    assert lab03_verdict("lab03.rmsnorm_odd_shapes", rmsnorm_unmasked_weights).passed
+    verdict = lab03_verdict("lab03.rmsnorm_in_bounds", rmsnorm_unmasked_weights)
+    assert not verdict.passed and verdict.kind == "excess traffic"
+    assert verdict.what == "rmsnorm_kernel loads more bytes than it needs from `w_ptr` (its output is right)"
+    assert "`x_ptr`" not in verdict.detail and verdict.hint == _RMSNORM_EXCESS_HINTS["w_ptr"]

@@ -4,13 +4,14 @@ Each driver launches the learner's @triton.jit kernel itself, with the grid and 
 the task states, on seeded shapes that are not multiples of the blocks; the reference
 kernel is launched the same way. Every launch goes through ``check_bounds``: each tensor
 sits between guard bands, so a missing mask is reported by name instead of corrupting the
-kernel's memory; in the interpreter ``count_traffic`` also counts the bytes moved.
+kernel's memory; in the interpreter ``count_traffic`` also counts the bytes moved, per argument.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 from grading.check import TRAFFIC
 from grading.checks.common import array_mismatch, reference
@@ -80,7 +81,8 @@ def _driver(name: str, setup, count_traffic: bool = False):
             if count_traffic and result["interpreted"]:
                 with counting() as traffic:
                     result["violations"] = _guarded_launch(kernel, grid, args, meta)
-                result.update(bytes_loaded=traffic.bytes_loaded, bytes_stored=traffic.bytes_stored)
+                result.update(bytes_loaded=traffic.bytes_loaded, bytes_stored=traffic.bytes_stored,
+                              loaded_from=dict(traffic.loaded_from), stored_to=dict(traffic.stored_to))
             else:
                 result["violations"] = _guarded_launch(kernel, grid, args, meta)
             result["out"] = out.cpu().double().tolist()
@@ -133,13 +135,17 @@ def _values_problem(name: str, g: dict, e: dict, where: str, atol: float, nan_hi
                         f"on {where}: " + "; ".join(f"{_outside(v)}: {v['elements']} output element(s) affected"
                                                     for v in loads), hint=_mask_hint(loads[0]))
     note = f" (it also {_outside(g['violations'][0])})" if g["violations"] else ""
+    # a store outside a tensor is the mistake to name: its hint, not the NaN hint or the check's own
+    stores = [v for v in g["violations"] if v["kind"] == "store"]
+    store_hint = _mask_hint(stores[0]) if stores else ""
     got, expected = np.asarray(g["out"], dtype=np.float64), np.asarray(e["out"], dtype=np.float64)
     if got.shape == expected.shape and (np.isfinite(expected) & ~np.isfinite(got)).any():
         bad = int((np.isfinite(expected) & ~np.isfinite(got)).sum())
         return Mismatch(f"{name} returned NaN or inf where the result is finite{note}",
-                        f"on {where}: {bad} of {got.size} elements", hint=nan_hint)
-    return array_mismatch(g["out"], e["out"], f"{name}'s output differs from the reference{note}", where,
-                          atol=atol, rtol=max(atol, 1e-4))
+                        f"on {where}: {bad} of {got.size} elements", hint=store_hint or nan_hint)
+    problem = array_mismatch(g["out"], e["out"], f"{name}'s output differs from the reference{note}", where,
+                             atol=atol, rtol=max(atol, 1e-4))
+    return replace(problem, hint=store_hint) if problem and store_hint else problem
 
 
 def _compare_values(name: str, describe, atol: float, gpu_atol: float, nan_hint: str = ""):
@@ -172,7 +178,17 @@ _VALUES_FIRST = ("this check counts bytes only once the output is right, and her
                  "first (the value checks name the first difference), then come back to the traffic.")
 
 
-def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float, nan_hint: str = ""):
+def _excess(g: dict, e: dict, by_argument: str) -> list[tuple[str, int, int]]:
+    """(argument, bytes counted, the reference's bytes) for each argument the kernel moved more of."""
+    got, expected = g.get(by_argument, {}), e.get(by_argument, {})
+    return [(argument, n, expected.get(argument, 0)) for argument, n in sorted(got.items())
+            if n > expected.get(argument, 0)]
+
+
+def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float, nan_hint: str = "",
+                     excess_hints: dict | None = None):
+    """Values, then bounds, then bytes; an excess names the argument(s) read or written more than the reference
+    does, with ``excess_hints[argument]`` as the hint (which axis usually overruns; absent: the check's own)."""
     values, bounds = _compare_values(name, describe, atol, gpu_atol, nan_hint), _compare_bounds(name, describe)
 
     def compare(got, expected, cases):
@@ -186,11 +202,20 @@ def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: fl
             if "bytes_loaded" not in g:
                 return Mismatch(f"{name}'s traffic was not counted: Triton runs compiled here",
                                 "start Jupyter with TRITON_INTERPRET=1 to count bytes in the interpreter")
-            for key, verb in (("bytes_loaded", "loads"), ("bytes_stored", "stores")):
-                if g[key] > e[key]:
-                    return Mismatch(f"{name} {verb} more bytes than it needs (its output is right)",
-                                    f"on {describe(case)}: counted {g[key]:,} bytes, the budget is {e[key]:,} "
-                                    f"({budget})", reason=TRAFFIC)
+            for key, by_argument, verb, way in (("bytes_loaded", "loaded_from", "loads", "from"),
+                                                ("bytes_stored", "stored_to", "stores", "to")):
+                if g[key] <= e[key]:
+                    continue
+                excess = _excess(g, e, by_argument)
+                named = " and ".join(f"`{a}`" if a else "addresses outside its tensors" for a, _, _ in excess)
+                per_argument = "; ".join(f"{n:,} bytes {way} `{a}`, the reference {verb} {r:,}" if a else
+                                         f"{n:,} bytes outside its tensors" for a, n, r in excess)
+                hint = (excess_hints or {}).get(excess[0][0], "") if excess else ""
+                return Mismatch(f"{name} {verb} more bytes than it needs" + (f" {way} {named}" if named else "")
+                                + " (its output is right)",
+                                f"on {describe(case)}: counted {g[key]:,} bytes, the budget is {e[key]:,} "
+                                f"({budget})" + (f": {per_argument}" if per_argument else ""),
+                                hint=hint, reason=TRAFFIC)
         return None
 
     return compare
@@ -409,6 +434,14 @@ for check_id, cases, extra in (
         hint=_MATMUL_HINT + extra,
     ))
 
+_MATMUL_EXCESS_HINTS = {
+    argument: f"the loads of {matrix} read more of it than the product needs. {matrix}'s edge tiles reach {axis} "
+    f"as well as past K, and those lanes only feed {feeds} of C that the store leaves out, so no value check sees "
+    f"them; only the bytes do. Each tile load must stay inside {matrix} along both of its dimensions, and each part "
+    "of a tile is read once per step along K (chapter 03, section “5 · Tiled matrix multiplication”)."
+    for argument, matrix, axis, feeds in (("a_ptr", "A", "rows past M (its first axis)", "rows"),
+                                          ("b_ptr", "B", "columns past N (its second axis)", "columns"))}
+
 register(Check(
     check_id="lab03.matmul_in_bounds", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
     make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup),
@@ -423,7 +456,8 @@ register(Check(
     check_id="lab03.matmul_traffic", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
     make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup, count_traffic=True),
     compare=_compare_traffic("matmul_kernel", _describe_matmul,
-                             "each program reads only the parts of its tiles inside A and B", 1e-4, 3e-2),
+                             "each program reads only the parts of its tiles inside A and B", 1e-4, 3e-2,
+                             excess_hints=_MATMUL_EXCESS_HINTS),
     hint="a lane that reads outside A or B costs memory traffic even when its product never reaches C: the tile "
     "loads must stay inside their matrices along every dimension, rows of A past M and columns of B past N "
     "included, not only along K. Budget: each program reads only the parts of its tiles inside A and B.",
@@ -476,11 +510,20 @@ register(Check(
     "(chapter 03, section “Lab 03: what you will write”).",
 ))
 
+_RMSNORM_EXCESS_HINTS = {
+    "w_ptr": "the weight vector has n_cols elements, like a row: the lanes of its load past n_cols must be switched "
+    "off even though their products are never stored (no value check sees them, only the bytes do), and each "
+    "program reads the weights once.",
+    "x_ptr": "each program reads its row of x once, with the lanes past n_cols switched off: the row stays in "
+    "registers from the mean square to the scaling instead of being loaded again.",
+}
+
 register(Check(
     check_id="lab03.rmsnorm_in_bounds", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
     make_inputs=_rmsnorm_bounds_cases, drive=_driver("rmsnorm_kernel", _rmsnorm_setup, count_traffic=True),
     compare=_compare_traffic("rmsnorm_kernel", _describe_rmsnorm,
-                             "each program reads its row of x and the n_cols weights once", 1e-5, 1e-4),
+                             "each program reads its row of x and the n_cols weights once", 1e-5, 1e-4,
+                             excess_hints=_RMSNORM_EXCESS_HINTS),
     hint="the weight vector has only n_cols elements, like a row, so its load overruns just as the row's does: the "
     "row of x, the weights and the store all need their lanes past n_cols switched off. A lane past n_cols must not "
     "be read even when its result is never stored; here rows are strided, with gaps that the checker watches. "
