@@ -95,3 +95,17 @@ def test_readme_lesson_times_are_the_lessons_own():
         has_lab = any(p.stem[3:5] == path.stem[:2] for p in SOLUTIONS)
         assert (lab is not None) == has_lab, (
             f"README, chapter {path.stem[:2]}: 'lesson + lab' for a chapter with a lab, else the lesson's time alone")
+
+
+_HEADER_LAB = re.compile(r"lab: `(lab\d\d_\w+)`(?: \(with chapter \d+\))?, about (\d+) minutes\*")
+
+
+@pytest.mark.parametrize("lesson", [p for p in NOTEBOOKS if "· no lab*" not in p.read_text(encoding="utf-8")],
+                         ids=lambda p: p.stem)
+def test_a_lesson_names_its_lab_with_the_same_estimate(lesson):
+    """The lesson's header line names its lab and that lab's one estimate (the README rule's)."""
+    found = _HEADER_LAB.search(read_notebook(lesson).cells[0].source)
+    assert found, f"{lesson.name}: the header must end 'lab: `labNN_topic`, about N minutes*'"
+    lab = found.group(1)
+    want = rule_minutes(read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb"))
+    assert int(found.group(2)) == want, f"{lesson.name}: {lab} takes about {want} minutes by the README's rule"
