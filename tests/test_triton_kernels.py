@@ -617,3 +617,26 @@ def test_lab03_an_unmasked_weight_load_is_excess_traffic_from_w():
     assert not verdict.passed and verdict.kind == "excess traffic"
     assert verdict.what == "rmsnorm_kernel loads more bytes than it needs from `w_ptr` (its output is right)"
     assert "`x_ptr`" not in verdict.detail and verdict.hint == _RMSNORM_EXCESS_HINTS["w_ptr"]
+
+
+_MATMUL_ALL = {"lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_block_shapes", "lab03.matmul_in_bounds",
+               "lab03.matmul_traffic"}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp", "ignore:invalid value encountered in divide")
+@pytest.mark.parametrize("kernel, task, loses", [
+    (softmax_without_max, 1, {"lab03.softmax_extreme_values"}),
+    (matmul_unmasked_store, 2, _MATMUL_ALL),  # every launch stores past C
+    (matmul_unmasked_last_k, 2, _MATMUL_ALL),
+    pytest.param(matmul_reading_rows_past_m, 2, {"lab03.matmul_traffic"}, marks=needs_interpreter),
+    pytest.param(rmsnorm_unmasked_weights, 3, {"lab03.rmsnorm_in_bounds"}, marks=needs_interpreter),
+], ids=["no max shift", "unmasked store", "unmasked last K", "rows of A past M", "unmasked weights"])
+def test_lab03_a_typical_mistake_loses_exactly_the_checks_that_see_it(kernel, task, loses):
+    """Among its task's checks (each task is one kernel, so no other task's are touched), a mistake fails
+    those that can see it and passes the rest: its output right where only the bytes or the extreme
+    values show it."""
+    from grading.registry import all_checks
+
+    ids = {c for c, registered in all_checks().items() if registered.task.startswith(f"lab03 task {task}:")}
+    assert loses <= ids
+    assert {c for c in ids if not lab03_verdict(c, kernel).passed} == loses
