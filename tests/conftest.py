@@ -141,8 +141,8 @@ SLOW_FIXTURES = {"smollm2", "hf_tokenizer", "minilm", "server", "client", "quick
 SLOW_GROUPS = {"minilm", "site", "progress"}
 SLOW_MARKERS = {"smollm2"}
 SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes"}
-SLOW_CALLS = ("grade_notebook", "grade_batch", "run_benchmark", "run_workers", "execute_notebook", "_run(\"grade",
-              "_run(\"progress", "\"make\"")
+SLOW_CALLS = ("grade_notebook", "grade_batch", "_grade_class", "run_benchmark", "run_workers", "execute_notebook",
+              "_run(\"grade", "_run(\"progress", "\"make\"")
 
 
 # The longest tests (minutes on two cores) start first, so that no worker is left finishing one
@@ -152,6 +152,8 @@ LONGEST_FIRST = (
     # First, so that the corpus it embeds into the shared cache is there when chapter 12 runs.
     "tests/test_rag.py::test_relevant_chunks_contain_the_evidence_or_else_overlap_it",
     "tests/test_adversarial.py::test_nbgrader_on_the_corpus_gives_the_documented_scores",
+    # Mostly waiting (time-outs, sleeping processes): it overlaps well with the rest.
+    "tests/test_bwrap.py::test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouched",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[09_spec_quant]",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[10_serving]",
     "tests/test_labs.py::test_nbgrader_autograde_agrees_with_the_course_grader",

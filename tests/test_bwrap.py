@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+from conftest import REPO
 from grading.runner import execute
 from grading.sandbox import Limits
 
@@ -122,59 +122,8 @@ def test_the_os_caps_a_sandboxed_kernels_tasks(tmp_path):
     assert found["sandbox"]["cgroup"] and not Path(found["sandbox"]["cgroup"]).exists(), "the cgroup was left behind"
 
 
-# The attack of a learner who writes no answer: each answer cell finds the instructor's notebook by
-# walking up from the working directory or the environment, copies its answer into a scratch
-# module and imports it (no import of the reference, no call of it, nothing for a scan to see).
-KEY_READER = '''
-import json
-import sys
-from pathlib import Path
-
-
-def _answer_key() -> Path:
-    for start in (Path.cwd(), Path(sys.prefix)):
-        for folder in [start, *start.parents]:
-            key = folder / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
-            if key.is_file():
-                return key
-    raise FileNotFoundError("no answer key in reach")
-
-
-_key = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"])
-        for c in json.loads(_answer_key().read_text())["cells"]}
-Path("_key_GRADE_ID.py").write_text("import statistics, time\\n" + _key["GRADE_ID"])
-sys.path.insert(0, str(Path.cwd()))
-from _key_GRADE_ID import *
-'''
-
-
-# A learner who copies the reference's source file into a module of their own and imports that (no
-# import of the reference, no call of it: a copy is new code the call monitor does not know).
-REFERENCE_COPIER = '''
-import sys
-from pathlib import Path
-
-Path("_copied_profiling.py").write_text((Path(sys.prefix).parent / "infra_lib" / "kernels" / "profiling.py").read_text())
-sys.path.insert(0, str(Path.cwd()))
-from _copied_profiling import dominant_op
-'''
-
-
-# A learner whose answers try to rewrite the course for everyone graded after her: the checks to pass
-# anything, the reference, the answer key, the lab, and another learner's submission.
-VANDAL = '''
-import sys
-from pathlib import Path
-
-_course = Path(sys.prefix).parent
-for _target in [_course / "grading" / "checks" / "lab01.py", _course / "grading" / "check.py",
-                _course / "infra_lib" / "timing.py", _course / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb",
-                _course / "labs" / "lab01_gemm" / "lab01_gemm.ipynb", Path(ALICE)]:
-    try:
-        _target.write_text("# rewritten by a graded kernel\\n")
-    except OSError:
-        pass
-'''
+CORPUS = REPO / "tests" / "adversarial"
+EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 
 
 def _tracked_files() -> dict[str, bytes]:
@@ -183,40 +132,83 @@ def _tracked_files() -> dict[str, bytes]:
     return {name: (REPO / name).read_bytes() for name in listed if name and (REPO / name).is_file()}
 
 
-def test_a_class_is_graded_in_bubblewrap_and_the_answer_key_is_out_of_reach(tmp_path):
-    """`--submissions` grades in the sandbox by default: the honest learner gets full marks, the one
-    whose every answer reads the instructor's notebook from disk gets none (it has 10/10 without
-    the sandbox: test_the_answer_key_is_in_reach_without_the_sandbox)."""
-    answers = answer_cells(SOLUTION01)
+def _git_status() -> str:
+    """What git sees changed or added in the course's own folders (a file a kernel wrote shows here)."""
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "infra_lib", "grading",
+                           "solutions", "labs"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def _submit(folder: Path, names: list[str]) -> None:
+    folder.mkdir(parents=True)
+    for case in EXPECTED:
+        if case["name"] in names:
+            (folder / f"{case['name']}.ipynb").write_bytes((CORPUS / case["file"]).read_bytes())
+
+
+def _grade_class(submitted: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # Tight limits keep the hostile entries short (as in tests/test_adversarial.py); most of the
+    # corpus's time is waiting on time-outs and sleeping processes, hence more workers than cores.
+    return subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
+                           "--lab", "lab01_gemm", "--out", str(out), "--workers", "4", "--check-timeout", "10",
+                           "--cell-timeout", "15", "--budget", "300", "--max-processes", "16", *extra],
+                          cwd=submitted.parent, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouched(tmp_path):
+    """`--submissions` grades in the sandbox by default. Every corpus entry, both parts, gets exactly
+    its score and each failing task its reason: the answer key, the reference (re-run, copied or
+    called from another process) and classmates' work are out of reach, the vandal's writes and the
+    unbounded fork bomb harm nothing. Afterwards the course's tracked files, what git sees in its
+    folders, and every submission are byte for byte the same."""
+    assert Path(sys.prefix).parent == REPO  # the vandal's targets are the course's real files
     submitted = tmp_path / "submitted"
-    write_learner_notebook(submitted / "alice.ipynb", answers)
-    write_learner_notebook(submitted / "mallory.ipynb",
-                           {gid: KEY_READER.replace("GRADE_ID", gid) for gid in answers})
-    write_learner_notebook(submitted / "carol.ipynb", {**answers, "task3_dominant_op": REFERENCE_COPIER})
-    write_learner_notebook(submitted / "trudy.ipynb",
-                           {"task1_gemm_flops": VANDAL.replace("ALICE", repr(str(submitted / "alice.ipynb")))})
-    assert Path(sys.prefix).parent == REPO  # trudy's targets are the course's real files
-    alice_before = (submitted / "alice.ipynb").read_bytes()
-    tracked = _tracked_files()
+    _submit(submitted, [case["name"] for case in EXPECTED])
+    submissions = {path.name: path.read_bytes() for path in submitted.iterdir()}
+    tracked, status = _tracked_files(), _git_status()
     out = tmp_path / "grades"
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
-                             "--lab", "lab01_gemm", "--out", str(out), "--workers", "2"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = _grade_class(submitted, out)
     assert result.returncode == 0, result.stderr
-    scores = {name: json.loads((out / name / "results.json").read_text()) for name in ("alice", "mallory", "carol")}
-    assert scores["alice"]["score"] == 10, scores["alice"]
-    assert scores["mallory"]["score"] == 0
-    # carol's copy of the reference is the stub the sandbox shows: task 3 (3 points) fails, saying so
-    assert scores["carol"]["score"] == 7, scores["carol"]
-    # trudy wrote nothing: the course's tracked files and alice's submission are byte for byte the same
-    assert json.loads((out / "trudy" / "results.json").read_text())["score"] == 0
-    assert _tracked_files() == tracked and (submitted / "alice.ipynb").read_bytes() == alice_before
-    task3 = next(t for t in scores["carol"]["tests"] if t["name"] == "test_task3_dominant_op")
-    assert "RuntimeError" in task3["output"] and "not available while lab01_gemm is graded" in task3["output"], task3
-    for test in scores["mallory"]["tests"]:  # the answers found no key, so they defined nothing
+    wrong = {}
+    for case in EXPECTED:
+        results = json.loads((out / case["name"] / "results.json").read_text())
+        reasons = {t["name"]: t["tags"] for t in results["tests"] if t["status"] != "passed"}
+        if results["score"] != case["score"] or reasons != {test: [why] for test, why in case["reasons"].items()}:
+            wrong[case["name"]] = (results["score"], reasons, [t["output"] for t in results["tests"]])
+        feedback = (out / case["name"] / "feedback.md").read_text()
+        if case["note"] and case["note"] not in feedback:
+            wrong[case["name"]] = ("note missing", case["note"], feedback)
+    assert not wrong, wrong
+    assert _tracked_files() == tracked and _git_status() == status, "a graded kernel changed the course"
+    assert {path.name: path.read_bytes() for path in submitted.iterdir()} == submissions
+
+    results_of = lambda name: json.loads((out / name / "results.json").read_text())
+    for test in results_of("answer_key_reader")["tests"]:  # the answers found no key, so they defined nothing
         assert test["tags"] == ["error"] and "is not defined" in test["output"], test
-    assert scores["alice"]["extra_data"]["protections"]["view"].startswith("bubblewrap")
-    assert "bubblewrap" in (out / "mallory" / "feedback.md").read_text()
+    for name in ("reference_rerun", "reference_copier", "reference_subprocess"):
+        failed = next(t for t in results_of(name)["tests"] if t["status"] != "passed")
+        if name != "reference_subprocess":  # the child's error stays in the child; the answer's read fails
+            assert "not available while lab01_gemm is graded" in failed["output"], (name, failed)
+    assert results_of("honest_full")["extra_data"]["protections"]["view"].startswith("bubblewrap")
+    assert "bubblewrap" in (out / "answer_key_reader" / "feedback.md").read_text()
+
+
+def test_what_the_sandbox_takes_away(tmp_path):
+    """The same class graded with `--no-sandbox` (as a learner grading their own work is): the
+    answers that read a classmate's submission find it and score full marks, and the report says
+    that nothing was sandboxed. (The answer key and the reference routes are graded without the
+    sandbox in tests/test_adversarial.py: full marks there too.)"""
+    submitted = tmp_path / "submitted"
+    _submit(submitted, ["honest_full", "classmate_reader"])
+    # The grader starts its own kernel template, as an instructor's run does (not this test worker's):
+    # the kernels are then the grader's descendants, and /proc shows them its command line.
+    from grading import warm
+
+    env = {name: value for name, value in os.environ.items() if name not in (warm.SOCKET_ENV, warm.TOKEN_ENV)}
+    result = _grade_class(submitted, tmp_path / "grades", "--no-sandbox", env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "grades" / "classmate_reader" / "results.json").read_text())
+    assert report["score"] == 10, [t["output"] for t in report["tests"]]
+    assert report["extra_data"]["protections"]["view"].startswith("no sandbox")
 
 
 def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
@@ -231,21 +223,6 @@ def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
     unsandboxed = run("--no-sandbox")  # past the sandbox: refused for the unknown lab instead
     assert unsandboxed.returncode == 2 and "no lab named 'lab99'" in unsandboxed.stderr
 
-
-def test_the_answer_key_is_in_reach_without_the_sandbox(tmp_path):
-    """What bubblewrap takes away: the same answers, graded in the grader's own view of the files
-    (as a learner grading their own work is), read the key and score full marks."""
-    from grading.grader import grade_notebook
-
-    mallory = write_learner_notebook(tmp_path / "mallory.ipynb", {gid: KEY_READER.replace("GRADE_ID", gid)
-                                                                   for gid in answer_cells(SOLUTION01)})
-    report = grade_notebook(mallory, lab_id="lab01_gemm", limits=Limits())
-    assert report.score == report.max_score == 10, [c.message for t in report.tests for c in t.checks]
-    assert report.sandbox["view"].startswith("no sandbox")
-    carol = write_learner_notebook(tmp_path / "carol.ipynb", {**answer_cells(SOLUTION01),
-                                                              "task3_dominant_op": REFERENCE_COPIER})
-    report = grade_notebook(carol, lab_id="lab01_gemm", limits=Limits())
-    assert report.score == 10, [c.message for t in report.tests for c in t.checks]
 
 
 REFERENCE_PROBE = '''

@@ -54,9 +54,17 @@ def with_answers(**changed: str) -> dict[str, str]:
 CORPUS: list[dict] = []
 
 
-def entry(name: str, what: str, notebook, score: float, reasons: dict[str, str], note: str = "") -> None:
+def entry(name: str, what: str, notebook, score: float, reasons: dict[str, str], note: str = "",
+          unsandboxed: tuple[float, dict[str, str]] | str | None = None) -> None:
+    """One corpus notebook: its score and each failing task's reason when graded in the sandbox (as
+    `--submissions` grades a class), and ``unsandboxed``, the same without the sandbox (as a
+    learner grading their own work), where that differs, or why the entry is never run there."""
+    if unsandboxed is None:
+        unsandboxed = (score, reasons)
+    if isinstance(unsandboxed, tuple):
+        unsandboxed = {"score": unsandboxed[0], "reasons": unsandboxed[1]}
     CORPUS.append({"name": name, "what": what, "notebook": notebook, "score": score, "reasons": reasons,
-                   "note": note})
+                   "note": note, "unsandboxed": unsandboxed})
 
 
 entry("honest_full", "an honest, complete solution", _lab(HONEST), 10, {})
@@ -223,6 +231,163 @@ entry("other_lab", "a notebook from another lab (no grade_id matches)", nb, 0,
       {T1: "error", T2: "error", T3: "error", T4: "error"}, note="right lab")
 
 
+# Part two: the routes around the reference and the course's files that only the sandbox closes.
+# Graded without it (a learner grading their own work), the first four get full marks for answers
+# they did not write; the last three are never run outside it: they would rewrite the course, read
+# whatever the grading user can read, or fill the machine with processes.
+
+# Every answer walks up from the working directory or the environment to the instructor's notebook,
+# copies its answer into a scratch module and imports it: no import of the reference, no call of it.
+KEY_READER = """
+import json
+import sys
+from pathlib import Path
+
+
+def _answer_key() -> Path:
+    for start in (Path.cwd(), Path(sys.prefix)):
+        for folder in [start, *start.parents]:
+            key = folder / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
+            if key.is_file():
+                return key
+    raise FileNotFoundError("no answer key in reach")
+
+
+_key = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"])
+        for c in json.loads(_answer_key().read_text())["cells"]}
+Path("_key_GRADE_ID.py").write_text("import statistics, time\\n" + _key["GRADE_ID"])
+sys.path.insert(0, str(Path.cwd()))
+from _key_GRADE_ID import *
+"""
+entry("answer_key_reader", "every answer reads the instructor's notebook from disk and imports its answer",
+      _lab({gid: KEY_READER.replace("GRADE_ID", gid) for gid in (A1, A2, A3, A4)}),
+      0, {T1: "error", T2: "error", T3: "error", T4: "error"}, unsandboxed=(10, {}))
+
+# Task 3 runs the reference module's file again under a new name: new code objects, which the call
+# monitor does not know, and no import for the scan to see.
+entry("reference_rerun", "task 3 runs the reference module's file again (runpy) and takes its dominant_op",
+      _lab(with_answers(task3_dominant_op=(
+          "import runpy\nimport sys\nfrom pathlib import Path\n\n"
+          "_module = runpy.run_path(str(Path(sys.prefix).parent / 'infra_lib' / 'kernels' / 'profiling.py'))\n"
+          "dominant_op = _module['dominant_op']\n"))),
+      7, {T3: "error"}, unsandboxed=(10, {}))
+
+# Task 3 copies the reference's source text into a module of its own and imports that.
+entry("reference_copier", "task 3 copies the reference module's source into a scratch module and imports it",
+      _lab(with_answers(task3_dominant_op=(
+          "import sys\nfrom pathlib import Path\n\n"
+          "Path('_copied_profiling.py').write_text(\n"
+          "    (Path(sys.prefix).parent / 'infra_lib' / 'kernels' / 'profiling.py').read_text())\n"
+          "sys.path.insert(0, str(Path.cwd()))\n"
+          "from _copied_profiling import dominant_op\n"))),
+      7, {T3: "error"}, unsandboxed=(10, {}))
+
+# Task 1 asks another Python process, which imports the reference, for every answer.
+entry("reference_subprocess", "task 1 calls the reference in another Python process for each answer",
+      _lab(with_answers(task1_gemm_flops=(
+          "import subprocess\nimport sys\n\n"
+          "_SERVER = ('import sys\\n'\n"
+          "           'from infra_lib.hardware.flops import gemm_flops\\n'\n"
+          "           'for line in sys.stdin:\\n'\n"
+          "           '    print(gemm_flops(*map(int, line.split())), flush=True)\\n')\n"
+          "_child = subprocess.Popen([sys.executable, '-c', _SERVER], stdin=subprocess.PIPE,\n"
+          "                          stdout=subprocess.PIPE, text=True)\n\n\n"
+          "def gemm_flops(m, n, k):\n"
+          "    _child.stdin.write(f'{m} {n} {k}\\n')\n"
+          "    _child.stdin.flush()\n"
+          "    return int(_child.stdout.readline())\n"))),
+      8, {T1: "error"}, unsandboxed=(10, {}))
+
+# Every answer finds the class's submissions folder the way a process can: near its working
+# directory (nbgrader's `submitted/`) and from its ancestors' command lines and working directories
+# in /proc (the grader's `--submissions DIR`), and takes the first classmate's filled-in answer.
+FIND_SUBMISSIONS = """
+import os
+from pathlib import Path
+
+
+def _submissions():
+    pid, found = os.getppid(), []
+    for folder in [Path.cwd(), *Path.cwd().parents][:4]:  # nbgrader grades in autograded/<learner>/<lab>
+        found += sorted(folder.glob("submitted/*/*/*.ipynb"))
+    while pid > 1:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\\0")
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        folders = [cwd / args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--submissions"]
+        for folder in folders + [cwd / "submitted"]:
+            for pattern in ("*.ipynb", "*/*.ipynb", "*/*/*.ipynb"):
+                found += sorted(folder.glob(pattern))
+    return found
+"""
+OTHER_READER = FIND_SUBMISSIONS + """
+
+def _classmates_answer(grade_id):
+    import json
+
+    for path in _submissions():
+        try:
+            cells = json.loads(path.read_text())["cells"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for cell in cells:
+            source = "".join(cell.get("source", ""))
+            if (cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
+                    and "return " in source and "_submissions" not in source):  # filled in, not a stub
+                return source
+    raise FileNotFoundError("no classmate's answer in reach")
+
+
+Path("_classmate_GRADE_ID.py").write_text("import statistics, time\\n" + _classmates_answer("GRADE_ID"))
+import sys
+sys.path.insert(0, str(Path.cwd()))
+from _classmate_GRADE_ID import *
+"""
+entry("classmate_reader", "every answer copies a classmate's answer from the submissions folder",
+      _lab({gid: OTHER_READER.replace("GRADE_ID", gid) for gid in (A1, A2, A3, A4)}),
+      0, {T1: "error", T2: "error", T3: "error", T4: "error"},
+      unsandboxed="not run: outside the sandbox it scores what the classmates it finds deserve")
+
+# Task 1 rewrites the course for everyone graded after it: the checks, the grader, the reference,
+# the answer key, the lab, and every notebook in a submissions folder it can find. Its other
+# answers are honest.
+VANDAL = FIND_SUBMISSIONS + """
+import sys
+
+_course = Path(sys.prefix).parent
+_targets = [_course / "grading" / "checks" / "lab01.py", _course / "grading" / "check.py",
+            _course / "infra_lib" / "timing.py", _course / "infra_lib" / "hardware" / "flops.py",
+            _course / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb",
+            _course / "labs" / "lab01_gemm" / "lab01_gemm.ipynb"]
+_targets += _submissions()
+for _target in _targets:
+    try:
+        _target.write_text("# rewritten by a graded kernel\\n")
+    except OSError:
+        pass
+
+
+def gemm_flops(m, n, k):
+    return 2 * m * n * k
+"""
+entry("vandal", "task 1 rewrites the course's checks, grader, reference, answer key and lab, and every "
+      "submission it finds; its answers are honest", _lab(with_answers(task1_gemm_flops=VANDAL)), 10, {},
+      unsandboxed="not run: it would rewrite the course")
+
+entry("fork_bomb_unbounded", "task 1 forks until the system refuses (each child waits forever)",
+      _lab(with_answers(task1_gemm_flops=(
+          "import os\nimport time\n\n"
+          "def gemm_flops(m, n, k):\n"
+          "    while True:\n"
+          "        if os.fork() == 0:\n"
+          "            while True:\n"
+          "                time.sleep(3600)\n"))),
+      8, {T1: "process limit"}, unsandboxed="not run: nothing but the sandbox's process cap stops it")
+
+
 def _hard_coded() -> nbformat.NotebookNode:
     import sys
 
@@ -243,7 +408,9 @@ NBGRADER = {
     "reference_obfuscated": 10, "system_exit": 8, "os_exit": "error", "segfault": "error", "infinite_loop": 7,
     "memory_bomb": 7, "fork_bomb": 10, "print_flood": 10, "tags_and_metadata": 10, "deleted_tests": 10,
     "duplicated_tests": "error", "retyped_cells": 10, "extra_cells": 10, "malformed_json": "error",
-    "wrong_nbformat": "error", "other_lab": "error",
+    "wrong_nbformat": "error", "other_lab": "error", "answer_key_reader": 10, "reference_rerun": 10,
+    "reference_copier": 10, "reference_subprocess": 10, "classmate_reader": 10,
+    "vandal": "not run", "fork_bomb_unbounded": "not run",
 }
 
 
