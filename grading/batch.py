@@ -1,11 +1,16 @@
 """Grading a class: one notebook per learner, in parallel worker processes, with a cache.
 
 A submissions folder holds either one sub-folder per learner (with the lab's notebook, or
-a single .ipynb, inside) or one ``<learner>.ipynb`` per learner. Each learner gets
-``OUT/<learner>/results.json`` and ``feedback.md``; ``OUT/scores.csv`` has one row per
-learner, and ``OUT/similarity.md`` lists answers close to the solution, the reference or each
-other (:mod:`grading.similarity`; the ``flags`` column repeats them per learner). A re-run skips
-learners whose submission and grader are unchanged.
+a single .ipynb, inside) or one ``<learner>.ipynb`` per learner; a learner's folder with no
+notebook, or a learner on the roster with nothing submitted, is "not submitted". Each learner
+gets ``OUT/<learner>/results.json`` and ``feedback.md`` (earlier gradings move to
+``OUT/<learner>/history/``); ``OUT/scores.csv`` has one row per learner: score, status
+(graded, unreadable, earlier release, flagged, not submitted, failed), whether it came from
+the cache, the seed, the grading time, when and against which course version.
+``OUT/similarity.md`` lists answers close to the solution, the reference or each other
+(:mod:`grading.similarity`; the ``flags`` column repeats them per learner). A re-run skips
+learners whose submission, the lab (:func:`grading.lab_version.lab_version`: its notebook,
+checks and the modules they run) and the limits are unchanged, unless a seed is given.
 """
 
 from __future__ import annotations
@@ -26,20 +31,28 @@ from grading.sandbox import Limits
 CACHE_FILE = "cache-key"
 
 
+STATUSES = ("graded", "unreadable", "earlier release", "flagged", "not submitted", "failed")
+
+
 @dataclass
 class BatchRow:
     learner: str
     score: float
     max_score: float
-    status: str  # "graded", "cached" or "failed"
-    seconds: float
+    status: str  # one of STATUSES
+    seconds: float  # the grading's own time (kept when the row comes from the cache)
     tests: dict[str, float]
     note: str = ""
     flags: str = ""  # close matches (grading.similarity), for the instructor to look at
+    cached: bool = False  # the row is an earlier grading of the same submission and lab
+    seed: int | None = None
+    graded_at: str = ""
+    course_version: str = ""
 
 
-def find_submissions(folder: Path, lab_id: str) -> dict[str, Path]:
-    """learner -> notebook, from a folder of per-learner folders or notebooks."""
+def find_submissions(folder: Path, lab_id: str) -> dict[str, Path | None]:
+    """learner -> notebook, from a folder of per-learner folders or notebooks (None: a learner's
+    folder holds no notebook)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no submissions folder at {folder}")
@@ -52,23 +65,21 @@ def find_submissions(folder: Path, lab_id: str) -> dict[str, Path]:
             nested = entry / lab_id / f"{lab_id}.ipynb"  # nbgrader's submitted/<learner>/<lab>/ layout
             candidates = [preferred] if preferred.is_file() else [nested] if nested.is_file() else \
                 sorted(p for p in entry.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-            if candidates:
-                found[entry.name] = candidates[0]
+            found[entry.name] = candidates[0] if candidates else None
         elif entry.suffix == ".ipynb":
             found[entry.stem] = entry
     return found
 
 
-def grader_version(lab_id: str, source_dir: Path) -> str:
-    """A digest of everything a grade depends on besides the submission."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    files = [Path(source_dir) / lab_id / f"{lab_id}.ipynb"]
-    files += sorted((root / "grading").rglob("*.py")) + sorted((root / "infra_lib").rglob("*.py"))
-    for path in files:
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+def read_roster(path: Path) -> list[str]:
+    """Learner ids, one per line (or the first column of a CSV; a header "learner" or "id" is
+    skipped; blank lines and lines starting with # too)."""
+    learners = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        name = line.split(",")[0].strip()
+        if name and not name.startswith("#") and name.lower() not in ("learner", "id", "student"):
+            learners.append(name)
+    return list(dict.fromkeys(learners))
 
 
 def _cache_key(notebook: Path, version: str, limits: Limits) -> str:
@@ -85,25 +96,43 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
                limits: Limits, seed: int | None, key: str) -> dict:
     """Worker: grade one learner and write their reports; never raises."""
     from grading.grader import grade_notebook
-    from grading.report import gradescope_results, write_reports
+    from grading.report import gradescope_results, keep_history, write_reports
 
     started = time.monotonic()
     target = Path(out_dir)
+    previous = _previous(target)
     try:
         report = grade_notebook(notebook, lab_id=lab_id, source_dir=source_dir, seed=seed, limits=limits)
         write_reports(report, target)
         results = gradescope_results(report)
-        status, note = "graded", ""
+        status, note, seconds = report.status, report.unreadable, report.seconds
+        if status == "earlier release":
+            note = "made for an earlier release of this lab: map its old answer-cell ids in release_notes.json"
     except Exception as exc:  # one learner's failure must not stop the class
         results = {"score": 0.0, "max_score": 0.0, "output": f"grading failed: {type(exc).__name__}: {exc}",
-                   "tests": []}
+                   "tests": [], "extra_data": {}}
         target.mkdir(parents=True, exist_ok=True)
+        keep_history(target)
         (target / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         (target / "feedback.md").write_text(f"# Feedback: {lab_id}\n\n{results['output']}\n", encoding="utf-8")
-        status, note = "failed", results["output"]
-    (target / CACHE_FILE).write_text(key if status == "graded" else "", encoding="utf-8")
-    return asdict(BatchRow(learner, results["score"], results["max_score"], status, time.monotonic() - started,
-                           {t["name"]: t["score"] for t in results["tests"]}, note))
+        status, note, seconds = "failed", results["output"], time.monotonic() - started
+    if previous and status != "failed" and previous[0] != results["score"]:
+        note = "; ".join(filter(None, [note, f"re-graded: {previous[0]:g} before ({previous[1] or 'earlier'}, "
+                                             "kept in history/), the submission or the lab changed"]))
+    (target / CACHE_FILE).write_text(key if status != "failed" else "", encoding="utf-8")
+    extra = results.get("extra_data", {})
+    return asdict(BatchRow(learner, results["score"], results["max_score"], status, seconds,
+                           {t["name"]: t["score"] for t in results["tests"]}, note, seed=extra.get("seed"),
+                           graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", "")))
+
+
+def _previous(target: Path) -> tuple[float, str] | None:
+    """The score and time of the last grading in ``target``, if any."""
+    try:
+        results = json.loads((target / "results.json").read_text(encoding="utf-8"))
+        return float(results["score"]), str(results.get("extra_data", {}).get("graded_at", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _cached(learner: str, target: Path, key: str) -> BatchRow | None:
@@ -113,24 +142,38 @@ def _cached(learner: str, target: Path, key: str) -> BatchRow | None:
         results = json.loads((target / "results.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    return BatchRow(learner, results["score"], results["max_score"], "cached", 0.0,
-                    {t["name"]: t["score"] for t in results["tests"]})
+    extra = results.get("extra_data", {}) if isinstance(results.get("extra_data"), dict) else {}
+    status = extra.get("status", "graded")
+    note = extra.get("unreadable", "") if status == "unreadable" else ""
+    return BatchRow(learner, results["score"], results["max_score"], status, float(results.get("execution_time", 0)),
+                    {t["name"]: t["score"] for t in results["tests"]}, note, cached=True, seed=extra.get("seed"),
+                    graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""))
 
 
 def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Path, limits: Limits,
-                workers: int | None = None, seed: int | None = None, progress: bool = True) -> list[BatchRow]:
-    """Grade every learner's notebook; returns one row per learner (also written to scores.csv)."""
+                workers: int | None = None, seed: int | None = None, progress: bool = True,
+                roster: list[str] | None = None) -> list[BatchRow]:
+    """Grade every learner's notebook; returns one row per learner (also written to scores.csv).
+
+    ``seed``: grade everyone with this seed, none from the cache (it reproduces a past run: the
+    seed is in each results.json, feedback.md and scores.csv). ``roster``: every learner of the
+    class; those who submitted nothing get a "not submitted" row.
+    """
     from tqdm import tqdm
 
-    found = find_submissions(submissions, lab_id)
+    from grading.lab_version import lab_version
+
+    submitted = find_submissions(submissions, lab_id)
+    found = {learner: path for learner, path in submitted.items() if path is not None}
+    missing = [learner for learner in [*submitted, *(roster or [])] if learner not in found]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    version = grader_version(lab_id, source_dir)
+    version = lab_version(lab_id, source_dir)
     rows: dict[str, BatchRow] = {}
     todo = []
     for learner, notebook in found.items():
         key = _cache_key(notebook, version, limits)
-        cached = _cached(learner, out_dir / learner, key)
+        cached = None if seed is not None else _cached(learner, out_dir / learner, key)
         if cached is not None:
             rows[learner] = cached
         else:
@@ -149,7 +192,8 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
                     try:
                         rows[learner] = BatchRow(**future.result())
                     except Exception as exc:  # the worker process itself died
-                        rows[learner] = BatchRow(learner, 0.0, 0.0, "failed", 0.0, {}, f"worker died: {exc}")
+                        rows[learner] = BatchRow(learner, 0.0, 0.0, "failed", 0.0, {}, f"worker died: {exc}",
+                                                 seed=seed)
                     bar.set_postfix_str(f"{learner}: {rows[learner].score:g}")
                     bar.update(1)
     bar.close()
@@ -158,9 +202,15 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     matches = class_matches(found, lab_id, source_dir)
     (out_dir / "similarity.md").write_text(report(matches, lab_id, len(found)), encoding="utf-8")
     flagged = flags(matches)
-    ordered = [rows[learner] for learner in found]
+    max_score = max((row.max_score for row in rows.values()), default=0.0)
+    for learner in missing:
+        rows[learner] = BatchRow(learner, 0.0, max_score, "not submitted", 0.0, {},
+                                 "no notebook in the submissions folder")
+    ordered = [rows[learner] for learner in dict.fromkeys([*(roster or []), *submitted])]  # the roster's order
     for row in ordered:
         row.flags = flagged.get(row.learner, "")
+        if row.flags and row.status == "graded":
+            row.status = "flagged"  # a signal for the instructor; the score stands
     write_csv(ordered, out_dir / "scores.csv")
     return ordered
 
@@ -169,8 +219,11 @@ def write_csv(rows: list[BatchRow], path: Path) -> None:
     test_names = list(dict.fromkeys(name for row in rows for name in row.tests))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", "score", "max_score", "status", "seconds", *test_names, "flags", "note"])
+        writer.writerow(["learner", "score", "max_score", "status", "cached", "seed", "seconds", "graded_at",
+                         "course_version", *test_names, "flags", "note"])
         for row in rows:
-            writer.writerow([row.learner, f"{row.score:g}", f"{row.max_score:g}", row.status, f"{row.seconds:.1f}",
+            writer.writerow([row.learner, f"{row.score:g}", f"{row.max_score:g}", row.status,
+                             "yes" if row.cached else "no", "" if row.seed is None else row.seed,
+                             f"{row.seconds:.1f}", row.graded_at, row.course_version,
                              *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names),
                              row.flags, row.note])

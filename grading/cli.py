@@ -131,7 +131,9 @@ def _write_failure(out_dir: Path, message: str) -> None:
 
 
 def _cmd_grade_batch(args) -> int:
-    from grading.batch import grade_batch
+    from collections import Counter
+
+    from grading.batch import STATUSES, grade_batch, read_roster
     from grading.grader import GradingError, trusted_source
 
     if not args.lab:
@@ -142,24 +144,42 @@ def _cmd_grade_batch(args) -> int:
         return _refuse("grade", problem, EXIT_PROBLEM)
     try:
         trusted_source(args.submissions, args.lab, args.source)
+        roster = read_roster(args.roster) if args.roster else None
         rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source,
                            limits=_limits(args, bwrap=sandboxed),
-                           workers=args.workers, seed=args.seed)
+                           workers=args.workers, seed=args.seed, roster=roster)
     except (GradingError, FileNotFoundError, ValueError) as exc:
         return _refuse("grade", str(exc))
     if not rows:
         return _refuse("grade", f"no notebooks found in {args.submissions}")
     width = max(len(r.learner) for r in rows)
     for row in rows:
-        print(f"{row.learner.ljust(width)}  {row.score:g}/{row.max_score:g}  {row.status}  {row.note}".rstrip())
-    graded = sum(r.status == "graded" for r in rows)
-    cached = sum(r.status == "cached" for r in rows)
-    failed = sum(r.status == "failed" for r in rows)
-    print(f"\n{len(rows)} learners: {graded} graded, {cached} unchanged (cached), {failed} failed; "
+        state = row.status + (" (cached)" if row.cached else "")
+        print(f"{row.learner.ljust(width)}  {row.score:g}/{row.max_score:g}  {state}  {row.note}".rstrip())
+    counts = Counter(r.status for r in rows)
+    cached = sum(r.cached for r in rows)
+    print(f"\n{len(rows)} learners: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+          + f"; {cached} unchanged (cached){'' if args.seed is None else f', seed {args.seed} for all'}; "
           f"scores in {out_dir / 'scores.csv'}")
     flagged = [r.learner for r in rows if r.flags]
     if flagged:
         print(f"similar answers ({len(flagged)} learners: {', '.join(flagged)}): see {out_dir / 'similarity.md'}")
+    return EXIT_OK
+
+
+def _cmd_gradebook(args) -> int:
+    from grading.gradebook import build_gradebook
+
+    try:
+        book, written = build_gradebook(Path(args.grades), Path(args.out) if args.out else None)
+    except (FileNotFoundError, ValueError) as exc:
+        return _refuse("gradebook", str(exc))
+    for problem in book.skipped:
+        print(f"skipped {problem}", file=sys.stderr)
+    missing = sum(row["status"] == "not submitted" for row in book.rows)
+    print(f"{len(book.learners)} learners x {len(book.labs)} labs ({', '.join(book.labs)}); "
+          f"{missing} not submitted")
+    print(f"wrote {', '.join(str(p) for p in written)} (canvas.csv: import it in Canvas's gradebook)")
     return EXIT_OK
 
 
@@ -210,14 +230,28 @@ def _cmd_site(args) -> int:
 
 
 def _cmd_release(args) -> int:
-    from grading.release import generate_all
+    from grading.release import ReleaseError, generate_all, learner_edition
 
+    if args.edition == "learner":
+        if len(args.lab) != 1:
+            return _refuse("release", "--edition learner takes one folder to write the edition into, e.g. "
+                                      "infra-lab release --edition learner ../course-learner")
+        try:
+            edition = learner_edition(Path(args.lab[0]), force=args.force)
+        except ReleaseError as exc:
+            return _refuse("release", str(exc))
+        print(f"wrote the learner edition (no answers) to {edition}; see {edition / 'EDITION.md'}")
+        return EXIT_OK
     known = lab_ids()
     unknown = [lab_id for lab_id in args.lab if lab_id not in known]
     if unknown:
         return _refuse("release", f"no lab named {', '.join(unknown)} in {DEFAULT_SOURCE} "
                                   f"(labs: {', '.join(known) or 'none'})")
-    for target in generate_all(args.lab or known, Path(args.out)):
+    try:
+        targets = generate_all(args.lab or known, Path(args.out))
+    except ReleaseError as exc:
+        return _refuse("release", str(exc))
+    for target in targets:
         print(f"generated {target}")
     return EXIT_OK
 
@@ -309,9 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      "for a file not named <lab>.ipynb)")
     grade.add_argument("--lab", help="lab id, when the file name does not say it (required with --submissions)")
     grade.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="instructor notebooks (default solutions/)")
-    grade.add_argument("--seed", type=int, help="grade-time seed (default: random)")
+    grade.add_argument("--seed", type=int, help="grade-time seed (default: random); with --submissions, every "
+                                                "learner is graded again with it (no cache)")
+    grade.add_argument("--roster", type=Path, help="with --submissions: the class's learner ids, one per line; "
+                                                  "those who submitted nothing are listed as not submitted")
     _add_limit_options(grade)
     grade.set_defaults(func=_cmd_grade)
+
+    gradebook = sub.add_parser("gradebook", help="merge every lab's scores.csv into one gradebook and a Canvas CSV")
+    gradebook.add_argument("grades", nargs="?", default=str(GRADES),
+                           help="the folder of per-lab grading outputs, <grades>/<lab>/scores.csv (default grades/)")
+    gradebook.add_argument("--out", help="where gradebook.csv and canvas.csv go (default: the grades folder)")
+    gradebook.set_defaults(func=_cmd_gradebook)
 
     progress = sub.add_parser("progress", help="grade every lab (unchanged ones only once) and show a table and a chart")
     progress.add_argument("notebooks", nargs="*", help="lab notebooks to grade (default: every lab in --labs)")
@@ -330,14 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
     site.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="the lessons (default notebooks/)")
     site.set_defaults(func=_cmd_site)
 
-    release = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader")
-    release.add_argument("lab", nargs="*", help="lab ids (default: all)")
+    release = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader, or write the "
+                                             "learner edition (the course without answers) with --edition learner DIR")
+    release.add_argument("lab", nargs="*", help="lab ids (default: all); with --edition learner, the folder DIR")
     release.add_argument("--out", default=str(REPO_ROOT / "labs"), help="release folder (default labs/)")
+    release.add_argument("--edition", choices=("instructor", "learner"), default="instructor",
+                         help="instructor: regenerate the labs (default); learner: write into DIR every course file "
+                              "but the answers, with the labs' tests only in solutions/")
+    release.add_argument("--force", action="store_true", help="with --edition learner: replace what DIR holds")
     release.set_defaults(func=_cmd_release)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API on 127.0.0.1")
     _add_serve_options(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    from grading.gradescope import add_parser as _add_gradescope
+    _add_gradescope(sub)
     return parser
 
 

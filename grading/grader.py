@@ -25,6 +25,7 @@ from grading.check import (CHECK_TIMEOUT_ENV, ERROR, INPUTS_ENV, MAX_PROCESSES_E
                            needs_reference)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.hidden_reference import hidden_files
+from grading.lab_version import course_version, lab_version, renamed_cells
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
@@ -32,6 +33,7 @@ from grading.sandbox import Limits
 
 MAX_RESTARTS = 6
 NOT_RUN = "not run"
+EARLIER_RELEASE = "earlier release"  # the notebook was made for an earlier release of the lab
 _OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
 
 
@@ -69,6 +71,10 @@ class GradeReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     sandbox: dict = field(default_factory=dict)
+    unreadable: str = ""  # why the notebook could not be read, if it could not
+    graded_at: str = ""  # when, UTC, ISO 8601
+    course_version: str = ""  # the course's version and commit
+    lab_version: str = ""  # digest of everything this lab's grade depends on (grading.lab_version)
     # The notebook as the grading run left it (outputs of every cell, hidden checks included):
     # for the instructor's eyes and the course's own tests, never written into learner feedback.
     executed: Any = field(default=None, repr=False, compare=False)
@@ -80,6 +86,16 @@ class GradeReport:
     @property
     def max_score(self) -> float:
         return sum(t.max_score for t in self.tests)
+
+    @property
+    def status(self) -> str:
+        """"unreadable", "earlier release" (some tasks could not be matched to this release of
+        the lab) or "graded"."""
+        if self.unreadable:
+            return "unreadable"
+        if any(c.reason == EARLIER_RELEASE for t in self.tests for c in t.checks):
+            return EARLIER_RELEASE
+        return "graded"
 
 
 def trusted_source(notebook: Path, lab_id: str | None = None, source_dir: Path = DEFAULT_SOURCE) -> tuple[str, Path]:
@@ -168,12 +184,14 @@ def _write_inputs(tests: list[TestCell], seed: int, folder: Path) -> Path:
 
 
 def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int,
-             missing: dict[int, tuple[str, str]], findings: dict[str, tamper.Finding]) -> list[TestResult]:
+             missing: dict[int, tuple[str, str]], findings: dict[str, tamper.Finding],
+             earlier: set[str] = frozenset()) -> list[TestResult]:
     """Judge every check of every test cell against the reference, in this process.
 
     Args:
         missing: test cell index -> (reason, text) for cells that may have recorded nothing.
         findings: answer grade_id -> what the static scan found (the answer was not run).
+        earlier: answer grade_ids the notebook lacks because it was made for an earlier release.
     """
     expected_cache: dict[str, Outcome] = {}
     results = []
@@ -183,6 +201,13 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
         for call in test.checks:
             registered = get_check(call.check_id)
             answers = records.get(call.check_id, [])
+            if test.answer in earlier:
+                text = (f"not graded: your notebook was made for an earlier release of this lab and has no answer "
+                        f"cell {test.answer!r} (not your mistake; your instructor can map the old cell)")
+                checks.append(CheckResult(call.check_id, call.hidden, False,
+                                          _failed(call.check_id, registered.task, EARLIER_RELEASE, text),
+                                          EARLIER_RELEASE))
+                continue
             if finding is not None:
                 text = f"answer {test.answer} was not run: it {finding.detail} (line {finding.line})"
                 checks.append(CheckResult(call.check_id, call.hidden, False,
@@ -292,16 +317,21 @@ def grade_notebook(
     notebook = Path(notebook)
     lab_id, source_path = trusted_source(notebook, lab_id, Path(source_dir))
     trusted = read_notebook(source_path)
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    stamp = _stamp(lab_id, Path(source_dir))
     try:
         learner = read_notebook(notebook)
     except NotebookError as exc:
-        return unreadable_report(lab_id, notebook, trusted, str(exc), time.monotonic() - started)
-    spliced = splice(trusted, learner)
+        return unreadable_report(lab_id, notebook, trusted, str(exc), time.monotonic() - started, seed, **stamp)
+    try:
+        renamed = renamed_cells(lab_id, source_dir)
+    except ValueError as exc:
+        raise GradingError(str(exc)) from exc
+    spliced = splice(trusted, learner, renamed)
     findings = scan_answers(spliced, lab_id)
     for answer, finding in findings.items():
         spliced.neutralise(answer)
         spliced.notes.append(f"answer {answer} was not run: it {finding.detail} ({finding.kind})")
-    seed = secrets.randbits(31) if seed is None else int(seed)
     params = {"QUICK": True} if parameters is None else parameters
     deadline = started + limits.budget
     runs: list[Execution] = []
@@ -330,7 +360,7 @@ def grade_notebook(
     for index in sorted({i for run in runs for i in run.truncated}):
         spliced.notes.append(f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
                              f"{limits.output_kb} KiB was dropped")
-    tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings)
+    tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings, spliced.earlier_release)
     sandbox = {"processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
                **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
                "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
@@ -344,18 +374,30 @@ def grade_notebook(
         sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "
                                    "(fine for grading your own work; grade others' work in bubblewrap)")
     return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox,
-                       executed=runs[-1].notebook if runs else None)
+                       executed=runs[-1].notebook if runs else None, **stamp)
 
 
-def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, seconds: float) -> GradeReport:
-    """A zero report for a notebook that cannot be read: every check fails, saying why."""
+def _stamp(lab_id: str, source_dir: Path) -> dict[str, str]:
+    """When, and against which course and lab version, a notebook is graded."""
+    from datetime import datetime, timezone
+
+    return {"graded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "course_version": course_version(), "lab_version": lab_version(lab_id, source_dir)}
+
+
+def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, seconds: float, seed: int = 0,
+                      **stamp: str) -> GradeReport:
+    """A zero report for a notebook that cannot be read: the reason is said once (in the notes),
+    and every check fails pointing at it."""
     tests = []
     for test in test_cells(trusted):
         checks = [CheckResult(call.check_id, call.hidden, False, _failed(
-            call.check_id, get_check(call.check_id).task, UNREADABLE, problem), UNREADABLE)
+            call.check_id, get_check(call.check_id).task, UNREADABLE,
+            "not graded: the notebook could not be read (the reason is above)"), UNREADABLE)
             for call in test.checks]
         tests.append(TestResult(test.grade_id, 0.0, test.points, checks))
-    return GradeReport(lab_id, str(notebook), 0, tests, [f"the notebook could not be graded: {problem}"], seconds)
+    return GradeReport(lab_id, str(notebook), seed, tests, [f"the notebook could not be graded: {problem}"], seconds,
+                       unreadable=problem, **stamp)
 
 
 def _without_cells(nb, run: Execution, test_indices: set[int]):

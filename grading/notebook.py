@@ -122,6 +122,9 @@ class Spliced:
     notes: list[str] = field(default_factory=list)
     answers: dict[str, int] = field(default_factory=dict)  # answer grade_id -> cell index
     trusted_sources: dict[str, str] = field(default_factory=dict)  # answer grade_id -> solution source
+    # Answer ids of the current lab that the notebook lacks because it was made for an earlier
+    # release (it carries answer cells the current lab does not have): not the learner's fault.
+    earlier_release: set[str] = field(default_factory=set)
 
     def neutralise(self, answer: str) -> None:
         """Grade an answer as the untouched stub (its code never runs)."""
@@ -144,22 +147,39 @@ def test_cells(trusted: NotebookNode) -> list[TestCell]:
     return tests
 
 
-def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
+def splice(trusted: NotebookNode, learner: NotebookNode, renamed: dict[str, str] | None = None) -> Spliced:
     """The notebook to grade: the trusted source with only the learner's answer cells in it.
 
     Answer cells are matched by grade_id; everything else the learner changed (other
     cells, tags, metadata, outputs) is ignored. A missing answer is graded as the
     untouched stub.
+
+    ``renamed``: the lab's release notes' ``{old grade_id: current grade_id}``; an answer cell
+    under an old id is graded under the current one. A notebook that carries answer cells the
+    current lab does not have, and lacks some of the current lab's, was made for an earlier
+    release: those answers are listed in ``earlier_release`` (graded as not done, and said to be
+    no fault of the learner's).
     """
     answers: dict[str, str] = {}
     notes: list[str] = []
+    renamed = renamed or {}
     trusted_ids = {grade_id(c) for c in trusted.cells if grade_id(c)}
     extra = 0
     solution_ids = {grade_id(c) for c in trusted.cells if is_solution_cell(c)}
+    stale: list[str] = []  # the notebook's answer cells that no release note maps to this lab
+    stale_extra = 0  # how many of them are code cells with code (counted in ``extra`` too)
     for cell in learner.cells:
         gid = grade_id(cell)
-        if gid not in trusted_ids and cell.get("cell_type") == "code" and str(cell.get("source", "")).strip():
-            extra += 1
+        if gid in renamed and gid not in solution_ids and renamed[gid] in solution_ids:
+            notes.append(f"answer cell {gid!r} was graded as {renamed[gid]!r} (renamed in a later release of "
+                         "this lab)")
+            gid = renamed[gid]
+        outside = gid not in trusted_ids and cell.get("cell_type") == "code" and str(cell.get("source", "")).strip()
+        extra += bool(outside)
+        if gid not in trusted_ids and gid and is_solution_cell(cell):
+            stale.append(gid)
+            stale_extra += bool(outside)
+            continue
         if gid not in solution_ids or not isinstance(cell.get("source"), str):
             continue
         if gid in answers:
@@ -169,9 +189,6 @@ def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
             notes.append(f"answer cell {gid!r} had been changed to a {cell.get('cell_type')} cell; "
                          "it was graded as code")
         answers[gid] = cell.source
-    if extra:
-        notes.append(f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "
-                     "(keep helpers inside the answer cells)")
     graded = copy.deepcopy(trusted)
     positions, sources = {}, {}
     for index, cell in enumerate(graded.cells):
@@ -184,14 +201,30 @@ def splice(trusted: NotebookNode, learner: NotebookNode) -> Spliced:
         if gid in answers:
             cell.source = answers[gid]
         else:
-            notes.append(f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub")
             cell.source = clear_solutions(cell.source)
+    # An earlier release shares answer or test cells with this lab; another lab's notebook does not.
     tests = test_cells(trusted)
+    shared = bool(answers) or bool({t.grade_id for t in tests} & {grade_id(c) for c in learner.cells})
+    stale = stale if shared else []
+    extra -= stale_extra if stale else 0  # an earlier release's answers are not extra cells
+    if extra:
+        notes.append(f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "
+                     "(keep helpers inside the answer cells)")
+    earlier = set(positions) - set(answers) if stale else set()
+    if not stale:
+        notes += [f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub"
+                  for gid in positions if gid not in answers]
+    if earlier:
+        notes.append(f"this notebook was made for an earlier release of this lab: it has answer cell(s) "
+                     f"{', '.join(map(repr, stale))} that the current lab does not, and lacks "
+                     f"{', '.join(map(repr, sorted(earlier)))}; those tasks were not graded. This is not your "
+                     "mistake: your instructor can map the old cell ids in the lab's release notes "
+                     "(release_notes.json) and grade it again")
     if tests:  # cells after the last test cannot change a score: grading does not run them
         graded.cells = graded.cells[: tests[-1].index + 1]
-    if positions and not set(positions) & set(answers):
+    if positions and not set(positions) & set(answers) and not stale:
         notes.append("none of this lab's answer cells were found: is this the right lab's notebook?")
-    return Spliced(graded, tests, notes, positions, sources)
+    return Spliced(graded, tests, notes, positions, sources, earlier)
 
 
 def run_with_papermill(source: str | Path, out: str | Path, *, warm: bool = False, **kwargs) -> NotebookNode:

@@ -122,16 +122,23 @@ def read_recorded(lab_id: str, grades: str | Path) -> LabProgress | None:
         return LabProgress(lab_id, graded=False, note=f"cannot read {path}: {exc}; grade the lab again")
 
 
-def answers_digest(path: Path) -> str:
-    """A digest of what grading depends on: the learner's answer cells and the trusted source."""
+def answers_digest(path: Path, limits: Limits | None = None) -> str:
+    """A digest of what grading depends on: the learner's answer cells, the lab
+    (:func:`grading.lab_version.lab_version`, the key `infra-lab grade --submissions` uses too:
+    its notebook, its checks and the modules they run) and the limits."""
+    from dataclasses import asdict
+
     from grading.grader import trusted_source
+    from grading.lab_version import lab_version
     from grading.notebook import grade_id, is_solution_cell, read_notebook
 
     digest = hashlib.sha256()
     for cell in read_notebook(path).cells:
         if is_solution_cell(cell):
             digest.update(f"{grade_id(cell)}\0{cell.source}\0".encode())
-    digest.update(trusted_source(path)[1].read_bytes())
+    lab_id, source = trusted_source(path)
+    digest.update(lab_version(lab_id, source.parent.parent).encode())
+    digest.update(json.dumps(asdict(limits or Limits()), sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -155,7 +162,7 @@ def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = 
 
     path, out_dir = Path(path), Path(out_dir)
     try:
-        digest = answers_digest(path)
+        digest = answers_digest(path, limits)
         cache, stamp = out_dir / RESULTS, out_dir / STAMP
         if not regrade and cache.is_file() and stamp.is_file() and stamp.read_text() == digest:
             return from_results(path.stem, json.loads(cache.read_text(encoding="utf-8")), UNCHANGED)

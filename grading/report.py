@@ -47,7 +47,7 @@ def feedback_markdown(report: GradeReport) -> str:
     """Feedback for the learner: every check's verdict; hidden checks without inputs or answers."""
     lines = [f"# Feedback: {report.lab_id}", "",
              f"**Score: {_points(report.score)} / {_points(report.max_score)}**", "",
-             f"Graded `{report.notebook}` in {report.seconds:.0f} s.", ""]
+             f"Graded `{report.notebook}` in {report.seconds:.0f} s{_when(report)}.", ""]
     for note in report.notes:
         lines.append(f"> note: {note}")
     if report.notes:
@@ -66,6 +66,13 @@ def feedback_markdown(report: GradeReport) -> str:
         lines += ["## Limits applied while grading", ""]
         lines += [f"- {name}: {value}" for name, value in report.sandbox.items()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _when(report: GradeReport) -> str:
+    """", seed 123, course 0.1.0+g1a2b3c4, 2026-12-03T06:00:00+00:00": what reproduces the run."""
+    parts = [f"seed {report.seed}"] + ([f"course {report.course_version}"] if report.course_version else [])
+    parts += [report.graded_at] if report.graded_at else []
+    return " (" + ", ".join(parts) + ")"
 
 
 def gradescope_results(report: GradeReport) -> dict:
@@ -87,8 +94,12 @@ def gradescope_results(report: GradeReport) -> dict:
             }
             for test in report.tests
         ],
-        # Which protections held while the notebook ran (Gradescope keeps extra_data as it is).
-        "extra_data": {"protections": report.sandbox},
+        # Which protections held while the notebook ran, and what reproduces the run (the seed, the
+        # course and lab versions); Gradescope keeps extra_data as it is.
+        "extra_data": {"protections": report.sandbox, "status": report.status, "seed": report.seed,
+                       "graded_at": report.graded_at, "course_version": report.course_version,
+                       "lab_version": report.lab_version,
+                       **({"unreadable": report.unreadable} if report.unreadable else {})},
     }
 
 
@@ -114,10 +125,59 @@ def default_out_dir(lab_id: str, notebook: Path, grades: Path) -> Path:
     return grades / lab_id if notebook.stem == lab_id else grades / lab_id / notebook.stem
 
 
+REPORT_FILES = ("results.json", "feedback.md", "feedback.html")
+HISTORY = "history"
+
+
+def keep_history(out_dir: Path) -> Path | None:
+    """Move the reports of the last grading in ``out_dir`` into ``out_dir/history/<when>/``, so a
+    new grading never destroys an earlier one; returns that folder (None when there was none)."""
+    previous = out_dir / "results.json"
+    if not previous.is_file():
+        return None
+    try:
+        when = json.loads(previous.read_text(encoding="utf-8")).get("extra_data", {}).get("graded_at", "")
+    except (ValueError, AttributeError):
+        when = ""
+    if not when:
+        from datetime import datetime, timezone
+
+        when = datetime.fromtimestamp(previous.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+    name = when.replace(":", "").replace("+0000", "Z")
+    target = out_dir / HISTORY / name
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = out_dir / HISTORY / f"{name}-{suffix}"
+    target.mkdir(parents=True)
+    for file in REPORT_FILES:
+        if (out_dir / file).is_file():
+            (out_dir / file).replace(target / file)
+    return target
+
+
+def history(out_dir: str | Path) -> list[dict]:
+    """Every kept grading in ``out_dir`` (oldest first, the latest last): when, score, seed, versions."""
+    out_dir = Path(out_dir)
+    runs = []
+    for path in [*sorted((out_dir / HISTORY).glob("*/results.json")), out_dir / "results.json"]:
+        try:
+            results = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        extra = results.get("extra_data", {}) if isinstance(results.get("extra_data"), dict) else {}
+        runs.append({"folder": str(path.parent), "score": results.get("score"), "max_score": results.get("max_score"),
+                     **{key: extra.get(key, "") for key in ("graded_at", "seed", "course_version", "lab_version",
+                                                            "status")}})
+    return runs
+
+
 def write_reports(report: GradeReport, out_dir: str | Path) -> list[Path]:
-    """Write results.json (Gradescope), feedback.md and feedback.html into ``out_dir``."""
+    """Write results.json (Gradescope), feedback.md and feedback.html into ``out_dir``; the
+    previous grading's reports there move to ``out_dir/history/<when>/`` first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    keep_history(out_dir)
     results = out_dir / "results.json"
     results.write_text(json.dumps(gradescope_results(report), indent=2) + "\n", encoding="utf-8")
     feedback = out_dir / "feedback.md"

@@ -1,0 +1,185 @@
+"""What one lab's grade depends on, as a digest: the key of the grading caches.
+
+A grade depends on the lab's instructor notebook (its test cells, points and answer-cell ids)
+and release notes, the lab's check module, the course modules those checks run (the lab's
+reference included), the grader's own modules, and the limits. Editing the serving engine
+must not re-grade lab 01, so the modules are found by following imports from the grader and
+from the lab's check module, not by hashing every file of ``grading/`` and ``infra_lib/``:
+
+* every ``import``/``from ... import`` of a course module, at any depth of the code (an import
+  inside a function counts), with the packages on the way (their ``__init__``);
+* in the lab's check module only, string constants naming a course module (the checks import
+  references lazily, ``"infra_lib.hardware.flops:gemm_flops"``);
+* the imports of the instructor notebook's code cells, which run in the graded kernel.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from grading.course import DEFAULT_SOURCE, REPO_ROOT
+
+PACKAGES = ("grading", "infra_lib")
+RELEASE_NOTES = "release_notes.json"
+# The grader's own modules: whatever grading any lab runs through.
+GRADER_ENTRY = ("grading.grader", "grading.report", "grading.batch", "grading.similarity")
+_MODULE_NAME = re.compile(r"^((?:grading|infra_lib)(?:\.\w+)+)(?::[\w.]+)?$")
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    parts = name.split(".")
+    if parts[0] not in PACKAGES:
+        return None
+    for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts) / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, root: Path, strings: bool) -> set[str]:
+    """Course modules that the file at ``path`` imports (and names in strings, if ``strings``)."""
+    package = _module_name(path, root)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    return _imported(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)), package, strings)
+
+
+def notebook_imports(path: Path) -> set[str]:
+    """Course modules the code cells of a notebook import (lines of IPython magic skipped)."""
+    found: set[str] = set()
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    except (OSError, ValueError, AttributeError):
+        return found
+    for cell in cells:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else str(source)
+        code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            found |= _imported(ast.parse(code), "", strings=False)
+        except SyntaxError:
+            continue
+    return found
+
+
+def _imported(tree: ast.AST, package: str, strings: bool) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # a submodule imported by name
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = _MODULE_NAME.match(node.value)
+            if match:
+                found.add(match.group(1))
+    expanded = set()
+    for name in found:
+        parts = name.split(".")
+        expanded.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))  # with the packages above
+    return {name for name in expanded if name.split(".")[0] in PACKAGES}
+
+
+def closure(modules: list[str], root: Path = REPO_ROOT, strings_in: set[str] = frozenset()) -> list[Path]:
+    """The files of the course modules reachable by imports from ``modules``, sorted."""
+    seen: dict[str, Path] = {}
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name, root)
+        if path is None:
+            continue
+        seen[name] = path
+        todo.extend(_imports(path, root, strings=name in strings_in))
+    return sorted(set(seen.values()))
+
+
+def check_module(lab_id: str) -> str:
+    return f"grading.checks.{lab_id.split('_')[0]}"
+
+
+def lab_files(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> list[Path]:
+    """Every file one lab's grade depends on (see the module's docstring)."""
+    checks = check_module(lab_id)
+    trusted = Path(source_dir) / lab_id / f"{lab_id}.ipynb"
+    files = [trusted]
+    notes = Path(source_dir) / lab_id / RELEASE_NOTES
+    if notes.is_file():
+        files.append(notes)
+    # the lab's own cells run in the graded kernel: what they import counts too
+    return files + closure([*GRADER_ENTRY, checks, *sorted(notebook_imports(trusted))], root, strings_in={checks})
+
+
+def lab_version(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> str:
+    """A digest of :func:`lab_files`: equal while nothing this lab's grade depends on changed."""
+    digest = hashlib.sha256()
+    for path in lab_files(lab_id, source_dir, root):
+        label = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+        digest.update(label.encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() else b"(missing)")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def renamed_cells(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE) -> dict[str, str]:
+    """The lab's release notes' map of answer-cell ids: ``{old grade_id: current grade_id}``.
+
+    ``solutions/<lab>/release_notes.json`` is written by the instructor when a re-release
+    renames an answer cell: ``{"renamed": {"task1_flops": "task1_gemm_flops"}}``. A learner
+    notebook made for the earlier release is then graded under the new id.
+
+    Raises:
+        ValueError: the file exists but is not such a map.
+    """
+    path = Path(source_dir) / lab_id / RELEASE_NOTES
+    if not path.is_file():
+        return {}
+    try:
+        renamed = json.loads(path.read_text(encoding="utf-8")).get("renamed", {})
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a release-notes file ({{\"renamed\": {{old id: new id}}}}): {exc}") from exc
+    if not isinstance(renamed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()):
+        raise ValueError(f"{path}: \"renamed\" must map old answer-cell ids to current ones (strings)")
+    return renamed
+
+
+def course_version(root: Path = REPO_ROOT) -> str:
+    """The installed course's version, with the commit it was graded at where git can say:
+    ``0.1.0+g1a2b3c4`` (``.dirty`` when tracked files were changed)."""
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("infra-course")
+    except PackageNotFoundError:
+        found = "unknown"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "grading", "infra_lib", "solutions"],
+                               cwd=root, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return found
+    if commit.returncode != 0:
+        return found
+    return f"{found}+g{commit.stdout.strip()}" + (".dirty" if dirty.returncode == 1 else "")

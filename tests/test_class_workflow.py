@@ -1,0 +1,171 @@
+"""Running a class with the course's grader: a scores.csv an instructor can act on, a gradebook
+across labs with a Canvas export, reproducible seeds, kept history, and lab updates mid-course
+that re-grade as described instead of silently."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+
+from conftest import LAB01, REPO, SOLUTION01, answer_cells, write_learner_notebook
+from grading.batch import grade_batch
+from grading.gradebook import build_gradebook
+from grading.lab_version import lab_files, lab_version
+from grading.sandbox import Limits
+
+LIMITS = Limits(check_timeout=30, cell_timeout=60, budget=300, max_processes=16)
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_scores_csv_and_gradebook_for_a_class_of_two_labs(tmp_path):
+    """Statuses an instructor can act on (graded or flagged, unreadable with its reason once, not
+    submitted from the roster), the seed and real time kept on cached rows, a seed that re-grades
+    and reproduces, and a gradebook of two labs with a Canvas export."""
+    answers = answer_cells(SOLUTION01)
+    submitted = tmp_path / "submitted"
+    write_learner_notebook(submitted / "alice" / "lab01_gemm" / "lab01_gemm.ipynb", answers)
+    (submitted / "bob").mkdir(parents=True)
+    (submitted / "bob" / "lab01_gemm.ipynb").write_text('{"cells": [', encoding="utf-8")
+    (submitted / "dan").mkdir()  # a folder, no notebook
+    grades = tmp_path / "grades"
+    roster = ["alice", "bob", "carol", "dan"]
+    rows = grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm", source_dir=REPO / "solutions",
+                       limits=LIMITS, workers=2, progress=False, roster=roster)
+    status = {r.learner: r.status for r in rows}
+    assert [r.learner for r in rows] == roster
+    assert status == {"alice": "flagged", "bob": "unreadable", "carol": "not submitted", "dan": "not submitted"}
+    table = {row["learner"]: row for row in _csv(grades / "lab01_gemm" / "scores.csv")}
+    assert table["alice"]["score"] == "10" and table["alice"]["cached"] == "no" and table["alice"]["seed"]
+    assert table["alice"]["course_version"] and table["alice"]["graded_at"]
+    assert "not valid notebook JSON" in table["bob"]["note"] and table["carol"]["max_score"] == "10"
+    feedback = (grades / "lab01_gemm" / "bob" / "feedback.md").read_text()
+    assert feedback.count("not valid notebook JSON") == 1, "an unreadable notebook's reason is said once"
+    results = json.loads((grades / "lab01_gemm" / "alice" / "results.json").read_text())
+    seed = results["extra_data"]["seed"]
+    assert f"seed {seed}" in (grades / "lab01_gemm" / "alice" / "feedback.md").read_text()
+    assert table["alice"]["seed"] == str(seed)
+
+    again = {r.learner: r for r in grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm",
+                                               source_dir=REPO / "solutions", limits=LIMITS, workers=2,
+                                               progress=False, roster=roster)}
+    assert again["alice"].cached and again["alice"].seed == seed and again["alice"].seconds > 0
+    assert again["bob"].cached and again["bob"].status == "unreadable" and "JSON" in again["bob"].note
+    reseeded = {r.learner: r for r in grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm",
+                                                  source_dir=REPO / "solutions", limits=LIMITS, workers=2,
+                                                  progress=False, seed=seed, roster=roster)}
+    assert not reseeded["alice"].cached and reseeded["alice"].seed == seed and reseeded["alice"].score == 10
+    kept = sorted((grades / "lab01_gemm" / "alice" / "history").iterdir())
+    assert len(kept) == 1 and json.loads((kept[0] / "results.json").read_text())["extra_data"]["seed"] == seed
+
+    # A second lab, graded for one learner: the gradebook has every learner for both labs.
+    lab02 = REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb"
+    write_learner_notebook(tmp_path / "submitted02" / "alice.ipynb", answer_cells(lab02),
+                           base=REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb")
+    grade_batch(tmp_path / "submitted02", "lab02_roofline", grades / "lab02_roofline", source_dir=REPO / "solutions",
+                limits=LIMITS, workers=1, progress=False)
+    book, written = build_gradebook(grades)
+    assert book.labs == ["lab01_gemm", "lab02_roofline"] and book.learners == ["alice", "bob", "carol", "dan"]
+    merged = {(row["learner"], row["lab"]): row for row in _csv(written[0])}
+    assert len(merged) == 8
+    assert merged[("alice", "lab02_roofline")]["status"] in ("graded", "flagged")
+    assert float(merged[("alice", "lab02_roofline")]["score"]) == float(merged[("alice", "lab02_roofline")]["max_score"])
+    assert merged[("bob", "lab02_roofline")]["status"] == "not submitted"
+    with open(written[1], newline="", encoding="utf-8") as f:
+        canvas = list(csv.reader(f))
+    assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "lab01_gemm", "lab02_roofline"]
+    assert canvas[1][0] == "Points Possible" and canvas[1][5] == "10"
+    assert canvas[2][:6] == ["alice", "", "", "alice", "", "10"] and canvas[3][5:] == ["0", "0"]
+
+
+def _release(source: Path, *, points: float | None = None, rename: tuple[str, str] | None = None) -> None:
+    """Re-release lab 01 in a copy of the instructor notebooks: task 1's points, an answer cell's id."""
+    path = source / "lab01_gemm" / "lab01_gemm.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if points is not None and meta.get("grade_id") == "test_task1_gemm_flops":
+            meta["points"] = points
+        if rename and meta.get("grade_id") == rename[0]:
+            meta["grade_id"] = rename[1]
+    nbformat.write(nb, path)
+
+
+def test_a_lab_changed_mid_course_regrades_as_described(tmp_path):
+    """Points changed: everyone is re-graded, the note says the score moved and the earlier feedback
+    is kept in history/. An answer cell renamed: a notebook made for the earlier release is not
+    blamed (reason "earlier release", the note says so) until a release note maps the old id."""
+    source = tmp_path / "solutions"
+    shutil.copytree(REPO / "solutions" / "lab01_gemm", source / "lab01_gemm")
+    answers = answer_cells(SOLUTION01)
+    submitted = tmp_path / "submitted"
+    write_learner_notebook(submitted / "alice.ipynb", answers)
+    out = tmp_path / "grades"
+    grade = lambda: {r.learner: r for r in grade_batch(submitted, "lab01_gemm", out, source_dir=source,
+                                                       limits=LIMITS, workers=1, progress=False)}
+    assert grade()["alice"].score == 10
+    version = lab_version("lab01_gemm", source)
+
+    _release(source, points=4)
+    assert lab_version("lab01_gemm", source) != version
+    row = grade()["alice"]
+    assert not row.cached and row.score == 12 and "re-graded: 10 before" in row.note
+    assert len(list((out / "alice" / "history").iterdir())) == 1
+
+    _release(source, rename=("task1_gemm_flops", "task1_flops"))
+    row = grade()["alice"]
+    assert row.status == "earlier release" and row.score == 8, row
+    results = json.loads((out / "alice" / "results.json").read_text())
+    task1 = next(t for t in results["tests"] if t["name"] == "test_task1_gemm_flops")
+    assert task1["tags"] == ["earlier release"] and "not your mistake" in task1["output"]
+    feedback = (out / "alice" / "feedback.md").read_text()
+    assert "made for an earlier release of this lab" in feedback and "is missing from your notebook" not in feedback
+
+    (source / "lab01_gemm" / "release_notes.json").write_text(json.dumps({"renamed": {"task1_gemm_flops":
+                                                                                      "task1_flops"}}))
+    row = grade()["alice"]
+    assert row.status == "flagged" and row.score == 12, row  # flagged: the answers are the solution's
+    assert "graded as 'task1_flops'" in (out / "alice" / "feedback.md").read_text()
+    assert len(list((out / "alice" / "history").iterdir())) == 3
+
+
+def test_the_cache_key_follows_what_a_lab_runs_and_nothing_else(tmp_path):
+    """A lab's cache key covers its notebook, its check module, the course modules those run and the
+    grader, so a changed check invalidates its lab's grades (the progress cache's too), and an edit
+    to a module the lab never runs does not."""
+    for folder in ("grading", "infra_lib", "solutions"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    key = lambda lab: lab_version(lab, tmp_path / "solutions", root=tmp_path)
+    before = {lab: key(lab) for lab in ("lab01_gemm", "lab08_scheduler")}
+    files = {str(p.relative_to(tmp_path)) for p in lab_files("lab01_gemm", tmp_path / "solutions", root=tmp_path)}
+    assert {"grading/checks/lab01.py", "infra_lib/timing.py", "infra_lib/hardware/flops.py",
+            "grading/grader.py"} <= files
+    assert "infra_lib/serving/engine.py" not in files
+
+    engine = tmp_path / "infra_lib" / "serving" / "engine.py"
+    engine.write_text(engine.read_text() + "\n# an edit\n")
+    assert key("lab01_gemm") == before["lab01_gemm"] and key("lab08_scheduler") != before["lab08_scheduler"]
+    check = tmp_path / "grading" / "checks" / "lab01.py"
+    check.write_text(check.read_text() + "\n# a fixed check\n")
+    assert key("lab01_gemm") != before["lab01_gemm"]
+
+
+def test_progress_regrades_when_the_lab_changed(tmp_path, monkeypatch):
+    from grading import lab_version as versions
+    from grading.progress import UNCHANGED, grade_lab
+
+    notebook = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", answer_cells(SOLUTION01), base=LAB01)
+    out = tmp_path / "grades" / "lab01_gemm"
+    assert grade_lab(notebook, out, limits=LIMITS).score == 10
+    assert grade_lab(notebook, out, limits=LIMITS).note == UNCHANGED
+    real = versions.lab_version
+    monkeypatch.setattr(versions, "lab_version", lambda *args, **kwargs: real(*args, **kwargs) + "-fixed-check")
+    regraded = grade_lab(notebook, out, limits=LIMITS)
+    assert regraded.note != UNCHANGED and regraded.score == 10
