@@ -88,9 +88,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	$(BIN)/python -m grading.precompile
 	touch $@
 
-# Regenerate the learner notebooks in labs/ from the instructor notebooks in solutions/.
+# Regenerate the learner notebooks in labs/ from the instructor notebooks in solutions/, and record
+# every lab in nbgrader's gradebook.db (so that `nbgrader autograde LAB --create` finds it).
 labs: $(STAMP)
-	$(BIN)/infra-lab release
+	$(BIN)/infra-lab release --source solutions --out labs --gradebook gradebook.db
 
 doctor: $(STAMP)
 	$(BIN)/infra-lab doctor

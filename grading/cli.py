@@ -242,17 +242,19 @@ def _cmd_release(args) -> int:
             return _refuse("release", str(exc))
         print(f"wrote the learner edition (no answers) to {edition}; see {edition / 'EDITION.md'}")
         return EXIT_OK
-    known = lab_ids()
+    known = lab_ids(args.source)
     unknown = [lab_id for lab_id in args.lab if lab_id not in known]
     if unknown:
-        return _refuse("release", f"no lab named {', '.join(unknown)} in {DEFAULT_SOURCE} "
+        return _refuse("release", f"no lab named {', '.join(unknown)} in {args.source} "
                                   f"(labs: {', '.join(known) or 'none'})")
     try:
-        targets = generate_all(args.lab or known, Path(args.out))
+        targets = generate_all(args.lab or known, Path(args.out), args.source, gradebook=args.gradebook)
     except ReleaseError as exc:
         return _refuse("release", str(exc))
     for target in targets:
         print(f"generated {target}")
+    if args.gradebook:
+        print(f"recorded {len(targets)} lab(s) in {args.gradebook} (nbgrader autograde LAB --create finds them)")
     return EXIT_OK
 
 
@@ -377,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "learner edition (the course without answers) with --edition learner DIR")
     release.add_argument("lab", nargs="*", help="lab ids (default: all); with --edition learner, the folder DIR")
     release.add_argument("--out", default=str(REPO_ROOT / "labs"), help="release folder (default labs/)")
+    release.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
+                         help="the instructor notebooks (default solutions/)")
+    release.add_argument("--gradebook", type=Path, help="nbgrader's database to record each lab in, e.g. "
+                                                        "gradebook.db (make labs does)")
     release.add_argument("--edition", choices=("instructor", "learner"), default="instructor",
                          help="instructor: regenerate the labs (default); learner: write into DIR every course file "
                               "but the answers, with the labs' tests only in solutions/")

@@ -43,8 +43,13 @@ def generate(lab_id: str, out_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> P
     return generate_all([lab_id], out_dir, source_dir)[0]
 
 
-def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> list[Path]:
+def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOURCE,
+                 gradebook: Path | None = None) -> list[Path]:
     """``generate`` for several labs in one nbgrader run (its start-up, seconds, is paid once).
+
+    ``gradebook``: nbgrader's database (``gradebook.db`` at the course's root) to record each lab
+    in, with its cells and points, as ``nbgrader generate_assignment`` does, so that ``nbgrader
+    autograde LAB --create`` finds it; None records nothing.
 
     Returns:
         The folders holding the generated labs (``out_dir/<lab id>``), in the order given.
@@ -70,8 +75,9 @@ def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOUR
         (Path(scratch) / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
         env = {**os.environ, "INFRA_COURSE_ROOT": scratch}
         # "*" is every assignment in the scratch course: exactly the labs copied above.
+        database = ["--db", f"sqlite:///{Path(gradebook).resolve()}"] if gradebook else ["--no-db"]
         result = subprocess.run(
-            [sys.executable, "-m", "nbgrader", "generate_assignment", "*", "--force", "--no-db",
+            [sys.executable, "-m", "nbgrader", "generate_assignment", "*", "--force", *database,
              "--log-level=WARN"],
             cwd=scratch, env=env, capture_output=True, text=True,
         )

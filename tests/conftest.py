@@ -140,7 +140,8 @@ def check_fails(check_id: str, implementation) -> str:
 SLOW_FIXTURES = {"smollm2", "hf_tokenizer", "minilm", "server", "client", "quick_site", "unexecuted_site", "course"}
 SLOW_GROUPS = {"minilm", "site", "progress"}
 SLOW_MARKERS = {"smollm2"}
-SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes"}
+SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes",
+                "test_instructor_steps"}
 SLOW_CALLS = ("grade_notebook", "grade_batch", "_grade_class", "run_benchmark", "run_workers", "execute_notebook",
               "_run(\"grade", "_run(\"progress", "\"make\"")
 
@@ -152,6 +153,7 @@ LONGEST_FIRST = (
     # First, so that the corpus it embeds into the shared cache is there when chapter 12 runs.
     "tests/test_rag.py::test_relevant_chunks_contain_the_evidence_or_else_overlap_it",
     "tests/test_adversarial.py::test_nbgrader_on_the_corpus_gives_the_documented_scores",
+    "tests/test_instructor_steps.py::test_the_readme_instructor_steps_grade_a_class",
     # Mostly waiting (time-outs, sleeping processes): it overlaps well with the rest.
     "tests/test_bwrap.py::test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouched",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[09_spec_quant]",
