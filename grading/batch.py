@@ -181,7 +181,12 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     workers = max(1, min(workers or max(1, (os.cpu_count() or 2) // 2), len(todo) or 1))
     bar = tqdm(total=len(found), initial=len(rows), desc=f"grading {lab_id}", unit="notebook",
                disable=not progress, file=sys.stderr)
-    if todo:
+    if todo and workers == 1:  # one at a time: in this process (its kernel template), no worker to start
+        for job in todo:
+            rows[job[0]] = BatchRow(**_grade_one(*job))
+            bar.set_postfix_str(f"{job[0]}: {rows[job[0]].score:g}")
+            bar.update(1)
+    elif todo:
         # spawn, not fork: the caller may have threads (a test runner, a notebook kernel).
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             pending = {pool.submit(_grade_one, *job): job[0] for job in todo}

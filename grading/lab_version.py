@@ -18,6 +18,7 @@ Standard library only.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import re
@@ -133,12 +134,33 @@ def lab_files(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path =
 def lab_version(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> str:
     """A digest of :func:`lab_files`: equal while nothing this lab's grade depends on changed."""
     digest = hashlib.sha256()
-    for path in lab_files(lab_id, source_dir, root):
+    for path in _files_cached(lab_id, str(source_dir), str(root), _stamp_of(Path(root), Path(source_dir), lab_id)):
         label = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
         digest.update(label.encode() + b"\0")
         digest.update(path.read_bytes() if path.is_file() else b"(missing)")
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _stamp_of(root: Path, source_dir: Path, lab_id: str) -> tuple:
+    """What the list of files could depend on, cheaply: every course module's, the lab notebook's
+    and its release notes' modification time and size (a change lists the files again; the digest
+    always reads their contents)."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            info = path.stat()
+            found.append((str(path), info.st_mtime_ns, info.st_size))
+    for path in (source_dir / lab_id / f"{lab_id}.ipynb", source_dir / lab_id / RELEASE_NOTES):
+        if path.is_file():
+            info = path.stat()
+            found.append((str(path), info.st_mtime_ns, info.st_size))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=64)
+def _files_cached(lab_id: str, source_dir: str, root: str, stamp: tuple) -> tuple[Path, ...]:
+    return tuple(lab_files(lab_id, source_dir, Path(root)))
 
 
 def renamed_cells(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE) -> dict[str, str]:

@@ -22,7 +22,7 @@ CORPUS = Path(__file__).resolve().parent / "adversarial"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 # Tight limits keep the hostile entries short: honest checks need well under a second each, and
 # the slowest honest cell (importing torch) about 2 s.
-LIMITS = Limits(check_timeout=10, cell_timeout=15, budget=300, max_processes=16)
+LIMITS = Limits(check_timeout=5, cell_timeout=15, budget=300, max_processes=16)
 
 
 def _file(name: str) -> str:

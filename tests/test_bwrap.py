@@ -149,7 +149,7 @@ def _grade_class(submitted: Path, out: Path, *extra: str, env: dict | None = Non
     # Tight limits keep the hostile entries short (as in tests/test_adversarial.py); most of the
     # corpus's time is waiting on time-outs and sleeping processes, hence more workers than cores.
     return subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
-                           "--lab", "lab01_gemm", "--out", str(out), "--workers", "4", "--check-timeout", "10",
+                           "--lab", "lab01_gemm", "--out", str(out), "--workers", "3", "--check-timeout", "5",
                            "--cell-timeout", "15", "--budget", "300", "--max-processes", "16", *extra],
                           cwd=submitted.parent, env=env, capture_output=True, text=True, timeout=900)
 

@@ -32,6 +32,9 @@ def test_the_readme_instructor_steps_grade_a_class(tmp_path):
     installed = (REPO / ".venv" / ".installed").stat().st_mtime
     for name in ("Makefile", "pyproject.toml", "constraints.txt"):
         os.utime(course / name, (installed - 1, installed - 1))
+    # Never let the copy's make rebuild the shared venv (it would install the course from the copy).
+    fresh = subprocess.run(["make", "-q", ".venv/.installed"], cwd=course, capture_output=True, text=True)
+    assert fresh.returncode == 0, "the copy's make would rebuild the course's venv; run make in the course first"
     answers = answer_cells(SOLUTION01)
     learners = {"alice": answers,  # honest
                 "bob": {**answers, "task1_gemm_flops": "def gemm_flops(m, n, k):\n    return m * n * k\n"},
