@@ -126,6 +126,61 @@ def test_skipping_the_interpreters_discarded_overflow_checks_changes_nothing():
     assert results == [wrapped, wrapped]
 
 
+@triton.jit
+def _doubled_row_max(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    return 2 * tl.max(tl.load(x_ptr + offsets, mask=offsets < n, other=-float("inf")), axis=0)
+
+
+@triton.jit
+def helper_kernel(x_ptr, out_ptr, n, fail: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    best = _doubled_row_max(x_ptr + row * n, n, BLOCK)
+    total = tl.sum(tl.where(tl.arange(0, BLOCK) < n, tl.load(x_ptr + row * n + tl.arange(0, BLOCK),
+                                                              mask=tl.arange(0, BLOCK) < n, other=0.0), 0.0), axis=0)
+    if fail:
+        tl.static_assert(BLOCK < 0, "a helper's error")
+    tl.store(out_ptr + row, best + total)
+
+
+def test_helpers_inside_a_launch_do_not_repatch_the_language_and_change_nothing(monkeypatch):
+    """load_triton stops the interpreter swapping triton.language's builtins again at every call of
+    a jitted helper inside a launch (tl.max and tl.sum are such helpers): a kernel with a helper of
+    its own, flash attention and the fused softmax give bit-identical results, and the same error,
+    with the interpreter's own helper calls; the language is swapped a few times per launch
+    instead of at every call."""
+    from triton.runtime import interpreter
+
+    from infra_lib.kernels.flash_attention import flash_attention
+
+    if not interpreter_active():
+        pytest.skip("the interpreter is not in use (a GPU runs the kernels)")
+    ours = interpreter.InterpretedFunction.__call__
+    assert getattr(ours, "skips_repatching", False), "load_triton did not install the skip"
+    swaps = []
+    swap = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: swaps.append(fn) or swap(fn))
+    torch.manual_seed(0)
+    x = torch.randn(5, 37)
+    q, k, v = torch.randn(1, 4, 24, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+
+    def run() -> tuple[list, int, str]:
+        swaps.clear()
+        out = torch.empty(5)
+        helper_kernel[(5,)](x, out, 37, fail=False, BLOCK=64)
+        results = [out.clone(), *flash_attention(q, k, v, causal=True), softmax(x)]
+        with pytest.raises(Exception) as failed:
+            helper_kernel[(1,)](x, out, 37, fail=True, BLOCK=64)
+        return results, len(swaps), str(failed.value)
+
+    skipped, skipped_swaps, skipped_error = run()
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__call__", ours.interpreters_own)
+    own, own_swaps, own_error = run()
+    assert all(torch.equal(a, b) for a, b in zip(skipped, own))
+    assert skipped_error == own_error and "a helper's error" in own_error
+    assert skipped_swaps * 10 < own_swaps, (skipped_swaps, own_swaps)
+
+
 def test_require_tensor_names_argument_value_and_fix():
     x = randn(3, 5)
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):

@@ -76,6 +76,7 @@ def load_triton():
 
     if _interpreted(triton):
         _skip_discarded_overflow_checks()
+        _skip_repatching_inside_a_launch()
     return triton, tl
 
 
@@ -98,6 +99,63 @@ def _skip_discarded_overflow_checks() -> None:
             interpreter_builder.options = replace(options, sanitize_overflow=False)
     except (ImportError, AttributeError, TypeError):  # another Triton version: leave it as it is
         pass
+
+
+def _skip_repatching_inside_a_launch() -> None:
+    """Stop the interpreter re-patching ``triton.language`` at every call of a jitted helper.
+
+    The interpreter runs a kernel with the language's builtins swapped for interpreted ones, and
+    a launch swaps them once. A call of a ``@triton.jit`` function from inside a kernel swaps
+    them again, and ``tl.max``, ``tl.sum`` and ``tl.cdiv`` are such functions: a kernel with two
+    reductions per loop iteration re-scans the whole language (``inspect.getmembers`` of four
+    modules) a dozen times per program: nearly half the flash-attention kernel's interpreted time
+    (a causal call with 9 query heads, 3 KV heads, 128 tokens and d = 64 went from 1.26 s to
+    0.68 s of CPU). Inside a launch, a helper whose language modules are already swapped (by
+    the launch, or by an earlier helper call, whose swaps the interpreter never undoes) runs
+    without swapping them again; every other call goes the interpreter's own way. Results and
+    errors are unchanged (tests/test_triton_kernels.py runs kernels both ways).
+    """
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+        executor, function, error = interpreter.GridExecutor, interpreter.InterpretedFunction, interpreter.InterpreterError
+    except (ImportError, AttributeError):  # another Triton version: leave it as it is
+        return
+    if getattr(function.__call__, "skips_repatching", False):
+        return
+
+    def languages(fn) -> set[int]:
+        return {id(value) for value in getattr(fn, "__globals__", {}).values()
+                if inspect.ismodule(value) and (value is tl or value is tl.core)}
+
+    launches: list[set[int]] = []  # the language modules each running launch swapped
+    swapped_by_helpers: set[int] = set()  # swapped by a helper call, never swapped back
+    launch, call = executor.__call__, function.__call__
+
+    def launch_once(self, *args, **kwargs):
+        launches.append(languages(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def helper_call(self, *args, **kwargs):
+        needed = languages(self.fn)
+        if launches and needed and needed <= set().union(swapped_by_helpers, *launches):
+            rewritten = self.rewrite()
+            try:
+                return rewritten(*args, **kwargs)
+            except Exception as exc:
+                raise error(repr(exc)) from exc
+        if launches:
+            swapped_by_helpers.update(needed)
+        return call(self, *args, **kwargs)
+
+    helper_call.skips_repatching = True
+    helper_call.interpreters_own = call
+    executor.__call__, function.__call__ = launch_once, helper_call
 
 
 def interpreter_active() -> bool:
