@@ -185,6 +185,7 @@ def renamed_cells(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE) -> dict[
     return renamed
 
 
+@functools.lru_cache(maxsize=8)  # once per grading process, not two git calls per notebook
 def course_version(root: Path = REPO_ROOT) -> str:
     """The installed course's version, with the commit it was graded at where git can say:
     ``0.1.0+g1a2b3c4`` (``.dirty`` when tracked files were changed)."""

@@ -156,22 +156,6 @@ def keep_history(out_dir: Path) -> Path | None:
     return target
 
 
-def history(out_dir: str | Path) -> list[dict]:
-    """Every kept grading in ``out_dir`` (oldest first, the latest last): when, score, seed, versions."""
-    out_dir = Path(out_dir)
-    runs = []
-    for path in [*sorted((out_dir / HISTORY).glob("*/results.json")), out_dir / "results.json"]:
-        try:
-            results = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        extra = results.get("extra_data", {}) if isinstance(results.get("extra_data"), dict) else {}
-        runs.append({"folder": str(path.parent), "score": results.get("score"), "max_score": results.get("max_score"),
-                     **{key: extra.get(key, "") for key in ("graded_at", "seed", "course_version", "lab_version",
-                                                            "status")}})
-    return runs
-
-
 def write_reports(report: GradeReport, out_dir: str | Path) -> list[Path]:
     """Write results.json (Gradescope), feedback.md and feedback.html into ``out_dir``; the
     previous grading's reports there move to ``out_dir/history/<when>/`` first."""
