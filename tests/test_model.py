@@ -320,6 +320,26 @@ def test_decode_benchmark_writes_json(tmp_path):
     assert result["kv_cache_speedup"] == pytest.approx(cached["decode_tokens_per_s"] / uncached["decode_tokens_per_s"])
 
 
+@SMOLLM2
+def test_decode_profile_benchmark_splits_each_step(tmp_path):
+    """The per-step breakdown: every category measured where it runs (the annotations the benchmark
+    wraps around attention and sampling reach the profile), fractions of one whole, throughput from the
+    unprofiled step time."""
+    from conftest import run_benchmark
+
+    result = run_benchmark("decode_profile", tmp_path / "decode_profile.json")
+    assert result["categories"][-1] == "Python overhead"
+    batch = result["flags"]["batch"]
+    assert set(result["steps"]) == {"batch 1 (generate)", f"batch {batch} (engine step)"}
+    for name, row in result["steps"].items():
+        ms = row["ms_per_step"]
+        assert list(ms) == result["categories"] and all(value >= 0 for value in ms.values()), (name, ms)
+        assert ms["GEMM/GEMV"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0, (name, ms)
+        assert sum(row["fraction"].values()) == pytest.approx(1.0)
+        assert row["step_ms"] == min(row["step_ms_rounds"])
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / row["step_ms"])
+
+
 # --- the dequantised-weights cache --------------------------------------------------------------
 
 def _tiny_gguf(path):

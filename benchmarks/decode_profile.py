@@ -1,0 +1,208 @@
+"""Where a decode step's time goes: SmolLM2-135M-Instruct at batch 1 (``generate``'s loop over a dense
+KV cache) and a batch-32 step of the serving engine (paged KV, every sequence decoding), each split by
+the profiler into GEMM/GEMV, attention, sampling, host syncs, other ops and the Python between them.
+
+How the split is made: every step runs inside a profiler annotation; the ops called directly from
+Python inside it (the top-level ops) are put in one category each by name, attention and sampling by
+the annotation the benchmark wraps around them. An op's time includes the ops it calls. The Python
+overhead is what the step's wall time, measured without the profiler in the same run, leaves once the
+ops' time is taken out; the profiler's own cost per op inflates the op times a little, so that figure
+is a lower bound.
+
+Usage:
+    python benchmarks/decode_profile.py [--quick] [--device cpu] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmark_cli import benchmark_main, load_average
+from infra_lib.hardware.probes import machine_info
+from infra_lib.model import DenseKVCache, SamplingParams, load_default
+from infra_lib.model.attention import cached_attention
+from infra_lib.model.sampling import sample
+from infra_lib.serving.engine import LLMEngine
+from infra_lib.serving.scheduler_output import SchedulerConfig
+
+SEED = 0
+PROMPT = "What is Python?"
+CATEGORIES = ("GEMM/GEMV", "attention", "sampling", "host sync", "other ops", "Python overhead")
+GEMM_OPS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::addmv", "aten::mv"}
+SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::cpu", "aten::tolist"}
+STEP, ATTENTION, SAMPLING, FORWARD = "decode step", "attention", "sampling", "model forward"
+
+
+def category(name: str, annotation: str | None) -> str:
+    """The category of a top-level op (``annotation``: the innermost benchmark annotation around it)."""
+    if annotation in (ATTENTION, SAMPLING):
+        return {ATTENTION: "attention", SAMPLING: "sampling"}[annotation]
+    if name in GEMM_OPS:
+        return "GEMM/GEMV"
+    if name in SYNC_OPS:
+        return "host sync"
+    return "other ops"
+
+
+def split_profile(prof, steps: int) -> dict[str, float]:
+    """Milliseconds per step of each op category (all but the Python overhead) from a finished profile."""
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent, annotation, nested = event.cpu_parent, None, False
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                nested = True  # counted in its top-level parent's time
+                break
+            if parent.name in (ATTENTION, SAMPLING, FORWARD) and annotation is None:
+                annotation = parent.name  # the innermost annotation decides
+            if parent.name == STEP:
+                break
+            parent = parent.cpu_parent
+        if nested or parent is None:
+            continue
+        totals[category(event.name, annotation)] += event.cpu_time_total / 1000  # µs -> ms
+    return {name: totals.get(name, 0.0) / steps for name in CATEGORIES[:-1]}
+
+
+def breakdown(reset, run_step, steps: int, rounds: int) -> dict:
+    """Time ``steps`` calls of ``run_step()`` unprofiled (best of ``rounds``), then profile as many; each
+    round and the profile start from ``reset()``, so that they see the same contexts."""
+    reset()
+    run_step()  # first-call costs paid before anything is measured
+    walls = []
+    for _ in range(rounds):
+        reset()
+        start = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        walls.append((time.perf_counter() - start) * 1000 / steps)
+    reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function(STEP):
+                run_step()
+    ms = split_profile(prof, steps)
+    step_ms = min(walls)
+    ms["Python overhead"] = max(0.0, step_ms - sum(ms.values()))
+    whole = max(step_ms, sum(ms.values()))  # the profiler's cost per op can push the ops past the wall time
+    return {"step_ms": step_ms, "step_ms_rounds": walls, "ms_per_step": ms,
+            "fraction": {name: value / whole for name, value in ms.items()}}
+
+
+def _annotated(fn, name: str):
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def batch1_steps(model, tokenizer, steps: int):
+    """``generate``'s decode step (model call, then the sampler), repeated on one growing dense cache."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    capacity = len(prompt) + steps + 2
+    state = {}
+
+    def reset():
+        cache = DenseKVCache.for_model(model.config, capacity=capacity)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt]), cache, last_only=True)
+        state.update(cache=cache, token=int(logits[0, -1].argmax()))
+
+    attention = _annotated(cached_attention, ATTENTION)
+
+    @torch.inference_mode()
+    def step():
+        with model.using_attention(attention):
+            logits = model(torch.tensor([[state["token"]]]), state["cache"], last_only=True)
+        with record_function(SAMPLING):
+            state["token"] = int(sample(logits[:, -1].float().cpu(), greedy, greedy.generator())[0])
+
+    return reset, step
+
+
+def engine_steps(model, tokenizer, batch: int):
+    """One serving-engine step with ``batch`` sequences all decoding (their prompts already prefilled)."""
+    config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch), num_blocks=64 * batch)
+    prompts = [f"Question {i}: {PROMPT}" for i in range(batch)]
+
+    def fresh_engine():
+        engine = LLMEngine.from_model(model, tokenizer, config)
+        runner = engine.runner
+        runner.decode_attention = _annotated(runner.decode_attention, ATTENTION)
+        runner.chunk_attention = _annotated(runner.chunk_attention, ATTENTION)
+        # the runner's own work outside the model's forward pass is moving the logits and sampling
+        runner.forward = _annotated(runner.forward, FORWARD)
+        runner.run = _annotated(runner.run, SAMPLING)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10_000, stop_ids=()))
+        while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values()):
+            engine.step()  # the prefills, unmeasured
+        return engine
+
+    state = {}
+
+    def reset():
+        state["engine"] = fresh_engine()
+
+    def step():
+        state["engine"].step()
+
+    return reset, step
+
+
+def run_profile(device: torch.device, quick: bool) -> dict:
+    if device.type != "cpu":
+        raise SystemExit("this benchmark profiles the CPU (the model runs on CPU in chapters 06-08); pass --device cpu")
+    torch.manual_seed(SEED)
+    load_before = load_average()
+    loaded = load_default()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    steps, rounds, batch = (4, 2, 8) if quick else (16, 3, 32)
+    results = {
+        "batch 1 (generate)": breakdown(*batch1_steps(model, tokenizer, steps), steps, rounds),
+        f"batch {batch} (engine step)": breakdown(*engine_steps(model, tokenizer, batch), steps, rounds),
+    }
+    results[f"batch {batch} (engine step)"]["batch"] = batch
+    results["batch 1 (generate)"]["batch"] = 1
+    for row in results.values():
+        row["tokens_per_s"] = row["batch"] * 1000 / row["step_ms"]
+    return {
+        "benchmark": "decode_profile",
+        "machine_info": machine_info(device),
+        "load_average_1m": {"before": load_before, "after": load_average()},
+        "seed": SEED,
+        "flags": {"quick": quick, "device": str(device), "dtype": "float32", "steps": steps, "rounds": rounds,
+                  "batch": batch, "torch_threads": torch.get_num_threads(), "prompt": PROMPT},
+        "categories": list(CATEGORIES),
+        "steps": results,
+    }
+
+
+def format_table(result: dict) -> str:
+    names = list(result["steps"])
+    lines = [f"SmolLM2-135M-Instruct fp32, {result['flags']['torch_threads']} torch threads: ms per decode step",
+             f"{'':18s}" + "".join(f"{name:>26s}" for name in names)]
+    for cat in result["categories"]:
+        cells = [f"{result['steps'][n]['ms_per_step'][cat]:8.2f} ms {result['steps'][n]['fraction'][cat]:5.0%}"
+                 for n in names]
+        lines.append(f"{cat:18s}" + "".join(f"{c:>26s}" for c in cells))
+    lines.append(f"{'step (unprofiled)':18s}" + "".join(f"{result['steps'][n]['step_ms']:8.2f} ms      "
+                                                        .rjust(26) for n in names))
+    lines.append(f"{'tokens/s':18s}" + "".join(f"{result['steps'][n]['tokens_per_s']:8.1f}".rjust(26) for n in names))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(argv, __doc__.splitlines()[0], "decode_profile", run_profile, format_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
