@@ -1,5 +1,6 @@
 """Batch-1 decode speed of SmolLM2-135M-Instruct: infra_lib's model with its KV cache, the same
-model recomputing without a cache, and transformers' ``generate`` on the same weights, against
+model with its weights in the decode layout (``infra_lib.model.decode_layout``: fused, input-major),
+the model recomputing without a cache, and transformers' ``generate`` on the same weights, against
 this machine's memory-bandwidth bound, all measured in one run.
 
 Decode rate is measured as a difference, the same way for every engine: the time to generate
@@ -21,10 +22,15 @@ import torch
 from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info, measure_memory_bandwidth
 from infra_lib.model import SamplingParams, generate, load_default
+from infra_lib.model.decode_layout import WEIGHT_FORMATS, bytes_per_step, decode_layout, top1_agreement
+from infra_lib.model.quant import heldout_text, perplexity
 from infra_lib.timing import time_op
 
 SEED = 0
 PROMPT = "What is Python?"
+# teacher-forced greedy agreement of each weight format with fp32 (the test's prompt set)
+AGREEMENT_PROMPTS = ("What is Python?", "Name three planets.", "What is the capital of France?",
+                     "Write a haiku about the sea.", "Explain what a KV cache is.", "How many legs does a spider have?")
 
 
 def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> dict:
@@ -63,8 +69,10 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     new_tokens, iters, warmup = (8, 1, 0) if quick else (64, 3, 1)
     never_stop = dict(stop_ids=(), temperature=0.0)
 
-    def ours(n, use_cache=True):
-        return generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=n, **never_stop), use_cache=use_cache)
+    formats = {weights: decode_layout(model, weights) for weights in WEIGHT_FORMATS}  # built once, at load time
+
+    def ours(n, use_cache=True, on=model):
+        return generate(on, tokenizer, prompt, SamplingParams(max_new_tokens=n, **never_stop), use_cache=use_cache)
 
     hf = _transformers_model(model)
     ids = torch.tensor([prompt])
@@ -74,31 +82,59 @@ def run_decode(device: torch.device, quick: bool) -> dict:
             return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, pad_token_id=tokenizer.eos_id)
 
-    same_tokens = ours(new_tokens).token_ids == theirs(new_tokens)[0, len(prompt):].tolist()
+    reference_tokens = ours(new_tokens).token_ids
+    same_tokens = reference_tokens == theirs(new_tokens)[0, len(prompt):].tolist()
+    held_out = tokenizer.encode(heldout_text())[:64 if quick else 512]
+    agreement_prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+                         for text in AGREEMENT_PROMPTS[:2 if quick else None]]
+    agreement_tokens = 8 if quick else 24
+    weight_formats = {"fp32, plain layout": {"perplexity": perplexity(model, held_out),
+                                             "same_greedy_prefix": len(reference_tokens), "top1_agreement": 1.0,
+                                             "bytes_per_step": bytes_per_step(model)}}
+    for weights, laid_out in formats.items():
+        tokens = ours(new_tokens, on=laid_out).token_ids
+        shared = next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens)) if a != b), len(tokens))
+        weight_formats[f"{weights}, decode layout"] = {
+            "perplexity": perplexity(laid_out, held_out), "same_greedy_prefix": shared,
+            "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, agreement_tokens),
+            "bytes_per_step": bytes_per_step(laid_out)}
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
+        **{f"infra_lib, decode layout {weights}": _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters,
+                                                               warmup)
+           for weights, laid_out in formats.items()},
         "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
         "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
     }
     bandwidth = measure_memory_bandwidth(64 if quick else 256, iters=3 if quick else 5, quick=quick)
     weight_bytes = model.weight_bytes()
     bound = bandwidth["bandwidth_gbps"] * 1e9 / weight_bytes
-    for row in engines.values():
-        row["fraction_of_bound"] = row["decode_tokens_per_s"] / bound
+    for name, row in engines.items():
+        weights = next((w for w in WEIGHT_FORMATS if name == f"infra_lib, decode layout {w}"), None)
+        row["weights"] = f"{weights}, decode layout" if weights else "fp32, plain layout"
+        row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
+        row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
+        row["fraction_of_bound"] = row["decode_tokens_per_s"] / row["bound_tokens_per_s"]
     cached, uncached = engines["infra_lib, KV cache"], engines["infra_lib, no cache"]
+    theirs_rate = engines["transformers generate"]["decode_tokens_per_s"]
     return {
         "benchmark": "decode",
         "machine_info": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
         "flags": {"quick": quick, "device": str(device), "dtype": "float32", "batch": 1, "prompt": PROMPT,
-                  "prompt_tokens": len(prompt), "new_tokens": new_tokens, "iters": iters},
+                  "prompt_tokens": len(prompt), "new_tokens": new_tokens, "iters": iters,
+                  "perplexity_tokens": len(held_out), "agreement_prompts": len(agreement_prompts),
+                  "agreement_tokens": agreement_tokens},
         "model": {"source": loaded.source, "parameters": model.config.parameter_count(), "weight_bytes": weight_bytes},
         "bandwidth": bandwidth,
         "bandwidth_bound_tokens_per_s": bound,
         "engines": engines,
+        "weight_formats": weight_formats,
         "kv_cache_speedup": cached["decode_tokens_per_s"] / uncached["decode_tokens_per_s"],
-        "ours_over_transformers": cached["decode_tokens_per_s"] / engines["transformers generate"]["decode_tokens_per_s"],
+        "ours_over_transformers": cached["decode_tokens_per_s"] / theirs_rate,
+        "decode_layout_over_transformers": {weights: engines[f"infra_lib, decode layout {weights}"]
+                                            ["decode_tokens_per_s"] / theirs_rate for weights in WEIGHT_FORMATS},
         "same_greedy_tokens_as_transformers": same_tokens,
     }
 
@@ -106,16 +142,23 @@ def run_decode(device: torch.device, quick: bool) -> dict:
 def format_table(result: dict) -> str:
     flags = result["flags"]
     lines = [
-        f"SmolLM2-135M-Instruct fp32, batch 1, {flags['prompt_tokens']}-token prompt, {flags['new_tokens']} new tokens",
-        f"memory bandwidth {result['bandwidth']['bandwidth_gbps']:.1f} GB/s, weights "
-        f"{result['model']['weight_bytes'] / 1e6:.0f} MB -> bound {result['bandwidth_bound_tokens_per_s']:.1f} tokens/s",
-        f"{'engine':24s} {'tokens/s':>9s} {'of bound':>9s} {'first token':>12s}",
+        f"SmolLM2-135M-Instruct, batch 1, {flags['prompt_tokens']}-token prompt, {flags['new_tokens']} new tokens",
+        f"memory bandwidth {result['bandwidth']['bandwidth_gbps']:.1f} GB/s; each row's bound: bandwidth / the bytes "
+        "its weights make one step read",
+        f"{'engine':30s} {'tokens/s':>9s} {'MB/step':>8s} {'bound':>7s} {'of bound':>9s} {'first token':>12s}",
     ]
     for name, row in result["engines"].items():
-        lines.append(f"{name:24s} {row['decode_tokens_per_s']:9.1f} {row['fraction_of_bound']:9.0%} "
-                     f"{row['first_token_s'] * 1000:10.0f} ms")
-    lines.append(f"KV cache speedup {result['kv_cache_speedup']:.1f}x; ours / transformers "
-                 f"{result['ours_over_transformers']:.2f}; same greedy tokens: {result['same_greedy_tokens_as_transformers']}")
+        lines.append(f"{name:30s} {row['decode_tokens_per_s']:9.1f} {row['bytes_per_step'] / 1e6:8.0f} "
+                     f"{row['bound_tokens_per_s']:7.1f} {row['fraction_of_bound']:9.0%} {row['first_token_s'] * 1000:10.0f} ms")
+    lines.append(f"{'weights':24s} {'perplexity':>10s} {'greedy prefix shared with fp32':>31s} "
+                 f"{'top-1 agreement':>16s}")
+    for name, row in result["weight_formats"].items():
+        lines.append(f"{name:24s} {row['perplexity']:10.3f} {row['same_greedy_prefix']:31d} "
+                     f"{row['top1_agreement']:16.1%}")
+    over = ", ".join(f"{w} {r:.2f}x" for w, r in result["decode_layout_over_transformers"].items())
+    lines.append(f"KV cache speedup {result['kv_cache_speedup']:.1f}x; plain layout / transformers "
+                 f"{result['ours_over_transformers']:.2f}; decode layout / transformers: {over}; "
+                 f"same greedy tokens as transformers: {result['same_greedy_tokens_as_transformers']}")
     return "\n".join(lines)
 
 

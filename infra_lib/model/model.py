@@ -67,12 +67,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=config.output_bias)
 
-    def forward(self, x, cos, sin, cache: LayerCache | None, attention_fn: AttentionFn):
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` ``[batch, t, d]``, each ``[batch, heads, t, head_dim]``
+        (before RoPE)."""
         batch, t, _ = x.shape
         # [batch, t, heads * head_dim] -> [batch, heads, t, head_dim]
         q = self.q_proj(x).view(batch, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x, cos, sin, cache: LayerCache | None, attention_fn: AttentionFn):
+        batch, t, _ = x.shape
+        q, k, v = self.qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = attention(q, k, v)  # no cache: the whole sequence is in this call

@@ -106,9 +106,7 @@ class ModelRunner:
     def _attention(self, index: int, attn, h: torch.Tensor, cos, sin, slots: torch.Tensor, batch: Batch):
         """One layer's attention for the flattened step, ``h`` ``[1, T, d]`` -> ``[1, T, d]``."""
         t = h.shape[1]
-        q = attn.q_proj(h).view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)  # [1, heads, T, hd]
-        k = attn.k_proj(h).view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # [1, kv, T, hd]
-        v = attn.v_proj(h).view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k, v = attn.qkv(h)  # [1, heads, T, hd], [1, kv, T, hd] x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.store.write(index, slots, k, v)
         k_cache, v_cache = self.store.k[index], self.store.v[index]

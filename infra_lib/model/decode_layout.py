@@ -1,0 +1,211 @@
+"""The same model with its weights laid out for decoding: fused and stored input-major.
+
+At batch 1 a decode step is a chain of matrix-vector products (GEMVs), and a GEMV's speed is how
+fast it streams its weight from memory. ``benchmarks/decode_profile.py`` measured PyTorch's GEMV
+for ``nn.Linear``'s ``[out, in]`` weight at about a third of this machine's STREAM bandwidth; the
+same product written ``x @ W_t`` with ``W_t`` stored ``[in, out]`` (contiguous along the output)
+streams much faster. ``decode_layout(model)`` builds, once at load time, a copy of the model whose
+projections are stored that way, with two fusions on top:
+
+* q, k and v become one ``[d, (H + 2 * KV) * head_dim]`` product (one pass over ``x``, one op
+  instead of three);
+* the MLP's gate and up become one ``[d, 2 * intermediate]`` product.
+
+With ``weights="fp32"`` the maths is unchanged (the same products, summed in another order:
+logits agree with the original's within 1e-4 and greedy tokens are the same on the course's
+prompts; a test checks both). Two smaller weight formats read fewer bytes per step:
+
+* ``"bf16"``: the projections' weights in bfloat16 (2 bytes a weight); the activations are cast to
+  bf16 for each product and the result back to fp32, everything else stays fp32;
+* ``"int8"``: symmetric int8 weights with one fp32 scale per output row (1 byte a weight, chapter
+  09's quantisation with a group as long as the row), multiplied by PyTorch's CPU kernel for int8
+  weights (``aten._weight_int8pack_mm``, bf16 activations), which dequantises in registers.
+
+Both change the numbers a little: ``benchmarks/decode.py`` reports each format's perplexity and how
+many greedy tokens it shares with fp32 next to its speed. The copy keeps the model's interface: ``forward(tokens, cache, last_only)``,
+``using_attention``, ``config``, so ``generate``, ``greedy_decode`` and the serving engine's runner
+take it as they take the original.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infra_lib.model.model import Attention, Llama, MLP, apply_rope
+
+
+class InputMajorLinear(nn.Module):
+    """``y = x @ weight_t (+ bias)`` with ``weight_t`` ``[in, out]``: ``nn.Linear``'s product, the
+    weight stored transposed (contiguous along the output, the layout a GEMV streams fastest)."""
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight_t = nn.Parameter(weight_t.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linears(cls, *linears: nn.Linear) -> "InputMajorLinear":
+        """One product for several ``nn.Linear`` reading the same input: their outputs side by side."""
+        weight_t = torch.cat([lin.weight.detach().t() for lin in linears], dim=1)
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+             for b, lin in zip(biases, linears)])
+        return cls(weight_t, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t.dtype != x.dtype:  # bf16 weights: the product in bf16, the result in x's dtype
+            y = torch.matmul(x.to(self.weight_t.dtype), self.weight_t).to(x.dtype)
+        else:
+            y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8RowLinear(nn.Module):
+    """``y = x @ (q * scale).T (+ bias)``: int8 weights ``q`` ``[out, in]``, one scale per output row.
+
+    ``scale = max |w| over the row / 127`` (kept in bf16, the kernel's type) and ``q = round(w / scale)``,
+    so every weight is within about ``scale / 2`` of the original. The product runs in PyTorch's int8-weight CPU kernel with bf16
+    activations; the result comes back in ``x``'s dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.bfloat16)  # the kernel's scale type
+        q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127)  # rounded against the stored scale
+        self.q = nn.Parameter(q.to(torch.int8).contiguous(), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linears(cls, *linears: nn.Linear) -> "Int8RowLinear":
+        fused = InputMajorLinear.from_linears(*linears)
+        return cls(fused.weight_t.t(), fused.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.q.shape[0])
+        return y if self.bias is None else y + self.bias
+
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+
+
+def _projection(weights: str, *linears: nn.Linear) -> nn.Module:
+    if weights == "int8":
+        return Int8RowLinear.from_linears(*linears)
+    fused = InputMajorLinear.from_linears(*linears)
+    if weights == "bf16":
+        fused.weight_t.data = fused.weight_t.data.to(torch.bfloat16)
+    return fused
+
+
+class FusedAttention(nn.Module):
+    """``Attention`` with q, k and v in one input-major product."""
+
+    def __init__(self, attn: Attention, weights: str = "fp32"):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.qkv_proj = _projection(weights, attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = _projection(weights, attn.o_proj)
+        self.split = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``Attention.qkv``: each ``[batch, heads, t, head_dim]``, before RoPE; one product."""
+        batch, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return (q.view(batch, t, self.n_heads, self.head_dim).transpose(1, 2),
+                k.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2),
+                v.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2))
+
+    def forward(self, x, cos, sin, cache, attention_fn):
+        from infra_lib.model.attention import attention
+
+        batch, t, _ = x.shape
+        q, k, v = self.qkv(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v) if cache is None else attention_fn(q, k, v, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, t, self.n_heads * self.head_dim))
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up in one input-major product."""
+
+    def __init__(self, mlp: MLP, weights: str = "fp32"):
+        super().__init__()
+        self.intermediate = mlp.gate_proj.out_features
+        self.gate_up_proj = _projection(weights, mlp.gate_proj, mlp.up_proj)
+        self.down_proj = _projection(weights, mlp.down_proj)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def decode_layout(model: Llama, weights: str = "fp32") -> Llama:
+    """A copy of ``model`` whose projections are fused, stored for decoding, in the weight format
+    ``weights`` (``"fp32"``, ``"bf16"`` or ``"int8"``; see the module's text).
+
+    The original is untouched; the copy holds its own projection weights (the output head gets its
+    own copy of a tied embedding table; the embedding lookup and the norms stay shared).
+    """
+    if not isinstance(model, Llama):
+        raise TypeError(f"decode_layout takes an infra_lib Llama, got {type(model).__name__}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("decode_layout starts from a float32 model (load_default() gives one)")
+    fast = copy.copy(model)  # the module's attributes, then fresh containers for what changes
+    fast._modules = dict(model._modules)
+    fast._parameters = dict(model._parameters)
+    fast._buffers = dict(model._buffers)
+    layers = nn.ModuleList()
+    for layer in model.layers:
+        new = copy.copy(layer)
+        new._modules = dict(layer._modules)
+        new.self_attn = FusedAttention(layer.self_attn, weights)
+        new.mlp = FusedMLP(layer.mlp, weights)
+        layers.append(new)
+    fast.layers = layers
+    fast.lm_head = _projection(weights, model.lm_head)
+    return fast.eval()
+
+
+def bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the embedding table,
+    of which a step reads one row (unless the table is also the output head, read whole)."""
+    table = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    total = 0
+    for parameter in model.parameters():  # a tied tensor is listed once
+        if parameter is table and head is not table:
+            total += parameter.shape[1] * parameter.element_size()
+        else:
+            total += parameter.nbytes
+    return total
+
+
+@torch.inference_mode()
+def top1_agreement(reference: Llama, other: Llama, prompts: list[list[int]], new_tokens: int = 24) -> float:
+    """How often ``other`` picks ``reference``'s greedy token, teacher-forced: each prompt continued
+    by ``reference``'s own greedy answer, both models read the same tokens and their argmax is
+    compared at every answer position (so one early difference does not decide the rest)."""
+    from infra_lib.model.generation import greedy_decode, placement
+
+    device = placement(reference)[0]
+    hits = total = 0
+    for prompt in prompts:
+        answer = greedy_decode(reference, prompt, new_tokens)
+        tokens = torch.tensor([prompt + answer[:-1]], device=device)
+        start = len(prompt) - 1
+        picks = reference(tokens)[0, start:].argmax(-1), other(tokens)[0, start:].argmax(-1)
+        hits += int((picks[0] == picks[1]).sum())
+        total += len(answer)
+    return hits / total if total else float("nan")
