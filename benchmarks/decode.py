@@ -22,7 +22,8 @@ import torch
 from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info, measure_memory_bandwidth
 from infra_lib.model import SamplingParams, generate, load_default
-from infra_lib.model.decode_layout import WEIGHT_FORMATS, bytes_per_step, decode_layout, top1_agreement
+from infra_lib.model.decode_layout import (WEIGHT_FORMATS, bytes_per_step, decode_layout, greedy_answers,
+                                          top1_agreement)
 from infra_lib.model.quant import heldout_text, perplexity
 from infra_lib.timing import time_op
 
@@ -88,6 +89,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     agreement_prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
                          for text in AGREEMENT_PROMPTS[:2 if quick else None]]
     agreement_tokens = 8 if quick else 24
+    answers = greedy_answers(model, agreement_prompts, agreement_tokens)
     weight_formats = {"fp32, plain layout": {"perplexity": perplexity(model, held_out),
                                              "same_greedy_prefix": len(reference_tokens), "top1_agreement": 1.0,
                                              "bytes_per_step": bytes_per_step(model)}}
@@ -96,7 +98,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         shared = next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens)) if a != b), len(tokens))
         weight_formats[f"{weights}, decode layout"] = {
             "perplexity": perplexity(laid_out, held_out), "same_greedy_prefix": shared,
-            "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, agreement_tokens),
+            "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, answers),
             "bytes_per_step": bytes_per_step(laid_out)}
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),

@@ -193,16 +193,26 @@ def bytes_per_step(model: nn.Module) -> int:
 
 
 @torch.inference_mode()
-def top1_agreement(reference: Llama, other: Llama, prompts: list[list[int]], new_tokens: int = 24) -> float:
-    """How often ``other`` picks ``reference``'s greedy token, teacher-forced: each prompt continued
-    by ``reference``'s own greedy answer, both models read the same tokens and their argmax is
-    compared at every answer position (so one early difference does not decide the rest)."""
-    from infra_lib.model.generation import greedy_decode, placement
+def greedy_answers(model: Llama, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``model``'s greedy answer to each prompt (``new_tokens`` each, stop tokens included)."""
+    from infra_lib.model.generation import greedy_decode
 
+    return [greedy_decode(model, prompt, new_tokens) for prompt in prompts]
+
+
+@torch.inference_mode()
+def top1_agreement(reference: Llama, other: Llama, prompts: list[list[int]],
+                   answers: list[list[int]]) -> float:
+    """How often ``other`` picks ``reference``'s greedy token, teacher-forced: each prompt continued
+    by ``reference``'s greedy answer (``greedy_answers``), both models read the same tokens and their
+    argmax is compared at every answer position (so one early difference does not decide the rest)."""
+    from infra_lib.model.generation import placement
+
+    if len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     device = placement(reference)[0]
     hits = total = 0
-    for prompt in prompts:
-        answer = greedy_decode(reference, prompt, new_tokens)
+    for prompt, answer in zip(prompts, answers):
         tokens = torch.tensor([prompt + answer[:-1]], device=device)
         start = len(prompt) - 1
         picks = reference(tokens)[0, start:].argmax(-1), other(tokens)[0, start:].argmax(-1)
