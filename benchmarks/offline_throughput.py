@@ -1,6 +1,6 @@
-"""Offline throughput of SmolLM2-135M-Instruct: continuous batching against static batching and
-sequential ``transformers`` generation on the same weights, against this machine's compute bound,
-all measured in one run.
+"""Offline throughput of SmolLM2-135M-Instruct: continuous batching against static batching (with and
+without padding) and sequential ``transformers`` generation on the same weights, against this
+machine's compute bound, all measured in one run.
 
 A backlog of prompts with seeded lengths (random token ids; every request produces exactly its
 drawn number of tokens, no stop token) is served three ways:
@@ -11,6 +11,10 @@ drawn number of tokens, no stop token) is served three ways:
   the same engine (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
   batch while it runs. Finished sequences drop out of the batch rather than being padded, so
   this baseline is kinder than a padded static batch: it loses only the empty rows;
+* **padded static batching**: the classic static baseline, in ``transformers``: each batch of ``B``
+  prompts is left-padded to its longest prompt and runs in one ``generate`` call until its longest
+  output is done; every row is computed at every step, finished or not, and each request keeps
+  only its own drawn number of tokens;
 * **sequential transformers**: ``LlamaForCausalLM.generate`` one prompt at a time (batch 1).
 
 Throughput is output tokens per second of wall time. The bound: all the work is about
@@ -41,10 +45,12 @@ SEED = 0
 
 
 def plan(quick: bool) -> dict:
-    """Backlog size, length ranges (inclusive) and the batch limit B."""
+    """Backlog size, length ranges (inclusive), the batch limit B, and the sweep's limits."""
     if quick:
-        return {"num_prompts": 4, "prompt_len": [8, 24], "output_len": [2, 6], "batch": 3}
-    return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8}
+        return {"num_prompts": 4, "prompt_len": [8, 24], "output_len": [2, 6], "batch": 3,
+                "sweep_batches": [2, 4], "sweep_budgets": [32]}
+    return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8,
+            "sweep_batches": [4, 8, 16, 32], "sweep_budgets": [256, 512]}
 
 
 def make_backlog(num_prompts: int, prompt_len, output_len, vocab_size: int, seed: int = SEED):
@@ -67,6 +73,48 @@ def _config(batch: int, prompts, outputs) -> SchedulerConfig:
 def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | None = None) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": steps,
             "output_token_counts": [len(t) for t in token_ids]}
+
+
+def sweep(model, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
+    """Continuous batching on the same backlog at each ``max_num_seqs`` in ``batches`` and token budget
+    (``max_num_batched_tokens``) in ``budgets``: output tokens/s, steps and preemptions of each."""
+    params = [SamplingParams(max_new_tokens=n, stop_ids=()) for n in outputs]
+    rows = []
+    for batch in batches:
+        for budget in budgets:
+            config = _config(batch, prompts, outputs)
+            config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget, block_size=config.block_size,
+                                     num_blocks=config.num_blocks)
+            llm = LLM(model, tokenizer, config)
+            start = time.perf_counter()
+            out = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.token_ids) for o in out)
+            rows.append({"max_num_seqs": batch, "max_num_batched_tokens": budget, "seconds": seconds,
+                         "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(llm.engine.steps),
+                         "preemptions": sum(len(step.output.preempted) for step in llm.engine.steps)})
+    return rows
+
+
+def _padded_static(hf, prompts, outputs, batch: int, pad_id: int) -> dict:
+    """The classic static batch: left-padded prompts, one ``generate`` per batch until its longest
+    output is done, every row computed at every step; each request keeps its drawn number of tokens."""
+    kept, computed_rows = [], 0
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            group, wants = prompts[i:i + batch], outputs[i:i + batch]
+            width, steps = max(len(p) for p in group), max(wants)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              pad_token_id=pad_id)
+            kept += [row[width:width + n].tolist() for row, n in zip(out, wants)]
+            computed_rows += len(group) * steps
+        seconds = time.perf_counter() - start
+    row = _row(seconds, sum(len(t) for t in kept), kept, len(range(0, len(prompts), batch)))
+    row["computed_output_slots"] = computed_rows  # what the padded batches computed, used or not
+    return row
 
 
 def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> dict:
@@ -115,6 +163,8 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
             hf_tokens.append(out[0, len(prompt):].tolist())
         seconds = time.perf_counter() - start
     sequential = _row(seconds, sum(len(t) for t in hf_tokens), hf_tokens)
+    padded = _padded_static(hf, prompts, outputs, batch, tokenizer.eos_id)
+    curve = sweep(model, tokenizer, prompts, outputs, settings["sweep_batches"], settings["sweep_budgets"])
 
     parameters = model.config.parameter_count()
     computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, outputs))  # the last token is never fed back
@@ -123,7 +173,8 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                                    iters=3 if quick else 5)
     bound_s = flops / (peak["peak_gflops"] * 1e9)
     bound_tokens_per_s = expected_tokens / bound_s
-    engines = {"continuous batching": continuous, "static batching": static, "sequential transformers": sequential}
+    engines = {"continuous batching": continuous, "static batching": static, "padded static batching": padded,
+               "sequential transformers": sequential}
     for row in engines.values():
         row["fraction_of_roofline"] = row["tokens_per_s"] / bound_tokens_per_s
     same_as_transformers = sum(a.token_ids == b for a, b in zip(continuous_out, hf_tokens))
@@ -136,7 +187,10 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                   "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
                   "num_blocks": config.num_blocks, "prompts": "random token ids, seeded lengths",
                   "stop": "none: every request produces exactly its drawn output length"},
-        "notes": ["static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
+        "notes": ["padded static batching: transformers' generate on each batch of `batch` prompts, left-padded "
+                  "to the longest, until the longest output is done; every row computed at every step; each "
+                  "request keeps its own drawn number of tokens",
+                  "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
                   "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
                   "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
                   "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
@@ -148,7 +202,9 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "peak_gemm": {k: peak[k] for k in ("peak_gflops", "best_n", "dtype", "torch_threads")},
         "roofline": {"flops": flops, "seconds_lower_bound": bound_s, "tokens_per_s_upper_bound": bound_tokens_per_s},
         "engines": engines,
+        "sweep": curve,
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
+        "continuous_over_padded_static": continuous["tokens_per_s"] / padded["tokens_per_s"],
         "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "requests_same_greedy_tokens_as_transformers": same_as_transformers,
     }
@@ -165,7 +221,12 @@ def format_table(result: dict) -> str:
     ]
     for name, row in result["engines"].items():
         lines.append(f"{name:26s} {row['seconds']:8.2f} {row['tokens_per_s']:9.1f} {row['fraction_of_roofline']:9.1%}")
-    lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / sequential "
+    lines.append(f"{'max_num_seqs':>12s} {'token budget':>12s} {'tokens/s':>9s} {'steps':>6s} {'preempted':>9s}")
+    for row in result["sweep"]:
+        lines.append(f"{row['max_num_seqs']:12d} {row['max_num_batched_tokens']:12d} {row['tokens_per_s']:9.1f} "
+                     f"{row['steps']:6d} {row['preemptions']:9d}")
+    lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
+                 f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
                  f"{result['continuous_over_sequential']:.2f}x")
     return "\n".join(lines)
 

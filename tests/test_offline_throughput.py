@@ -12,7 +12,7 @@ from conftest import REPO, SMOLLM2, run_benchmark
 sys.path.append(str(REPO / "benchmarks"))
 import offline_throughput  # noqa: E402  (a script in benchmarks/, importable once that folder is on the path)
 
-ENGINES = ["continuous batching", "static batching", "sequential transformers"]
+ENGINES = ["continuous batching", "static batching", "padded static batching", "sequential transformers"]
 
 
 @SMOLLM2
@@ -39,6 +39,19 @@ def test_offline_throughput_benchmark_writes_json(tmp_path):
         continuous["tokens_per_s"] / engines["sequential transformers"]["tokens_per_s"])
     # Refilling freed places never takes more steps than waiting for each static batch to drain.
     assert continuous["steps"] <= static["steps"]
+    # The padded batches computed every row until their longest member finished: one generate per batch.
+    padded, batch, outputs = engines["padded static batching"], flags["batch"], work["output_tokens"]
+    groups = [outputs[i:i + batch] for i in range(0, len(outputs), batch)]
+    assert padded["steps"] == len(groups)
+    assert padded["computed_output_slots"] == sum(len(g) * max(g) for g in groups) >= work["total_output_tokens"]
+    assert result["continuous_over_padded_static"] == pytest.approx(continuous["tokens_per_s"] / padded["tokens_per_s"])
+    # The sweep: continuous batching at every batch limit and token budget, each serving the whole backlog.
+    sweep = result["sweep"]
+    assert [(r["max_num_seqs"], r["max_num_batched_tokens"]) for r in sweep] == [
+        (b, t) for b in flags["sweep_batches"] for t in flags["sweep_budgets"]]
+    for row in sweep:
+        assert row["output_tokens"] == work["total_output_tokens"] and row["steps"] > 0 and row["preemptions"] >= 0
+        assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
     assert bound["flops"] == 2 * result["model"]["parameters"] * work["computed_tokens"]
     assert result["peak_gemm"]["peak_gflops"] > 0
     assert bound["seconds_lower_bound"] == pytest.approx(bound["flops"] / (result["peak_gemm"]["peak_gflops"] * 1e9))
