@@ -40,8 +40,8 @@ STEP, ATTENTION, SAMPLING, FORWARD = "decode step", "attention", "sampling", "mo
 
 def category(name: str, annotation: str | None) -> str:
     """The category of a top-level op (``annotation``: the innermost benchmark annotation around it)."""
-    if annotation in (ATTENTION, SAMPLING):
-        return {ATTENTION: "attention", SAMPLING: "sampling"}[annotation]
+    if annotation in (ATTENTION, SAMPLING):  # the categories share the annotations' names
+        return annotation
     if name in GEMM_OPS:
         return "GEMM/GEMV"
     if name in SYNC_OPS:

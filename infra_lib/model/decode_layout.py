@@ -38,6 +38,16 @@ from torch import nn
 from infra_lib.model.model import Attention, Llama, MLP, apply_rope
 
 
+def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights ``[sum of out, in]`` and biases (None if none has one) of several ``nn.Linear``
+    reading the same input, stacked: one product gives their outputs side by side."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.bias.detach() if lin.bias is not None
+                              else torch.zeros(lin.out_features, dtype=lin.weight.dtype) for lin in linears])
+
+
 class InputMajorLinear(nn.Module):
     """``y = x @ weight_t (+ bias)`` with ``weight_t`` ``[in, out]``: ``nn.Linear``'s product, the
     weight stored transposed (contiguous along the output, the layout a GEMV streams fastest)."""
@@ -48,14 +58,10 @@ class InputMajorLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linears(cls, *linears: nn.Linear) -> "InputMajorLinear":
-        """One product for several ``nn.Linear`` reading the same input: their outputs side by side."""
-        weight_t = torch.cat([lin.weight.detach().t() for lin in linears], dim=1)
-        biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
-             for b, lin in zip(biases, linears)])
-        return cls(weight_t, bias)
+    def from_linears(cls, *linears: nn.Linear, dtype: torch.dtype = torch.float32) -> "InputMajorLinear":
+        """One product for several ``nn.Linear`` reading the same input, its weight stored in ``dtype``."""
+        weight, bias = _fused(*linears)
+        return cls(weight.t().to(dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t.dtype != x.dtype:  # bf16 weights: the product in bf16, the result in x's dtype
@@ -68,9 +74,10 @@ class InputMajorLinear(nn.Module):
 class Int8RowLinear(nn.Module):
     """``y = x @ (q * scale).T (+ bias)``: int8 weights ``q`` ``[out, in]``, one scale per output row.
 
-    ``scale = max |w| over the row / 127`` (kept in bf16, the kernel's type) and ``q = round(w / scale)``,
-    so every weight is within about ``scale / 2`` of the original. The product runs in PyTorch's int8-weight CPU kernel with bf16
-    activations; the result comes back in ``x``'s dtype.
+    ``scale = max |w| over the row / 127`` (kept in bf16, the kernel's type) and
+    ``q = round(w / scale)``, so every weight is within about ``scale / 2`` of the original. The
+    product runs in PyTorch's int8-weight CPU kernel with bf16 activations; the result comes back in
+    ``x``'s dtype.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -85,8 +92,7 @@ class Int8RowLinear(nn.Module):
 
     @classmethod
     def from_linears(cls, *linears: nn.Linear) -> "Int8RowLinear":
-        fused = InputMajorLinear.from_linears(*linears)
-        return cls(fused.weight_t.t(), fused.bias)
+        return cls(*_fused(*linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -101,10 +107,7 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 def _projection(weights: str, *linears: nn.Linear) -> nn.Module:
     if weights == "int8":
         return Int8RowLinear.from_linears(*linears)
-    fused = InputMajorLinear.from_linears(*linears)
-    if weights == "bf16":
-        fused.weight_t.data = fused.weight_t.data.to(torch.bfloat16)
-    return fused
+    return InputMajorLinear.from_linears(*linears, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
 
 
 class FusedAttention(nn.Module):
