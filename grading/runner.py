@@ -96,15 +96,40 @@ class _ForkedKernel:
                 return None
         return self.proc if self.proc.is_running() else None  # is_running: never a reused pid
 
-    def processes(self) -> int:
-        """The kernel and its descendants (0 when the kernel is the runner's own child)."""
+    def processes(self, tree: dict[int, list[int]] | None = None) -> int:
+        """The kernel and its descendants (0 when the kernel is the runner's own child); ``tree``:
+        a ``_process_tree()`` to count them in."""
         proc = self._find()
-        return 0 if proc is None else 1 + len(_descendants(proc.pid))
+        if proc is None:
+            return 0
+        return 1 + (_count_descendants(tree, proc.pid) if tree is not None else len(_descendants(proc.pid)))
 
     def kill(self) -> None:
         proc = self._find()
         if proc is not None:
             _kill_tree(proc.pid)
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """pid -> its children's pids, from one pass over the process table: the watchdog counts two
+    trees (the runner's, a forked kernel's) on every poll, and each pass costs milliseconds."""
+    ppid_map = getattr(psutil, "_ppid_map", None)  # what Process.children reads: a third of process_iter's cost
+    parents = ppid_map() if ppid_map else {proc.pid: proc.info["ppid"] for proc in psutil.process_iter(["ppid"])}
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    return children
+
+
+def _count_descendants(tree: dict[int, list[int]], pid: int) -> int:
+    count, stack, seen = 0, list(tree.get(pid, ())), {pid}
+    while stack:
+        child = stack.pop()
+        if child not in seen:
+            seen.add(child)
+            count += 1
+            stack.extend(tree.get(child, ()))
+    return count
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -202,13 +227,17 @@ def execute(
     started = time.monotonic()
     log_path = workdir / "runner.log"
     with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
+        # The runner itself forks from the template too (papermill imported), else starts afresh.
+        proc = warm.fork_runner(command[3:], workdir, child_env, log_path)
+        if proc is None:
+            proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
         watch = _CellWatch(progress, [cell["id"] for cell in notebook.cells])
         forked = _ForkedKernel(status)
         stop, reason, stuck = "", "", None
         while proc.poll() is None:
             index, running_for = watch.running()
-            spawned = len(_descendants(proc.pid)) + forked.processes()
+            tree = _process_tree()
+            spawned = _count_descendants(tree, proc.pid) + forked.processes(tree)
             if time.monotonic() - started > budget:
                 stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
             elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:

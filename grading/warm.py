@@ -64,7 +64,9 @@ PLAIN_KERNEL = "python3"  # the kernel the lessons and labs name in their metada
 PROVISIONER = "infra-lab-warm"
 # What a graded notebook imports before its first answer: imported once, by the template.
 PRELOAD = ["numpy", "torch", "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets",
-           "grading.check", "grading.progress_panel"]
+           "grading.check", "grading.progress_panel",
+           # and what the runner that drives a graded notebook imports (grading.runner, papermill)
+           "grading.runner", "grading.notebook", "papermill.clientwrap", "nbclient.exceptions"]
 _READY_S = 60.0  # how long a runner waits for a template that is still importing
 _MAX_REQUEST = 1 << 20
 
@@ -219,7 +221,12 @@ def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
         current = template()
         if current is not None:
             os.environ.update(current.env())
-    path, token = os.environ.get(SOCKET_ENV), os.environ.get(TOKEN_ENV)
+    kernel_env = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV, AUTO_ENV)}
+    return _ask(os.environ.get(SOCKET_ENV), os.environ.get(TOKEN_ENV), {"cmd": cmd, "cwd": cwd, "env": kernel_env})
+
+
+def _ask(path: str | None, token: str | None, request: dict) -> int | None:
+    """Send one request to the template at ``path``; the pid it forked, or None."""
     if not path or not token:
         return None
     deadline = time.monotonic() + _READY_S
@@ -227,8 +234,7 @@ def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
         if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(path)):
             return None
         time.sleep(0.05)
-    kernel_env = {k: v for k, v in env.items() if k not in (SOCKET_ENV, TOKEN_ENV, AUTO_ENV)}
-    message = json.dumps({"token": token, "cmd": cmd, "cwd": cwd, "env": kernel_env}).encode() + b"\n"
+    message = json.dumps({"token": token, **request}).encode() + b"\n"
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(30)
@@ -286,6 +292,42 @@ class _Forked:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+
+class ForkedRunner(_Forked):
+    """A Popen-like handle on a notebook runner (``grading.runner``) forked by the template: its exit
+    code comes back through ``exit_file``, which the runner writes as it exits (-9 when it was killed
+    before it could)."""
+
+    def __init__(self, pid: int, exit_file: Path):
+        self.exit_file, self._finished = Path(exit_file), False
+        super().__init__(pid)
+
+    def poll(self) -> int | None:
+        if not self._finished:
+            if super().poll() is None:
+                return None
+            self._finished = True
+            try:
+                self.returncode = int(self.exit_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+def fork_runner(argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> ForkedRunner | None:
+    """``python -m grading.runner ARGV``, forked by this process's template (papermill already
+    imported) instead of started afresh: stdout and stderr to ``log``, in ``cwd`` with exactly ``env``.
+    None where no template answers (start the runner as a process of its own then)."""
+    current = template()
+    if current is None:
+        return None
+    exit_file = Path(log).with_name(Path(log).name + ".exit")
+    exit_file.unlink(missing_ok=True)
+    pid = _ask(str(current.socket_path), current.token,
+               {"runner": [str(a) for a in argv], "cwd": str(cwd), "env": dict(env), "log": str(log),
+                "exit_file": str(exit_file)})
+    return None if pid is None else ForkedRunner(pid, exit_file)
 
 
 try:
@@ -369,6 +411,50 @@ def _run_kernel(request: dict) -> None:
         os._exit(code)
 
 
+def _run_runner(request: dict) -> None:
+    """In the forked child: become ``python -m grading.runner ARGV``. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the runner waits for the kernels it starts
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["grading.runner", *request["runner"]]
+        from grading.runner import _child
+
+        code = _child(request["runner"])
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - say why in the runner's log, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            Path(request["exit_file"]).write_text(str(code), encoding="utf-8")
+        finally:
+            os._exit(code)
+
+
+def _valid(request: dict) -> None:
+    """Refuse a malformed request in the template, before any fork (ValueError, KeyError, TypeError)."""
+    if "runner" in request:
+        if not all(isinstance(arg, str) for arg in request["runner"]) or not isinstance(request["env"], dict):
+            raise ValueError("a runner's arguments and environment are strings")
+        str(request["log"]), str(request["exit_file"]), str(request["cwd"])
+    else:
+        _kernel_command(request["cmd"])
+
+
 def _reseed() -> None:
     """Fresh random state in each kernel, as a freshly started one has (torch's default seed is fixed
     at startup, so it stays as it is)."""
@@ -412,7 +498,7 @@ def _serve(socket_path: str) -> int:
                     request = json.loads(conn.makefile("rb").readline(_MAX_REQUEST))
                     if not hmac.compare_digest(str(request.get("token", "")), token):
                         continue
-                    _kernel_command(request["cmd"])  # refuse a malformed command here, not in the child
+                    _valid(request)  # refuse a malformed request here, not in the child
                 except (OSError, ValueError, KeyError, TypeError, AttributeError):
                     continue
                 request["folder"] = os.path.dirname(socket_path)
@@ -421,6 +507,8 @@ def _serve(socket_path: str) -> int:
                     server.close()
                     conn.close()
                     token = ""
+                    if "runner" in request:
+                        _run_runner(request)
                     _run_kernel(request)
                 try:
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")

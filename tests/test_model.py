@@ -18,6 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 AGREEMENT_PROMPTS = ("What is Python?", "Name three planets.", "What is the capital of France?",
                      "Write a haiku about the sea.", "Explain what a KV cache is.", "How many legs does a spider have?")
+# transformers' tokenizer for the GGUF file takes seconds to build (the hf_tokenizer fixture, once per
+# worker): its tests share one worker.
+HF_TOKENIZER = pytest.mark.xdist_group("hf_tokenizer")
 
 
 def _hf_model(config: LlamaConfig):
@@ -153,6 +156,7 @@ TEXTS = [
 ]
 
 
+@HF_TOKENIZER
 @SMOLLM2
 def test_tokenizer_matches_transformers_on_varied_text(smollm2, hf_tokenizer):
     tok = smollm2.tokenizer
@@ -164,6 +168,7 @@ def test_tokenizer_matches_transformers_on_varied_text(smollm2, hf_tokenizer):
         assert tok.decode(ours) == text
 
 
+@HF_TOKENIZER
 @SMOLLM2
 def test_chat_template_matches_transformers(smollm2, hf_tokenizer):
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is Python?"},
@@ -175,6 +180,7 @@ def test_chat_template_matches_transformers(smollm2, hf_tokenizer):
     assert smollm2.tokenizer.apply_chat_template(CAPITAL).startswith("<|im_start|>system\nYou are a helpful AI assistant")
 
 
+@HF_TOKENIZER
 @SMOLLM2
 def test_tokenizer_json_gives_the_same_tokenizer(smollm2, hf_tokenizer, tmp_path):
     hf_tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
@@ -430,8 +436,9 @@ def test_decode_profile_benchmark_splits_each_step(tmp_path):
 
 # --- the dequantised-weights cache --------------------------------------------------------------
 
-def _tiny_gguf(path):
-    """A one-layer llama GGUF file with fp32 tensors and a byte-level vocabulary."""
+def _tiny_gguf(path, quantised: bool = False):
+    """A one-layer llama GGUF file with fp32 tensors and a byte-level vocabulary (``quantised``: its
+    down projection stored as Q4_1 blocks instead)."""
     import gguf
     import numpy as np
 
@@ -459,7 +466,12 @@ def _tiny_gguf(path):
               "blk.0.attn_output.weight": (16, 16), "blk.0.ffn_norm.weight": (16,),
               "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
     for name, shape in shapes.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        weight = rng.standard_normal(shape).astype(np.float32)
+        if quantised and name == "blk.0.ffn_down.weight":
+            kind = gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -536,3 +548,51 @@ def test_stored_blocks_are_read_once_and_then_from_the_cache(tmp_path, monkeypat
     for types, blocks in (first, loaders.stored_blocks(path, "F32")):
         assert types == direct_types and blocks.keys() == direct_blocks.keys()
         assert all(torch.equal(blocks[name], direct_blocks[name]) for name in blocks)
+
+
+def test_processes_that_miss_the_cache_together_parse_the_file_once(tmp_path, monkeypatch):
+    """Loads that find no entry at the same moment (test workers, two notebooks) wait on the entry's
+    lock: one parses the file, the others read what it wrote."""
+    import threading
+    import time
+
+    from infra_lib.model import loaders
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    parses, real_open = [], loaders._open_gguf
+
+    def slow_open(*args, **kwargs):
+        parses.append(args[0])
+        time.sleep(0.3)  # long enough for every other thread to reach the lock
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(loaders, "_open_gguf", slow_open)
+    loaded, blocks = [], []
+    threads = [threading.Thread(target=lambda: loaded.append(load_gguf(path))) for _ in range(3)]
+    threads += [threading.Thread(target=lambda: blocks.append(loaders.stored_blocks(path, "F32"))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(parses) == 2, f"the file was parsed {len(parses)} times for two cache entries"
+    assert len(loaded) == 3 and all(_same_weights(one, loaded[0]) for one in loaded)
+    assert len(blocks) == 3 and all(b[1].keys() == blocks[0][1].keys() for b in blocks)
+
+
+def test_loading_a_quantised_file_keeps_its_blocks_from_the_same_parse(tmp_path, monkeypatch):
+    from infra_lib.model import loaders
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf", quantised=True)
+    monkeypatch.setenv(loaders.CACHE_ENV, str(tmp_path / "cache"))
+    types, blocks = loaders.stored_blocks(path, "Q4_1", cache=False)
+    assert types["blk.0.ffn_down.weight"] == "Q4_1" and list(blocks) == ["blk.0.ffn_down.weight"]
+    loaded = load_gguf(path)
+    assert loaded.model.layers[0].mlp.down_proj.weight.shape == (16, 32)
+
+    def parse(*args, **kwargs):
+        raise AssertionError("the blocks should have been kept when the model was loaded")
+
+    monkeypatch.setattr(loaders, "_open_gguf", parse)
+    cached_types, cached_blocks = loaders.stored_blocks(path, "Q4_1")
+    assert cached_types == types and torch.equal(cached_blocks["blk.0.ffn_down.weight"], blocks["blk.0.ffn_down.weight"])

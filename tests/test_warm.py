@@ -73,6 +73,31 @@ def test_kernels_start_cold_when_the_template_is_turned_off(tmp_path, monkeypatc
     assert report.score == 7 and "memory limit" in {c.reason for t in report.tests for c in t.checks}
 
 
+def test_the_runner_forks_from_the_template_and_reports_how_the_run_ended(tmp_path, monkeypatch):
+    """The process that drives a graded notebook (grading.runner) is forked by the template too, with
+    papermill imported; its exit code (complete, the kernel died) comes back as a started runner's does."""
+    from grading.runner import STOP_CRASH
+
+    handles = []
+    fork_runner = warm.fork_runner
+    monkeypatch.setattr(warm, "fork_runner", lambda *a, **k: handles.append(fork_runner(*a, **k)) or handles[-1])
+    first, _ = _run(tmp_path, "complete")
+    assert isinstance(handles[0], warm.ForkedRunner) and handles[0].returncode == 0
+    assert (tmp_path / "complete" / "runner.log.exit").read_text() == "0"
+    assert first["parent"] == warm.template().process.pid  # its kernel, a sibling forked by the same template
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("import os\nos._exit(3)"),
+                nbformat.v4.new_code_cell("y = 2")]
+    (tmp_path / "dies").mkdir()
+    died = execute(nb, tmp_path / "dies", parameters={}, env={}, limits=LIMITS, budget=120)
+    assert isinstance(handles[1], warm.ForkedRunner)
+    assert not died.complete and died.stop == STOP_CRASH and died.stopped_at == 1, (died.stop, died.reason)
+
+    monkeypatch.setenv(warm.COLD_ENV, "1")  # no template: the runner starts as a process of its own
+    assert fork_runner(["x"], tmp_path, {}, tmp_path / "log") is None
+
+
 def test_the_template_forks_nothing_for_a_request_without_its_token():
     template = warm.template()
     if template is None:
@@ -83,7 +108,9 @@ def test_the_template_forks_nothing_for_a_request_without_its_token():
     before = {p.pid for p in psutil.Process(template.process.pid).children()}
     for message in (b'{"token": "guess", "cmd": [], "cwd": "/", "env": {}}\n', b"not json\n",
                     json.dumps({"token": template.token, "cmd": ["sh", "-c", "id"], "cwd": "/", "env": {}}).encode()
-                    + b"\n"):
+                    + b"\n",
+                    json.dumps({"token": template.token, "runner": ["in.ipynb", 3], "cwd": "/", "env": {}, "log": "/l",
+                                "exit_file": "/e"}).encode() + b"\n"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(10)
             client.connect(str(template.socket_path))
@@ -188,3 +215,25 @@ def test_a_command_uses_the_template_its_environment_names():
     stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                            env={**base, warm.SOCKET_ENV: "/nonexistent/template.sock", warm.TOKEN_ENV: "x"})
     assert stale.stdout.split()[0] == "Template" and stale.stdout.split()[1] != "/nonexistent/template.sock"
+
+
+def test_the_watchdog_counts_a_process_tree_from_one_scan():
+    """The runner's watchdog counts the kernel's processes from one pass over the process table per
+    poll; it finds the same descendants psutil does, grandchildren included."""
+    import subprocess
+
+    from grading.runner import _count_descendants, _descendants, _process_tree
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(_descendants(shell.pid)) < 3 and time.monotonic() < deadline:  # a sleep, a subshell and its sleep
+            time.sleep(0.05)
+        tree = _process_tree()
+        assert _count_descendants(tree, shell.pid) == len(_descendants(shell.pid)) == 3
+        assert _count_descendants(tree, -1) == 0
+    finally:
+        for proc in _descendants(shell.pid):
+            proc.kill()
+        shell.kill()
+        shell.wait()

@@ -156,12 +156,14 @@ def _open_gguf(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
 
 
-def read_gguf(path: str | Path, progress: bool = False) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
-    """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file."""
+def read_gguf(path: str | Path, progress: bool = False,
+              reader=None) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file
+    (``reader``: the gguf package's reader on it, when the caller has parsed it already)."""
     from gguf.quants import dequantize
 
     path = Path(path)
-    reader = _open_gguf(path)
+    reader = reader if reader is not None else _open_gguf(path)
     fields = gguf_fields(reader)
     config = config_from_gguf(fields)  # refuses a non-llama file before any dequantising
     tensors = reader.tensors
@@ -236,14 +238,23 @@ def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> L
     """
     path = Path(path)
     entry = _cache_entry(path) if cache else None
-    cached = _read_cache(entry) if entry else None
-    if cached is not None:
-        fields, state = cached
-        config = _config(fields, state)
-    else:
-        config, state, fields = read_gguf(path, progress)
-        if entry:
-            _write_cache(entry, fields, state)
+    with _building(entry):
+        cached = _read_cache(entry) if entry else None
+        if cached is not None:
+            fields, state = cached
+            config = _config(fields, state)
+        else:
+            reader = _open_gguf(path)
+            config, state, fields = read_gguf(path, progress, reader)
+            if entry:
+                _write_cache(entry, fields, state)
+                # The quantisation lessons ask for the blocks as stored next: keep them from this
+                # parse rather than parse the file again for them.
+                for kind in sorted({t.tensor_type.name for t in reader.tensors} - _FLOAT_KINDS):
+                    blocks_entry = _cache_entry(path, f"blocks{kind}")
+                    with _building(blocks_entry):
+                        if not blocks_entry.exists():
+                            _write_cache(blocks_entry, *_blocks(reader, kind))
     return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
 
 
@@ -258,16 +269,24 @@ def stored_blocks(path: str | Path, kind: str = "Q4_1",
     """
     path = Path(path)
     entry = _cache_entry(path, f"blocks{kind}") if cache else None
-    cached = _read_cache(entry) if entry else None
-    if cached is not None:
-        types, blocks = cached
-        return types, {name: rows for name, rows in blocks.items() if name != "_"}
-    reader = _open_gguf(path)
+    with _building(entry):
+        cached = _read_cache(entry) if entry else None
+        if cached is not None:
+            types, blocks = cached
+            return types, {name: rows for name, rows in blocks.items() if name != "_"}
+        types, blocks = _blocks(_open_gguf(path), kind)
+        if entry:
+            _write_cache(entry, types, blocks)
+    return types, blocks
+
+
+_FLOAT_KINDS = {"F32", "F16", "BF16", "F64"}
+
+
+def _blocks(reader, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     blocks = {t.name: torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
               for t in reader.tensors if t.tensor_type.name == kind}
-    if entry:
-        _write_cache(entry, types, blocks)
     return types, blocks
 
 
@@ -293,6 +312,34 @@ def _cache_entry(path: Path, kind: str = "fp32") -> Path | None:
         return None  # read_gguf says what is wrong with the path
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_FORMAT}"
     return cache_dir() / f"{path.stem}-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _building(entry: Path | None):
+    """Hold the entry's lock for the block: processes that miss the same entry at the same time (test
+    workers, two notebooks) wait for the one that parses the file, then read what it wrote, rather
+    than each parsing it (seconds of CPU apiece). Without a lock file (no entry, a read-only cache
+    folder, no ``fcntl``) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        fcntl = None
+    handle = None
+    if entry is not None and fcntl is not None:
+        try:
+            locks = entry.parent.parent / "locks"  # beside models/, which holds entries only
+            locks.mkdir(parents=True, exist_ok=True)
+            handle = os.open(locks / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            if handle is not None:
+                os.close(handle)
+            handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)  # closing releases the lock
 
 
 def _read_cache(entry: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
