@@ -392,6 +392,27 @@ def test_exact_index_ids_hook_and_round_trip(tmp_path):
         ExactIndex.load(tmp_path / "other.pt")
 
 
+def test_exact_index_scores_block_by_block_as_top_k_cosine_does(monkeypatch):
+    """The default search keeps the stored vectors normalised and scores them in blocks: the same
+    neighbours and scores as top_k_cosine's one product, across block edges, after a later add, for a
+    1-D query and k above n; a wrong query shape gets top_k_cosine's error."""
+    from infra_lib.apps.rag import search
+
+    monkeypatch.setattr(search, "BLOCK_ROWS", 7)
+    gen = torch.Generator().manual_seed(0)
+    vectors, queries = torch.randn(50, 16, generator=gen) * 3, torch.randn(5, 16, generator=gen)
+    index = ExactIndex(16)
+    index.add(vectors[:30])
+    for index_size, q, k in ((30, queries, 4), (30, queries, 9), (50, queries[0], 60)):
+        if index_size > len(index):
+            index.add(vectors[30:])
+        scores, ids = index.search(q, k)
+        expected_scores, expected_ids = top_k_cosine(q, vectors[:index_size], k)
+        assert torch.equal(ids, expected_ids) and torch.allclose(scores, expected_scores, atol=1e-6), (index_size, k)
+    with pytest.raises(ValueError, match="dimension mismatch"):
+        index.search(torch.ones(3, 5), 1)
+
+
 # --- IVF ---------------------------------------------------------------------------------------------
 
 def test_kmeans_is_seeded_and_finds_separated_clusters():
@@ -399,14 +420,16 @@ def test_kmeans_is_seeded_and_finds_separated_clusters():
     centres = torch.nn.functional.normalize(torch.randn(4, 16, generator=gen), dim=-1) * 5
     labels = torch.arange(200) % 4
     x = centres[labels] + 0.1 * torch.randn(200, 16, generator=gen)
-    for spherical in (True, False):
-        c1, a1 = kmeans(x, 4, seed=3, spherical=spherical)
-        c2, a2 = kmeans(x, 4, seed=3, spherical=spherical)
+    for spherical, init_sample in ((True, None), (False, None), (True, 40), (False, 40)):
+        c1, a1 = kmeans(x, 4, seed=3, spherical=spherical, init_sample=init_sample)
+        c2, a2 = kmeans(x, 4, seed=3, spherical=spherical, init_sample=init_sample)
         assert torch.equal(c1, c2) and torch.equal(a1, a2)
         pairs = {(int(a), int(l)) for a, l in zip(a1, labels)}  # each found cluster is exactly one true cluster
-        assert len(pairs) == 4
+        assert len(pairs) == 4, (spherical, init_sample)
     with pytest.raises(ValueError, match=r"k must be an int in \[1, n=200\]"):
         kmeans(x, 201)
+    with pytest.raises(ValueError, match="init_sample must be an int >= k=4"):
+        kmeans(x, 4, init_sample=3)
 
 
 @MINILM
@@ -583,7 +606,10 @@ def test_rag_search_benchmark_runs_quick(tmp_path, monkeypatch, minilm_pipeline,
     # The subprocess finds the corpus and question embeddings in the session's cache: no second embedding.
     monkeypatch.setenv(CACHE_ENV, str(rag_cache.parent))
     data = run_benchmark("rag_search", tmp_path / "x.json")
-    assert data["exact"]["same_neighbours_fraction"] == 1.0 and data["exact"]["max_score_difference"] < 1e-5
+    assert data["exact"] == data["exact_by_size"][0]
+    assert [row["n_vectors"] for row in data["exact_by_size"]] == data["flags"]["exact_sizes"] == [5_000, 12_000]
+    for row in data["exact_by_size"]:  # 12,000 vectors: scored in two blocks, merged
+        assert row["same_neighbours_fraction"] == 1.0 and row["max_score_difference"] < 1e-5, row
     assert [row["nprobe"] for row in data["ivf"]] == data["flags"]["nprobes"]
     recalls = [row["ours_recall"] for row in data["ivf"]]
     assert recalls == sorted(recalls) and recalls[-1] > 0.9

@@ -18,8 +18,13 @@ import torch
 from infra_lib.apps.rag.search import as_ids, as_matrix
 
 
-def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0,
-           spherical: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+# Points assigned to their nearest centroid per block of this many: a block's (rows, k) scores stay
+# in the cache for the argmax that reads them.
+_BLOCK_ROWS = 8192
+
+
+def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0, spherical: bool = True,
+           init_sample: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """k-means with k-means++ initialisation, deterministic for a given seed.
 
     Args:
@@ -29,6 +34,10 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0,
         seed: seeds the initial centroids.
         spherical: cosine k-means (points and centroids normalised, nearest = largest dot
             product), the right choice for unit-length embeddings; False for Euclidean.
+        init_sample: draw the initial centroids by k-means++ from a random sample of this many
+            points (at least k) rather than from all n: k-means++ makes k passes, one per centroid,
+            over the points it draws from, so on a large collection the seeding would otherwise
+            cost more than the rounds that follow. None: all points.
 
     Returns:
         (centroids, assignment): (k, d) float32 and (n,) int64 cluster of each point.
@@ -41,6 +50,8 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0,
         raise ValueError(f"k must be an int in [1, n={n}], got {k!r}")
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
+    if init_sample is not None and (not isinstance(init_sample, int) or init_sample < k):
+        raise ValueError(f"init_sample must be an int >= k={k}, got {init_sample!r}")
     if spherical:
         x = torch.nn.functional.normalize(x, dim=-1)
     gen = torch.Generator().manual_seed(seed)
@@ -50,29 +61,37 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0,
             return 1 - points @ centroids.T
         return torch.cdist(points, centroids).square()
 
+    def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:  # (n,), block by block
+        return torch.cat([distances(points[i:i + _BLOCK_ROWS], centroids).argmin(dim=1)
+                          for i in range(0, points.shape[0], _BLOCK_ROWS)])
+
     # k-means++: each next centroid is a point drawn with probability proportional to its distance
     # to the nearest centroid chosen so far, so the initial centroids spread over the data.
-    chosen = [int(torch.randint(n, (1,), generator=gen))]
-    nearest = distances(x, x[chosen[0]][None])[:, 0].clamp(min=0)
+    pool = x if init_sample is None or init_sample >= n else x[torch.randperm(n, generator=gen)[:init_sample]]
+    m = pool.shape[0]
+    chosen = [int(torch.randint(m, (1,), generator=gen))]
+    nearest = distances(pool, pool[chosen[0]][None])[:, 0].clamp(min=0)
     for _ in range(1, k):
-        weights = nearest if nearest.sum() > 0 else torch.ones(n)
+        weights = nearest if nearest.sum() > 0 else torch.ones(m)
         pick = int(torch.multinomial(weights, 1, generator=gen))
         chosen.append(pick)
-        nearest = torch.minimum(nearest, distances(x, x[pick][None])[:, 0].clamp(min=0))
-    centroids = x[chosen].clone()
+        nearest = torch.minimum(nearest, distances(pool, pool[pick][None])[:, 0].clamp(min=0))
+    centroids = pool[chosen].clone()
 
-    assignment = distances(x, centroids).argmin(dim=1)
+    assignment = nearest_centroid(x, centroids)
     for _ in range(iters):
         sums = torch.zeros_like(centroids).index_add_(0, assignment, x)
         counts = torch.bincount(assignment, minlength=k)
         empty = counts == 0
         if empty.any():  # re-seed an empty cluster with the points farthest from their centroid
-            far = distances(x, centroids).gather(1, assignment[:, None])[:, 0].topk(int(empty.sum())).indices
+            own = centroids[assignment]
+            gap = (1 - (x * own).sum(-1)) if spherical else (x - own).square().sum(-1)
+            far = gap.topk(int(empty.sum())).indices
             sums[empty], counts[empty] = x[far], 1
         centroids = sums / counts[:, None]
         if spherical:
             centroids = torch.nn.functional.normalize(centroids, dim=-1)
-        new = distances(x, centroids).argmin(dim=1)
+        new = nearest_centroid(x, centroids)
         if torch.equal(new, assignment):
             break
         assignment = new
@@ -129,7 +148,9 @@ class IVFIndex:
         if vectors.shape[0] < self.nlist:
             raise ValueError(f"training needs at least nlist={self.nlist} vectors, got {vectors.shape[0]}; "
                              "lower nlist (about sqrt(n) is a common choice)")
-        self.centroids, _ = kmeans(vectors, self.nlist, iters=iters, seed=self.seed)
+        # k-means++ seeds from a sample of 32 points per list (enough to spread the seeds over the
+        # data; seeding from all of a large collection would cost more than the rounds after it)
+        self.centroids, _ = kmeans(vectors, self.nlist, iters=iters, seed=self.seed, init_sample=32 * self.nlist)
 
     def add(self, vectors: torch.Tensor, ids: Sequence[int] | torch.Tensor | None = None) -> None:
         """Store (n, dim) vectors in the lists of their nearest centroids."""

@@ -48,6 +48,33 @@ def top_k_cosine(queries: torch.Tensor, matrix: torch.Tensor, k: int) -> tuple[t
     return (top_scores[0], top_indices[0]) if single else (top_scores, top_indices)
 
 
+# Stored vectors scored per block of this many rows: a block's (q, BLOCK_ROWS) scores are still in
+# the cache when its top-k reads them, where one (q, n) product would write every score out to
+# memory and read it back (200 MB for 1,000 queries against 50,000 vectors). 4,096 rows was the
+# fastest of 1,024 to 16,384 here (1,000 queries, 384 dimensions).
+BLOCK_ROWS = 4096
+
+
+def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k_cosine`` for inputs already of unit length, (q, d) against (n, d), in blocks of stored
+    rows: each block's best k, merged into a running best k. The same neighbours as one product and
+    one top-k (the scores are the same dot products; only ties may come out in another order)."""
+    k = min(k, unit.shape[0])
+    if unit.shape[0] <= BLOCK_ROWS:
+        return (queries @ unit.T).topk(k, dim=1)
+    best_scores = best_rows = None
+    for start in range(0, unit.shape[0], BLOCK_ROWS):
+        block = unit[start:start + BLOCK_ROWS]
+        scores, rows = (queries @ block.T).topk(min(k, block.shape[0]), dim=1)
+        rows += start
+        if best_scores is not None:
+            scores = torch.cat([best_scores, scores], dim=1)
+            scores, where = scores.topk(min(k, scores.shape[1]), dim=1)
+            rows = torch.cat([best_rows, rows], dim=1).gather(1, where)
+        best_scores, best_rows = scores, rows
+    return best_scores, best_rows
+
+
 def as_matrix(vectors: torch.Tensor, dim: int, what: str = "vectors") -> torch.Tensor:
     """``vectors`` as a float32 (n, dim) tensor, with an error that names the expected shape."""
     vectors = torch.as_tensor(vectors)
@@ -86,6 +113,7 @@ class ExactIndex:
         self.search_fn = search_fn
         self.vectors = torch.empty(0, dim)
         self.ids = torch.empty(0, dtype=torch.int64)
+        self._unit: torch.Tensor | None = None  # the stored vectors normalised, kept for the default search
 
     def __len__(self) -> int:
         return self.vectors.shape[0]
@@ -95,6 +123,7 @@ class ExactIndex:
         vectors = as_matrix(vectors, self.dim)
         self.ids = torch.cat([self.ids, as_ids(ids, len(self), vectors.shape[0])])
         self.vectors = torch.cat([self.vectors, vectors])
+        self._unit = None
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` best stored vectors per query.
@@ -110,7 +139,19 @@ class ExactIndex:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         if len(self) == 0:
             raise ValueError("the index is empty: add vectors before searching")
-        scores, rows = self.search_fn(queries, self.vectors, k)
+        if self.search_fn is top_k_cosine:
+            # The default search: the stored side normalised once, not at every search, then scored
+            # block by block (top_k_unit); queries are checked as top_k_cosine checks them.
+            if queries.dim() not in (1, 2) or queries.shape[-1] != self.dim:
+                top_k_cosine(queries, self.vectors, k)  # raises its error, which names the shapes
+            if self._unit is None:
+                self._unit = torch.nn.functional.normalize(self.vectors, dim=-1)
+            q = torch.nn.functional.normalize(queries.reshape(-1, self.dim).to(self._unit.dtype), dim=-1)
+            scores, rows = top_k_unit(q, self._unit, k)
+            if queries.dim() == 1:
+                scores, rows = scores[0], rows[0]
+        else:
+            scores, rows = self.search_fn(queries, self.vectors, k)
         expected = (min(k, len(self)),) if queries.dim() == 1 else (queries.shape[0], min(k, len(self)))
         if tuple(scores.shape) != expected or tuple(rows.shape) != expected:
             raise ValueError(f"search_fn returned scores {tuple(scores.shape)} and indices {tuple(rows.shape)}; "
@@ -129,7 +170,7 @@ class ExactIndex:
             raise ValueError(f"{path} does not hold an ExactIndex (saved kind: "
                              f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})")
         index = cls(int(state["dim"]), search_fn=search_fn)
-        index.vectors, index.ids = state["vectors"], state["ids"]
+        index.vectors, index.ids, index._unit = state["vectors"], state["ids"], None
         return index
 
     def __repr__(self) -> str:
