@@ -328,10 +328,26 @@ def test_serve_load_benchmark_writes_json(tmp_path):
     result = run_benchmark("serve_load", tmp_path / "serve_load.json")
     runs = result["runs"]
     assert runs["sequential"]["completed"] == result["plan"]["sequential_requests"]
-    assert runs["open_loop"]["completed"] + runs["open_loop"]["disconnected"] == result["plan"]["num_requests"]
-    assert runs["open_loop"]["failed"] == 0 and runs["open_loop"]["disconnected"] >= 1
-    assert runs["sequential"]["leaked_blocks"] == runs["open_loop"]["leaked_blocks"] == 0
+    for name in ("open_loop", "open_loop_after"):  # before and after, on the same trace
+        assert runs[name]["completed"] + runs[name]["disconnected"] == result["plan"]["num_requests"], name
+        assert runs[name]["failed"] == 0 and runs[name]["disconnected"] >= 1, name
+        assert runs[name]["leaked_blocks"] == 0, name
+    assert runs["sequential"]["leaked_blocks"] == 0
     assert result["engine_alive_after"] and result["throughput_vs_sequential"] > 0
+    weights = result["weights"]
+    assert weights["after"]["bytes_per_step"] < weights["before"]["bytes_per_step"] / 3.5  # int8 against fp32
+    assert result["throughput_after_over_before"] == pytest.approx(
+        runs["open_loop_after"]["output_throughput"] / runs["open_loop"]["output_throughput"])
+    for when in ("before", "after"):  # the SLO sweep: the same rates for both engines
+        rows = result["slo_sweep"][when]
+        assert [row["rate"] for row in rows] == result["plan"]["slo_rates"]
+        for row in rows:
+            assert row["completed"] == result["plan"]["slo_requests"] and row["failed"] == 0
+            assert row["within_slo_at_p99"] == (row["p99_ttft_ms"] <= result["slo_ms"]["ttft"]
+                                                and row["p99_tpot_ms"] <= result["slo_ms"]["tpot"])
+        best = result["at_slo"][when]
+        within = [row for row in rows if row["within_slo_at_p99"]]
+        assert best["highest_rate_within_slo"] == (max(row["rate"] for row in within) if within else None)
     assert result["seed"] == 0 and "machine_info" in result
 
 
