@@ -63,9 +63,14 @@ def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int) -> tuple[torch
     if unit.shape[0] <= BLOCK_ROWS:
         return (queries @ unit.T).topk(k, dim=1)
     best_scores = best_rows = None
+    # one buffer for every block's scores: a fresh 16 MB tensor per block would be new pages from
+    # the OS each time, every one of them a page fault on first write
+    buffer = torch.empty(queries.shape[0], BLOCK_ROWS, dtype=torch.result_type(queries, unit))
     for start in range(0, unit.shape[0], BLOCK_ROWS):
         block = unit[start:start + BLOCK_ROWS]
-        scores, rows = (queries @ block.T).topk(min(k, block.shape[0]), dim=1)
+        block_scores = buffer[:, :block.shape[0]]
+        torch.mm(queries, block.T, out=block_scores)
+        scores, rows = block_scores.topk(min(k, block.shape[0]), dim=1)
         rows += start
         if best_scores is not None:
             scores = torch.cat([best_scores, scores], dim=1)
