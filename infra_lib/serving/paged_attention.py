@@ -14,7 +14,6 @@ from typing import Sequence
 
 import torch
 
-from infra_lib.model.attention import repeat_kv
 from infra_lib.serving.block_table import blocks_needed
 
 
@@ -75,17 +74,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(seq_lens) != batch or any(s < t for s in seq_lens):
         raise ValueError(f"seq_lens must give {batch} lengths, each >= t={t} (the new tokens are "
                          f"in the cache), got {seq_lens}")
-    group = n_heads // k_cache.shape[2]
-    k = repeat_kv(gather_kv(k_cache, block_tables, seq_lens), group)  # [batch, n_heads, max_len, hd]
-    v = repeat_kv(gather_kv(v_cache, block_tables, seq_lens), group)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)  # [batch, n_heads, t, max_len]
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    k = gather_kv(k_cache, block_tables, seq_lens)  # [batch, n_kv, max_len, hd]
+    v = gather_kv(v_cache, block_tables, seq_lens)
+    # Grouped-query attention without copying K and V once per query head: the `group` query heads
+    # that share a K/V head (heads h*group .. h*group+group-1, as repeat_kv pairs them) are stacked
+    # as extra query rows of that head, one product per K/V head.
+    q_grouped = q.reshape(batch, n_kv, group * t, head_dim)  # rows: (head in group, query)
+    scores = q_grouped @ k.transpose(-1, -2) / math.sqrt(head_dim)  # [batch, n_kv, group*t, max_len]
     lengths = torch.tensor(seq_lens, device=q.device)
     query_positions = lengths[:, None] - t + torch.arange(t, device=q.device)  # [batch, t]
     key_positions = torch.arange(k.shape[2], device=q.device)
     visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [batch, t, max_len]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return weights @ v
+    scores = scores.view(batch, n_kv, group, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, n_kv, group * t, -1)
+    return (weights @ v).view(batch, n_heads, t, head_dim)
 
 
 def paged_cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache) -> torch.Tensor:
