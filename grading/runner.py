@@ -96,13 +96,11 @@ class _ForkedKernel:
                 return None
         return self.proc if self.proc.is_running() else None  # is_running: never a reused pid
 
-    def processes(self, tree: dict[int, list[int]] | None = None) -> int:
-        """The kernel and its descendants (0 when the kernel is the runner's own child); ``tree``:
-        a ``_process_tree()`` to count them in."""
+    def processes(self, tree: dict[int, list[int]]) -> int:
+        """The kernel and its descendants in ``tree`` (a ``_process_tree()``); 0 when the kernel is
+        the runner's own child."""
         proc = self._find()
-        if proc is None:
-            return 0
-        return 1 + (_count_descendants(tree, proc.pid) if tree is not None else len(_descendants(proc.pid)))
+        return 0 if proc is None else 1 + _count_descendants(tree, proc.pid)
 
     def kill(self) -> None:
         proc = self._find()

@@ -370,24 +370,29 @@ def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
     return vars(args), command[command.index("ipykernel_launcher") + 1:]
 
 
+def _enter_child(request: dict, log_path: Path) -> None:
+    """In a forked child, before it becomes a kernel or a runner: a session of its own, its children's
+    exit codes reported (the template ignores them), stdin closed, stdout and stderr to ``log_path``,
+    the request's folder and exactly its environment."""
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+
+
 def _run_kernel(request: dict) -> None:
     """In the forked child: become the sandboxed kernel. Never returns."""
     code = 1
     try:
         options, kernel_args = _kernel_command(request["cmd"])
-        os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the learner's subprocesses report their exit codes
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
         # A sandboxed kernel logs beside its status file; a plain one in the template's folder.
-        log_path = (Path(options["status"]).with_name("kernel.log") if options else
-                    Path(request["folder"]) / f"kernel-{os.getpid()}.log")
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        _enter_child(request, Path(options["status"]).with_name("kernel.log") if options else
+                     Path(request["folder"]) / f"kernel-{os.getpid()}.log")
         if options is not None:
             from grading.sandbox import apply_limits
 
@@ -415,17 +420,7 @@ def _run_runner(request: dict) -> None:
     """In the forked child: become ``python -m grading.runner ARGV``. Never returns."""
     code = 1
     try:
-        os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the runner waits for the kernels it starts
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        _enter_child(request, Path(request["log"]))  # the runner waits for the kernels it starts
         sys.argv = ["grading.runner", *request["runner"]]
         from grading.runner import _child
 
@@ -448,9 +443,9 @@ def _run_runner(request: dict) -> None:
 def _valid(request: dict) -> None:
     """Refuse a malformed request in the template, before any fork (ValueError, KeyError, TypeError)."""
     if "runner" in request:
-        if not all(isinstance(arg, str) for arg in request["runner"]) or not isinstance(request["env"], dict):
-            raise ValueError("a runner's arguments and environment are strings")
-        str(request["log"]), str(request["exit_file"]), str(request["cwd"])
+        strings = [*request["runner"], request["log"], request["exit_file"], request["cwd"]]
+        if not all(isinstance(value, str) for value in strings) or not isinstance(request["env"], dict):
+            raise ValueError("a runner's arguments, paths and environment are strings")
     else:
         _kernel_command(request["cmd"])
 
