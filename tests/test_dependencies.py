@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
+import subprocess
 import re
 import sys
 import tomllib
@@ -85,9 +87,26 @@ def test_makefile_installs_with_the_constraints_and_reinstalls_when_they_change(
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     stamp_rule = re.search(r"^\$\(STAMP\):(.*)$", makefile, re.M).group(1).split()
     assert {"pyproject.toml", "$(CONSTRAINTS)", "Makefile"} <= set(stamp_rule)
-    installs = [line for line in makefile.splitlines() if line.startswith("\t$(PIP)")]
-    assert installs and all("--constraint" in re.search(r"^PIP :=(.*)$", makefile, re.M).group(1) for _ in installs)
+    for name in ("PIP :=", "INSTALL ="):
+        assert "--constraint $(CONSTRAINTS)" in re.search(rf"^{re.escape(name)}(.*)$", makefile, re.M).group(1)
+    installs = [line for line in makefile.splitlines() if line.startswith(("\t$(PIP)", "\t$(INSTALL)"))]
     assert any('-e ".[test]"' in line for line in installs)
+
+
+def test_make_hands_pips_find_links_to_uv_and_falls_back_to_pip(tmp_path):
+    """uv does not read pip's configuration: the folder of local wheels that pip is pointed at
+    (here PIP_FIND_LINKS) must reach uv's command line, or uv would fetch another torch build."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    env = {**os.environ, "PIP_FIND_LINKS": str(wheels)}
+    out = subprocess.run(["make", "--dry-run", "--always-make", "--no-print-directory", ".venv"],
+                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    course = next(line for line in out.splitlines() if '-e ".[test]"' in line)
+    uv_part, _, pip_part = course.partition("||")
+    assert uv_part.lstrip().startswith(".venv/bin/uv pip install"), course
+    assert f"--find-links {wheels}" in uv_part and "--constraint constraints.txt" in uv_part, course
+    assert "-m pip install" in pip_part and "--constraint constraints.txt" in pip_part, course
+    assert "uv==" in " ".join((REPO / "constraints.txt").read_text().split()), "uv is not pinned"
 
 
 def test_the_environment_holds_bytecode_for_what_the_course_imports():
