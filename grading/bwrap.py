@@ -24,11 +24,14 @@ with it), its own IPC and host name; it dies with the process that started it.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +110,178 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
              # scratch folder is the one place the kernel can write (besides its private /tmp).
              "--remount-ro", "/", "--"]
     return argv
+
+
+# --- a kernel forked warm, moved into a sandbox that bubblewrap built -------------------------------
+#
+# A cold kernel is bubblewrap's command: it pays for importing torch in every sandbox (about 2 s of
+# CPU). A warm one (grading.warm) is forked from the grader's template, which imported torch once
+# and runs outside any sandbox. ``enter`` puts such a fork into exactly the sandbox the cold kernel
+# would have had: bubblewrap builds it as usual (the same command, up to ``--``) around an idle
+# holder process, and the fork joins the holder's namespaces (user where bubblewrap made one, IPC,
+# host name, network, PID and mount), takes its root and working folder, its groups and
+# capabilities and no-new-privileges, then forks once more so that the kernel is born inside the
+# PID namespace. From there the kernel sees what the cold kernel sees: the same view, the same
+# empty network, its namespace's processes only. Modules of the course that the template imported
+# are dropped (the kernel imports them again from its view, where the lab's reference is a stub).
+
+_ARITY = {"--ro-bind": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--setenv": 2, "--hostname": 1,
+          "--proc": 1, "--dev": 1, "--tmpfs": 1, "--chdir": 1, "--unsetenv": 1, "--remount-ro": 1}
+_FLAGS = {"--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+          "--unshare-uts", "--unshare-user"}
+_NAMESPACES = ("user", "ipc", "uts", "net", "pid", "mnt")
+_NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
+_HOLD = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
+_READY_S = 30.0
+
+
+def split_command(command: list[str]) -> tuple[list[str], list[str], dict[str, str | None], str | None]:
+    """(bubblewrap's options, the command it runs, the environment it sets (None: unset), its working
+    folder) for a command ``kernel_prefix`` built; ValueError for anything else."""
+    if not command or Path(command[0]).name != "bwrap" or "--" not in command:
+        raise ValueError(f"not a bubblewrap command: {command[:3]}")
+    split = command.index("--")
+    options, env, chdir, i = command[1:split], {}, None, 0
+    while i < len(options):
+        name = options[i]
+        if name in _FLAGS:
+            i += 1
+            continue
+        if name not in _ARITY:
+            raise ValueError(f"bubblewrap option the warm sandbox does not know: {name}")
+        args = options[i + 1:i + 1 + _ARITY[name]]
+        if len(args) != _ARITY[name]:
+            raise ValueError(f"bubblewrap option {name} lacks its arguments")
+        if name == "--setenv":
+            env[args[0]] = args[1]
+        elif name == "--unsetenv":
+            env[args[0]] = None
+        elif name == "--chdir":
+            chdir = args[0]
+        i += 1 + _ARITY[name]
+    return command[:split], command[split + 1:], env, chdir
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def _read_ready(holder: subprocess.Popen, info_fd: int) -> int:
+    """The holder's pid once bubblewrap has built its sandbox (the holder printed "ready")."""
+    import select
+
+    deadline, info, out = time.monotonic() + _READY_S, b"", b""
+    streams = {info_fd, holder.stdout.fileno()}
+    while b"\n" not in out:
+        left = deadline - time.monotonic()
+        if left <= 0 or holder.poll() is not None:
+            raise OSError(f"bubblewrap did not build the sandbox (exit {holder.poll()})")
+        ready, _, _ = select.select(list(streams), [], [], left)
+        for fd in ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                streams.discard(fd)
+            elif fd == info_fd:
+                info += chunk
+            else:
+                out += chunk
+    child = json.loads(info.decode().split("\n\n")[0] or "{}").get("child-pid")  # the namespace's first process
+    if not isinstance(child, int):
+        raise OSError(f"bubblewrap reported no child pid: {info[:200]!r}")
+    try:  # its child is the holder, the command bubblewrap runs
+        kids = Path(f"/proc/{child}/task/{child}/children").read_text().split()
+    except OSError:
+        kids = []
+    return int(kids[0]) if kids else child
+
+
+def _status_fields(pid: int) -> dict[str, str]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields[name] = value.strip()
+    return fields
+
+
+def _take_credentials(fields: dict[str, str]) -> None:
+    """This process's groups, capability sets and no-new-privileges made the holder's (``fields``,
+    its /proc status), as bubblewrap gave them to the command it runs."""
+    import ctypes
+
+    libc = _libc()
+    groups = [int(g) for g in fields.get("Groups", "").split()]
+    if sorted(os.getgroups()) != sorted(groups):
+        os.setgroups(groups)
+    bounding = int(fields["CapBnd"], 16)
+    for cap in range(64):
+        if not bounding >> cap & 1 and libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            if ctypes.get_errno() == 22:  # EINVAL: past the last capability this kernel knows
+                break
+            _check(-1, f"dropping capability {cap}")
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    eff, prm, inh = (int(fields[k], 16) for k in ("CapEff", "CapPrm", "CapInh"))
+    data = (Data * 2)(Data(eff & 0xFFFFFFFF, prm & 0xFFFFFFFF, inh & 0xFFFFFFFF),
+                      Data(eff >> 32, prm >> 32, inh >> 32))
+    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "setting capabilities")  # v3
+    if fields.get("NoNewPrivs") == "1":
+        _check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
+
+
+def enter(prefix: list[str], log) -> subprocess.Popen:
+    """Build bubblewrap's sandbox from ``prefix`` (``split_command``'s first part) around an idle
+    holder, and move this process, which must be single-threaded (a fork), into it. Returns the
+    holder's bubblewrap: it dies with this process (``--die-with-parent``) and takes the sandbox
+    with it. Children this process forks afterwards are born in the sandbox's PID namespace."""
+    info_read, info_write = os.pipe()
+    holder = subprocess.Popen([*prefix, "--info-fd", str(info_write), "--", *_HOLD], pass_fds=(info_write,),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                              start_new_session=True)  # an interrupt for the kernel never reaches it
+    os.close(info_write)
+    try:
+        pid = _read_ready(holder, info_read)
+    finally:
+        os.close(info_read)
+    fields = _status_fields(pid)
+    libc = _libc()
+    handles = {ns: os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY) for ns in _NAMESPACES}
+    root = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY)
+    cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+    # Without privileges bubblewrap makes a user namespace that owns the others, and may run its
+    # command in a second one nested inside: join the owner first (its capabilities let this process
+    # join the rest), the command's own last.
+    handles["owner"] = fcntl.ioctl(handles["mnt"], _NS_GET_USERNS)
+    ident = lambda st: (st.st_dev, st.st_ino)  # noqa: E731
+    current = {ns: ident(os.stat(f"/proc/self/ns/{ns}")) for ns in _NAMESPACES}  # before /proc changes
+    try:
+        for ns in ("owner", *_NAMESPACES[1:], "user"):
+            kind = "user" if ns == "owner" else ns
+            target = ident(os.fstat(handles[ns]))
+            if current[kind] != target:
+                _check(libc.setns(handles[ns], 0), f"joining the sandbox's {kind} namespace")
+                current[kind] = target
+        os.fchdir(root)
+        os.chroot(".")
+        os.fchdir(cwd)
+    finally:
+        for fd in (*handles.values(), root, cwd):
+            os.close(fd)
+    _take_credentials(fields)
+    return holder

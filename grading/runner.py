@@ -81,6 +81,13 @@ class _CellWatch:
         return self.index_of.get(cell_id), time.time() - stat.st_mtime
 
 
+# Processes of the sandbox itself, not the learner's: (bubblewrap, a kernel forked from the template).
+# Cold: the kernel and its launcher; bubblewrap adds two of its own (its monitor and the namespace's
+# first process). Forked: the fork that runs the kernel, and in bubblewrap also the sandbox's
+# holder (bubblewrap's monitor, the namespace's first process, the idle holder).
+_OVERHEAD = {(False, False): 2, (True, False): 4, (False, True): 2, (True, True): 6}
+
+
 class _ForkedKernel:
     """A kernel forked by the template (grading.warm) is not the runner's descendant: its pid comes
     from the sandbox status file, and its processes count and die with the runner's."""
@@ -205,8 +212,8 @@ def execute(
     kernel_dir = kernel_folder(workdir, limits)
     kernel_dir.mkdir(parents=True, exist_ok=True)
     # Graded kernels fork from the template, torch already imported (grading.warm); one in
-    # bubblewrap starts cold, in a view of its own.
-    template = None if limits.bwrap else warm.template()
+    # bubblewrap is then moved into the sandbox bubblewrap builds for it (grading.bwrap.enter).
+    template = warm.template()
     kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None,
                               scratch=kernel_dir if limits.bwrap else None, hide=hidden)
     command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
@@ -235,14 +242,14 @@ def execute(
         while proc.poll() is None:
             index, running_for = watch.running()
             tree = _process_tree()
-            spawned = _count_descendants(tree, proc.pid) + forked.processes(tree)
+            in_template = forked.processes(tree)
+            spawned = _count_descendants(tree, proc.pid) + in_template
             if time.monotonic() - started > budget:
                 stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
             elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
                 stop, reason, stuck = STOP_TIMEOUT, (
                     f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"), index
-            elif spawned > limits.max_processes + (4 if limits.bwrap else 2):  # + the runner's kernel and its
-                # launcher; bubblewrap adds two of its own (its monitor and the namespace's first process)
+            elif spawned > limits.max_processes + _OVERHEAD[limits.bwrap, bool(in_template)]:
                 stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
             if stop:
                 _kill_tree(proc.pid)

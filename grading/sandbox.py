@@ -78,8 +78,6 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
 
         if scratch is None:
             raise ValueError("a kernel in bubblewrap needs its scratch folder")
-        if warm:
-            raise ValueError("a kernel in bubblewrap starts cold: a template's fork would share its view")
         argv += ["--max-processes", str(limits.max_processes), "--bwrap", "--"]
         argv += bwrap.kernel_prefix(scratch, hide=hide) + kernel
     else:
@@ -180,6 +178,14 @@ def apply_limits(memory_mb: int, file_size_mb: int, no_network: bool) -> dict[st
     return status
 
 
+def bwrap_status() -> dict[str, str]:
+    """What bubblewrap adds to a kernel's sandbox, as its status file says it."""
+    return {"network": "isolated: bubblewrap gives the kernel an empty network namespace",
+            "view": ("bubblewrap: the system, Python, the environment, infra_lib/ and grading/ read-only; "
+                     "one scratch folder writable; solutions/, submissions and grades absent"),
+            "processes ids": "bubblewrap: a PID namespace of its own (it sees and signals only its own processes)"}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m grading.sandbox")
     parser.add_argument("--status", required=True)
@@ -210,10 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_processes:
         status["processes"], status["cgroup"] = limit_processes(args.max_processes)
     if args.bwrap:
-        status["network"] = "isolated: bubblewrap gives the kernel an empty network namespace"
-        status["view"] = ("bubblewrap: the system, Python, the environment, infra_lib/ and grading/ read-only; "
-                          "one scratch folder writable; solutions/, submissions and grades absent")
-        status["processes ids"] = "bubblewrap: a PID namespace of its own (it sees and signals only its own processes)"
+        status.update(bwrap_status())
     Path(args.status).write_text(json.dumps(status), encoding="utf-8")
     os.execv(command[0], command)
 

@@ -32,9 +32,11 @@ environment, with a token, over the template's Unix socket (``INFRA_LAB_WARM_SOC
 (another OS, ``INFRA_LAB_COLD_KERNELS=1``, or a template that failed to start) the kernel
 starts the usual way, through ``grading.sandbox``.
 
-Until the kernel runs in namespaces of its own, a kernel of the same user can read other
-processes' environments; the token keeps out other users, not a hostile kernel of the same
-user, which could ask the template for another kernel under limits of its choosing.
+A kernel outside bubblewrap runs as the grading user and can read other processes'
+environments; the token keeps out other users, not such a kernel, which could ask the template
+for another kernel under limits of its choosing. A kernel in bubblewrap is moved into the sandbox
+bubblewrap builds for it (:func:`grading.bwrap.enter`) before it runs anything: the template's
+socket, its folder and its processes are out of its view.
 """
 
 from __future__ import annotations
@@ -393,7 +395,9 @@ def _run_kernel(request: dict) -> None:
         # A sandboxed kernel logs beside its status file; a plain one in the template's folder.
         _enter_child(request, Path(options["status"]).with_name("kernel.log") if options else
                      Path(request["folder"]) / f"kernel-{os.getpid()}.log")
-        if options is not None:
+        if options is not None and options["bwrap"]:
+            _enter_bwrap(options)  # returns in the kernel, a child born in the sandbox
+        elif options is not None:
             from grading.sandbox import apply_limits
 
             status = apply_limits(options["memory_mb"], options["file_size_mb"], options["no_network"])
@@ -414,6 +418,70 @@ def _run_kernel(request: dict) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _enter_bwrap(options: dict) -> None:
+    """In the forked child, for a kernel in bubblewrap: apply the launcher's limits, write its status
+    (this process's pid: the watchdog counts and kills from here), move into the sandbox bubblewrap
+    builds (grading.bwrap.enter), and fork the kernel inside it. This process stays outside the
+    kernel's PID namespace, ignores interrupts (they are the kernel's), waits for the kernel and exits
+    with its code, taking the sandbox with it. Returns only in the kernel."""
+    from grading import bwrap
+    from grading.sandbox import apply_limits, bwrap_status, limit_processes
+
+    prefix, _, env, chdir = bwrap.split_command(_kernel_command_line(options))
+    status = apply_limits(options["memory_mb"], options["file_size_mb"], False)
+    if options["max_processes"]:
+        status["processes"], status["cgroup"] = limit_processes(options["max_processes"])
+    status.update(bwrap_status())
+    status["pid"] = os.getpid()
+    status["kernel"] = ("forked from the grader's template (torch already imported), then moved into the "
+                        "namespaces bubblewrap built for it")
+    Path(options["status"]).write_text(json.dumps(status), encoding="utf-8")
+    holder = bwrap.enter(prefix, sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    kernel = os.fork()
+    if kernel:
+        holder.stdout.close()
+        while True:
+            try:
+                _, wait_status = os.waitpid(kernel, 0)
+                break
+            except ChildProcessError:
+                os._exit(1)
+            except InterruptedError:
+                continue
+        os._exit(os.waitstatus_to_exitcode(wait_status) & 0xFF)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.closerange(3, 1 << 16)  # nothing of the template's or the holder's
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if chdir:
+        os.chdir(chdir)
+    _forget_course_modules()
+
+
+def _kernel_command_line(options: dict) -> list[str]:
+    command = options["command"]
+    return command[1:] if command[:1] == ["--"] else command
+
+
+def _forget_course_modules() -> None:
+    """Drop the course's modules the template imported, and any source it cached: the kernel imports
+    them again from its own view, where the graded lab's reference is a stub."""
+    import importlib
+    import linecache
+
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if name.split(".")[0] in ("grading", "infra_lib") or (path.startswith(root) and ".venv" not in path):
+            del sys.modules[name]
+    linecache.clearcache()
+    importlib.invalidate_caches()
 
 
 def _run_runner(request: dict) -> None:
@@ -447,7 +515,11 @@ def _valid(request: dict) -> None:
         if not all(isinstance(value, str) for value in strings) or not isinstance(request["env"], dict):
             raise ValueError("a runner's arguments, paths and environment are strings")
     else:
-        _kernel_command(request["cmd"])
+        options, _ = _kernel_command(request["cmd"])
+        if options is not None and options["bwrap"]:
+            from grading import bwrap
+
+            bwrap.split_command(_kernel_command_line(options))
 
 
 def _reseed() -> None:

@@ -14,6 +14,7 @@ import nbformat
 import pytest
 
 from conftest import REPO
+from grading import warm
 from grading.runner import execute
 from grading.sandbox import Limits
 
@@ -22,6 +23,7 @@ import json, os, socket, threading
 from pathlib import Path
 
 REPO, OUTSIDE, GRADER_PID, PORT = {repo!r}, {outside!r}, {grader_pid}, {port}
+TEMPLATE, OUTSIDE_ROOT = {template!r}, os.path.dirname(OUTSIDE)
 seen = {{}}
 seen["solutions"] = os.path.exists(os.path.join(REPO, "solutions"))
 seen["other learner"] = os.path.exists(os.path.join(OUTSIDE, "submissions", "bob", "lab01_gemm.ipynb"))
@@ -54,6 +56,14 @@ try:
 except ProcessLookupError:
     seen["grader's process"] = False
 seen["processes"] = len([p for p in os.listdir("/proc") if p.isdigit()])
+seen["template"] = any(os.path.exists(path) for path in TEMPLATE)
+seen["course modules"] = sorted(m for m in __import__("sys").modules if m.split(".")[0] in ("grading", "infra_lib"))
+status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+seen["identity"] = {{**{{k: status[k].split() for k in ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd",
+                                                   "CapAmb", "NoNewPrivs", "Seccomp")}},
+                    "host": socket.gethostname(), "root": sorted(os.listdir("/")),
+                    "mounts": sorted(line.split()[4].replace(OUTSIDE_ROOT, "<tmp>") + " " + line.split(" - ")[1].split()[0]
+                                     for line in Path("/proc/self/mountinfo").read_text().splitlines())}}
 release, started = threading.Event(), 0
 try:
     for _ in range(2000):
@@ -67,7 +77,10 @@ print("PROBE " + json.dumps({{"seen": seen, "wrote": wrote}}))
 '''
 
 
-def _probe(tmp_path: Path, limits: Limits) -> dict:
+def _probe(tmp_path: Path, limits: Limits, template: Path | None = None) -> dict:
+    """Run PROBE in a kernel the grader starts under ``limits``; ``template``: the socket of the
+    grader's warm template, which the kernel must not see (nor its folder)."""
+    template = [str(template), str(template.parent)] if template else []
     outside = tmp_path / "outside"
     (outside / "submissions" / "bob").mkdir(parents=True)
     (outside / "submissions" / "bob" / "lab01_gemm.ipynb").write_text("{}")
@@ -77,7 +90,7 @@ def _probe(tmp_path: Path, limits: Limits) -> dict:
         server.listen()
         nb = nbformat.v4.new_notebook()
         nb.cells.append(nbformat.v4.new_code_cell(PROBE.format(repo=str(REPO), outside=str(outside),
-                                                               grader_pid=os.getpid(),
+                                                               grader_pid=os.getpid(), template=template,
                                                                port=server.getsockname()[1])))
         work = tmp_path / "work"
         work.mkdir()
@@ -88,8 +101,7 @@ def _probe(tmp_path: Path, limits: Limits) -> dict:
     return {**json.loads(text.split("PROBE ", 1)[1]), "sandbox": run.sandbox, "work": work}
 
 
-def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path):
-    found = _probe(tmp_path, Limits(bwrap=True, max_processes=8))
+def _assert_confined(found: dict, tmp_path: Path) -> None:
     seen, wrote = found["seen"], found["wrote"]
     assert not seen["solutions"], "the answer key is visible to the graded kernel"
     assert not seen["other learner"] and not seen["grades"], "other learners' work or the grades are visible"
@@ -109,7 +121,25 @@ def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path):
     assert not (tmp_path / "outside" / "_probe").exists()
     assert not seen["grader's server"], "the kernel reached a server on the grader's loopback"
     assert not seen["grader's process"] and seen["processes"] <= 4, "the kernel sees the grader's processes"
+    assert not seen["template"], "the kernel can reach the grader's template"
     assert found["sandbox"]["view"].startswith("bubblewrap") and "bubblewrap" in found["sandbox"]["network"]
+
+
+def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path, monkeypatch):
+    """The kernel forked from the grader's template (torch imported) and moved into bubblewrap's
+    sandbox is confined exactly as one bubblewrap starts cold: same view and mounts, host name,
+    user, groups, capabilities and no-new-privileges, and none of the course modules the template
+    had imported (the kernel imports them again from its view, where a lab's reference is a stub)."""
+    socket_path = warm.template().socket_path
+    warm_found = _probe(tmp_path / "warm", Limits(bwrap=True, max_processes=8), socket_path)
+    assert "forked from the grader's template" in warm_found["sandbox"]["kernel"], warm_found["sandbox"]
+    assert "grading.runner" not in warm_found["seen"]["course modules"], warm_found["seen"]["course modules"]
+    _assert_confined(warm_found, tmp_path / "warm")
+    monkeypatch.setenv(warm.COLD_ENV, "1")
+    cold_found = _probe(tmp_path / "cold", Limits(bwrap=True, max_processes=8), socket_path)
+    assert "kernel" not in cold_found["sandbox"], cold_found["sandbox"]
+    _assert_confined(cold_found, tmp_path / "cold")
+    assert warm_found["seen"]["identity"] == cold_found["seen"]["identity"]
 
 
 def test_the_os_caps_a_sandboxed_kernels_tasks(tmp_path):
