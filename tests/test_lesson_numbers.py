@@ -39,3 +39,20 @@ def test_chapter_07_offload_size_is_llama3_8bs_kv_cache():
     per_token = model_kv_bytes_per_token(MODELS["Llama-3-8B"], "bf16")
     assert per_token == 128 * 2**10
     assert f"a 2,000-token sequence is {2000 * per_token / 2**20:.0f} MiB each way" in _markdown("07")
+
+
+def test_chapter_00_draws_the_lessons_stack_and_the_chapters_use_its_numbering():
+    """The L0.1 lesson's seven layers, with its names, are chapter 00's second map, and every
+    chapter's header names its layer in that numbering."""
+    stack = _markdown("00")
+    for layer in ("L0/L1 hardware", "L2 data and operators", "L3 training", "L4 inference and serving",
+                  "L5 MLOps/LLMOps", "L6 application architecture"):
+        assert f"**{layer}**" in stack, layer
+    names = {"L0/L1": "hardware", "L2": "data and operators", "L3": "training", "L4": "inference and serving",
+             "L5": "MLOps/LLMOps", "L6": "application architecture"}
+    for path in sorted((REPO / "notebooks").glob("[01][0-9]_*.ipynb"))[1:]:
+        header = nbformat.read(path, as_version=4).cells[0].source.splitlines()[2]
+        assert header.startswith("*Layer"), (path.name, header)
+        layers = re.findall(r"L[0-6](?:/L1)?", header.split("·")[0])
+        assert layers and all(name in header for name in (names.get(layer, "") for layer in layers[:1])), \
+            (path.name, header)
