@@ -327,11 +327,12 @@ class CanaryRouter:
             # Production's baseline: its latest requests of the rollout (at 100% the step has none of its own).
             baseline = [s for s in rollout.served if s.version == rollout.production][-rollout.policy.baseline:]
             verdict, why = rollout.policy.judge(ours, baseline)
-            rollout.decisions.append({"time": time.time(), "step": rollout.step, "share": rollout.share,
+            share = rollout.share
+            rollout.decisions.append({"time": time.time(), "step": rollout.step, "share": share,
                                       "verdict": verdict, "why": why})
             if verdict == "rollback":
                 rollout.outcome = "rolled back"
-                self.registry.roll_back(rollout.candidate, f"canary at {rollout.share:.0%}: {why}")
+                self.registry.roll_back(rollout.candidate, f"canary at {share:.0%}: {why}")
             elif rollout.step + 1 < len(rollout.policy.shares):
                 rollout.step += 1
             else:
