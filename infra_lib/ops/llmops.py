@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from starlette.requests import Request  # at module level: the routes' annotations are resolved here
+from fastapi import Request  # at module level: the routes' annotations are resolved here
 
 STAGES = ("candidate", "production", "previous", "rejected", "rolled back")
 
