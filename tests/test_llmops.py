@@ -47,11 +47,15 @@ def test_the_registry_keeps_stages_and_reasons_in_one_file(tmp_path):
 
 
 def test_the_policy_rolls_back_on_errors_or_a_slow_p99_only():
-    policy = RolloutPolicy(window=4, max_error_rate=0.2, max_p99_ratio=2.0)
+    policy = RolloutPolicy(window=4, max_error_rate=0.2, max_p99_ratio=2.0, max_p99_added_s=1.0)
     fast = [Served("p", 0, 0.2, True, 0, 0.1) for _ in range(4)]
     assert policy.judge([Served("c", 0, 0.25, True, 0, 0.1)] * 4, fast)[0] == "advance"
     verdict, why = policy.judge([Served("c", 0, 0.9, True, 0, 0.1)] * 4, fast)
     assert verdict == "rollback" and "P99 latency 900 ms" in why
+    # Under load production is slow too: a fixed added second still rolls back, a ratio of 1.5 does not.
+    loaded = [Served("p", 0, 2.0, True, 0, 0.1) for _ in range(4)]
+    assert policy.judge([Served("c", 0, 3.2, True, 0, 0.1)] * 4, loaded)[0] == "rollback"
+    assert policy.judge([Served("c", 0, 2.9, True, 0, 0.1)] * 4, loaded)[0] == "advance"
     failing = [Served("c", 0, 0.2, i > 1, 0, 0.1) for i in range(4)]
     assert policy.judge(failing, fast) == ("rollback", "error rate 50% above 20%")
 
@@ -90,7 +94,7 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
     assert cards["smollm2:int8"].weight_mb < cards["smollm2:fp32"].weight_mb
 
     prompts = [f"Name one use of a KV cache, in {n} words." for n in range(3, 27)]
-    policy = RolloutPolicy(shares=(0.25, 1.0), window=4, max_error_rate=0.1, max_p99_ratio=3.0)
+    policy = RolloutPolicy(shares=(0.25, 1.0), window=4, max_error_rate=0.1, max_p99_ratio=5.0, max_p99_added_s=2.0)
 
     def serve(m, delay=0.0):
         engine = build_engine(m, tokenizer, max_num_seqs=4, kv_blocks=128)
@@ -107,7 +111,7 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
         with ServerThread(router.app()) as front:
             result = run_load(front.url, prompts, model="smollm2", max_concurrency=4, max_tokens=2, progress=False)
         assert all(t.success for t in result.timings), [t.error for t in result.timings if not t.success]
-        assert router.rollout.outcome == "promoted", router.rollout.decisions
+        assert router.rollout.outcome == "promoted", [d["why"] for d in router.rollout.decisions]
         assert registry.production == "smollm2:int8" and registry.stage("smollm2:fp32") == "previous"
         served = [s.version for s in router.rollout.served]
         assert 0 < served.count("smollm2:fp32") < len(served)
@@ -115,7 +119,7 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
         # A version as good on the gate's measures but slow to answer (a slow dependency in front of
         # its engine): the canary sees its P99 and rolls it back at the first step.
         registry.register(VersionCard(**{**cards["smollm2:int8"].__dict__, "name": "smollm2:int8-slow"}))
-        slow_server = serve(int8, delay=4.0)
+        slow_server = serve(int8, delay=6.0)
         try:
             router = CanaryRouter({"smollm2:int8": int8_server.url, "smollm2:int8-slow": slow_server.url}, registry,
                                   "smollm2:int8-slow", policy, seed=2)

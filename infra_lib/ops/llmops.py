@@ -219,7 +219,11 @@ class RolloutPolicy:
         shares: the candidate's share of the traffic at each step, ending at 1.0.
         window: requests the candidate must have served at a step before the step is judged.
         max_error_rate: the candidate's share of failed requests that rolls it back.
-        max_p99_ratio: the candidate's P99 latency over production's that rolls it back.
+        max_p99_ratio / max_p99_added_s: the candidate's P99 latency rolls it back once it is more
+            than ``max_p99_ratio`` times production's or more than ``max_p99_added_s`` above it,
+            whichever comes first: a ratio alone would forgive a fixed added delay whenever load
+            slows production too, an addition alone would forgive a version twice as slow on a
+            fast server.
         min_p99_s: below this P99 latency a ratio is noise, never a reason to roll back.
         baseline: production's latest requests in the rollout that its P99 is taken over.
     """
@@ -228,6 +232,7 @@ class RolloutPolicy:
     window: int = 10
     max_error_rate: float = 0.1
     max_p99_ratio: float = 2.0
+    max_p99_added_s: float = 1.0
     min_p99_s: float = 0.05
     baseline: int = 50
 
@@ -238,8 +243,9 @@ class RolloutPolicy:
             return "rollback", f"error rate {errors:.0%} above {self.max_error_rate:.0%}"
         ours = p99([s.latency_s for s in candidate if s.ok])
         theirs = p99([s.latency_s for s in production if s.ok])
-        if ours > self.min_p99_s and theirs > 0 and ours > self.max_p99_ratio * theirs:
-            return "rollback", f"P99 latency {ours * 1000:.0f} ms, {ours / theirs:.1f}x production's {theirs * 1000:.0f} ms"
+        if ours > self.min_p99_s and theirs > 0 and ours > min(self.max_p99_ratio * theirs, theirs + self.max_p99_added_s):
+            return "rollback", (f"P99 latency {ours * 1000:.0f} ms, {ours / theirs:.1f}x production's {theirs * 1000:.0f} ms "
+                                f"({(ours - theirs) * 1000:.0f} ms more)")
         return "advance", (f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms against production's "
                            f"{theirs * 1000:.0f} ms" if theirs else f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms")
 
