@@ -19,7 +19,6 @@ steps, each of which can stop it:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import random
@@ -375,16 +374,18 @@ class CanaryRouter:
                                     status_code=502)
 
             async def relay():
-                ok = response.status_code == 200
+                # Served well: a 200 whose body reached its end, or a stream that reached "data: [DONE]"
+                # (a client may hang up as soon as it reads that line, before the upstream's body ends).
+                ok, finished, tail = response.status_code == 200, False, b""
                 try:
                     async for chunk in response.aiter_raw():
+                        tail = (tail + chunk)[-64:]
+                        finished = finished or b"data: [DONE]" in tail
                         yield chunk
-                except (httpx.HTTPError, asyncio.CancelledError):
-                    ok = False
-                    raise
+                    finished = True
                 finally:
                     await response.aclose()
-                    self._record(Served(version, started, time.perf_counter() - started, ok, step, share))
+                    self._record(Served(version, started, time.perf_counter() - started, ok and finished, step, share))
 
             return StreamingResponse(relay(), status_code=response.status_code,
                                      media_type=response.headers.get("content-type"),
