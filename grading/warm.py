@@ -366,7 +366,7 @@ def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
             raise ValueError(f"not an ipykernel command: {cmd}")
         return None, cmd[3:]
     args = parse_launcher(cmd[cmd.index("grading.sandbox") + 1:])
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = _kernel_command_line(vars(args))
     if "ipykernel_launcher" not in command:
         raise ValueError(f"not an ipykernel command: {command}")
     return vars(args), command[command.index("ipykernel_launcher") + 1:]
@@ -443,14 +443,10 @@ def _enter_bwrap(options: dict) -> None:
     kernel = os.fork()
     if kernel:
         holder.stdout.close()
-        while True:
-            try:
-                _, wait_status = os.waitpid(kernel, 0)
-                break
-            except ChildProcessError:
-                os._exit(1)
-            except InterruptedError:
-                continue
+        try:
+            _, wait_status = os.waitpid(kernel, 0)  # Python retries it after a signal (PEP 475)
+        except ChildProcessError:
+            os._exit(1)
         os._exit(os.waitstatus_to_exitcode(wait_status) & 0xFF)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.closerange(3, 1 << 16)  # nothing of the template's or the holder's
