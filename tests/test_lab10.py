@@ -20,8 +20,10 @@ SOLUTION = REPO / "solutions" / "lab10_serving_metrics" / "lab10_serving_metrics
 def solution() -> dict:
     """The instructor's answers, run as the notebook runs them (setup first, then every answer cell)."""
     from infra_lib.ops.latency import RequestTiming
+    from infra_lib.ops.llmops import RolloutPolicy, Served, VersionCard
 
-    return solution_namespace(SOLUTION, RequestTiming=RequestTiming)
+    return solution_namespace(SOLUTION, RequestTiming=RequestTiming, RolloutPolicy=RolloutPolicy, Served=Served,
+                              VersionCard=VersionCard)
 
 
 _fails = check_fails
@@ -172,3 +174,114 @@ def test_numpy_percentile_is_numpys_not_the_reference_but_infra_lib_aliases_are(
     assert tamper.scan(source, modules, names) == []
     aliased = "import infra_lib.ops.latency as L\n\ndef percentile(values, p):\n    return L.percentile(values, p)\n"
     assert {f.kind for f in tamper.scan(aliased, modules, names)} == {tamper.SHORTCUT}
+
+# --- tasks 8 and 9: the release rules ----------------------------------------------------------------
+
+def _gate(*, absolute=False, strict=False, finite=True, scores=("perplexity", "evidence_nll")):
+    """passes_gate as a learner might write it, with one mistake switched on."""
+    def passes_gate(candidate, current, tolerance=0.05):
+        for key in scores:
+            ours, theirs = getattr(candidate, key), getattr(current, key)
+            limit = theirs + tolerance if absolute else theirs * (1 + tolerance)
+            if ours > limit if not strict else ours >= limit:
+                return False
+            if finite and not math.isfinite(ours):
+                return False
+        return True
+
+    return passes_gate
+
+
+def test_task8_the_solution_passes_and_the_classic_gate_mistakes_are_named(solution):
+    check("lab10.passes_gate", solution["passes_gate"])
+    check("lab10.gate_edges", solution["passes_gate"])
+    check("lab10.gate_edges", _gate())
+    text = _fails("lab10.passes_gate", _gate(absolute=True))
+    assert "passes_gate gave the wrong verdict" in text and "the tolerance is relative" in text
+    assert "candidate perplexity" in text and "tolerance 0." in text and "hint:" in text
+    assert "a score exactly on its limit passes" in _fails("lab10.gate_edges", _gate(strict=True))
+    assert "nan compares False with everything" in _fails("lab10.gate_edges", _gate(finite=False))
+    assert "you judged perplexity only" in _fails("lab10.passes_gate", _gate(scores=("perplexity",)))
+    assert "must return a bool" in _fails("lab10.passes_gate", lambda c, p, t=0.05: int(_gate()(c, p, t)))
+
+
+def _verdict(solution, *, at_least=False, with_failed=False, floor=True, rule=None, use_max=False, defaults=False):
+    """canary_verdict as a learner might write it, with one mistake switched on."""
+    percentile = solution["percentile"]
+
+    def canary_verdict(candidate, production, policy):
+        from infra_lib.ops.llmops import RolloutPolicy
+
+        if defaults:
+            policy = RolloutPolicy()
+        errors = sum(not s.ok for s in candidate) / len(candidate)
+        if errors >= policy.max_error_rate if at_least else errors > policy.max_error_rate:
+            return "rollback"
+
+        def p99(served):
+            values = [s.latency_s for s in served if s.ok or with_failed]
+            return (max(values) if use_max else percentile(values, 99)) if values else 0.0
+
+        ours, theirs = p99(candidate), p99(production)
+        limits = {"ratio": policy.max_p99_ratio * theirs, "added": theirs + policy.max_p99_added_s}
+        limit = limits[rule] if rule else min(limits.values())
+        if (ours > policy.min_p99_s or not floor) and theirs > 0 and ours > limit:
+            return "rollback"
+        return "advance"
+
+    return canary_verdict
+
+
+def test_task9_the_solution_passes_every_check_and_the_rollouts_match(solution):
+    for check_id in ("lab10.canary_verdict", "lab10.canary_edges", "lab10.canary_rollouts"):
+        check(check_id, solution["canary_verdict"])
+        check(check_id, _verdict(solution))
+
+
+@pytest.mark.parametrize("mistake, check_id, says", [
+    ({"at_least": True}, "lab10.canary_edges", "(>, not >=)"),
+    ({"with_failed": True}, "lab10.canary_edges", "the P99s are over successful requests only"),
+    ({"floor": False}, "lab10.canary_edges", "below min_p99_s a latency is never a reason"),
+    ({"rule": "ratio"}, "lab10.canary_verdict", "you applied the ratio rule only"),
+    ({"rule": "added"}, "lab10.canary_verdict", "you applied the added-seconds rule only"),
+    ({"use_max": True}, "lab10.canary_edges", "not the maximum"),
+    ({"defaults": True}, "lab10.canary_verdict", "Every threshold comes from the policy"),
+])
+def test_task9_classic_canary_mistakes_fail_with_their_reason(solution, mistake, check_id, says):
+    text = _fails(check_id, _verdict(solution, **mistake))
+    assert "canary_verdict gave the wrong verdict" in text and "candidate requests" in text
+    assert says in text
+
+
+def test_task9_a_wrong_verdict_changes_a_whole_rollout():
+    text = _fails("lab10.canary_rollouts", lambda candidate, production, policy: "advance")
+    assert "ended differently from the reference's" in text and "expected rolled back" in text
+
+
+def test_a_rollout_judge_plugs_into_the_router_code_and_must_answer_a_verdict():
+    from infra_lib.ops.llmops import BEHAVIOURS, simulate_rollout
+
+    for behaviour in BEHAVIOURS:
+        reference = simulate_rollout(behaviour, seed=3)
+        mine = simulate_rollout(behaviour, seed=3, judge=lambda c, p, policy: policy.judge(c, p)[0])
+        assert (mine.outcome, len(mine.served)) == (reference.outcome, len(reference.served))
+        assert [d["verdict"] for d in mine.decisions] == [d["verdict"] for d in reference.decisions]
+    assert simulate_rollout("faster", seed=0).outcome == "promoted"
+    assert simulate_rollout("slow", seed=0).outcome == "rolled back"
+    with pytest.raises(ValueError, match="'rollback' or 'advance'"):
+        simulate_rollout("same", judge=lambda c, p, policy: True)
+    with pytest.raises(ValueError, match="unknown behaviour"):
+        simulate_rollout("fast")
+
+
+def test_a_release_answer_that_calls_the_reference_is_a_shortcut(tmp_path, monkeypatch):
+    from infra_lib.ops.llmops import gate
+
+    record = tmp_path / "answers.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record))
+    monkeypatch.setenv(SEED_ENV, "5")
+    check("lab10.canary_verdict", lambda candidate, production, policy: policy.judge(candidate, production)[0])
+    check("lab10.passes_gate", lambda c, current, t=0.05: gate(c, current, perplexity_tolerance=t,
+                                                                 evidence_tolerance=t).passed)
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [row["kind"] for row in rows] == ["reference shortcut", "reference shortcut"]

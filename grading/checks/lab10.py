@@ -24,14 +24,25 @@ _DIAGNOSE = "infra_lib.ops.diagnose"
 
 register_shortcuts("lab10", [f"{_LATENCY}:{name}" for name in
                              ("ttft", "e2el", "tpot", "itl", "percentile", "meets_slo", "goodput", "summarize")]
-                   + [f"{_DIAGNOSE}:diagnose", f"{_DIAGNOSE}:p99_latency_ms"])
+                   + [f"{_DIAGNOSE}:diagnose", f"{_DIAGNOSE}:p99_latency_ms"]
+                   + ["infra_lib.ops.llmops:gate", "infra_lib.ops.llmops:p99", "grading.checks.lab10:reference_judge"])
+
+
+def __getattr__(name: str):
+    # The canary policy's verdict is a method; the shortcut registry names it through this alias.
+    if name == "reference_judge":
+        from infra_lib.ops.llmops import RolloutPolicy
+
+        return RolloutPolicy.judge
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 FAULTS = ("healthy", "slow_dependency", "kv_pressure", "head_of_line", "overload")  # as infra_lib.ops.diagnose
 _KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 _TASKS = {"ttft": "lab10 task 1: ttft", "e2el": "lab10 task 1: e2el", "tpot": "lab10 task 2: tpot",
           "itl": "lab10 task 3: itl", "percentile": "lab10 task 4: percentile",
           "latency_percentiles": "lab10 task 5: latency_percentiles", "goodput": "lab10 task 6: goodput",
-          "diagnose": "lab10 task 7: diagnose"}
+          "diagnose": "lab10 task 7: diagnose", "passes_gate": "lab10 task 8: passes_gate",
+          "canary_verdict": "lab10 task 9: canary_verdict"}
 _NAN = float("nan")
 
 
@@ -777,3 +788,377 @@ register(Check(check_id="lab10.diagnose_thresholds", task=_TASKS["diagnose"], re
 register(Check(check_id="lab10.diagnose_more_scenarios", task=_TASKS["diagnose"],
                reference=lambda: reference_diagnose, make_inputs=_more_scenarios, drive=_drive_diagnose,
                compare=_compare_diagnose, hint=_DIAGNOSE_HINT + " More seeds of every scenario."))
+
+
+# --- task 8: the evaluation gate ----------------------------------------------------------------------
+
+_SCORES = ("perplexity", "evidence_nll")
+
+
+def reference_passes_gate(candidate, current, tolerance: float = 0.05) -> bool:
+    """The reference's answer to task 8: whether ``gate`` lets the candidate serve."""
+    from infra_lib.ops.llmops import gate
+
+    return gate(candidate, current, perplexity_tolerance=tolerance, evidence_tolerance=tolerance).passed
+
+
+def _card(name: str, scores: dict):
+    from infra_lib.ops.llmops import VersionCard
+
+    return VersionCard(name=name, weights="int8 g64" if name != "production" else "fp32",
+                       perplexity=scores["perplexity"], evidence_nll=scores["evidence_nll"],
+                       tokens_per_s=scores.get("tokens_per_s", 20.0), weight_mb=scores.get("weight_mb", 540.0))
+
+
+def _gate_case(label: str, current: tuple[float, float], candidate: tuple[float, float], tolerance: float) -> dict:
+    return {"label": label, "current": dict(zip(_SCORES, current)), "candidate": dict(zip(_SCORES, candidate)),
+            "tolerance": tolerance}
+
+
+def _gate_cases(rng: random.Random) -> list[dict]:
+    """Cards like chapter 11's (perplexity near 16, evidence NLL near 2), each score placed relative to
+    its limit. Binary-exact values (whole numbers of 1/64), so a score placed on its limit is on it."""
+    def near(base: float) -> float:
+        return base + rng.randint(-16, 16) / 64
+
+    cases = []
+    for tolerance in (0.0625, 0.125):
+        ppl, nll = near(16.0), near(2.0)
+        lim_p, lim_n = ppl * (1 + tolerance), nll * (1 + tolerance)
+        cases += [
+            _gate_case("a candidate better on both scores", (ppl, nll), (ppl - 1, nll - 0.25), tolerance),
+            _gate_case("a candidate a little worse on both, within the tolerance", (ppl, nll),
+                       (ppl + (lim_p - ppl) / 2, nll + (lim_n - nll) / 2), tolerance),
+            _gate_case("a candidate past the limit on perplexity only", (ppl, nll), (lim_p + 0.25, nll), tolerance),
+            _gate_case("a candidate past the limit on the evidence score only", (ppl, nll), (ppl, lim_n + 0.125),
+                       tolerance),
+            _gate_case("a broken candidate (rows shuffled: perplexity in the thousands)", (ppl, nll),
+                       (rng.randint(2000, 9000) + 0.5, nll * 3), tolerance),
+        ]
+    rng.shuffle(cases)
+    return cases
+
+
+def _gate_edges(rng: random.Random) -> list[dict]:
+    ppl, nll = 16.0 + rng.randint(-8, 8) / 8, 2.0 + rng.randint(-8, 8) / 32
+    t = 0.0625
+    cases = [
+        _gate_case("a candidate exactly on both limits", (ppl, nll), (ppl * (1 + t), nll * (1 + t)), t),
+        _gate_case("a candidate exactly on the perplexity limit, better on evidence", (ppl, nll),
+                   (ppl * (1 + t), nll - 0.5), t),
+        _gate_case("a candidate whose perplexity is nan (its evaluation diverged)", (ppl, nll), (_NAN, nll), t),
+        _gate_case("a candidate whose evidence score is nan", (ppl, nll), (ppl, _NAN), t),
+        _gate_case("a candidate whose perplexity is infinite", (ppl, nll), (float("inf"), nll), t),
+        _gate_case("a tolerance of zero and an identical candidate", (ppl, nll), (ppl, nll), 0.0),
+        _gate_case("a tolerance of zero and a candidate worse by 1/64", (ppl, nll), (ppl + 1 / 64, nll), 0.0),
+        _gate_case("a large tolerance (1.0: twice as bad still passes)", (ppl, nll), (2 * ppl, 2 * nll - 0.25), 1.0),
+        _gate_case("a large tolerance and a candidate just past twice the perplexity", (ppl, nll),
+                   (2 * ppl + 0.25, nll), 1.0),
+        _gate_case("an absolute gap of 0.5 that is within a relative tolerance of 0.0625 at perplexity 16",
+                   (16.0, 2.0), (16.5, 2.0), t),
+        _gate_case("a gap of 0.0625 in evidence NLL that is past a relative tolerance of 0.0625 at 0.5",
+                   (16.0, 0.5), (16.0, 0.5625), t),
+    ]
+    rng.shuffle(cases)
+    return cases
+
+
+def _drive_gate(fn, cases: list[dict]) -> list:
+    return [outcome(fn, _card("candidate", case["candidate"]), _card("production", case["current"]),
+                    case["tolerance"]) for case in cases]
+
+
+def _describe_gate(case: dict) -> str:
+    c, p = case["candidate"], case["current"]
+    return (f"{case['label']}: candidate perplexity {_fmt(c['perplexity'])}, evidence_nll {_fmt(c['evidence_nll'])}; "
+            f"current perplexity {_fmt(p['perplexity'])}, evidence_nll {_fmt(p['evidence_nll'])}; "
+            f"tolerance {case['tolerance']}")
+
+
+def _variant_gate(case: dict, *, absolute=False, strict=False, nan_passes=False, only=None, higher=False) -> bool:
+    """The gate with one common mistake, for the message."""
+    t = case["tolerance"]
+    for key in _SCORES if only is None else (only,):
+        ours, theirs = case["candidate"][key], case["current"][key]
+        if higher:
+            ok = ours >= theirs * (1 - t)
+        else:
+            limit = theirs + t if absolute else theirs * (1 + t)
+            ok = ours < limit if strict else ours <= limit
+        if nan_passes:
+            ok = ok or math.isnan(ours)
+        if not ok:
+            return False
+    return True
+
+
+def _gate_problem(case: dict, got, want):
+    if type(got) is not bool:
+        return "passes_gate must return a bool (True or False)", f"got {got!r:.60}"
+    if got == want:
+        return None
+    mistakes = {
+        "the tolerance is relative: a fraction of the current version's score, not an amount added to it":
+            {"absolute": True},
+        "a score exactly on its limit passes (<=, not <)": {"strict": True},
+        "a score that is nan must fail: nan compares False with everything, so a test such as score > limit lets "
+        "it through": {"nan_passes": True},
+        "you judged perplexity only: the evidence score must be within the tolerance too": {"only": "perplexity"},
+        "you judged the evidence score only: perplexity must be within the tolerance too": {"only": "evidence_nll"},
+        "both scores are better when lower (a negative log-likelihood and its exponential)": {"higher": True},
+    }
+    fits = [why for why, flags in mistakes.items() if _variant_gate(case, **flags) == got]
+    note = "; " + "; or ".join(fits) if fits else ""
+    verdict = {True: "pass", False: "fail"}
+    return "passes_gate gave the wrong verdict", f"expected the candidate to {verdict[want]}, it would {verdict[got]}{note}"
+
+
+def _compare_gate(got, expected, cases):
+    return _compare_results("passes_gate", got, expected, cases, _describe_gate, _gate_problem)
+
+
+_GATE_HINT = ("a candidate passes when each of its two scores, perplexity and evidence_nll (both lower is better), is a "
+              "number no larger than the current version's times (1 + tolerance); a score on its limit passes, and "
+              "a nan or infinite score fails whatever the comparison says. "
+              "chapter 11, section “7 · LLMOps: a registry, an evaluation gate, a canary, a rollback”.")
+
+register(Check(check_id="lab10.passes_gate", task=_TASKS["passes_gate"],
+               reference=lambda: reference_passes_gate, make_inputs=_gate_cases, drive=_drive_gate,
+               compare=_compare_gate, hint=_GATE_HINT))
+register(Check(check_id="lab10.gate_edges", task=_TASKS["passes_gate"],
+               reference=lambda: reference_passes_gate, make_inputs=_gate_edges, drive=_drive_gate,
+               compare=_compare_gate,
+               hint=_GATE_HINT + " Scores exactly on their limits, nan and infinite scores, tolerances of 0 and 1."))
+
+
+# --- task 9: the canary's verdict ---------------------------------------------------------------------
+
+def reference_canary_verdict(candidate, production, policy) -> str:
+    """The reference's answer to task 9: the verdict of ``RolloutPolicy.judge``."""
+    from infra_lib.ops.llmops import RolloutPolicy
+
+    return RolloutPolicy.judge(policy, candidate, production)[0]
+
+
+_POLICY = {"window": 10, "max_error_rate": 0.1, "max_p99_ratio": 2.0, "max_p99_added_s": 1.0, "min_p99_s": 0.05}
+
+
+def _served(version: str, requests: list[list]):
+    from infra_lib.ops.llmops import Served
+
+    return [Served(version, float(i), latency, ok, 0, 0.1) for i, (latency, ok) in enumerate(requests)]
+
+
+def _policy(d: dict):
+    from infra_lib.ops.llmops import RolloutPolicy
+
+    return RolloutPolicy(shares=(0.1, 0.5, 1.0), baseline=50, **d)
+
+
+def _lognormal(rng: random.Random, n: int, median: float, delay: float = 0.0, errors: int = 0) -> list[list]:
+    """``n`` requests: latencies in whole milliseconds, ``errors`` of them failed (at random places)."""
+    failed = set(rng.sample(range(n), errors))
+    return [[round(median * math.exp(rng.gauss(0, 0.35)) + delay, 3), i not in failed] for i in range(n)]
+
+
+def _canary_case(label: str, candidate: list[list], production: list[list], **policy) -> dict:
+    return {"label": label, "candidate": candidate, "production": production, "policy": {**_POLICY, **policy}}
+
+
+def _drawn(rng: random.Random, want: str, label: str, candidate, production: list[list], also=None,
+           **policy) -> dict:
+    """A case whose candidate requests are drawn by ``candidate(rng)`` until the rules give ``want`` (and
+    ``also(case)`` holds), so that the label stays true for every seed."""
+    while True:
+        case = _canary_case(label, candidate(rng), production, **policy)
+        if _variant_canary(case) == want and (also is None or also(case)):
+            return case
+
+
+def _between(rng: random.Random, requests: list[list], low: float, high: float, shift: bool = False) -> list[list]:
+    """``requests`` moved so that the P99 of their successful ones lands a random way between ``low`` and
+    ``high`` (well clear of both): every latency shifted by the same amount, or scaled by the same factor."""
+    target = low + (high - low) * rng.uniform(0.2, 0.8)
+    now = _p99(requests)
+    return [[round(latency + target - now if shift else latency * target / now, 4), ok] for latency, ok in requests]
+
+
+def _canary_cases(rng: random.Random) -> list[dict]:
+    prod = _lognormal(rng, 50, 0.8)
+    fast_prod = _lognormal(rng, 50, 0.12)
+    cases = [
+        _drawn(rng, "advance", "a healthy window", lambda r: _lognormal(r, 10, 0.8), prod),
+        _drawn(rng, "advance", "a faster candidate", lambda r: _lognormal(r, 10, 0.55), prod),
+        _drawn(rng, "rollback", "a window with 3 failed requests of 10", lambda r: _lognormal(r, 10, 0.8, errors=3),
+               prod),
+        _canary_case("a candidate behind a fixed delay (past the added limit, within the ratio one)",
+                     _between(rng, _lognormal(rng, 10, 0.8), _p99(prod) + 1.0, 2 * _p99(prod), shift=True), prod),
+        _canary_case("a candidate several times slower on a fast server (past the ratio limit, within the added one)",
+                     _between(rng, _lognormal(rng, 10, 0.12), 2 * _p99(fast_prod), _p99(fast_prod) + 1.0), fast_prod),
+        _drawn(rng, "advance", "a window of 20 with 3 failed requests (15%), a policy allowing 15%",
+               lambda r: _lognormal(r, 20, 0.8, errors=3), prod, window=20, max_error_rate=0.15),
+        _drawn(rng, "advance", "a slow candidate under a lenient policy (ratio 4, 3 s added)",
+               lambda r: _lognormal(r, 10, 0.8, delay=1.5), prod, max_p99_ratio=4.0, max_p99_added_s=3.0),
+    ]
+    rng.shuffle(cases)
+    return cases
+
+
+def _canary_edges(rng: random.Random) -> list[dict]:
+    prod = _lognormal(rng, 50, 0.8)
+    flat = [[0.5, True]] * 40
+    cases = [
+        _canary_case("an error rate exactly at max_error_rate (1 of 10 at 10%)", _lognormal(rng, 10, 0.8, errors=1),
+                     prod),
+        _drawn(rng, "advance", "failed requests that timed out after 30 s (2 of 10, a policy allowing 25%)",
+               lambda r: [[30.0, False]] * 2 + _lognormal(r, 8, 0.8), prod, max_error_rate=0.25),
+        _canary_case("a candidate P99 exactly twice production's (on the ratio limit)", [[1.0, True]] * 10, flat,
+                     max_p99_added_s=5.0),
+        _canary_case("a candidate P99 exactly 1 s above production's (on the added limit)", [[1.5, True]] * 10,
+                     flat, max_p99_ratio=10.0),
+        _canary_case("one slow request of 10: P99 interpolates, it is not the maximum",
+                     [[1.0, True]] * 9 + [[2.0625, True]], [[1.0, True]] * 40, max_p99_added_s=5.0),
+        _canary_case("latencies under min_p99_s (fast, and 4x production's)", [[0.04, True]] * 10,
+                     [[0.01, True]] * 40),
+        _canary_case("no production requests yet", _lognormal(rng, 10, 2.0), []),
+        _canary_case("production's requests all failed", _lognormal(rng, 10, 2.0), [[0.5, False]] * 20),
+        _canary_case("every candidate request failed", [[0.25, False]] * 10, prod),
+        _canary_case("a policy that allows no error, one failure", _lognormal(rng, 10, 0.8, errors=1), prod,
+                     max_error_rate=0.0),
+        _drawn(rng, "rollback", "a strict latency policy (ratio 1.25, 0.25 s added)",
+               lambda r: _lognormal(r, 10, 1.3), prod, max_p99_ratio=1.25, max_p99_added_s=0.25),
+    ]
+    rng.shuffle(cases)
+    return cases
+
+
+def _drive_canary(fn, cases: list[dict]) -> list:
+    return [outcome(fn, _served("candidate", case["candidate"]), _served("production", case["production"]),
+                    _policy(case["policy"])) for case in cases]
+
+
+def _p99(requests: list[list], successes_only: bool = True, nearest: bool = False) -> float:
+    values = sorted(latency for latency, ok in requests if ok or not successes_only)
+    if not values:
+        return 0.0
+    if nearest:
+        return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+    rank = (len(values) - 1) * 0.99
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
+
+
+def _describe_canary(case: dict) -> str:
+    c, p, pol = case["candidate"], case["production"], case["policy"]
+    failed = sum(not ok for _, ok in c)
+    return (f"{case['label']}: {len(c)} candidate requests ({failed} failed, P99 of the successful ones "
+            f"{_fmt(_p99(c))} s), {len(p)} production requests (P99 {_fmt(_p99(p))} s); policy max_error_rate="
+            f"{pol['max_error_rate']}, max_p99_ratio={pol['max_p99_ratio']}, max_p99_added_s={pol['max_p99_added_s']}, "
+            f"min_p99_s={pol['min_p99_s']}")
+
+
+def _variant_canary(case: dict, *, at_least=False, with_failed=False, no_floor=False, rule=None, nearest=False,
+                    maximum=False) -> str:
+    """The verdict with one common mistake, for the message."""
+    c, p, pol = case["candidate"], case["production"], case["policy"]
+    errors = sum(not ok for _, ok in c) / max(1, len(c))
+    if errors >= pol["max_error_rate"] if at_least else errors > pol["max_error_rate"]:
+        return "rollback"
+    if maximum:
+        ours = max((lat for lat, ok in c if ok), default=0.0)
+    else:
+        ours = _p99(c, successes_only=not with_failed, nearest=nearest)
+    theirs = _p99(p, successes_only=not with_failed, nearest=nearest)
+    limits = {"ratio": pol["max_p99_ratio"] * theirs, "added": theirs + pol["max_p99_added_s"]}
+    limit = limits[rule] if rule else min(limits.values())
+    if (no_floor or ours > pol["min_p99_s"]) and theirs > 0 and ours > limit:
+        return "rollback"
+    return "advance"
+
+
+def _canary_problem(case: dict, got, want):
+    if got not in ("rollback", "advance"):
+        return "canary_verdict must return 'rollback' or 'advance'", f"got {got!r:.60}"
+    if got == want:
+        return None
+    mistakes = {
+        "an error rate equal to max_error_rate is not above it (>, not >=)": {"at_least": True},
+        "the P99s are over successful requests only: a failed request counts in the error rate, not in the latency":
+            {"with_failed": True},
+        "below min_p99_s a latency is never a reason to roll back, whatever the ratio": {"no_floor": True},
+        "you applied the ratio rule only: the candidate also rolls back past production's P99 plus "
+        "max_p99_added_s, whichever limit is lower": {"rule": "ratio"},
+        "you applied the added-seconds rule only: the candidate also rolls back past max_p99_ratio times "
+        "production's P99, whichever limit is lower": {"rule": "added"},
+        "P99 is the 99th percentile with linear interpolation (your percentile from task 4), not the nearest rank":
+            {"nearest": True},
+        "P99 is the 99th percentile with linear interpolation (your percentile from task 4), not the maximum":
+            {"maximum": True},
+    }
+    fits = [why for why, flags in mistakes.items() if _variant_canary(case, **flags) == got]
+    if not fits and not any(ok for _, ok in case["production"]):
+        fits = ["with no successful production request there is nothing to compare a latency with: its P99 is 0, "
+                "and only the error rate can roll the candidate back"]
+    note = "; " + "; or ".join(fits) if fits else ""
+    return "canary_verdict gave the wrong verdict", f"expected {want!r}, got {got!r}{note}"
+
+
+def _compare_canary(got, expected, cases):
+    return _compare_results("canary_verdict", got, expected, cases, _describe_canary, _canary_problem)
+
+
+def _rollout_cases(rng: random.Random) -> list[dict]:
+    from infra_lib.ops.llmops import BEHAVIOURS
+
+    return [{"behaviour": b, "seed": rng.randrange(10_000)} for b in BEHAVIOURS for _ in range(2)]
+
+
+def _drive_rollouts(fn, cases: list[dict]) -> list:
+    from infra_lib.ops.llmops import RolloutPolicy, simulate_rollout
+
+    def run(behaviour, seed):
+        rollout = simulate_rollout(behaviour, RolloutPolicy(), judge=fn, seed=seed)
+        return {"outcome": rollout.outcome, "served": len(rollout.served),
+                "decisions": [[d["step"], d["verdict"]] for d in rollout.decisions]}
+
+    return [outcome(run, case["behaviour"], case["seed"]) for case in cases]
+
+
+def _describe_rollout(case: dict) -> str:
+    return f"simulate_rollout({case['behaviour']!r}, RolloutPolicy(), judge=canary_verdict, seed={case['seed']})"
+
+
+def _rollout_problem(case: dict, got, want):
+    if got == want:
+        return None
+    if type(got) is not dict:
+        return "the rollout returned something unexpected", f"got {got!r:.80}"
+    return ("the rollout driven by your canary_verdict ended differently from the reference's",
+            f"expected {want['outcome']} after {want['served']} requests (decisions {want['decisions']}), got "
+            f"{got['outcome']} after {got['served']} (decisions {got['decisions']})")
+
+
+def _compare_rollouts(got, expected, cases):
+    return _compare_results("canary_verdict", got, expected, cases, _describe_rollout, _rollout_problem)
+
+
+_CANARY_HINT = ("roll back when the candidate's error rate (failed over all its requests) is above max_error_rate; "
+                "else when the P99 latency of its successful requests is above min_p99_s, production's P99 (of its "
+                "successful requests) is above 0, and the candidate's is above the lower of max_p99_ratio times "
+                "production's and production's plus max_p99_added_s; else advance. Every threshold comes from the "
+                "policy; an empty list's P99 is 0. "
+                "chapter 11, section “7 · LLMOps: a registry, an evaluation gate, a canary, a rollback”.")
+
+register(Check(check_id="lab10.canary_verdict", task=_TASKS["canary_verdict"],
+               reference=lambda: reference_canary_verdict, make_inputs=_canary_cases, drive=_drive_canary,
+               compare=_compare_canary, hint=_CANARY_HINT))
+register(Check(check_id="lab10.canary_edges", task=_TASKS["canary_verdict"],
+               reference=lambda: reference_canary_verdict, make_inputs=_canary_edges, drive=_drive_canary,
+               compare=_compare_canary,
+               hint=_CANARY_HINT + " Values exactly on each limit, timed-out failures, a single outlier, no "
+                                   "production requests, policies other than the default."))
+register(Check(check_id="lab10.canary_rollouts", task=_TASKS["canary_verdict"],
+               reference=lambda: reference_canary_verdict, make_inputs=_rollout_cases, drive=_drive_rollouts,
+               compare=_compare_rollouts,
+               hint=_CANARY_HINT + " Whole simulated rollouts of every behaviour, your verdict deciding each step."))

@@ -26,9 +26,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-import torch
-import torch.nn.functional as F
 from fastapi import Request  # at module level: the routes' annotations are resolved here
 
 STAGES = ("candidate", "production", "previous", "rejected", "rolled back")
@@ -124,38 +123,43 @@ class Registry:
 
 # --- measuring a version -----------------------------------------------------------------------------
 
-@torch.inference_mode()
 def evidence_nll(model, tokenizer, items: list[tuple[str, str, str]]) -> float:
     """Mean negative log-likelihood per token of each item's evidence, given its passage and question.
 
     ``items``: (passage, question, evidence). The prompt is a chat turn holding the passage and the
     question; the evidence is scored as the start of the model's reply. A version that reads its
     context worse (or is broken) finds the evidence less likely."""
+    import torch
+    import torch.nn.functional as F
+
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for passage, question, evidence in items:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}])
-        answer = tokenizer.encode(evidence, allow_special=False)
-        ids = torch.tensor([prompt + answer], device=device)
-        logits = model(ids)[0, len(prompt) - 1:-1].float()
-        total += float(F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum"))
-        count += len(answer)
+    with torch.inference_mode():
+        for passage, question, evidence in items:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}])
+            answer = tokenizer.encode(evidence, allow_special=False)
+            ids = torch.tensor([prompt + answer], device=device)
+            logits = model(ids)[0, len(prompt) - 1:-1].float()
+            total += float(F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum"))
+            count += len(answer)
     return total / count
 
 
-@torch.inference_mode()
 def decode_speed(model, prompt_ids: list[int], new_tokens: int = 16) -> float:
     """Greedy decode tokens per second at batch 1 (the prompt's prefill excluded)."""
+    import torch
+
     from infra_lib.model import DenseKVCache
 
     cache = DenseKVCache.for_model(model.config, capacity=len(prompt_ids) + new_tokens + 1)
     device = next(model.parameters()).device
-    logits = model(torch.tensor([prompt_ids], device=device), cache, last_only=True)
-    token = int(logits[0, -1].argmax())
-    started = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = model(torch.tensor([[token]], device=device), cache, last_only=True)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids], device=device), cache, last_only=True)
         token = int(logits[0, -1].argmax())
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([[token]], device=device), cache, last_only=True)
+            token = int(logits[0, -1].argmax())
     return new_tokens / (time.perf_counter() - started)
 
 
@@ -269,7 +273,13 @@ class Served:
 
 @dataclass
 class Rollout:
-    """The state of one canary rollout (``CanaryRouter.rollout``)."""
+    """The state of one canary rollout (``CanaryRouter.rollout``, ``simulate_rollout``).
+
+    ``judge``, when given, decides each step instead of ``policy.judge``: a function
+    ``(candidate, production, policy) -> "rollback" | "advance"`` (or a ``(verdict, why)`` pair) over
+    the step's candidate requests and production's baseline, both lists of ``Served``. Lab 10's
+    ``canary_verdict`` plugs in here.
+    """
 
     production: str
     candidate: str
@@ -278,6 +288,7 @@ class Rollout:
     outcome: str = "running"  # then "promoted" or "rolled back"
     served: list[Served] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    judge: Callable | None = None
 
     @property
     def share(self) -> float:
@@ -287,6 +298,78 @@ class Rollout:
         if self.outcome == "promoted":
             return 1.0
         return self.policy.shares[self.step]
+
+    def _verdict(self, ours: list[Served], baseline: list[Served]) -> tuple[str, str]:
+        if self.judge is None:
+            return self.policy.judge(ours, baseline)
+        answer = self.judge(list(ours), list(baseline), self.policy)
+        verdict, why = answer if isinstance(answer, tuple) and len(answer) == 2 else (answer, "")
+        if verdict not in ("rollback", "advance"):
+            raise ValueError(f"a rollout's judge must answer 'rollback' or 'advance', got {verdict!r:.60}")
+        return verdict, str(why) or f"the judge said {verdict}"
+
+    def record(self, served: Served, now: float | None = None) -> dict | None:
+        """Add one finished request. Once the candidate has served ``policy.window`` requests at the
+        current step, judge the step and move the rollout on: back (``"rolled back"``), to the next
+        share, or, after the last share, ``"promoted"``. Returns that decision, or None."""
+        self.served.append(served)
+        if self.outcome != "running" or served.version != self.candidate:
+            return None
+        ours = [s for s in self.served if s.step == self.step and s.version == self.candidate]
+        if len(ours) < self.policy.window:
+            return None
+        # Production's baseline: its latest requests of the rollout (at 100% the step has none of its own).
+        baseline = [s for s in self.served if s.version == self.production][-self.policy.baseline:]
+        verdict, why = self._verdict(ours, baseline)
+        decision = {"time": time.time() if now is None else now, "step": self.step, "share": self.share,
+                    "verdict": verdict, "why": why}
+        self.decisions.append(decision)
+        if verdict == "rollback":
+            self.outcome = "rolled back"
+        elif self.step + 1 < len(self.policy.shares):
+            self.step += 1
+        else:
+            self.outcome = "promoted"
+        return decision
+
+
+# How each simulated candidate serves, against production's latency (log-normal, median 0.8 s):
+# its median latency, a fixed delay added to every request, and its share of failed requests.
+BEHAVIOURS = {
+    "faster": {"median_s": 0.6, "delay_s": 0.0, "errors": 0.0},   # int8: less memory traffic per token
+    "same": {"median_s": 0.8, "delay_s": 0.0, "errors": 0.0},
+    "flaky": {"median_s": 0.8, "delay_s": 0.0, "errors": 0.2},    # one request in five fails
+    "slow": {"median_s": 0.8, "delay_s": 2.0, "errors": 0.0},     # a slow dependency in front of it
+    "sluggish": {"median_s": 1.9, "delay_s": 0.0, "errors": 0.0},  # 2.4x slower, with no fixed delay
+}
+
+
+def simulate_rollout(behaviour: str, policy: RolloutPolicy | None = None, judge: Callable | None = None,
+                     seed: int = 0, requests: int = 600, rate: float = 4.0) -> Rollout:
+    """A canary rollout on a simulated clock: ``requests`` arrive at ``rate`` per second, each goes to
+    the candidate with the rollout's share of the moment, and takes a seeded latency of its version
+    (production: log-normal with a median of 0.8 s; the candidate: ``BEHAVIOURS[behaviour]``). Every
+    request finishes in arrival order into ``Rollout.record``, as the router records them, until the
+    rollout ends. The same seed gives the same requests whatever the judge decides, request by request."""
+    if behaviour not in BEHAVIOURS:
+        raise ValueError(f"unknown behaviour {behaviour!r}; one of {', '.join(BEHAVIOURS)}")
+    if requests < 1 or rate <= 0:
+        raise ValueError(f"need requests >= 1 and rate > 0, got {requests} and {rate}")
+    rollout = Rollout("production", behaviour, policy or RolloutPolicy(), judge=judge)
+    rng = random.Random(seed)
+    for i in range(requests):
+        pick, noise, fails = rng.random(), rng.gauss(0.0, 0.35), rng.random()
+        started = i / rate
+        if pick < rollout.share:
+            b = BEHAVIOURS[behaviour]
+            latency, ok = b["median_s"] * math.exp(noise) + b["delay_s"], fails >= b["errors"]
+            version = rollout.candidate
+        else:
+            latency, ok, version = 0.8 * math.exp(noise), True, rollout.production
+        rollout.record(Served(version, started, latency, ok, rollout.step, rollout.share), now=started + latency)
+        if rollout.outcome != "running":
+            break
+    return rollout
 
 
 class CanaryRouter:
@@ -299,17 +382,18 @@ class CanaryRouter:
         upstreams: version name -> the base URL of the server running it (both versions).
         registry: where the outcome is recorded (the candidate must be registered).
         seed: the random choice of version per request.
+        judge: decides each step instead of ``policy.judge`` (see ``Rollout``).
     """
 
     def __init__(self, upstreams: dict[str, str], registry: Registry, candidate: str, policy: RolloutPolicy | None = None,
-                 seed: int = 0):
+                 seed: int = 0, judge: Callable | None = None):
         production = registry.production
         if production is None or production not in upstreams or candidate not in upstreams:
             raise ValueError(f"the router needs a server for production ({production}) and the candidate ({candidate})")
         if registry.stage(candidate) != "candidate":
             raise ValueError(f"{candidate} is {registry.stage(candidate)!r}, not a candidate")
         self.upstreams, self.registry = dict(upstreams), registry
-        self.rollout = Rollout(production, candidate, policy or RolloutPolicy())
+        self.rollout = Rollout(production, candidate, policy or RolloutPolicy(), judge=judge)
         self._random = random.Random(seed)
         self._lock = threading.Lock()
 
@@ -322,27 +406,13 @@ class CanaryRouter:
     def _record(self, served: Served) -> None:
         with self._lock:
             rollout = self.rollout
-            rollout.served.append(served)
-            if rollout.outcome != "running" or served.version != rollout.candidate:
+            decision = rollout.record(served)
+            if decision is None:
                 return
-            at_step = [s for s in rollout.served if s.step == rollout.step]
-            ours = [s for s in at_step if s.version == rollout.candidate]
-            if len(ours) < rollout.policy.window:
-                return
-            # Production's baseline: its latest requests of the rollout (at 100% the step has none of its own).
-            baseline = [s for s in rollout.served if s.version == rollout.production][-rollout.policy.baseline:]
-            verdict, why = rollout.policy.judge(ours, baseline)
-            share = rollout.share
-            rollout.decisions.append({"time": time.time(), "step": rollout.step, "share": share,
-                                      "verdict": verdict, "why": why})
-            if verdict == "rollback":
-                rollout.outcome = "rolled back"
-                self.registry.roll_back(rollout.candidate, f"canary at {share:.0%}: {why}")
-            elif rollout.step + 1 < len(rollout.policy.shares):
-                rollout.step += 1
-            else:
-                rollout.outcome = "promoted"
-                self.registry.promote(rollout.candidate, f"canary served all traffic for a window: {why}")
+            if rollout.outcome == "rolled back":
+                self.registry.roll_back(rollout.candidate, f"canary at {decision['share']:.0%}: {decision['why']}")
+            elif rollout.outcome == "promoted":
+                self.registry.promote(rollout.candidate, f"canary served all traffic for a window: {decision['why']}")
 
     def app(self):
         """The FastAPI app: ``/v1/chat/completions`` and ``/v1/completions`` routed, ``/rollout`` its state."""
