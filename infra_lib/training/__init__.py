@@ -1,5 +1,9 @@
-"""Training parallelism (L3) on ``torch.distributed`` with the gloo backend, N processes on one machine.
+"""Training (L3): one step from scratch, then parallelism on ``torch.distributed`` with the gloo backend,
+N processes on one machine.
 
+    autograd.py          reverse-mode automatic differentiation over torch tensors, a Llama's loss with it
+    train_step.py        one real training step of a tiny Llama: fp32, bf16 with fp32 masters,
+                         activation checkpointing, and where the bytes go
     launcher.py          run_workers: spawn a process group, collect results, never leave a process behind
     collectives.py       ring all-reduce over send/recv (reduce-scatter, all-gather), bandwidth timing
     ddp.py               data parallelism with bucketed gradient all-reduce; single-process reference
