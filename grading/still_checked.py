@@ -65,6 +65,15 @@ _TEXTS: dict[str, str | None] = {
     "lab05.ring_traffic": "up to 8 ranks, 2-D tensors and float64 elements: one chunk per message, whatever W and the "
                           "element size",
     "lab05.ring_any_tensor": "a single rank, empty tensors, int64 tensors, strided and permuted views, and 5 ranks",
+    "lab05.softmax_backward": "single-element rows, causal masks with fewer queries than keys, rows masked "
+                              "everywhere but the diagonal, probabilities from logits of the order of 10^4, and "
+                              "non-contiguous tensors",
+    "lab05.rms_norm_backward": "d = 1, four leading dims, tiny activations with eps of the order of mean(x^2), large "
+                               "activations, a weight with zeros, and a large eps",
+    "lab05.adamw_update": "no weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming at step "
+                          "1000 with moments already there, and 12 steps",
+    "lab05.train_tiny": "the update's edges: no weight decay, a single step, a large eps, zero gradients, beta1 = 0, "
+                        "and resuming at step 1000",
     # lab 06
     "lab06.causal_mask_prefill": "masks with a cache: fewer queries than keys, a decode step (t = 1) included",
     "lab06.repeat_kv": None,
@@ -113,6 +122,10 @@ _TEXTS: dict[str, str | None] = {
                      "chunk, no requests, a duration of zero or below, and a trace of the simulated engine",
     "lab10.diagnose_scenarios": "windows on and just past each rule's threshold, windows where two rules hold at "
                                 "once, and more seeds of every scenario",
+    "lab10.passes_gate": "scores exactly on their limits, nan and infinite scores, and tolerances of 0 and 1",
+    "lab10.canary_verdict": "windows exactly on each limit, failed requests that timed out, a single slow outlier, no "
+                            "production requests, policies other than the default, and whole simulated rollouts of "
+                            "every behaviour",
     # lab 12
     "lab12.chunk_text": "texts exactly one window long or ending exactly on a window, one character, a step of one "
                         "character, non-ASCII and empty texts, invalid sizes, and documents of the shipped corpus",

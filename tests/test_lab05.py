@@ -312,3 +312,212 @@ def test_answer_source_is_the_whole_cell(tmp_path):
     namespace = {}
     exec(compile(cell, filename, "exec"), namespace)
     assert answer_source(namespace["answer"]) == cell
+
+
+# --- tasks 4 to 6: softmax_backward, rms_norm_backward, adamw_update, and training with them -----
+
+NEW_CHECKS = ("lab05.softmax_backward", "lab05.softmax_backward_edges", "lab05.rms_norm_backward",
+              "lab05.rms_norm_backward_edges", "lab05.adamw_update", "lab05.adamw_edges")
+
+
+def _pieces(solution, **changes) -> dict:
+    pieces = {name: solution[name] for name in ("softmax_backward", "rms_norm_backward", "adamw_update")}
+    return {**pieces, **changes}
+
+
+def test_tasks4_to_6_the_solution_passes_every_check_and_trains_like_the_reference(solution):
+    answers = {"softmax": "softmax_backward", "rms": "rms_norm_backward", "adamw": "adamw_update"}
+    for check_id in NEW_CHECKS:
+        check(check_id, solution[answers[check_id.split(".")[1].split("_")[0]]])
+    check("lab05.train_tiny", _pieces(solution))
+
+
+def _softmax_mistake(kind):
+    def softmax_backward(probs, grad):
+        weighted = (grad * probs).sum(-1, keepdim=True)
+        return {"no_sum": probs * grad, "diagonal": grad * probs * (1 - probs),
+                "wrong_dim": probs * (grad - (grad * probs).sum(0, keepdim=True)),
+                "no_p": grad - weighted, "plus_constant": probs * (grad - weighted) + 1e-3}[kind]
+
+    return softmax_backward
+
+
+@pytest.mark.parametrize("kind, check_id, named", [
+    ("no_sum", "lab05.softmax_backward", "that is probs * grad_probs"),
+    ("diagonal", "lab05.softmax_backward", "only the diagonal of the Jacobian"),
+    ("wrong_dim", "lab05.softmax_backward", "the sum runs over the wrong dim"),
+    ("no_p", "lab05.softmax_backward", "without the factor p_i a masked entry"),
+    ("plus_constant", "lab05.softmax_backward", "nonzero gradient where the probability is exactly 0"),
+])
+def test_task4_mistakes_are_named(kind, check_id, named):
+    text = _fails(check_id, _softmax_mistake(kind))
+    assert named in text and "on " in text and "“1 · The chain rule as a graph”" in text
+
+
+def test_task4_a_gradient_at_a_masked_entry_is_caught_even_when_tiny(solution):
+    def leaky(probs, grad):
+        return solution["softmax_backward"](probs, grad) + 1e-30 * grad
+
+    text = _fails("lab05.softmax_backward", leaky)
+    assert "exactly 0 (a masked entry)" in text and "attention weights" in text
+
+
+def _rms_mistake(kind):
+    def rms_norm_backward(x, weight, grad_out, eps):
+        mean_square = x.pow(2).mean(-1, keepdim=True)
+        inv = 1 / (mean_square.sqrt() + eps) if kind == "eps_outside" else torch.rsqrt(mean_square + eps)
+        normed, g = x * inv, grad_out * weight
+        reduce = (g * normed).sum(-1, keepdim=True) if kind == "no_1_over_d" else (g * normed).mean(-1, keepdim=True)
+        grad_x = inv * g if kind == "constant_rms" else inv * (g - normed * reduce)
+        grad_weight = grad_out * normed
+        if kind != "not_summed":
+            grad_weight = grad_weight.reshape(-1, x.shape[-1]).sum(0)
+        return grad_x, grad_weight
+
+    return rms_norm_backward
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("constant_rms", "that treats the rms as a constant"),
+    ("no_1_over_d", "the mean's 1/d is missing"),
+    ("not_summed", "grad_weight must be summed over every leading dim"),
+    ("eps_outside", "eps belongs inside the square root"),
+])
+def test_task5_mistakes_are_named(kind, named):
+    text = _fails("lab05.rms_norm_backward", _rms_mistake(kind))
+    assert named in text and "on " in text
+
+
+def _adamw_mistake(kind):
+    def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        if kind == "l2":
+            grad = grad + weight_decay * param
+        else:
+            param.mul_(1 - lr * weight_decay)
+        step = step + 1 if kind == "from_zero" else step
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        c1, c2 = (1.0, 1.0) if kind == "no_bias_correction" else (1 - beta1 ** step, 1 - beta2 ** step)
+        m_hat, v_hat = exp_avg / c1, exp_avg_sq / c2
+        denom = (v_hat + eps).sqrt() if kind == "eps_inside" else v_hat.sqrt() + eps
+        param.sub_(lr * m_hat / denom)
+
+    return adamw_update
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("no_bias_correction", "need the bias corrections"),
+    ("l2", "that is Adam's L2 penalty"),
+    ("eps_inside", "eps goes outside the square root"),
+    ("from_zero", "step is 1 on the first update"),
+])
+def test_task6_mistakes_are_named(kind, named):
+    text = _fails("lab05.adamw_update", _adamw_mistake(kind))
+    assert named in text and "after step" in text
+
+
+def test_task6_an_update_that_is_not_in_place_and_torch_optim_are_refused():
+    def rebinds(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        param = param - lr * grad  # noqa: F841 - the classic slip: a new tensor, lost on return
+
+    assert "in place" in _fails("lab05.adamw_update", rebinds)
+
+    def via_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        p = param.clone().requires_grad_(True)
+        optimizer = torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        p.grad = grad.clone()
+        optimizer.step()
+        param.copy_(p.detach())
+
+    assert "asks for the update itself" in _fails("lab05.adamw_update", via_torch)
+    p = torch.zeros(2, requires_grad=True)  # torch's optimizer works again after the check
+    p.grad = torch.ones(2)
+    torch.optim.AdamW([p], lr=0.1).step()
+    assert p.detach().tolist() != [0.0, 0.0]
+
+
+def test_task6_the_reference_update_is_torchs_adamw():
+    from infra_lib.training.scratch_train import adamw_update
+
+    generator = torch.Generator().manual_seed(3)
+    mine = torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    theirs = mine.clone().requires_grad_(True)
+    optimizer = torch.optim.AdamW([theirs], lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.3, foreach=False)
+    exp_avg, exp_avg_sq = torch.zeros_like(mine), torch.zeros_like(mine)
+    for step in range(1, 8):
+        grad = torch.randn(4, 5, generator=generator, dtype=torch.float64) * 1e-3
+        theirs.grad = grad.clone()
+        optimizer.step()
+        adamw_update(mine, grad, exp_avg, exp_avg_sq, step, 0.02, 0.8, 0.95, 1e-6, 0.3)
+        assert torch.allclose(mine, theirs.detach(), rtol=0, atol=1e-14)
+        assert torch.allclose(exp_avg_sq, optimizer.state[theirs]["exp_avg_sq"], rtol=0, atol=1e-20)
+
+
+@pytest.mark.parametrize("piece, named", [
+    ("adamw_update", "your adamw_update (task 6)"),
+    ("softmax_backward", "your softmax_backward (task 4)"),
+    ("rms_norm_backward", "your rms_norm_backward (task 5)"),
+])
+def test_training_catches_a_wrong_piece_and_names_the_step(solution, piece, named):
+    wrong = {"adamw_update": _adamw_mistake("no_bias_correction"), "softmax_backward": _softmax_mistake("diagonal"),
+             "rms_norm_backward": _rms_mistake("eps_outside")}
+    text = _fails("lab05.train_tiny", _pieces(solution, **{piece: wrong[piece]}))
+    step = int(text.split("loss curve at step ")[1].split()[0])
+    assert step >= 2 and f"the first {step - 1} losses agree, then step {step}'s loss is" in text
+    assert named in text
+
+
+def test_training_with_an_untouched_piece_points_at_that_task(solution):
+    def untouched(probs, grad):
+        raise NotImplementedError("lab05 task 4: softmax_backward")
+
+    text = _fails("lab05.train_tiny", _pieces(solution, softmax_backward=untouched))
+    assert "this check also runs lab05 task 4 (softmax_backward), which is not written yet" in text
+
+
+def test_the_backward_seam_swaps_the_formulas_and_restores_the_reference():
+    from infra_lib.training import autograd
+
+    defaults = dict(autograd.BACKWARD)
+    assert defaults == {"softmax": autograd.softmax_backward, "rms_norm": autograd.rms_norm_backward}
+    calls = []
+
+    def counting(probs, grad):
+        calls.append(probs.shape)
+        return autograd.softmax_backward(probs, grad)
+
+    x = autograd.Value(torch.randn(2, 3, 3, dtype=torch.float64))
+    with autograd.using_backward(softmax=counting):
+        out = autograd.softmax(x, causal=True)
+        assert autograd.BACKWARD["rms_norm"] is autograd.rms_norm_backward  # None keeps the current one
+    assert autograd.BACKWARD == defaults
+    out.sum().backward()  # made inside the block: keeps the formula it was made with
+    assert calls == [torch.Size([2, 3, 3])]
+    with pytest.raises(KeyError), autograd.using_backward(rms_norm=lambda *args: None):
+        raise KeyError("an error inside the block")
+    assert autograd.BACKWARD == defaults
+
+
+def test_train_tiny_is_seeded_and_learns():
+    from infra_lib.training.scratch_train import train_tiny
+
+    norms: list = []
+    losses = train_tiny(6, seed=5, grad_norms=norms)
+    assert losses == train_tiny(6, seed=5) and losses != train_tiny(6, seed=6)
+    assert len(losses) == 6 and losses[-1] < losses[0] and len(norms) == 6
+    assert "norm.weight" in norms[0] and "lm_head.weight" not in norms[0]  # the tied table counts once
+
+
+def test_under_the_grader_the_reference_pieces_are_shortcuts(solution, tmp_path, monkeypatch):
+    from infra_lib.training.autograd import softmax_backward
+    from infra_lib.training.scratch_train import adamw_update
+
+    record = tmp_path / "answers.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record))
+    monkeypatch.setenv(SEED_ENV, "5")
+    check("lab05.train_tiny", _pieces(solution))
+    check("lab05.softmax_backward", lambda probs, grad: softmax_backward(probs, grad))
+    check("lab05.train_tiny", _pieces(solution, adamw_update=lambda *args: adamw_update(*args)))
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [row["kind"] for row in rows] == [None, "reference shortcut", "reference shortcut"]
+    assert "adamw_update" in rows[2]["error"]

@@ -1,6 +1,8 @@
-"""Checks for lab 05 (training parallelism): the learner writes the ZeRO memory calculator
-``zero_memory_per_device``, ``shard_bounds`` (which part of a tensor a rank owns), and
-``ring_all_reduce(tensor, comm)`` over point-to-point ``comm.exchange``.
+"""Checks for lab 05 (training from scratch, then parallelism): the learner writes the ZeRO memory
+calculator ``zero_memory_per_device``, ``shard_bounds`` (which part of a tensor a rank owns),
+``ring_all_reduce(tensor, comm)`` over point-to-point ``comm.exchange``, and the pieces under one
+training step: ``softmax_backward``, ``rms_norm_backward`` and ``adamw_update``, which a last check
+plugs into the course's autograd to train a tiny Llama next to the reference pieces.
 
 The ring is run on a ``ThreadGroup``: every rank a thread of the learner's kernel, exchanging
 tensors through queues, so a check needs no process (the grader's kernel limits them, and a
@@ -21,17 +23,23 @@ import math
 import random
 import threading
 
-from grading.checks.common import is_number, outcome, reference, unwrap
+from grading.checks.common import array_mismatch, is_number, outcome, reference, unwrap
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _ZERO = "infra_lib.training.zero"
 _COLLECTIVES = "infra_lib.training.collectives"
+_AUTOGRAD = "infra_lib.training.autograd"
+_SCRATCH = "infra_lib.training.scratch_train"
 
+# The autograd's ops and ``train_tiny`` are the stack the last check runs the learner's pieces in: they
+# are no reference, and stay whole in the graded kernel; only the three formulas are stubbed there.
 register_shortcuts("lab05", [f"{_ZERO}:zero_memory_per_device", f"{_ZERO}:zero_table", f"{_ZERO}:shard_bounds",
-                             f"{_COLLECTIVES}:ring_all_reduce"])
+                             f"{_COLLECTIVES}:ring_all_reduce", f"{_AUTOGRAD}:softmax_backward",
+                             f"{_AUTOGRAD}:rms_norm_backward", f"{_SCRATCH}:adamw_update"])
 
 _TASKS = {1: "lab05 task 1: zero_memory_per_device", 2: "lab05 task 2: shard_bounds",
-          3: "lab05 task 3: ring_all_reduce"}
+          3: "lab05 task 3: ring_all_reduce", 4: "lab05 task 4: softmax_backward",
+          5: "lab05 task 5: rms_norm_backward", 6: "lab05 task 6: adamw_update"}
 RANK_TIMEOUT_S = 2.0  # per rank: the ring on these small tensors takes milliseconds
 
 
@@ -168,7 +176,7 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
 _ZERO_HINT = ("each ZeRO stage shards one more part of the training state across the devices: stage 0 nothing, "
               "stage 1 the optimizer state, stage 2 the gradients as well, stage 3 the parameters as well; a sharded "
               "part is split among the devices, an unsharded one stays whole on every device. Count each part with "
-              "the byte counts passed in and return bytes, not GB (chapter 05, section “4 · ZeRO: sharding the "
+              "the byte counts passed in and return bytes, not GB (chapter 05, section “6 · ZeRO: sharding the "
               "training state”).")
 
 register(Check(check_id="lab05.zero_memory", task=_TASKS[1], reference=reference(_ZERO, "zero_memory_per_device"),
@@ -676,7 +684,7 @@ _RING_HINT = ("a ring all-reduce is a reduce-scatter, in which each chunk travel
               "rank's contribution per step (received partial sums are added to the rank's own copy), then an "
               "all-gather, in which the finished chunks travel the ring once more and replace the stale copies "
               "(nothing is added). The sum belongs in the tensor itself, in place, which is also what is returned; "
-              "see chapter 05, section “2 · Collectives: all-reduce, reduce-scatter, all-gather”.")
+              "see chapter 05, section “4 · Collectives: all-reduce, reduce-scatter, all-gather”.")
 
 _RING_CHECKS = (
     ("lab05.ring_sum", _ring_sum_cases, _compare_ring_sum, _RING_HINT),
@@ -685,7 +693,7 @@ _RING_CHECKS = (
     ("lab05.ring_traffic", _ring_traffic_cases, _compare_ring_traffic,
      ("every message in a ring carries one chunk, 1 / W of the tensor, so each rank sends 2 (W - 1) / W of the "
       "tensor in all, whatever W is; ranks share nothing but what exchange carries. Passing the whole tensor around "
-      "the ring also gives the sum, at W - 1 times the traffic (chapter 05, section “2 · Collectives: all-reduce, "
+      "the ring also gives the sum, at W - 1 times the traffic (chapter 05, section “4 · Collectives: all-reduce, "
       "reduce-scatter, all-gather”).")),
     ("lab05.ring_traffic_more", _ring_traffic_more_cases, _compare_ring_traffic,
      ("every message carries one chunk (1 / W of the tensor), never the whole tensor, so each rank sends "
@@ -767,3 +775,641 @@ def _answer_worker(rank: int, world_size: int, sources: list[str], name: str, sh
                      "max_abs_error": float((tensor - expected).abs().max()) if tensor.numel() else 0.0,
                      "ring_s": ring_s, "all_reduce_s": dist_s})
     return rows
+
+
+# --- tasks 4 to 6: the pieces under one training step --------------------------------------------
+# Cases are plain data (a seed, a shape, a dtype); the tensors are made from them on each side, the
+# same way, by ``_randn``. A result is recorded as its values, dtype and shape (``_record``).
+
+def _randn(seed: int, shape: list[int], dtype: str, scale: float = 1.0):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(getattr(torch, dtype))
+
+
+def _record(value) -> dict:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"values": value.detach().double().tolist(), "dtype": str(value.dtype).replace("torch.", ""),
+                "shape": list(value.shape)}
+    return {"type": type(value).__name__}
+
+
+def _tolerance_for(dtype: str, expected, tight: bool = False) -> tuple[float, float]:
+    """(atol, rtol): rounding of float32 or float64, scaled to the largest expected value. ``tight``
+    for values that a step changes only a little (a weight after an update): no relative part."""
+    import numpy as np
+
+    top = float(np.abs(np.asarray(expected, dtype=np.float64)).max()) if np.size(expected) else 1.0
+    if tight:
+        return (4e-6 if dtype == "float32" else 1e-12) * max(top, 1e-300), 0.0
+    return ((2e-6 * max(top, 1e-30), 1e-4) if dtype == "float32" else (1e-12 * max(top, 1e-300), 1e-9))
+
+
+def _tensor_problem(name: str, got: dict, want: dict, where: str, variants, what: str,
+                    tight: bool = False, noun: str = "the returned tensor") -> Mismatch | None:
+    """Shape, dtype, then values of one recorded tensor (``noun``); a value mismatch (``what``) names the
+    first variant (a classic mistake, computed in float64 on the same inputs) that the result matches."""
+    import numpy as np
+
+    pairs = list(variants.items()) if isinstance(variants, dict) else variants
+    if "values" not in got:
+        return Mismatch(f"{name} must return a torch tensor", f"on {where}: got a {got.get('type')}")
+    if got["shape"] != want["shape"]:
+        note = next((why for why, value in pairs if list(np.shape(value)) == got["shape"]), "")
+        return Mismatch(f"{noun} from {name} has the wrong shape", f"on {where}: expected shape {want['shape']}, got "
+                                                        f"{got['shape']}" + (f"; {note}" if note else ""))
+    if got["dtype"] != want["dtype"]:
+        return Mismatch(f"{noun} from {name} has the wrong dtype",
+                        f"on {where}: expected {want['dtype']} (the inputs' dtype), got {got['dtype']}; make new "
+                        "tensors with the inputs' dtype (torch.zeros_like, or dtype=x.dtype)")
+    atol, rtol = _tolerance_for(want["dtype"], want["values"], tight)
+    problem = array_mismatch(got["values"], want["values"], what, where, atol=atol, rtol=rtol)
+    if problem is None:
+        return None
+    for why, value in pairs:
+        if np.shape(value) == tuple(got["shape"]) and np.allclose(got["values"], value, atol=atol, rtol=rtol):
+            return Mismatch(problem.what, f"{problem.detail}; {why}")
+    return problem
+
+
+def _raised_or_none(name: str, kind: str, value, where: str) -> Mismatch | None:
+    if kind == "raised":
+        return Mismatch(f"{name} raised an exception", f"on {where}: your code raised {value}")
+    if kind != "value" or type(value) is not dict:
+        return Mismatch("the check recorded a malformed result", f"on {where}: {value!r:.80}")
+    return None
+
+
+# --- task 4: softmax_backward ----------------------------------------------------------------------
+
+def _softmax_case(rng: random.Random, label: str, shape: list[int], dtype: str = "float32", mask: str = "none",
+                  scale: float = 1.0, layout: str = "contiguous") -> dict:
+    return {"label": label, "shape": shape, "dtype": dtype, "mask": mask, "scale": scale, "layout": layout,
+            "seed": rng.randrange(10**6)}
+
+
+def _softmax_cases(rng: random.Random) -> list[dict]:
+    return [_softmax_case(rng, "attention weights", [2, 2, 5, 5], mask="causal"),
+            _softmax_case(rng, "one row", [rng.randint(3, 9)]),
+            _softmax_case(rng, "a batch of rows", [rng.randint(2, 5), rng.randint(4, 12)]),
+            _softmax_case(rng, "a float64 batch", [3, rng.randint(2, 4), 7], dtype="float64")]
+
+
+def _softmax_edges(rng: random.Random) -> list[dict]:
+    t = rng.randint(2, 4)
+    return [_softmax_case(rng, "single-element rows", [4, 1]),
+            _softmax_case(rng, "a one-element tensor", [1]),
+            _softmax_case(rng, "a causal mask with fewer queries than keys", [2, t, t + 3], mask="causal"),
+            _softmax_case(rng, "rows masked everywhere but the diagonal", [3, 6, 6], mask="diagonal"),
+            _softmax_case(rng, "probabilities from logits of the order of 1e4", [5, 9], scale=1e4),
+            _softmax_case(rng, "causal float64 attention weights", [1, 3, 6, 6], dtype="float64", mask="causal"),
+            _softmax_case(rng, "a transposed (non-contiguous) tensor", [7, 4], layout="transposed"),
+            _softmax_case(rng, "odd sizes", [3, 1, 5, 7], dtype="float64")]
+
+
+def _softmax_inputs(case: dict):
+    """(probs, grad_probs) as the case describes them; grad_probs is random at masked entries too."""
+    import torch
+
+    scores = _randn(case["seed"], case["shape"], "float64", case["scale"])
+    if case["layout"] == "transposed":
+        scores = scores.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, strided
+    if case["mask"] != "none":
+        t, s = case["shape"][-2:]
+        keep = torch.ones(t, s, dtype=torch.bool).tril(s - t) if case["mask"] == "causal" else torch.eye(t, s) > 0
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(getattr(torch, case["dtype"]))
+    grad = _randn(case["seed"] + 1, case["shape"], case["dtype"])
+    if case["layout"] == "transposed":
+        grad = grad.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return probs, grad
+
+
+def _describe_softmax(case: dict) -> str:
+    return f"{case['label']}: probs of shape {case['shape']}, {case['dtype']}"
+
+
+def _drive_softmax(fn, cases: list[dict]) -> list:
+    def run(case):
+        probs, grad = _softmax_inputs(case)
+        before = (probs.clone(), grad.clone())
+        result = fn(probs, grad)
+        return {"result": _record(result),
+                "changed": not (torch_equal(probs, before[0]) and torch_equal(grad, before[1]))}
+
+    return [outcome(run, case) for case in cases]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def _softmax_variants(case: dict) -> list:
+    """Classic mistakes on the case's inputs, in float64: (message, result) pairs."""
+    probs, grad = (t.double() for t in _softmax_inputs(case))
+    weighted = (grad * probs).sum(-1, keepdim=True)
+    variants = {
+        "that is probs * grad_probs: every score moves every probability through the normalisation, so the "
+        "gradient also has the term - p_i Σ_j g_j p_j": probs * grad,
+        "that is only the diagonal of the Jacobian, p_i (1 - p_i) g_i: d p_i / d x_j = - p_i p_j for j ≠ i too":
+            grad * probs * (1 - probs),
+        "the sum over j is weighted by the probabilities: Σ_j g_j p_j, not Σ_j g_j": probs * (grad - grad.sum(-1,
+                                                                                                             True)),
+        "the sign is flipped: the gradient is p_i (g_i - Σ_j g_j p_j)": -probs * (grad - weighted),
+        "the gradient is p_i times (g_i - Σ_j g_j p_j): without the factor p_i a masked entry (p = 0) gets a "
+        "gradient": grad - weighted,
+    }
+    pairs = [(why, value.numpy()) for why, value in variants.items()]
+    for dim in range(probs.dim() - 1):
+        pairs.append(("the sum runs over the wrong dim: the softmax normalises over the last dim, so Σ_j is over "
+                      "the last dim (keepdim=True, so that it broadcasts)",
+                      (probs * (grad - (grad * probs).sum(dim, True))).numpy()))
+    return pairs
+
+
+def _compare_softmax(got, expected, cases: list[dict]) -> Mismatch | None:
+    import numpy as np
+
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from softmax_backward, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        (kind, value), (_, want) = unwrap(g), unwrap(e)
+        where = _describe_softmax(case)
+        problem = _raised_or_none("softmax_backward", kind, value, where)
+        if problem:
+            return problem
+        variants = _softmax_variants(case)
+        result = value["result"]
+        if "values" in result and result["shape"] == want["result"]["shape"]:
+            probs = _softmax_inputs(case)[0].double().numpy()
+            zero = probs == 0
+            got_values = np.asarray(result["values"], dtype=np.float64)
+            if (got_values[zero] != 0).any():
+                index = [int(i) for i in np.argwhere(zero & (got_values != 0))[0]]
+                note = next((f"; {why}" for why, v in variants if np.allclose(got_values, v, rtol=1e-4,
+                                                                                     atol=1e-5)), "")
+                return Mismatch("softmax_backward gave a nonzero gradient where the probability is exactly 0 (a "
+                                "masked entry)",
+                                f"on {where}: at index {index} probs is 0 and your gradient is "
+                                f"{got_values[tuple(index)]:.6g}; it must be exactly 0 whatever grad_probs holds "
+                                f"there{note}")
+        problem = _tensor_problem("softmax_backward", result, want["result"], where, variants,
+                                  "softmax_backward returned the wrong gradient", noun="the returned gradient")
+        if problem:
+            return problem
+        if value["changed"]:
+            return Mismatch("softmax_backward changed its inputs",
+                            f"on {where}: probs or grad_probs holds other values after the call; compute into new "
+                            "tensors (the autograd reuses probs for every gradient that passes through)")
+    return None
+
+
+_SOFTMAX_HINT = ("every score moves every probability of its row through the normalisation: d p_i / d x_j = "
+                 "p_i (δ_ij - p_j), over the last dim only; contract that Jacobian with grad_probs without "
+                 "building it. A masked entry has p exactly 0, and its gradient must come out exactly 0 "
+                 "(chapter 05, section “1 · The chain rule as a graph”).")
+
+register(Check(check_id="lab05.softmax_backward", task=_TASKS[4], reference=reference(_AUTOGRAD, "softmax_backward"),
+               make_inputs=_softmax_cases, drive=_drive_softmax, compare=_compare_softmax, hint=_SOFTMAX_HINT))
+register(Check(check_id="lab05.softmax_backward_edges", task=_TASKS[4],
+               reference=reference(_AUTOGRAD, "softmax_backward"), make_inputs=_softmax_edges, drive=_drive_softmax,
+               compare=_compare_softmax,
+               hint=_SOFTMAX_HINT + " Single-element rows, rectangular causal masks, rows masked everywhere but the "
+                                    "diagonal (probability 1), probabilities from logits of the order of 1e4, float64 "
+                                    "and non-contiguous tensors."))
+
+
+# --- task 5: rms_norm_backward ---------------------------------------------------------------------
+
+def _rms_case(rng: random.Random, label: str, shape: list[int], dtype: str = "float32", eps: float = 1e-5,
+              scale: float = 1.0, weight: str = "random") -> dict:
+    return {"label": label, "shape": shape, "dtype": dtype, "eps": eps, "scale": scale, "weight": weight,
+            "seed": rng.randrange(10**6)}
+
+
+def _rms_cases(rng: random.Random) -> list[dict]:
+    return [_rms_case(rng, "a batch of rows", [rng.randint(2, 5), 8]),
+            _rms_case(rng, "activations [batch, t, d]", [2, rng.randint(2, 5), 16], eps=1e-6),
+            _rms_case(rng, "small activations, where eps matters", [4, 6], dtype="float64", eps=1e-3, scale=0.02),
+            _rms_case(rng, "one vector", [rng.randint(3, 12)], dtype="float64")]
+
+
+def _rms_edges(rng: random.Random) -> list[dict]:
+    return [_rms_case(rng, "d = 1", [5, 1], dtype="float64"),
+            _rms_case(rng, "four leading dims", [2, 3, 2, 4, 6]),
+            _rms_case(rng, "tiny activations, eps of the same order as mean(x^2)", [3, 10], dtype="float64",
+                      eps=1e-6, scale=1e-3),
+            _rms_case(rng, "large activations", [4, 8], scale=1e3),
+            _rms_case(rng, "a weight with zeros", [3, 2, 9], dtype="float64", weight="zeros"),
+            _rms_case(rng, "a large eps", [6, 5], dtype="float64", eps=0.5)]
+
+
+def _rms_inputs(case: dict):
+    """(x, weight, grad_out, eps) as the case describes them."""
+    dtype, d = case["dtype"], case["shape"][-1]
+    x = _randn(case["seed"], case["shape"], dtype, case["scale"])
+    weight = 1 + 0.5 * _randn(case["seed"] + 1, [d], dtype)
+    if case["weight"] == "zeros":
+        weight[::2] = 0
+    grad = _randn(case["seed"] + 2, case["shape"], dtype)
+    return x, weight, grad, case["eps"]
+
+
+def _describe_rms(case: dict) -> str:
+    return f"{case['label']}: x of shape {case['shape']}, {case['dtype']}, eps={case['eps']:g}"
+
+
+def _drive_rms(fn, cases: list[dict]) -> list:
+    def run(case):
+        x, weight, grad, eps = _rms_inputs(case)
+        before = [t.clone() for t in (x, weight, grad)]
+        result = fn(x, weight, grad, eps)
+        changed = not all(torch_equal(a, b) for a, b in zip((x, weight, grad), before))
+        if type(result) not in (tuple, list) or len(result) != 2:
+            return {"pair": False, "type": type(result).__name__, "changed": changed}
+        return {"pair": True, "grad_x": _record(result[0]), "grad_weight": _record(result[1]), "changed": changed}
+
+    return [outcome(run, case) for case in cases]
+
+
+def _rms_formula(x, weight, grad, inv_rms):
+    normed = x * inv_rms
+    grad_normed = grad * weight
+    grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    return grad_x, (grad * normed).reshape(-1, x.shape[-1]).sum(0), normed, grad_normed
+
+
+def _rms_variants(case: dict) -> tuple[dict, dict]:
+    """Classic mistakes on the case's inputs, in float64: (for grad_x, for grad_weight), message -> result."""
+    x, weight, grad, eps = (t.double() if hasattr(t, "double") else t for t in _rms_inputs(case))
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    inv_rms = (mean_square + eps).rsqrt()
+    _, _, normed, grad_normed = _rms_formula(x, weight, grad, inv_rms)
+    outside = 1 / (mean_square.sqrt() + eps)
+    for_x = {
+        "that treats the rms as a constant: it depends on every x_j of the row, so the gradient also has the "
+        "term through the mean, - x̂_i · mean_j(g_j w_j x̂_j) / rms": inv_rms * grad_normed,
+        "the mean's 1/d is missing from the term through the rms": inv_rms * (grad_normed - normed * (
+            grad_normed * normed).sum(-1, keepdim=True)),
+        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": _rms_formula(x, weight, grad, outside)[0],
+        "the gradient reaches x̂ through the weight first: use grad_out * weight, not grad_out": inv_rms * (
+            grad - normed * (grad * normed).mean(-1, keepdim=True)),
+    }
+    lead = x.dim() - 1
+    for_weight = {
+        "grad_weight must be summed over every leading dim (the weight is shared by every row): it is [d]":
+            grad * normed,
+        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": _rms_formula(x, weight, grad, outside)[1],
+        "grad_weight is Σ grad_out · x̂ (the normalised x), not Σ grad_out": grad.reshape(-1, x.shape[-1]).sum(0),
+    }
+    if lead > 1:
+        for_weight["grad_weight must be summed over every leading dim, not only the first: it is [d]"] = (
+            grad * normed).sum(0)
+    return ({why: v.numpy() for why, v in for_x.items()}, {why: v.numpy() for why, v in for_weight.items()})
+
+
+def _compare_rms(got, expected, cases: list[dict]) -> Mismatch | None:
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from rms_norm_backward, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        (kind, value), (_, want) = unwrap(g), unwrap(e)
+        where = _describe_rms(case)
+        problem = _raised_or_none("rms_norm_backward", kind, value, where)
+        if problem:
+            return problem
+        if not value.get("pair"):
+            return Mismatch("rms_norm_backward must return (grad_x, grad_weight): two tensors",
+                            f"on {where}: got a {value.get('type')}")
+        for_x, for_weight = _rms_variants(case)
+        problem = (_tensor_problem("rms_norm_backward", value["grad_x"], want["grad_x"], where, for_x,
+                                   "rms_norm_backward returned the wrong grad_x", noun="grad_x")
+                   or _tensor_problem("rms_norm_backward", value["grad_weight"], want["grad_weight"], where,
+                                      for_weight, "rms_norm_backward returned the wrong grad_weight",
+                                      noun="grad_weight"))
+        if problem:
+            return problem
+        if value["changed"]:
+            return Mismatch("rms_norm_backward changed its inputs",
+                            f"on {where}: x, weight or grad_out holds other values after the call; compute into "
+                            "new tensors")
+    return None
+
+
+_RMS_HINT = ("y = x̂ · weight with x̂ = x / rms and rms = sqrt(mean(x^2) + eps) over the last dim: the rms depends on "
+             "every element of its row, so each x_j reaches each y_i twice, directly and through the rms. The "
+             "weight is shared by every row: its gradient sums over all the leading dims "
+             "(chapter 05, section “1 · The chain rule as a graph”).")
+
+register(Check(check_id="lab05.rms_norm_backward", task=_TASKS[5],
+               reference=reference(_AUTOGRAD, "rms_norm_backward"), make_inputs=_rms_cases, drive=_drive_rms,
+               compare=_compare_rms, hint=_RMS_HINT))
+register(Check(check_id="lab05.rms_norm_backward_edges", task=_TASKS[5],
+               reference=reference(_AUTOGRAD, "rms_norm_backward"), make_inputs=_rms_edges, drive=_drive_rms,
+               compare=_compare_rms,
+               hint=_RMS_HINT + " d = 1, four leading dims, tiny activations where eps dominates, large ones, a "
+                                "weight with zeros, a large eps."))
+
+
+# --- task 6: adamw_update --------------------------------------------------------------------------
+
+def _adamw_case(rng: random.Random, label: str, shape: list[int], *, dtype: str = "float32", steps: int = 4,
+                start: int = 1, lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                weight_decay: float = 0.01, grad_scale: float = 1.0) -> dict:
+    return {"label": label, "shape": shape, "dtype": dtype, "steps": steps, "start": start, "lr": lr,
+            "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay, "grad_scale": grad_scale,
+            "seed": rng.randrange(10**6)}
+
+
+def _adamw_cases(rng: random.Random) -> list[dict]:
+    return [_adamw_case(rng, "a weight matrix", [rng.randint(2, 5), rng.randint(3, 6)], weight_decay=0.1),
+            _adamw_case(rng, "small gradients, as a network's are", [rng.randint(5, 20)], lr=1e-3, beta2=0.95,
+                        grad_scale=1e-4),
+            _adamw_case(rng, "a float64 tensor over 6 steps", [3, 4], dtype="float64", steps=6, lr=3e-2,
+                        weight_decay=0.05)]
+
+
+def _adamw_edges(rng: random.Random) -> list[dict]:
+    return [_adamw_case(rng, "no weight decay", [4, 3], weight_decay=0.0),
+            _adamw_case(rng, "one step (step 1)", [6], steps=1, weight_decay=0.1),
+            _adamw_case(rng, "a large eps", [5], dtype="float64", eps=1e-3, grad_scale=1e-2),
+            _adamw_case(rng, "zero gradients", [2, 3], grad_scale=0.0, weight_decay=0.1),
+            _adamw_case(rng, "beta1 = 0", [7], dtype="float64", beta1=0.0),
+            _adamw_case(rng, "resuming at step 1000 with moments already there", [3, 3], dtype="float64",
+                        start=1000, steps=3),
+            _adamw_case(rng, "odd shape, 12 steps", [3, 1, 2], steps=12, beta2=0.9, weight_decay=0.3)]
+
+
+def _adamw_state(case: dict):
+    """(param, exp_avg, exp_avg_sq) before the first step: zero moments at step 1, else seeded ones."""
+    import torch
+
+    dtype = case["dtype"]
+    param = _randn(case["seed"], case["shape"], dtype)
+    if case["start"] == 1:
+        return param, torch.zeros_like(param), torch.zeros_like(param)
+    scale = case["grad_scale"]
+    return param, 0.3 * scale * _randn(case["seed"] + 1, case["shape"], dtype), (
+        scale * _randn(case["seed"] + 2, case["shape"], dtype)) ** 2
+
+
+def _adamw_grads(case: dict):
+    return [_randn(case["seed"] + 10 + i, case["shape"], case["dtype"], case["grad_scale"])
+            for i in range(case["steps"])]
+
+
+class _NoTorchAdam:
+    """For the length of a drive, torch's own Adam and AdamW refuse to run: the task is the update itself."""
+
+    MESSAGE = ("lab05 task 6 asks for the update itself: torch.optim.AdamW is what it is compared with, not part "
+               "of an answer")
+
+    def __enter__(self):
+        import importlib
+
+        import torch
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(self.MESSAGE)
+
+        adam, adamw = (importlib.import_module(f"torch.optim.{name}") for name in ("adam", "adamw"))
+        # The module-level functions that Adam.step and AdamW.step call (the classes' own step is
+        # re-wrapped by torch when an optimizer is made, so it is left alone).
+        self.saved = [(module, name, getattr(module, name)) for module, names in
+                      ((adam, ("adam", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")), (adamw, ("adamw",)))
+                      for name in names if hasattr(module, name)]
+        for owner, name, _ in self.saved:
+            setattr(owner, name, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+        return False
+
+
+def _drive_adamw(fn, cases: list[dict]) -> list:
+    def run(case):
+        param, exp_avg, exp_avg_sq = _adamw_state(case)
+        rows = []
+        for i, grad in enumerate(_adamw_grads(case)):
+            before = grad.clone()
+            fn(param, grad, exp_avg, exp_avg_sq, case["start"] + i, case["lr"], case["beta1"], case["beta2"],
+               case["eps"], case["weight_decay"])
+            rows.append({"param": _record(param), "exp_avg": _record(exp_avg), "exp_avg_sq": _record(exp_avg_sq),
+                         "grad_changed": not torch_equal(grad, before)})
+        return rows
+
+    with _NoTorchAdam():
+        return [outcome(run, case) for case in cases]
+
+
+def _adamw_variant(case: dict, *, bias_correction=True, l2=False, eps_inside=False, from_zero=False,
+                   decay_lr=True) -> list:
+    """The parameter after each step with one classic mistake, in float64."""
+    import torch
+
+    param, m, v = (t.double() for t in _adamw_state(case))
+    lr, b1, b2, eps, wd = (case[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    out = []
+    for i, grad in enumerate(_adamw_grads(case)):
+        grad, step = grad.double(), case["start"] + i + (1 if from_zero else 0)
+        if l2:
+            grad = grad + wd * param
+        else:
+            param = param * (1 - (lr * wd if decay_lr else wd))
+        m = b1 * m + (1 - b1) * grad
+        v = b2 * v + (1 - b2) * grad * grad
+        c1, c2 = (1 - b1 ** step, 1 - b2 ** step) if bias_correction else (1.0, 1.0)
+        denom = (v / c2 + eps).sqrt() if eps_inside else (v / c2).sqrt() + eps
+        param = param - lr * (m / c1) / denom
+        out.append(param.numpy() if torch.isfinite(param).all() else None)
+    return out
+
+
+_ADAMW_MISTAKES = {
+    "the moments start at zero, so early steps need the bias corrections: m / (1 - beta1^step) and "
+    "v / (1 - beta2^step)": {"bias_correction": False},
+    "that is Adam's L2 penalty (weight_decay * param added to the gradient, so it enters the moments): AdamW "
+    "decouples it, shrinking the weight itself by lr * weight_decay": {"l2": True},
+    "eps goes outside the square root: sqrt(v_hat) + eps": {"eps_inside": True},
+    "step is 1 on the first update (the step being taken now): do not add 1 to it": {"from_zero": True},
+    "the decoupled decay is scaled by the learning rate: param *= 1 - lr * weight_decay": {"decay_lr": False},
+}
+
+
+def _describe_adamw(case: dict) -> str:
+    steps = f"steps {case['start']}..{case['start'] + case['steps'] - 1}"
+    return (f"{case['label']}: param of shape {case['shape']}, {case['dtype']}, {steps}, lr={case['lr']:g}, "
+            f"beta1={case['beta1']:g}, beta2={case['beta2']:g}, eps={case['eps']:g}, "
+            f"weight_decay={case['weight_decay']:g}")
+
+
+def _compare_adamw(got, expected, cases: list[dict]) -> Mismatch | None:
+    import numpy as np
+
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results from adamw_update, got {got!r:.80}")
+    for case, g, e in zip(cases, got, expected):
+        (kind, rows), (_, want_rows) = unwrap(g), unwrap(e)
+        where = _describe_adamw(case)
+        if kind == "raised":
+            return Mismatch("adamw_update raised an exception", f"on {where}: your code raised {rows}")
+        if kind != "value" or type(rows) is not list or len(rows) != len(want_rows):
+            return Mismatch("the check recorded a malformed result", f"on {where}: {rows!r:.80}")
+        initial = _adamw_state(case)[0].double().numpy()
+        for i, (row, want) in enumerate(zip(rows, want_rows)):
+            at = f"{where}, after step {case['start'] + i}"
+            param = row["param"]
+            if i == 0 and param.get("values") is not None and np.array_equal(param["values"], initial) and (
+                    not np.array_equal(want["param"]["values"], initial)):
+                return Mismatch("adamw_update left param unchanged: it updates param, exp_avg and exp_avg_sq in "
+                                "place", f"on {at}: param still holds its starting values; a new tensor made by "
+                                "`param = param - ...` is lost when the function returns: write into the tensor "
+                                "(mul_, add_, addcdiv_, or param.copy_(...))")
+            variants = {why: steps_[i] for why, flags in _ADAMW_MISTAKES.items()
+                        if (steps_ := _adamw_variant(case, **flags))[i] is not None}
+            problem = _tensor_problem("adamw_update", param, want["param"], at, variants,
+                                      "adamw_update left the wrong values in param", tight=True, noun="param")
+            if problem:
+                return problem
+            for name in ("exp_avg", "exp_avg_sq"):
+                problem = _tensor_problem("adamw_update", row[name], want[name], at, {},
+                                          f"adamw_update left the wrong values in {name}", noun=name)
+                if problem:
+                    return Mismatch(problem.what, problem.detail + "; the moments are updated in place too: the "
+                                    "next step starts from them (they are not bias-corrected in place)")
+            if row["grad_changed"]:
+                return Mismatch("adamw_update changed grad", f"on {at}: grad holds other values after the call; "
+                                "it is read only")
+    return None
+
+
+_ADAMW_HINT = ("AdamW's step: shrink the weight by lr * weight_decay (decoupled: the decay never enters the "
+               "moments), move the two moments towards grad and grad² with beta1 and beta2, correct their bias "
+               "from starting at zero with 1 - beta^step (step is 1 on the first update), and move the weight by "
+               "lr * m_hat / (sqrt(v_hat) + eps). All three tensors are updated in place "
+               "(chapter 05, section “2 · One training step, measured: memory, mixed precision, checkpointing”).")
+
+register(Check(check_id="lab05.adamw_update", task=_TASKS[6], reference=reference(_SCRATCH, "adamw_update"),
+               make_inputs=_adamw_cases, drive=_drive_adamw, compare=_compare_adamw, hint=_ADAMW_HINT))
+register(Check(check_id="lab05.adamw_edges", task=_TASKS[6], reference=reference(_SCRATCH, "adamw_update"),
+               make_inputs=_adamw_edges, drive=_drive_adamw, compare=_compare_adamw,
+               hint=_ADAMW_HINT + " No weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming "
+                                  "at step 1000 with moments already there, 12 steps."))
+
+
+# --- the three pieces in one training run ------------------------------------------------------------
+
+TRAIN_STEPS = 20
+PIECES = ("softmax_backward", "rms_norm_backward", "adamw_update")
+
+
+def reference_pieces() -> dict:
+    from infra_lib.training.autograd import rms_norm_backward, softmax_backward
+    from infra_lib.training.scratch_train import adamw_update
+
+    return {"softmax_backward": softmax_backward, "rms_norm_backward": rms_norm_backward,
+            "adamw_update": adamw_update}
+
+
+def _training_inputs(rng: random.Random) -> dict:
+    return {"steps": TRAIN_STEPS, "seed": rng.randrange(10**6)}
+
+
+def _checked(name: str, fn, shapes):
+    """``fn`` with its error named, and the shapes of what it returns checked against its inputs'."""
+
+    def call(*args):
+        try:
+            result = fn(*args)
+        except (NotImplementedError, MemoryError):
+            raise
+        except Exception as exc:  # the learner's code may raise anything
+            raise RuntimeError(f"your {name} raised {type(exc).__name__}: {exc}") from None
+        shapes(result, *args)
+        return result
+
+    return call
+
+
+def _softmax_shapes(result, probs, grad):
+    if getattr(result, "shape", None) != probs.shape:
+        raise ValueError(f"your softmax_backward returned {getattr(result, 'shape', type(result).__name__)} for "
+                         f"probs of shape {tuple(probs.shape)}")
+
+
+def _rms_shapes(result, x, weight, grad, eps):
+    if (type(result) not in (tuple, list) or len(result) != 2 or getattr(result[0], "shape", None) != x.shape
+            or getattr(result[1], "shape", None) != weight.shape):
+        shapes = ([tuple(getattr(r, "shape", ())) for r in result] if type(result) in (tuple, list)
+                  else type(result).__name__)
+        raise ValueError(f"your rms_norm_backward must return (grad_x {tuple(x.shape)}, grad_weight "
+                         f"{tuple(weight.shape)}); it returned {shapes}")
+
+
+def _drive_training(pieces, case: dict) -> dict:
+    from infra_lib.training.autograd import using_backward
+    from infra_lib.training.scratch_train import train_tiny
+
+    if type(pieces) is not dict or set(pieces) != set(PIECES):
+        raise TypeError(f"check('lab05.train_tiny', pieces) takes a dict of your {', '.join(PIECES)}")
+    grad_norms: list = []
+    with _NoTorchAdam(), using_backward(softmax=_checked("softmax_backward", pieces["softmax_backward"],
+                                                         _softmax_shapes),
+                                        rms_norm=_checked("rms_norm_backward", pieces["rms_norm_backward"],
+                                                          _rms_shapes)):
+        losses = train_tiny(case["steps"], adamw=_checked("adamw_update", pieces["adamw_update"],
+                                                          lambda *args: None),
+                            seed=case["seed"], grad_norms=grad_norms)
+    return {"losses": losses, "first_grad_norms": grad_norms[0] if grad_norms else {}}
+
+
+def _first_gradient_note(got: dict, want: dict) -> str:
+    """Which piece the first step's gradients point at (the weights are the same before it)."""
+    differ = [name for name, value in want.items()
+              if not (is_number(got.get(name)) and math.isclose(got[name], value, rel_tol=1e-5, abs_tol=1e-12))]
+    if not differ:
+        return ("; the first step's gradients agree with the reference's, so the update differs: your adamw_update "
+                "(task 6)")
+    if "norm.weight" in differ:
+        return "; already the final RMSNorm's weight gradient differs: your rms_norm_backward (task 5)"
+    top = max((int(name.split(".")[1]) for name in want if name.startswith("layers.")), default=0)
+    if f"layers.{top}.mlp.down_proj.weight" in differ:
+        return ("; already the last MLP's gradients differ, which no softmax lies behind (only the final RMSNorm): "
+                "your rms_norm_backward (task 5)")
+    return (f"; the last layer's MLP gradients agree, its query and key projections' do not ({len(differ)} of "
+            f"{len(want)} parameters differ, e.g. {differ[0]}): the attention scores' gradient, your softmax_backward "
+            "(task 4)")
+
+
+def _compare_training(got, expected, case: dict) -> Mismatch | None:
+    if type(got) is not dict or type(got.get("losses")) is not list:
+        return Mismatch("the check recorded a malformed result", f"got {got!r:.80}")
+    losses, want = got["losses"], expected["losses"]
+    where = f"train_tiny({case['steps']} steps, seed={case['seed']})"
+    for step, (g, e) in enumerate(zip(losses, want), start=1):
+        if not (is_number(g) and math.isclose(g, e, rel_tol=1e-5)):
+            shown = ", ".join(f"{x:.6f}" if is_number(x) else repr(x) for x in losses[:step])
+            return Mismatch(f"training with your pieces left the reference's loss curve at step {step}",
+                            f"on {where}: the first {step - 1} losses agree, then step {step}'s loss is "
+                            f"{g!r:.12} instead of {e:.10g} (relative tolerance 1e-5); your losses so far: "
+                            f"[{shown}]" + _first_gradient_note(got.get("first_grad_norms") or {},
+                                                                expected["first_grad_norms"]))
+    if len(losses) != len(want):
+        return Mismatch("training with your pieces ran a different number of steps",
+                        f"on {where}: expected {len(want)} losses, got {len(losses)}")
+    return None
+
+
+register(Check(check_id="lab05.train_tiny", task=_TASKS[6], reference=lambda: reference_pieces(),
+               make_inputs=_training_inputs, drive=_drive_training, compare=_compare_training,
+               hint=("every step of the tiny model's training runs your softmax_backward in each attention, your "
+                     "rms_norm_backward in each RMSNorm and your adamw_update on each parameter (step counted from "
+                     "1); their losses must follow the reference pieces' at every step. A piece whose own checks "
+                     "fail shows here first: fix that task (chapter 05, sections “1 · The chain rule as a graph” "
+                     "and “2 · One training step, measured: memory, mixed precision, checkpointing”).")))

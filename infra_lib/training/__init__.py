@@ -4,6 +4,8 @@ N processes on one machine.
     autograd.py          reverse-mode automatic differentiation over torch tensors, a Llama's loss with it
     train_step.py        one real training step of a tiny Llama: fp32, bf16 with fp32 masters,
                          activation checkpointing, and where the bytes go
+    scratch_train.py     AdamW written out, and a tiny Llama trained through the course's autograd (lab 05's
+                         pieces plug in here)
     launcher.py          run_workers: spawn a process group, collect results, never leave a process behind
     collectives.py       ring all-reduce over send/recv (reduce-scatter, all-gather), bandwidth timing
     ddp.py               data parallelism with bucketed gradient all-reduce; single-process reference

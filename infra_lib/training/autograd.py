@@ -11,11 +11,18 @@ received every share before it passes its own gradient on; a Value used twice ge
 
 The ops cover a Llama block and its loss; ``llama_loss`` runs the course's ``Llama`` with them, so its
 gradients can be checked against ``torch.autograd`` (and ``numeric_gradient`` checks each op).
+
+Two ops take their backward formula from a replaceable place, so that someone else's formula can
+run inside the whole model: ``softmax_backward`` and ``rms_norm_backward`` below are the defaults,
+and ``using_backward(softmax=..., rms_norm=...)`` swaps either for the length of a ``with`` block
+(an op made inside the block keeps the formula it was made with).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Callable, Sequence
 
 import torch
@@ -72,7 +79,7 @@ class Value:
         elif grad.shape != self.shape:
             raise ValueError(f"backward(grad): grad has shape {tuple(grad.shape)}, the output {tuple(self.shape)}")
         pending = {id(self): grad}  # node -> the sum of the contributions it has received so far
-        for node in reversed(_topological_order(self)):
+        for node in reversed(topological_order(self)):
             node_grad = pending.pop(id(node))
             node.grad = node_grad.clone() if node.grad is None else node.grad + node_grad
             if node.backward_fn is None:
@@ -135,7 +142,7 @@ class Value:
         return Value(self.data[index], (self,), backward, "slice")
 
 
-def _topological_order(root: Value) -> list[Value]:
+def topological_order(root: Value) -> list[Value]:
     """Every node ``root`` depends on, each after all of its parents (iterative depth-first search,
     so a graph deeper than Python's recursion limit is fine)."""
     order, visited = [], set()
@@ -291,19 +298,79 @@ def embedding(ids: torch.Tensor, table) -> Value:
 
 # --- the Llama-specific ops -------------------------------------------------------------------------
 
+def softmax_backward(probs: torch.Tensor, grad_probs: torch.Tensor) -> torch.Tensor:
+    """The gradient of a softmax's input scores, from its output ``probs`` and the gradient of ``probs``.
+
+    d p_i / d x_j = p_i (delta_ij - p_j), so the gradient is p * (g - sum_j g_j p_j), over the last dim.
+    A masked entry (p exactly 0) gets exactly 0.
+
+    Args:
+        probs: ``[..., n]``, softmax over the last dim.
+        grad_probs: ``[..., n]``, d(output)/d(probs).
+
+    Returns:
+        ``[..., n]``: d(output)/d(scores).
+    """
+    return probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``y = x / sqrt(mean(x^2) + eps) * weight`` (over the last dim).
+
+    Args:
+        x: ``[..., d]``, the op's input.
+        weight: ``[d]``.
+        grad_out: ``[..., d]``, d(output)/d(y).
+        eps: inside the square root.
+
+    Returns:
+        (grad_x ``[..., d]``, grad_weight ``[d]``, summed over every leading dim).
+    """
+    inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+    normed = x * inv_rms
+    grad_normed = grad_out * weight
+    # d normed_i / d x_j = inv_rms * (delta_ij - normed_i * normed_j / d)
+    grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    return grad_x, (grad_out * normed).reshape(-1, x.shape[-1]).sum(0)
+
+
+# op -> its backward formula; the defaults are the two functions above.
+BACKWARD: dict[str, Callable] = {"softmax": softmax_backward, "rms_norm": rms_norm_backward}
+
+
+@contextlib.contextmanager
+def using_backward(softmax: Callable | None = None, rms_norm: Callable | None = None) -> Iterator[None]:
+    """Inside the block, ops made by ``softmax`` and ``rms_norm`` use these backward formulas (None:
+    keep the current one); the previous formulas come back when the block ends, also on an error.
+
+    Args:
+        softmax: ``(probs, grad_probs) -> grad_scores``, as ``softmax_backward``.
+        rms_norm: ``(x, weight, grad_out, eps) -> (grad_x, grad_weight)``, as ``rms_norm_backward``.
+    """
+    saved = dict(BACKWARD)
+    try:
+        if softmax is not None:
+            BACKWARD["softmax"] = softmax
+        if rms_norm is not None:
+            BACKWARD["rms_norm"] = rms_norm
+        yield
+    finally:
+        BACKWARD.clear()
+        BACKWARD.update(saved)
+
+
 def rms_norm(x, weight, eps: float) -> Value:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; ``weight`` is ``[x.shape[-1]]``."""
     x, weight = _pair(x, weight)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight must be [{x.shape[-1]}] for x {tuple(x.shape)}, got {tuple(weight.shape)}")
-    inv_rms = torch.rsqrt(x.data.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-    normed = x.data * inv_rms
+    normed = x.data * torch.rsqrt(x.data.pow(2).mean(-1, keepdim=True) + eps)
+    formula = BACKWARD["rms_norm"]
 
     def backward(grad):
-        grad_normed = grad * weight.data
-        # d normed_i / d x_j = inv_rms * (delta_ij - normed_i * normed_j / n)
-        grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-        return grad_x, _sum_to_shape(grad * normed, weight.shape)
+        grad_x, grad_weight = formula(x.data, weight.data, grad, eps)
+        return grad_x, grad_weight
 
     return Value(weight.data * normed, (x, weight), backward, "rms_norm")
 
@@ -320,8 +387,8 @@ def softmax(x, causal: bool = False) -> Value:
             raise ValueError(f"causal softmax needs at least as many keys as queries, got scores {tuple(x.shape)}")
         scores = scores.masked_fill(~causal_mask(t, s, scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    # d p_i / d x_j = p_i (delta_ij - p_j)
-    return Value(probs, (x,), lambda grad: (probs * (grad - (grad * probs).sum(-1, keepdim=True)),), "softmax")
+    formula = BACKWARD["softmax"]
+    return Value(probs, (x,), lambda grad: (formula(probs, grad),), "softmax")
 
 
 def cross_entropy(logits, targets: torch.Tensor) -> Value:
