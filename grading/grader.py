@@ -27,7 +27,7 @@ from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.hidden_reference import hidden_files
 from grading.lab_version import course_version, lab_version, renamed_cells
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
-from grading.registry import get_check, shortcut_modules
+from grading.registry import answer_lab, get_check, shortcut_modules
 from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
 from grading.sandbox import Limits
 
@@ -277,12 +277,12 @@ def _why_missing(spliced: Spliced, runs: list[Execution]) -> dict[int, tuple[str
 
 def scan_answers(spliced: Spliced, lab_id: str) -> dict[str, tamper.Finding]:
     """Static findings per answer cell (the first one found), before anything runs."""
-    modules, names = shortcut_modules(lab_id)
     trusted_code = [c.source for i, c in enumerate(spliced.notebook.cells)
                     if c.cell_type == "code" and i not in spliced.answers.values()]
     aliases = tamper.module_aliases(trusted_code)
     findings = {}
     for answer, index in spliced.answers.items():
+        modules, names = shortcut_modules(answer_lab(lab_id, answer))
         found = tamper.scan(spliced.notebook.cells[index].source, modules, names, aliases)
         if found:
             findings[answer] = found[0]

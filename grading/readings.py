@@ -85,6 +85,12 @@ READINGS: dict[str, tuple[str, list[str]]] = {
                                                                    "7 · The real model through the kernels"]),
     "lab15 task 3: paged_decode_kernel": ("15_serving_kernels", ["5 · Paged decode: reading blocks in place"]),
     "lab15 task 4: q4_gemv_kernel": ("15_serving_kernels", ["6 · A fused 4-bit GEMV"]),
+    "lab16 task 1: lab06_kv_cache": ("16_capstone", ["1 · Your engine, assembled from your labs"]),
+    "lab16 task 2: lab07_paged_kv": ("16_capstone", ["1 · Your engine, assembled from your labs"]),
+    "lab16 task 3: lab08_scheduler": ("16_capstone", ["1 · Your engine, assembled from your labs"]),
+    "lab16 task 4: lab09_spec_quant": ("16_capstone", ["1 · Your engine, assembled from your labs"]),
+    "lab16 task 5: the assembled engine": ("16_capstone", ["1 · Your engine, assembled from your labs",
+                                                          "2 · The race: one open-loop load, two engines"]),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
                  "grading.checks.lab05", "grading.checks.lab06", "grading.checks.lab07", "grading.checks.lab08",
                  "grading.checks.lab09", "grading.checks.lab10", "grading.checks.lab12",
-                 "grading.checks.lab13", "grading.checks.lab15")
+                 "grading.checks.lab13", "grading.checks.lab15", "grading.checks.lab16")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,21 @@ def register_shortcuts(lab: str, targets: list[str]) -> None:
         if ":" not in target:
             raise ValueError(f"shortcut target {target!r} must look like 'package.module:function'")
     _SHORTCUTS[lab] = tuple(targets)
+
+
+_ANSWER_LABS: dict[str, dict[str, str]] = {}
+
+
+def register_answer_labs(lab: str, answers: dict[str, str]) -> None:
+    """Scan some of a lab's answer cells with another lab's shortcut rules: ``{answer grade_id: lab}``.
+    The capstone's answer cells are labs 06-09's answers, each under the rules it was written for."""
+    _ANSWER_LABS[_lab_key(lab)] = dict(answers)
+
+
+def answer_lab(lab: str, answer: str) -> str:
+    """The lab whose shortcut rules the static scan applies to ``answer`` of ``lab``."""
+    _load()
+    return _ANSWER_LABS.get(_lab_key(lab), {}).get(answer, lab)
 
 
 def _lab_key(lab: str) -> str:

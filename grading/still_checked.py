@@ -158,6 +158,16 @@ _TEXTS: dict[str, str | None] = {
     "lab15.gemv_q4_odd_shapes": "the bytes your kernel loads, on one row of x against SmolLM2's 576 inputs in groups "
                                 "of 64: the packed bytes and scales of its rows once, x once, no float copy of the "
                                 "weight (counted when Triton runs in its interpreter)",
+    # lab 16
+    "lab16.attention_in_engine": "three requests drawn from the grader's own seed, with other batch limits and budgets",
+    "lab16.pool_in_engine": "three seeded requests on a pool small enough to preempt, two of them aborted in the middle "
+                            "of the run",
+    "lab16.scheduler_in_engine": "three seeded requests with other batch limits, budgets and pool sizes",
+    "lab16.speculative_answers": "another question, another answer length and another gamma",
+    "lab16.engine_answers": "a seeded workload of four requests with preemptions and two aborted requests",
+    "lab16.stream_equals_whole": None,
+    "lab16.throughput_a_quarter": None,
+    "lab16.throughput_half": None,
 }
 
 # Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).

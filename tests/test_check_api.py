@@ -40,6 +40,8 @@ def _not_implemented_stub(registered, folder):
 
     if isinstance(reference, tuple):  # a check of several functions together: a stub for each
         return tuple(stub for _ in reference)
+    if isinstance(reference, dict):  # several named functions together: a stub under each name
+        return {name: stub for name in reference}
     if not (hasattr(reference, "arg_names") and hasattr(reference, "run")):  # not a Triton kernel
         return stub
     import importlib.util

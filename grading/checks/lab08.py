@@ -47,21 +47,13 @@ class _Violation(Exception):
 
 
 def _scheduler_class(schedule):
-    """``class LearnerScheduler(Scheduler): schedule = schedule``, checking what ``schedule`` returns."""
-    from infra_lib.serving.scheduler import Scheduler
-    from infra_lib.serving.scheduler_output import SchedulerOutput
+    """``class LearnerScheduler(Scheduler): schedule = schedule``, checking what ``schedule`` returns
+    (the capstone's engine builds its scheduler the same way)."""
+    from infra_lib.serving.pieces import scheduler_class
 
     if not callable(schedule):
         raise TypeError(f"check(...) needs your schedule function, got a {type(schedule).__name__}")
-
-    class LearnerScheduler(Scheduler):
-        def schedule(self):
-            out = schedule(self)
-            if not isinstance(out, SchedulerOutput):
-                raise TypeError(f"schedule must return a SchedulerOutput, got a {type(out).__name__}")
-            return out
-
-    return LearnerScheduler
+    return scheduler_class(schedule)
 
 
 def _config(c: dict):

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,19 +218,37 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_",
                    "xavier_normal_", "trunc_normal_")
 
 
+_SKIP_INIT = threading.local()
+
+
+def _skippable(name: str, function):
+    """``torch.nn.init.<name>``, doing nothing in a thread that is inside ``_without_init``."""
+    def init(tensor, *args, **kwargs):
+        if getattr(_SKIP_INIT, "depth", 0):
+            return tensor
+        return function(tensor, *args, **kwargs)
+
+    init.skips_in_without_init = True
+    return init
+
+
 @contextlib.contextmanager
 def _without_init():
     """Build modules without drawing random weights that ``load_state_dict`` replaces at once
     (the parameters stay allocated but untouched, so they cost no time). The meta device would
-    do the same but pulls in torch's Python meta kernels, seconds on their first use."""
-    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    do the same but pulls in torch's Python meta kernels, seconds on their first use.
+
+    Only the calling thread skips the initialisers: another thread building a model meanwhile
+    (a test's tiny model, a second engine) still draws its weights."""
+    for name in _INIT_FUNCTIONS:
+        current = getattr(torch.nn.init, name)
+        if not getattr(current, "skips_in_without_init", False):
+            setattr(torch.nn.init, name, _skippable(name, current))
+    _SKIP_INIT.depth = getattr(_SKIP_INIT, "depth", 0) + 1
     try:
-        for name in _INIT_FUNCTIONS:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
         yield
     finally:
-        for name, function in saved.items():
-            setattr(torch.nn.init, name, function)
+        _SKIP_INIT.depth -= 1
 
 
 def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> LoadedModel:

@@ -247,7 +247,7 @@ class SpeculativeResult:
 @torch.inference_mode()
 def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int = 4,
                        params: SamplingParams = SamplingParams(), stop_ids: tuple[int, ...] = (),
-                       on_step=None) -> SpeculativeResult:
+                       on_step=None, accept=None) -> SpeculativeResult:
     """Generate with ``target`` from ``prompt_ids``, ``draft`` proposing up to ``gamma`` tokens a step.
 
     Args:
@@ -256,6 +256,7 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
         params: sampling (temperature 0: greedy) and ``max_new_tokens``; ``seed`` makes it reproducible.
         stop_ids: tokens that end generation (kept in the output).
         on_step: ``on_step(target_cache, tokens)`` after every step (tests check the rollback there).
+        accept: the acceptance rule, ``accept_or_resample``'s signature (None: this module's).
     """
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
@@ -285,7 +286,12 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
         before = cache.seq_len
         logits = target(torch.tensor([[tokens[-1]] + draft_tokens], device=weight.device), cache)[0]
         p = probabilities(logits, params).to(q.device)
-        accepted, next_token = accept_or_resample(p, q.float(), draft_tokens, generator)
+        rule = accept if accept is not None else accept_or_resample
+        accepted, next_token = rule(p, q.float(), draft_tokens, generator)
+        accepted, next_token = [int(t) for t in accepted], int(next_token)
+        if accepted != draft_tokens[:len(accepted)]:
+            raise ValueError(f"the acceptance rule accepted {accepted}, which is not a prefix of the draft's "
+                             f"{draft_tokens}")
         cache.truncate(before + 1 + len(accepted))  # keep the last token and the accepted drafts
         result.draft_seconds += t1 - t0
         result.target_seconds += time.perf_counter() - t1
