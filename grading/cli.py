@@ -261,8 +261,17 @@ def _cmd_release(args) -> int:
 def _cmd_serve(args) -> int:
     from infra_lib.serving.server import serve_main
 
+    pieces = None
+    if args.engine == "learner":
+        from grading.capstone import CapstoneError, load, report
+
+        try:
+            pieces, rows = load(args.capstone_dir)
+        except CapstoneError as exc:
+            return _refuse("serve", str(exc))
+        print(f"the learner's engine, built from {args.capstone_dir}:\n{report(rows)}", flush=True)
     try:
-        return serve_main(args)
+        return serve_main(args, pieces)
     except SystemExit as exc:  # serve_main's refusals: a bad option, a missing model, a port in use
         if isinstance(exc.code, str):
             return _refuse("serve", exc.code)
@@ -307,8 +316,27 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
                          help="run the kernel without bubblewrap, even for --submissions (where it is missing)")
 
 
+def _cmd_capstone(args) -> int:
+    from grading.capstone import CapstoneError, build, load, report
+
+    try:
+        labs = build(args.labs, args.out, notebook=args.notebook)
+        _, rows = load(args.out)
+    except (CapstoneError, ValueError) as exc:
+        return _refuse("capstone build", str(exc))
+    for lab in labs:
+        print(f"{lab.lab:<18} {lab.status}{': ' + lab.reason if lab.reason else ''}")
+    print(f"\n{report(rows)}\n\nwrote {Path(args.out) / 'learner_engine.py'}; serve it with "
+          "`infra-lab serve --engine learner`")
+    return EXIT_OK
+
+
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``infra-lab serve`` (read by ``infra_lib.serving.server.serve_main``)."""
+    parser.add_argument("--engine", choices=("course", "learner"), default="course",
+                        help="the course's engine, or yours as `infra-lab capstone build` assembled it")
+    parser.add_argument("--capstone-dir", default="build/capstone",
+                        help="where `infra-lab capstone build` wrote your engine (default build/capstone)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--model", dest="model_path", help="a .gguf file or a Hugging Face model folder "
@@ -392,6 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API on 127.0.0.1")
     _add_serve_options(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    capstone = sub.add_parser("capstone", help="assemble your own engine from your lab notebooks (lab 16)")
+    capstone_sub = capstone.add_subparsers(dest="capstone_command", required=True)
+    cap_build = capstone_sub.add_parser("build", help="copy labs 06-09's answer cells into build/capstone and the "
+                                                      "capstone notebook, and say which pieces are yours")
+    cap_build.add_argument("--labs", default="labs", help="the folder with your lab notebooks (default labs)")
+    cap_build.add_argument("--out", default="build/capstone", help="where the engine module goes (build/capstone)")
+    cap_build.add_argument("--notebook", help="the capstone notebook to fill (default: LABS/lab16_capstone/"
+                                              "lab16_capstone.ipynb, when it exists)")
+    cap_build.set_defaults(func=_cmd_capstone)
 
     from grading.gradescope import add_parser as _add_gradescope
     _add_gradescope(sub)

@@ -336,8 +336,11 @@ def _usage(out) -> dict:
 def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, max_num_seqs: int = 16,
                  kv_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, max_queue_len: int = 256,
-                 event_log_len: int | None = 200_000) -> AsyncLLMEngine:
-    """An ``AsyncLLMEngine`` on ``model`` (default: ``model_path``, else the course's SmolLM2)."""
+                 event_log_len: int | None = 200_000, pieces: dict | None = None) -> AsyncLLMEngine:
+    """An ``AsyncLLMEngine`` on ``model`` (default: ``model_path``, else the course's SmolLM2).
+
+    ``pieces``: a learner's engine pieces (``infra_lib.serving.pieces``); with a learner's block
+    pool, prefix caching is off (the lab's pool has no prefix cache)."""
     if model is None:
         from infra_lib.model.loaders import load_default, load_gguf, load_hf_dir
         if model_path is None:
@@ -347,9 +350,16 @@ def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, m
         else:
             loaded = load_hf_dir(model_path)
         model, tokenizer = loaded.model, loaded.tokenizer if tokenizer is None else tokenizer
+    if pieces and pieces.get("BlockPool") is not None:
+        enable_prefix_caching = False
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              block_size=block_size, num_blocks=kv_blocks, enable_prefix_caching=enable_prefix_caching)
-    engine = LLMEngine.from_model(model, tokenizer, config, events=EventLog(maxlen=event_log_len))
+    if pieces:
+        from infra_lib.serving.pieces import assemble
+
+        engine = assemble(model, tokenizer, config, pieces, events=EventLog(maxlen=event_log_len))
+    else:
+        engine = LLMEngine.from_model(model, tokenizer, config, events=EventLog(maxlen=event_log_len))
     return AsyncLLMEngine(engine, max_queue_len=max_queue_len)
 
 
@@ -415,8 +425,9 @@ class ServerThread:
         self.stop()
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C."""
+def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
+    """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C.
+    ``pieces``: a learner's engine pieces (``--engine learner``), None for the course's engine."""
     import uvicorn
     from pathlib import Path
 
@@ -430,7 +441,8 @@ def serve_main(args: argparse.Namespace) -> int:
         raise SystemExit(problem)
     print("loading the model ...", flush=True)
     engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len)
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
+                          pieces=pieces)
     name = args.served_model_name or (Path(args.model_path).stem if args.model_path else DEFAULT_MODEL_NAME)
     app = create_app(engine, name, max_tokens_default=args.max_tokens_default)
     base = f"http://{args.host}:{args.port}/v1"
