@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grading.sandbox import Limits
@@ -48,6 +48,7 @@ class BatchRow:
     seed: int | None = None
     graded_at: str = ""
     course_version: str = ""
+    measures: dict = field(default_factory=dict)  # the grading's measurements (the capstone's throughput ratio)
 
 
 def find_submissions(folder: Path, lab_id: str) -> dict[str, Path | None]:
@@ -123,7 +124,8 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
     extra = results.get("extra_data", {})
     return asdict(BatchRow(learner, results["score"], results["max_score"], status, seconds,
                            {t["name"]: t["score"] for t in results["tests"]}, note, seed=extra.get("seed"),
-                           graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", "")))
+                           graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
+                           measures=dict(extra.get("measures", {}))))
 
 
 def _previous(target: Path) -> tuple[float, str] | None:
@@ -147,7 +149,8 @@ def _cached(learner: str, target: Path, key: str) -> BatchRow | None:
     note = extra.get("unreadable", "") if status == "unreadable" else ""
     return BatchRow(learner, results["score"], results["max_score"], status, float(results.get("execution_time", 0)),
                     {t["name"]: t["score"] for t in results["tests"]}, note, cached=True, seed=extra.get("seed"),
-                    graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""))
+                    graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
+                    measures=dict(extra.get("measures", {})) if isinstance(extra.get("measures"), dict) else {})
 
 
 def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Path, limits: Limits,
@@ -222,13 +225,15 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
 
 def write_csv(rows: list[BatchRow], path: Path) -> None:
     test_names = list(dict.fromkeys(name for row in rows for name in row.tests))
+    measure_names = list(dict.fromkeys(name for row in rows for name in row.measures))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["learner", "score", "max_score", "status", "cached", "seed", "seconds", "graded_at",
-                         "course_version", *test_names, "flags", "note"])
+                         "course_version", *test_names, *measure_names, "flags", "note"])
         for row in rows:
             writer.writerow([row.learner, f"{row.score:g}", f"{row.max_score:g}", row.status,
                              "yes" if row.cached else "no", "" if row.seed is None else row.seed,
                              f"{row.seconds:.1f}", row.graded_at, row.course_version,
                              *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names),
+                             *(f"{row.measures[name]:.3f}" if name in row.measures else "" for name in measure_names),
                              row.flags, row.note])

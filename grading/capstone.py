@@ -127,9 +127,10 @@ def module_source(labs: list[LabAnswers], when: str) -> str:
 
 
 def build(labs_dir: str | Path = "labs", out_dir: str | Path = BUILD_DIR, source_dir: Path = DEFAULT_SOURCE,
-          notebook: str | Path | None = None) -> list[LabAnswers]:
-    """Extract every lab's answers, write the module and the manifest into ``out_dir``, and the answers
-    into the capstone notebook (default ``labs_dir/lab16_capstone/lab16_capstone.ipynb``, when it exists)."""
+          notebook: str | Path | None = None, fill_notebook: bool = True) -> list[LabAnswers]:
+    """Extract every lab's answers, write the module and the manifest into ``out_dir``, and (with
+    ``fill_notebook``) the answers into the capstone notebook (default
+    ``labs_dir/lab16_capstone/lab16_capstone.ipynb``, when it exists)."""
     labs_dir, out_dir = Path(labs_dir), Path(out_dir)
     if not labs_dir.is_dir():
         raise CapstoneError(f"no folder {labs_dir}: pass --labs with the folder that holds your lab notebooks")
@@ -140,7 +141,7 @@ def build(labs_dir: str | Path = "labs", out_dir: str | Path = BUILD_DIR, source
     manifest = {"built": when, "labs_dir": str(labs_dir), "labs": [asdict(a) | {"source": ""} for a in labs]}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     target = Path(notebook) if notebook else labs_dir / CAPSTONE_LAB / f"{CAPSTONE_LAB}.ipynb"
-    if target.is_file():
+    if fill_notebook and target.is_file():
         write_answers(target, labs)
     return labs
 

@@ -48,6 +48,7 @@ class CheckResult:
     passed: bool
     message: str
     reason: str = "passed"  # why it failed, one word or two; "passed" when it passed
+    measures: dict = field(default_factory=dict)  # the check's measurements (Check.measure), e.g. a speed ratio
 
 
 @dataclass
@@ -82,6 +83,16 @@ class GradeReport:
     @property
     def score(self) -> float:
         return sum(t.score for t in self.tests)
+
+    @property
+    def measures(self) -> dict[str, float]:
+        """Every check's measurements by name; the best (largest) where several checks measure one."""
+        found: dict[str, float] = {}
+        for test in self.tests:
+            for check in test.checks:
+                for name, value in check.measures.items():
+                    found[name] = max(value, found.get(name, value))
+        return found
 
     @property
     def max_score(self) -> float:
@@ -225,10 +236,22 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
             verdicts = [judge(registered, answer, expected_cache.get(call.check_id), inputs) for answer in answers]
             verdict = next((v for v in verdicts if not v.passed), verdicts[0])
             checks.append(CheckResult(call.check_id, call.hidden, verdict.passed,
-                                      verdict.message(registered, hidden=call.hidden), verdict.kind))
+                                      verdict.message(registered, hidden=call.hidden), verdict.kind,
+                                      _measures(registered, answers[0], expected_cache.get(call.check_id))))
         passed = all(c.passed for c in checks)
         results.append(TestResult(test.grade_id, test.points if passed else 0.0, test.points, checks))
     return results
+
+
+def _measures(registered, answer: Outcome, expected: Outcome | None) -> dict:
+    """The check's measurements of the learner's data against the reference's (empty when either has none)."""
+    if registered.measure is None or answer.kind is not None or expected is None or expected.kind is not None:
+        return {}
+    try:
+        found = registered.measure(answer.data, expected.data)
+    except Exception:  # noqa: BLE001 - the learner's data may be any shape; a measurement is optional
+        return {}
+    return {str(k): float(v) for k, v in found.items() if isinstance(v, (int, float))}
 
 
 def _error_reason(ename: str, evalue: str) -> str:

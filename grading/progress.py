@@ -54,6 +54,8 @@ class LabProgress:
     note: str = ""  # UNCHANGED, or why the lab could not be graded
     graded: bool = True
     test_scores: list[tuple[str, float, float]] = field(default_factory=list)  # (test, score, max)
+    # Each grading's measurements (the capstone's throughput ratio), oldest first: (graded_at, {name: value}).
+    measured: list[tuple[str, dict]] = field(default_factory=list)
 
     @property
     def not_started(self) -> bool:
@@ -174,6 +176,22 @@ def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = 
     return from_results(report.lab_id, gradescope_results(report))
 
 
+def measure_history(lab_dir: str | Path) -> list[tuple[str, dict]]:
+    """Every recorded grading's measurements in ``lab_dir`` (its history/ and its last results.json),
+    oldest first; gradings that measured nothing are left out."""
+    lab_dir = Path(lab_dir)
+    found = []
+    for path in [*sorted((lab_dir / "history").glob(f"*/{RESULTS}")), lab_dir / RESULTS]:
+        try:
+            extra = json.loads(path.read_text(encoding="utf-8")).get("extra_data", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        measures = extra.get("measures") if isinstance(extra, dict) else None
+        if isinstance(measures, dict) and measures:
+            found.append((str(extra.get("graded_at", "")), measures))
+    return sorted(found, key=lambda item: item[0])
+
+
 def course_progress(notebooks: list[Path], out: str | Path, *, limits: Limits | None = None,
                     regrade: bool = False, progress: bool = True) -> list[LabProgress]:
     """Grade (or reuse the grade of) every lab notebook; reports go to ``out/<lab_id>/``.
@@ -194,7 +212,9 @@ def course_progress(notebooks: list[Path], out: str | Path, *, limits: Limits | 
     bar = tqdm(notebooks, desc="labs", unit="lab", disable=not progress, file=sys.stderr)
     for path in bar:
         bar.set_postfix_str(path.stem)
-        rows.append(grade_lab(path, Path(out) / path.stem, limits=limits, regrade=regrade))
+        row = grade_lab(path, Path(out) / path.stem, limits=limits, regrade=regrade)
+        row.measured = measure_history(Path(out) / path.stem)
+        rows.append(row)
     bar.close()
     return rows
 
@@ -217,6 +237,13 @@ def progress_table(rows: list[LabProgress]) -> str:
         if i in (1, len(table) - 1):
             out.append("  ".join("-" * w for w in widths[:3]))
         out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    measured = [r for r in rows if r.measured]
+    if measured:
+        out += ["", "measured, oldest grading first:"]
+        for row in measured:
+            for name in dict.fromkeys(k for _, m in row.measured for k in m):
+                values = [f"{m[name]:.2f}" for _, m in row.measured if name in m]
+                out.append(f"  {row.lab_id} {name}: {' -> '.join(values[-8:])}")
     failing = [r for r in rows if r.failing and not r.not_started]
     if failing:
         out += ["", "still failing:"]

@@ -55,6 +55,9 @@ class Check:
     drive: Callable[[Any, Any], Any]
     compare: Callable[[Any, Any, Any], Mismatch | None]
     hint: str
+    # (learner data, reference data) -> {name: number}: what the grading reports besides pass/fail
+    # (the capstone's throughput ratio), for scores.csv and the learner's progress history.
+    measure: Callable[[Any, Any], dict[str, float]] | None = None
 
     def inputs(self, seed: int) -> Any:
         return self.make_inputs(random.Random(seed_for(seed, self.check_id)))

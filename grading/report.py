@@ -99,6 +99,7 @@ def gradescope_results(report: GradeReport) -> dict:
         "extra_data": {"protections": report.sandbox, "status": report.status, "seed": report.seed,
                        "graded_at": report.graded_at, "course_version": report.course_version,
                        "lab_version": report.lab_version,
+                       **({"measures": report.measures} if report.measures else {}),
                        **({"unreadable": report.unreadable} if report.unreadable else {})},
     }
 

@@ -160,6 +160,8 @@ LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[10_serving]",
     "tests/test_labs.py::test_nbgrader_autograde_agrees_with_the_course_grader",
     "tests/test_labs.py::test_solution_runs_top_to_bottom_and_scores_full_marks[lab15_serving_kernels]",
+    "tests/test_labs.py::test_solution_runs_top_to_bottom_and_scores_full_marks[lab16_capstone]",
+    "tests/test_capstone.py::test_a_slow_scheduler_keeps_full_correctness_and_gets_partial_speed_credit",
     "tests/test_labs.py::test_nbgrader_grades_the_kernels_lab_as_the_course_grader_does",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[15_serving_kernels]",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[05_training_parallelism]",
@@ -202,3 +204,22 @@ def pytest_collection_modifyitems(config, items):
         if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or SLOW_GROUPS & groups or module in SLOW_MODULES
                 or SLOW_MARKERS & markers or any(call in source for call in SLOW_CALLS)):
             item.add_marker(pytest.mark.slow)
+
+
+def wait_until_serving(process, port: int, log: Path, what: str = "infra-lab serve", seconds: float = 120) -> None:
+    """Wait for a server started as ``process`` to answer /health on ``port``; fail with its log
+    if it exits first or does not answer within ``seconds``."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not answer within {seconds:.0f} s"
+        time.sleep(0.25)

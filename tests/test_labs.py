@@ -49,6 +49,8 @@ def test_solution_runs_top_to_bottom_and_scores_full_marks(solution):
     assert report.executed is not None and not error_outputs(report.executed), error_outputs(report.executed or {})
     failed = [c.message for t in report.tests for c in t.checks if not c.passed]
     assert report.score == report.max_score > 0, failed
+    if solution.stem == "lab16_capstone":  # its measurement reaches the report (scores.csv, progress history)
+        assert report.measures["throughput_ratio"] >= 0.5, report.measures
     assert len(report.tests) >= 4
     assert any(c.hidden for t in report.tests for c in t.checks), "a lab needs hidden checks"
     assert any(not c.hidden for t in report.tests for c in t.checks), "a lab needs visible checks"

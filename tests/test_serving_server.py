@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO, SMOLLM2
+from conftest import REPO, SMOLLM2, wait_until_serving
 
 pytestmark = SMOLLM2
 
@@ -292,16 +292,7 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "grading.cli", "serve", "--port", str(port), "--max-num-seqs",
                                 "4", "--kv-blocks", "128"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "infra-lab serve did not answer within 120 s"
-            time.sleep(0.25)
+        wait_until_serving(process, port, tmp_path / "serve.log", "infra-lab serve")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == [MODEL]
         answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)

@@ -389,6 +389,7 @@ THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half"
 for check_id, threshold in THROUGHPUT_TIERS.items():
     register(Check(check_id=check_id, task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
                    drive=_drive_throughput, compare=_compare_throughput(threshold),
+                   measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
                    hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
                    "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
                    "loops per token in attention are the usual places (chapters 07, 08 and 15)."))

@@ -12,7 +12,9 @@ Continuous batching (chapter 08): sequence.py, scheduler.py, model_runner.py, en
 sim_clock.py, workload.py. The serving system (chapters 10-11): events.py (the engine's request
 lifecycle log), observability.py (vLLM-named Prometheus metrics from it), async_engine.py (the
 engine on its own thread, fed from asyncio) and server.py (the OpenAI-compatible HTTP server;
-import it from ``infra_lib.serving.server``, it pulls in FastAPI).
+import it from ``infra_lib.serving.server``, it pulls in FastAPI). The capstone (chapter 16): pieces.py
+assembles an engine with a learner's cached attention, block pool, scheduler step and acceptance
+rule in place of the course's, one seam each.
 """
 
 from infra_lib.serving.block_pool import BlockAllocator, BlockPool, OutOfBlocks

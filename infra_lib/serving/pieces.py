@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from infra_lib.serving.block_pool import BlockPool
 from infra_lib.serving.block_table import blocks_needed
 from infra_lib.serving.paged_attention import gather_kv
 from infra_lib.serving.scheduler import Scheduler

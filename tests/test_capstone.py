@@ -1,0 +1,235 @@
+"""The capstone: the learner's engine built from lab answers, served to the openai client, graded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMOLLM2, wait_until_serving
+from grading import capstone
+from grading.check import check
+from grading.notebook import BEGIN_SOLUTION, END_SOLUTION, grade_id, is_solution_cell, read_notebook
+from infra_lib.serving.pieces import PIECES
+
+LABS = list(capstone.LAB_PIECES)
+CAPSTONE = REPO / "labs" / "lab16_capstone" / "lab16_capstone.ipynb"
+
+
+def _answer_cells(path: Path) -> dict[str, str]:
+    return {grade_id(c): c.source for c in read_notebook(path).cells if is_solution_cell(c)}
+
+
+def _instructor_labs() -> dict:
+    """The capstone's four lab functions as the instructor's answers define them."""
+    namespace: dict = {}
+    for source in capstone.solution_notebook_sources().values():
+        exec(source, namespace)  # noqa: S102 (the course's own solution cells)
+    return {lab: namespace[lab] for lab in LABS}
+
+
+@pytest.fixture(scope="module")
+def solved_labs(tmp_path_factory) -> Path:
+    """A labs/ folder whose labs 06-09 hold the instructor's answers, with the blank capstone notebook."""
+    labs = tmp_path_factory.mktemp("labs")
+    for lab in LABS:
+        (labs / lab).mkdir()
+        shutil.copy(REPO / "solutions" / lab / f"{lab}.ipynb", labs / lab)
+    (labs / capstone.CAPSTONE_LAB).mkdir()
+    shutil.copy(CAPSTONE, labs / capstone.CAPSTONE_LAB)
+    return labs
+
+
+@pytest.fixture(scope="module")
+def solved_build(solved_labs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("build") / "capstone"
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "capstone", "build", "--labs", str(solved_labs),
+                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(" yours ") == 4 and "serve --engine learner" in result.stdout, result.stdout
+    return out
+
+
+def test_the_build_from_the_solutions_gives_every_piece_and_fills_the_capstone_notebook(solved_labs, solved_build):
+    pieces, rows = capstone.load(solved_build)
+    assert sorted(pieces) == sorted(PIECES)
+    assert [r.owner for r in rows] == ["yours"] * 4
+    assert isinstance(pieces["BlockPool"], type) and callable(pieces["schedule"])
+    manifest = json.loads((solved_build / capstone.MANIFEST).read_text())
+    assert [entry["status"] for entry in manifest["labs"]] == ["yours"] * 4
+    # The filled notebook holds what the graded solution notebook holds, less nbgrader's markers.
+    filled = _answer_cells(solved_labs / capstone.CAPSTONE_LAB / f"{capstone.CAPSTONE_LAB}.ipynb")
+    solution = _answer_cells(REPO / "solutions" / capstone.CAPSTONE_LAB / f"{capstone.CAPSTONE_LAB}.ipynb")
+    assert set(filled) == set(solution) == set(LABS)
+    for lab in LABS:
+        kept = [line for line in solution[lab].splitlines() if line.strip() not in (BEGIN_SOLUTION, END_SOLUTION)]
+        assert filled[lab].splitlines() == kept[:-1], lab  # the stub's raise after the answers is not copied
+    backup = solved_labs / capstone.CAPSTONE_LAB / f"{capstone.CAPSTONE_LAB}.before-build.ipynb"
+    assert backup.read_text() == CAPSTONE.read_text()
+
+
+def test_blank_labs_fall_back_to_the_course_for_every_piece_and_say_so(tmp_path):
+    built = capstone.build(REPO / "labs", tmp_path / "build", fill_notebook=False)
+    assert [a.status for a in built] == ["not started"] * 4
+    pieces, rows = capstone.load(tmp_path / "build")
+    assert pieces == {}
+    assert all(r.owner == "course" and "not started" in r.why for r in rows)
+    text = capstone.report(rows)
+    assert text.count(" course ") == 4 and "lab07_paged_kv: not started" in text
+
+
+def test_an_unfinished_piece_falls_back_naming_its_task():
+    class HalfPool:  # tasks 1 and 3 written, task 2 (free) not yet
+        def __init__(self, num_blocks, block_size):
+            self.num_blocks, self.block_size, self.counts = num_blocks, block_size, [0] * num_blocks
+
+        num_free = property(lambda self: self.counts.count(0))
+
+        def ref_count(self, block_id):
+            return self.counts[block_id]
+
+        def allocate(self, n):
+            taken = [b for b in range(self.num_blocks) if self.counts[b] == 0][:n]
+            for b in taken:
+                self.counts[b] = 1
+            return taken
+
+        def fork(self, ids):
+            return list(ids)
+
+        def prepare_write(self, block_id):
+            return block_id, None
+
+        def free(self, ids):
+            raise NotImplementedError("lab07 task 2: BlockPool.free")
+
+    pieces, rows = capstone.pieces_from_functions({"lab07_paged_kv": lambda: {"BlockPool": HalfPool}},
+                                                  {"lab07_paged_kv": ("yours", "")})
+    assert "BlockPool" not in pieces
+    row = next(r for r in rows if r.piece == "BlockPool")
+    assert row.owner == "course" and row.why == "not finished: lab07 task 2: BlockPool.free"
+
+
+def test_a_flagged_answer_gives_no_piece(tmp_path):
+    labs = tmp_path / "labs"
+    (labs / "lab09_spec_quant").mkdir(parents=True)
+    nb = json.loads((REPO / "solutions" / "lab09_spec_quant" / "lab09_spec_quant.ipynb").read_text())
+    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "task4_accept_or_resample")
+    cell["source"] = "from infra_lib.serving.speculative import accept_or_resample\n"
+    (labs / "lab09_spec_quant" / "lab09_spec_quant.ipynb").write_text(json.dumps(nb))
+    answers = capstone.extract_lab("lab09_spec_quant", labs)
+    assert answers.status == "flagged" and "task4_accept_or_resample" in answers.reason and not answers.source
+
+
+def test_capstone_build_refuses_a_missing_labs_folder(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "capstone", "build", "--labs", str(tmp_path / "no"),
+                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serving_the_learner_engine_needs_a_build(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--engine", "learner", "--capstone-dir",
+                             str(tmp_path / "none")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "capstone build" in result.stderr and "Traceback" not in result.stderr
+
+
+@SMOLLM2
+def test_the_learner_engine_serves_the_openai_client_as_the_course_does(solved_build, tmp_path, smollm2):
+    from openai import OpenAI
+
+    from infra_lib.serving.server import DEFAULT_MODEL_NAME, ServerThread, build_engine, create_app, free_port
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with ServerThread(create_app(build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=64,
+                                              enable_prefix_caching=False))) as course:
+        client = OpenAI(base_url=f"{course.url}/v1", api_key="unused", max_retries=0)
+        expected = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
+                                                  max_tokens=12).choices[0].message.content
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "grading.cli", "serve", "--engine", "learner", "--capstone-dir",
+                                str(solved_build), "--port", str(port), "--max-num-seqs", "4", "--kv-blocks", "64"],
+                               cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_serving(process, port, tmp_path / "serve.log", "infra-lab serve --engine learner")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        whole = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
+                                               max_tokens=12).choices[0].message.content
+        stream = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
+                                                max_tokens=12, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert whole == streamed == expected and "Paris" in whole
+        text = (tmp_path / "serve.log").read_text()
+        assert text.count(" yours ") == 4 and "the learner's engine" in text
+    finally:
+        process.terminate()
+        process.wait(20)
+        log.close()
+
+
+@SMOLLM2
+def test_a_leaking_pool_fails_the_capstone_leak_check():
+    pool = _instructor_labs()["lab07_paged_kv"]()["BlockPool"]
+
+    class LeakyPool(pool):
+        def free(self, block_ids):
+            super().free(list(block_ids)[:-1])  # the last block of every release is never given back
+
+    with pytest.raises(AssertionError, match="blocks") as info:
+        check("lab16.pool_in_engine", {"lab07_paged_kv": lambda: {"BlockPool": LeakyPool}})
+    assert "lab16.pool_in_engine failed" in str(info.value)
+
+
+@SMOLLM2
+def test_a_slow_scheduler_keeps_full_correctness_and_gets_partial_speed_credit():
+    labs = _instructor_labs()
+    schedule = labs["lab08_scheduler"]()["schedule"]
+    state = {"last": None, "slept": 0.0}
+
+    def slow_schedule(self):
+        # Sleeps 1.5 times the work since its last call: about 2.5 times slower whatever the machine's load.
+        now = time.perf_counter()
+        if state["last"] is not None:
+            state["slept"] = 1.5 * (now - state["last"])  # the work since the last call returned
+            time.sleep(state["slept"])
+        state["last"] = time.perf_counter()
+        return schedule(self)
+
+    slow = {**labs, "lab08_scheduler": lambda: {"schedule": slow_schedule}}
+    check("lab16.scheduler_in_engine", slow)
+    check("lab16.engine_answers", slow)
+    check("lab16.throughput_a_quarter", slow)
+    with pytest.raises(AssertionError, match="throughput is 0.[0-4]"):
+        check("lab16.throughput_half", slow)
+
+
+def test_a_grading_reports_the_measured_ratio_and_progress_keeps_its_history(tmp_path):
+    from grading.batch import BatchRow, write_csv
+    from grading.progress import LabProgress, measure_history, progress_table
+
+    lab = tmp_path / "lab16_capstone"
+    for when, ratio in (("2026-12-01T10:00:00+00:00", 0.41), ("2026-12-02T10:00:00+00:00", 0.63)):
+        folder = lab / "history" / when.replace(":", "")
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"extra_data": {"graded_at": when,
+                                                                        "measures": {"throughput_ratio": ratio}}}))
+    (lab / "results.json").write_text(json.dumps({"extra_data": {"graded_at": "2026-12-03T10:00:00+00:00",
+                                                                 "measures": {"throughput_ratio": 0.85}}}))
+    history = measure_history(lab)
+    assert [m["throughput_ratio"] for _, m in history] == [0.41, 0.63, 0.85]
+    row = LabProgress("lab16_capstone", 15, 15, 9, 9, measured=history)
+    assert "lab16_capstone throughput_ratio: 0.41 -> 0.63 -> 0.85" in progress_table([row])
+    rows = [BatchRow("ada", 15, 15, "graded", 60.0, {"t": 1.0}, measures={"throughput_ratio": 0.853}),
+            BatchRow("bob", 10, 15, "graded", 61.0, {"t": 0.0})]
+    write_csv(rows, tmp_path / "scores.csv")
+    lines = (tmp_path / "scores.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    assert "throughput_ratio" in header
+    assert lines[1].split(",")[header.index("throughput_ratio")] == "0.853"
+    assert lines[2].split(",")[header.index("throughput_ratio")] == ""
