@@ -233,3 +233,14 @@ def test_a_grading_reports_the_measured_ratio_and_progress_keeps_its_history(tmp
     assert "throughput_ratio" in header
     assert lines[1].split(",")[header.index("throughput_ratio")] == "0.853"
     assert lines[2].split(",")[header.index("throughput_ratio")] == ""
+
+
+@SMOLLM2
+def test_capstone_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("capstone", tmp_path / "capstone.json")
+    rows = result["engines"]
+    assert set(rows) == {"course", "instructor's answers", "slow scheduler"}
+    assert rows["course"]["ratio"] == 1.0 and all(row["same_tokens"] for row in rows.values())
+    assert all(row["tokens_per_s"] > 0 and row["decode_step_ms"] >= 0 for row in rows.values())
