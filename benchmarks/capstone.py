@@ -3,9 +3,9 @@ that one with a slow scheduler, on the same seeded requests in one run.
 
 The learner's engine is assembled exactly as ``infra-lab capstone build`` assembles it (the
 answer cells of labs 06-09, one function per lab, through ``infra_lib.serving.pieces``), from the
-instructor's notebooks. The slow variant replaces its scheduler with one that sleeps 1.5 times
-the work done since its previous call (about 2.5 times slower whatever the machine's load): what
-lab 16's throughput checks must give partial credit.
+instructor's notebooks. The slow variant replaces its scheduler with one that sleeps 1.6 times the
+median engine step before each step (about 2.6 times slower): what lab 16's throughput checks must
+give partial credit.
 
 Every engine serves the same requests offline (greedy, ``max_tokens`` each), in rounds that run
 the three engines one after another, so a disturbance hits all three; each engine's best round
@@ -56,13 +56,15 @@ def instructor_pieces() -> dict:
     return pieces
 
 
-def slowed(pieces: dict, factor: float = 1.5) -> dict:
-    """``pieces`` with a scheduler that sleeps ``factor`` times the work since its previous call."""
-    schedule, state = pieces["schedule"], {"last": None}
+def slowed(pieces: dict, factor: float = 1.6) -> dict:
+    """``pieces`` with a scheduler that first sleeps ``factor`` times the median work seen between two of its
+    calls (one engine step): it follows the machine's load, and a busy moment does not lengthen it much."""
+    schedule, state = pieces["schedule"], {"last": None, "gaps": []}
 
     def slow_schedule(self):
         if state["last"] is not None:
-            time.sleep(factor * (time.perf_counter() - state["last"]))
+            state["gaps"].append(time.perf_counter() - state["last"])
+            time.sleep(factor * statistics.median(state["gaps"]))
         out = schedule(self)
         state["last"] = time.perf_counter()
         return out
@@ -110,8 +112,10 @@ def run_capstone(device: torch.device, quick: bool) -> dict:
                       "same_tokens": result["tokens"] == course["tokens"],
                       "decode_step_ms": round(result["decode_step_ms"], 2),
                       "passes": {"a quarter (1 point)": ratio >= 0.25, "a half (2 points)": ratio >= 0.5}}
-    return {"benchmark": "capstone", "machine": machine_info(), "load_average": load_average(), "seed": SEED,
-            "quick": quick, "device": str(device), "plan": p, "engines": rows}
+    return {"benchmark": "capstone", "machine_info": machine_info(device), "load_average": load_average(),
+            "seed": SEED, "flags": {"quick": quick, "device": str(device), "model": "SmolLM2-135M-Instruct",
+                                    "slow_factor": 1.6, **p},
+            "plan": p, "engines": rows}
 
 
 def format_table(result: dict) -> str:
