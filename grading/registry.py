@@ -58,9 +58,12 @@ class Check:
     # (learner data, reference data) -> {name: number}: what the grading reports besides pass/fail
     # (the capstone's throughput ratio), for scores.csv and the learner's progress history.
     measure: Callable[[Any, Any], dict[str, float]] | None = None
+    # Checks that name the same inputs_group draw the same inputs for a seed (tiers of one measurement,
+    # such as the capstone's throughput bars); by default each check draws its own.
+    inputs_group: str | None = None
 
     def inputs(self, seed: int) -> Any:
-        return self.make_inputs(random.Random(seed_for(seed, self.check_id)))
+        return self.make_inputs(random.Random(seed_for(seed, self.inputs_group or self.check_id)))
 
 
 _REGISTRY: dict[str, Check] = {}

@@ -354,8 +354,8 @@ _MEASURED: list = []  # (implementation, case, result) of this process's through
 def _drive_throughput(implementation, case):
     """Output tokens per second of the best of ``case['runs']`` short offline runs.
 
-    Both throughput tiers judge one measurement: a second check with the same functions and the same
-    case reuses the first one's runs (the entry keeps the functions alive, so their ids stay theirs).
+    Both throughput tiers judge one measurement: they draw the same case for a seed (one inputs_group),
+    and a second check with the same functions and the same case reuses the first one's runs (the entry keeps the functions alive, so their ids stay theirs).
     """
     if type(implementation) is not dict:
         return _measure_throughput(implementation, case)  # pieces_of says what it needs
@@ -403,16 +403,14 @@ def _compare_throughput(threshold):
 
 
 def _throughput_case(rng):
-    # The same four questions whatever the seed, so that both tiers judge one measurement; the answers
-    # themselves are the other checks' business, on seeded questions.
-    return {"questions": _QUESTIONS[:4], "new_tokens": [8] * 4, "runs": 2,
+    return {"questions": rng.sample(_QUESTIONS, 4), "new_tokens": [8] * 4, "runs": 2,
             "config": {"max_num_seqs": 4, "budget": 64, "block_size": 16, "num_blocks": 64}}
 
 
 THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half": 1 / 2}
 for check_id, threshold in THROUGHPUT_TIERS.items():
     register(Check(check_id=check_id, task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
-                   drive=_drive_throughput, compare=_compare_throughput(threshold),
+                   drive=_drive_throughput, compare=_compare_throughput(threshold), inputs_group="lab16.throughput",
                    measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
                    hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
                    "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
