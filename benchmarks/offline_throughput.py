@@ -17,6 +17,10 @@ drawn number of tokens, no stop token) is served three ways:
   only its own drawn number of tokens;
 * **sequential transformers**: ``LlamaForCausalLM.generate`` one prompt at a time (batch 1).
 
+A sweep then serves the backlog with continuous batching at each batch limit and token budget, and
+runs the padded static baseline at the same batch limit right after each limit's rows: continuous
+batching against the classic baseline at equal limits, each pair measured minutes apart at most.
+
 Throughput is output tokens per second of wall time. The bound: all the work is about
 2 × parameters FLOPs per computed token (every prompt token and every output token but the
 last), and no run can be faster than that work at this machine's measured GEMM peak, so
@@ -164,7 +168,19 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         seconds = time.perf_counter() - start
     sequential = _row(seconds, sum(len(t) for t in hf_tokens), hf_tokens)
     padded = _padded_static(hf, prompts, outputs, batch, tokenizer.eos_id)
-    curve = sweep(model, tokenizer, prompts, outputs, settings["sweep_batches"], settings["sweep_budgets"])
+    curve, padded_curve = [], []
+    for sweep_batch in settings["sweep_batches"]:
+        # Each batch limit's continuous rows, then the padded static baseline at the same limit right after
+        # them, so that a busy minute slows both sides of that batch's ratio.
+        rows = sweep(model, tokenizer, prompts, outputs, [sweep_batch], settings["sweep_budgets"])
+        baseline = _padded_static(hf, prompts, outputs, sweep_batch, tokenizer.eos_id)
+        best = max(row["tokens_per_s"] for row in rows)
+        curve += rows
+        padded_curve.append({"batch": sweep_batch, "padded_static_tokens_per_s": baseline["tokens_per_s"],
+                             "padded_static_output_tokens": baseline["output_tokens"],
+                             "computed_output_slots": baseline["computed_output_slots"],
+                             "continuous_best_tokens_per_s": best,
+                             "continuous_over_padded_static": best / baseline["tokens_per_s"]})
 
     parameters = model.config.parameter_count()
     computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, outputs))  # the last token is never fed back
@@ -203,6 +219,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "roofline": {"flops": flops, "seconds_lower_bound": bound_s, "tokens_per_s_upper_bound": bound_tokens_per_s},
         "engines": engines,
         "sweep": curve,
+        "padded_sweep": padded_curve,
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
         "continuous_over_padded_static": continuous["tokens_per_s"] / padded["tokens_per_s"],
         "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
@@ -225,6 +242,10 @@ def format_table(result: dict) -> str:
     for row in result["sweep"]:
         lines.append(f"{row['max_num_seqs']:12d} {row['max_num_batched_tokens']:12d} {row['tokens_per_s']:9.1f} "
                      f"{row['steps']:6d} {row['preemptions']:9d}")
+    lines.append(f"{'batch limit':>12s} {'padded static':>14s} {'continuous (best budget)':>25s} {'ratio':>6s}")
+    for row in result["padded_sweep"]:
+        lines.append(f"{row['batch']:12d} {row['padded_static_tokens_per_s']:14.1f} "
+                     f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x")
     lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
                  f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
                  f"{result['continuous_over_sequential']:.2f}x")

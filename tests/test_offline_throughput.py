@@ -52,6 +52,15 @@ def test_offline_throughput_benchmark_writes_json(tmp_path):
     for row in sweep:
         assert row["output_tokens"] == work["total_output_tokens"] and row["steps"] > 0 and row["preemptions"] >= 0
         assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+    # The padded baseline at each swept batch limit, beside that limit's best continuous row.
+    assert [r["batch"] for r in result["padded_sweep"]] == flags["sweep_batches"]
+    for row in result["padded_sweep"]:
+        groups = [outputs[i:i + row["batch"]] for i in range(0, len(outputs), row["batch"])]
+        assert row["padded_static_output_tokens"] == work["total_output_tokens"]
+        assert row["computed_output_slots"] == sum(len(g) * max(g) for g in groups)
+        best = max(r["tokens_per_s"] for r in sweep if r["max_num_seqs"] == row["batch"])
+        assert row["continuous_best_tokens_per_s"] == best
+        assert row["continuous_over_padded_static"] == pytest.approx(best / row["padded_static_tokens_per_s"])
     assert bound["flops"] == 2 * result["model"]["parameters"] * work["computed_tokens"]
     assert result["peak_gemm"]["peak_gflops"] > 0
     assert bound["seconds_lower_bound"] == pytest.approx(bound["flops"] / (result["peak_gemm"]["peak_gflops"] * 1e9))
