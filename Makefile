@@ -15,7 +15,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 PYTEST_ARGS ?=
 # Test processes: two more than the cores, which keeps the cores busy while some tests wait on
 # the clock (time-outs, servers starting, a browser). On 2 cores, fresh clone, empty caches:
-# 13.2 to 14.9 min of tests with 4 processes (14.0 to 15.7 min for all of `make test`, 2026-12-03), the cores
+# 13.3 to 14.9 min of tests with 4 processes (13.8 to 15.7 min for all of `make test`, 2026-12-03), the cores
 # 96% busy throughout; earlier runs with as many processes as cores left a quarter of the CPU idle.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 # Extra arguments for the site, e.g. `make site SITE_ARGS="--only 00,12"` or "--no-execute".
