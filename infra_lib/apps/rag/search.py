@@ -55,10 +55,17 @@ def top_k_cosine(queries: torch.Tensor, matrix: torch.Tensor, k: int) -> tuple[t
 BLOCK_ROWS = 4096
 
 
-def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int, *,
+               skip_unbeaten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``top_k_cosine`` for inputs already of unit length, (q, d) against (n, d), in blocks of stored
     rows: each block's best k, merged into a running best k. The same neighbours as one product and
-    one top-k (the scores are the same dot products; only ties may come out in another order)."""
+    one top-k (the scores are the same dot products; only ties may come out in another order).
+
+    Once every query holds k candidates, a block's top-k runs only for the queries that block can
+    improve: those with a score above their current k-th best. Finding them is one pass over the
+    block's scores (a row maximum), where a top-k is a partial sort; late in a scan most queries
+    already hold neighbours that a block rarely beats, so most rows skip the sort.
+    ``skip_unbeaten=False`` sorts every row of every block (the benchmark's before)."""
     k = min(k, unit.shape[0])
     if unit.shape[0] <= BLOCK_ROWS:
         return (queries @ unit.T).topk(k, dim=1)
@@ -70,13 +77,28 @@ def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int) -> tuple[torch
         block = unit[start:start + BLOCK_ROWS]
         block_scores = buffer[:, :block.shape[0]]
         torch.mm(queries, block.T, out=block_scores)
+        if best_scores is None:
+            best_scores, best_rows = block_scores.topk(min(k, block.shape[0]), dim=1)
+            best_rows += start
+            continue
+        if skip_unbeaten and best_scores.shape[1] == k:    # every query holds k: only rows this block can improve
+            improves = (block_scores.amax(dim=1) > best_scores[:, -1]).nonzero().squeeze(1)
+            if improves.numel() == 0:
+                continue
+            block_scores = block_scores.index_select(0, improves)
+        else:
+            improves = None
         scores, rows = block_scores.topk(min(k, block.shape[0]), dim=1)
         rows += start
-        if best_scores is not None:
-            scores = torch.cat([best_scores, scores], dim=1)
-            scores, where = scores.topk(min(k, scores.shape[1]), dim=1)
-            rows = torch.cat([best_rows, rows], dim=1).gather(1, where)
-        best_scores, best_rows = scores, rows
+        held_scores, held_rows = ((best_scores, best_rows) if improves is None
+                                  else (best_scores[improves], best_rows[improves]))
+        scores, where = torch.cat([held_scores, scores], dim=1).topk(min(k, held_scores.shape[1] + scores.shape[1]),
+                                                                      dim=1)
+        rows = torch.cat([held_rows, rows], dim=1).gather(1, where)
+        if improves is None:
+            best_scores, best_rows = scores, rows
+        else:
+            best_scores[improves], best_rows[improves] = scores, rows
     return best_scores, best_rows
 
 
