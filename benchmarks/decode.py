@@ -1,7 +1,9 @@
 """Batch-1 decode speed of SmolLM2-135M-Instruct: infra_lib's model with its KV cache, the same
 model with its weights in the decode layout (``infra_lib.model.decode_layout``: fused, input-major),
-the model recomputing without a cache, and transformers' ``generate`` on the same weights, against
-this machine's memory-bandwidth bound, all measured in one run.
+each layout again with its decoder layer compiled over a static cache
+(``infra_lib.model.compiled_decode``), the model recomputing without a cache, and transformers'
+``generate`` on the same weights, against this machine's memory-bandwidth bound, all measured in
+one run.
 
 Decode rate is measured as a difference, the same way for every engine: the time to generate
 N tokens minus the time to generate 1 (the prefill and the first token), divided by N - 1.
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
 from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info, measure_memory_bandwidth
 from infra_lib.model import SamplingParams, generate, load_default
+from infra_lib.model.compiled_decode import StaticDecoder
 from infra_lib.model.decode_layout import (WEIGHT_FORMATS, bytes_per_step, decode_layout, greedy_answers,
                                           top1_agreement)
 from infra_lib.model.quant import heldout_text, perplexity
@@ -100,11 +104,25 @@ def run_decode(device: torch.device, quick: bool) -> dict:
             "perplexity": perplexity(laid_out, held_out), "same_greedy_prefix": shared,
             "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, answers),
             "bytes_per_step": bytes_per_step(laid_out)}
+    # the compiled step: its first greedy call compiles (timed here). fp32 and int8 give the
+    # uncompiled layout's tokens; bf16's fused casts round differently, so a long answer may part
+    # from the uncompiled one: the greedy prefix they share is reported
+    compiled, compile_s, compiled_same_tokens = {}, {}, {}
+    for weights, laid_out in formats.items():
+        compiled[weights] = StaticDecoder(laid_out, capacity=len(prompt) + new_tokens)
+        started = time.perf_counter()
+        tokens = compiled[weights].greedy(prompt, new_tokens)
+        compile_s[weights] = time.perf_counter() - started
+        uncompiled = ours(new_tokens, on=laid_out).token_ids
+        compiled_same_tokens[weights] = next((i for i, (a, b) in enumerate(zip(uncompiled, tokens)) if a != b),
+                                             len(tokens))
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
-        **{f"infra_lib, decode layout {weights}": _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters,
-                                                               warmup)
-           for weights, laid_out in formats.items()},
+        **{name: row for weights, laid_out in formats.items() for name, row in (
+            (f"infra_lib, decode layout {weights}",
+             _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup)),
+            (f"infra_lib, compiled step {weights}",
+             _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup)))},
         "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
         "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
     }
@@ -112,7 +130,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     weight_bytes = model.weight_bytes()
     bound = bandwidth["bandwidth_gbps"] * 1e9 / weight_bytes
     for name, row in engines.items():
-        weights = next((w for w in WEIGHT_FORMATS if name == f"infra_lib, decode layout {w}"), None)
+        weights = next((w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}",
+                                                               f"infra_lib, compiled step {w}")), None)
         row["weights"] = f"{weights}, decode layout" if weights else "fp32, plain layout"
         row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
         row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
@@ -138,6 +157,12 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "decode_layout_over_transformers": {weights: engines[f"infra_lib, decode layout {weights}"]
                                             ["decode_tokens_per_s"] / theirs_rate for weights in WEIGHT_FORMATS},
         "same_greedy_tokens_as_transformers": same_tokens,
+        "compiled_step": {"compile_s": compile_s, "greedy_prefix_shared_with_uncompiled": compiled_same_tokens,
+                          "over_uncompiled": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+                                              / engines[f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
+                                              for w in WEIGHT_FORMATS},
+                          "over_transformers": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+                                                / theirs_rate for w in WEIGHT_FORMATS}},
     }
 
 
@@ -161,6 +186,13 @@ def format_table(result: dict) -> str:
     lines.append(f"KV cache speedup {result['kv_cache_speedup']:.1f}x; plain layout / transformers "
                  f"{result['ours_over_transformers']:.2f}; decode layout / transformers: {over}; "
                  f"same greedy tokens as transformers: {result['same_greedy_tokens_as_transformers']}")
+    step = result["compiled_step"]
+    lines.append("compiled step over the uncompiled layout: " + ", ".join(
+        f"{w} {r:.2f}x (compile {step['compile_s'][w]:.1f} s, greedy prefix shared "
+        f"{step['greedy_prefix_shared_with_uncompiled'][w]}/{result['flags']['new_tokens']})"
+        for w, r in step["over_uncompiled"].items()))
+    lines.append("compiled step over transformers: " + ", ".join(
+        f"{w} {r:.2f}x" for w, r in step["over_transformers"].items()))
     return "\n".join(lines)
 
 

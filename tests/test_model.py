@@ -320,8 +320,19 @@ def test_decode_benchmark_writes_json(tmp_path):
     result = run_benchmark("decode", tmp_path / "decode.json")
     formats = ("fp32", "bf16", "int8")
     assert set(result["engines"]) == {"infra_lib, KV cache", "infra_lib, no cache", "transformers generate",
-                                      *(f"infra_lib, decode layout {w}" for w in formats)}
+                                      *(f"infra_lib, decode layout {w}" for w in formats),
+                                      *(f"infra_lib, compiled step {w}" for w in formats)}
     assert result["same_greedy_tokens_as_transformers"] is True
+    step = result["compiled_step"]  # fp32's and int8's compiled steps give their uncompiled layout's tokens
+    shared = step["greedy_prefix_shared_with_uncompiled"]
+    assert shared["fp32"] == shared["int8"] == result["flags"]["new_tokens"], shared
+    assert 0 <= shared["bf16"] <= result["flags"]["new_tokens"]
+    for w in formats:
+        assert step["over_uncompiled"][w] == pytest.approx(
+            result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+            / result["engines"][f"infra_lib, decode layout {w}"]["decode_tokens_per_s"])
+        assert (result["engines"][f"infra_lib, compiled step {w}"]["bytes_per_step"]
+                == result["weight_formats"][f"{w}, decode layout"]["bytes_per_step"])
     bound = result["bandwidth_bound_tokens_per_s"]
     assert bound == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / result["model"]["weight_bytes"])
     for row in result["engines"].values():
@@ -596,3 +607,36 @@ def test_loading_a_quantised_file_keeps_its_blocks_from_the_same_parse(tmp_path,
     monkeypatch.setattr(loaders, "_open_gguf", parse)
     cached_types, cached_blocks = loaders.stored_blocks(path, "Q4_1")
     assert cached_types == types and torch.equal(cached_blocks["blk.0.ffn_down.weight"], blocks["blk.0.ffn_down.weight"])
+
+
+@SMOLLM2
+def test_static_decoder_compiles_one_layer_graph_and_keeps_greedy_tokens(smollm2):
+    """StaticDecoder: the model's own greedy tokens (fp32, as loaded and in the decode layout) and the
+    layout's own for int8, compiled and not; Dynamo captures one graph that all thirty layers reuse;
+    a later prompt reuses the compile; bad input gets errors that say what to change."""
+    from torch._dynamo.utils import counters
+
+    from infra_lib.model.compiled_decode import StaticDecoder
+    from infra_lib.model.decode_layout import decode_layout
+
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in AGREEMENT_PROMPTS[:2]]
+    expected = [greedy_decode(model, prompt, 12, tokenizer.eos_id) for prompt in prompts]
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled = StaticDecoder(decode_layout(model), capacity=96)
+    assert [compiled.greedy(prompt, 12, tokenizer.eos_id) for prompt in prompts] == expected
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one graph for every layer and prompt
+    assert StaticDecoder(model, capacity=96, compile=False).greedy(prompts[0], 12, tokenizer.eos_id) == expected[0]
+    int8 = decode_layout(model, "int8")
+    assert (StaticDecoder(int8, capacity=96).greedy(prompts[1], 12, tokenizer.eos_id)
+            == greedy_decode(int8, prompts[1], 12, tokenizer.eos_id))
+    with pytest.raises(ValueError, match="larger capacity"):
+        compiled.greedy(prompts[0], 96, tokenizer.eos_id)
+    with pytest.raises(ValueError, match="token ids"):
+        compiled.greedy([model.config.vocab_size], 2)
+    with pytest.raises(ValueError, match="empty"):
+        compiled.greedy([], 2)
+    with pytest.raises(ValueError, match="context"):
+        StaticDecoder(model, capacity=model.config.max_position + 1)
+    with pytest.raises(TypeError, match="infra_lib Llama"):
+        StaticDecoder(torch.nn.Linear(2, 2))
