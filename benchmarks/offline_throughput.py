@@ -54,7 +54,7 @@ def plan(quick: bool) -> dict:
         return {"num_prompts": 4, "prompt_len": [8, 24], "output_len": [2, 6], "batch": 3,
                 "sweep_batches": [2, 4], "sweep_budgets": [32]}
     return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8,
-            "sweep_batches": [4, 8, 16, 32], "sweep_budgets": [256, 512]}
+            "sweep_batches": [4, 8, 16, 32, 64], "sweep_budgets": [256, 512]}
 
 
 def make_backlog(num_prompts: int, prompt_len, output_len, vocab_size: int, seed: int = SEED):

@@ -96,14 +96,39 @@ class ModelRunner:
         positions_t = torch.tensor(positions, device=device)
         slots_t = torch.cat(slots)  # [T]
         cos, sin = model.rope_cos[positions_t], model.rope_sin[positions_t]  # [T, head_dim]
+        plan = self._attention_plan(batch, device)  # the same for every layer: built once per step
         x = model.embed_tokens(tokens_t)  # [1, T, d]
         for i, layer in enumerate(model.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, slots_t, batch)
+            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, slots_t, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         ends = torch.tensor(self._sampling_rows(batch), dtype=torch.long, device=device)
         return model.lm_head(model.norm(x[0, ends]))  # [num_sampling, vocab]
 
-    def _attention(self, index: int, attn, h: torch.Tensor, cos, sin, slots: torch.Tensor, batch: Batch):
+    def _attention_plan(self, batch: Batch, device) -> dict:
+        """Where each sequence's rows sit in the flattened step, and what its attention reads: the
+        prefill chunks one by one, and the decodes (one query each) together, with their rows as a
+        tensor and, for the course's own ``paged_attention``, their block tables as one padded
+        tensor. Every layer attends with the same plan, so the loop over sequences runs once a step,
+        not once a layer."""
+        rows, chunks, decodes = 0, [], []
+        for seq, s in batch:
+            if s.num_tokens == 1:  # decodes (and 1-token chunks) attend together, one query each
+                decodes.append((rows, seq.block_table.blocks, s.context_len))
+            else:
+                chunks.append((rows, s.num_tokens, seq.block_table.blocks, s.context_len))
+            rows += s.num_tokens
+        plan = {"chunks": chunks, "decode_rows": None}
+        if decodes:
+            plan["decode_rows"] = torch.tensor([r for r, _, _ in decodes], device=device)
+            plan["decode_lens"] = [c for _, _, c in decodes]
+            tables = [list(b) for _, b, _ in decodes]
+            if self.decode_attention is paged_attention:  # it takes a padded tensor as it takes lists
+                width = max(len(t) for t in tables)
+                tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+            plan["decode_tables"] = tables
+        return plan
+
+    def _attention(self, index: int, attn, h: torch.Tensor, cos, sin, slots: torch.Tensor, plan: dict):
         """One layer's attention for the flattened step, ``h`` ``[1, T, d]`` -> ``[1, T, d]``."""
         t = h.shape[1]
         q, k, v = attn.qkv(h)  # [1, heads, T, hd], [1, kv, T, hd] x 2
@@ -111,20 +136,13 @@ class ModelRunner:
         self.store.write(index, slots, k, v)
         k_cache, v_cache = self.store.k[index], self.store.v[index]
         out = torch.empty_like(q)  # [1, heads, T, hd]
-        rows, decodes = 0, []
-        for seq, s in batch:
-            if s.num_tokens == 1:  # decodes (and 1-token chunks) attend together, one query each
-                decodes.append((rows, seq.block_table.blocks, s.context_len))
-            else:
-                chunk = q[:, :, rows:rows + s.num_tokens]  # [1, heads, n, hd]
-                out[:, :, rows:rows + s.num_tokens] = self.chunk_attention(
-                    chunk, k_cache, v_cache, [seq.block_table.blocks], [s.context_len])
-            rows += s.num_tokens
-        if decodes:
-            at = torch.tensor([r for r, _, _ in decodes], device=q.device)
+        for rows, n, blocks, context_len in plan["chunks"]:
+            chunk = q[:, :, rows:rows + n]  # [1, heads, n, hd]
+            out[:, :, rows:rows + n] = self.chunk_attention(chunk, k_cache, v_cache, [blocks], [context_len])
+        at = plan["decode_rows"]
+        if at is not None:
             q_dec = q[0][:, at].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
-            o_dec = self.decode_attention(q_dec, k_cache, v_cache, [b for _, b, _ in decodes],
-                                          [c for _, _, c in decodes])
+            o_dec = self.decode_attention(q_dec, k_cache, v_cache, plan["decode_tables"], plan["decode_lens"])
             out[0][:, at] = o_dec.squeeze(2).transpose(0, 1)  # [heads, B, hd]
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, attn.n_heads * attn.head_dim))
 
