@@ -335,8 +335,8 @@ def test_decode_benchmark_writes_json(tmp_path):
                 == result["weight_formats"][f"{w}, decode layout"]["bytes_per_step"])
     bound = result["bandwidth_bound_tokens_per_s"]
     assert bound == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / result["model"]["weight_bytes"])
-    for row in result["engines"].values():
-        assert row["decode_tokens_per_s"] > 0
+    for name, row in result["engines"].items():
+        assert row["decode_tokens_per_s"] > 0, (name, row)
         assert row["bound_tokens_per_s"] == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / row["bytes_per_step"])
         assert row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_s"] / row["bound_tokens_per_s"])
     weights = result["weight_formats"]
