@@ -1,5 +1,6 @@
 """Batch-1 decode speed of SmolLM2-135M-Instruct: infra_lib's model with its KV cache, the same
-model with its weights in the decode layout (``infra_lib.model.decode_layout``: fused, input-major),
+model with its weights in the decode layout (``infra_lib.model.decode_layout``: fused; fp32 packed for
+oneDNN, and once more input-major to show what the packing alone is worth),
 each layout again with its decoder layer compiled over a static cache
 (``infra_lib.model.compiled_decode``), the model recomputing without a cache, and transformers'
 ``generate`` on the same weights, against this machine's memory-bandwidth bound, all measured in
@@ -77,6 +78,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     never_stop = dict(stop_ids=(), temperature=0.0)
 
     formats = {weights: decode_layout(model, weights) for weights in WEIGHT_FORMATS}  # built once, at load time
+    input_major = decode_layout(model, "fp32", pack=False)  # fp32 without oneDNN's packing: that lever alone
 
     def ours(n, use_cache=True, on=model):
         return generate(on, tokenizer, prompt, SamplingParams(max_new_tokens=n, **never_stop), use_cache=use_cache)
@@ -125,6 +127,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
              _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup)),
             (f"infra_lib, compiled step {weights}",
              _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup)))},
+        "infra_lib, decode layout fp32 input-major": _decode_rate(lambda n: ours(n, on=input_major), new_tokens,
+                                                                  iters, warmup),
         "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
         "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
     }
@@ -134,7 +138,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     for name, row in engines.items():
         weights = next((w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}",
                                                                f"infra_lib, compiled step {w}")), None)
-        row["weights"] = f"{weights}, decode layout" if weights else "fp32, plain layout"
+        row["weights"] = (f"{weights}, decode layout" if weights else
+                          "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
         row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
         row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
         row["fraction_of_bound"] = row["decode_tokens_per_s"] / row["bound_tokens_per_s"]
@@ -159,6 +164,9 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "decode_layout_over_transformers": {weights: engines[f"infra_lib, decode layout {weights}"]
                                             ["decode_tokens_per_s"] / theirs_rate for weights in WEIGHT_FORMATS},
         "same_greedy_tokens_as_transformers": same_tokens,
+        "input_major_same_greedy_tokens": ours(new_tokens, on=input_major).token_ids == reference_tokens,
+        "fp32_packed_over_input_major": engines["infra_lib, decode layout fp32"]["decode_tokens_per_s"]
+        / engines["infra_lib, decode layout fp32 input-major"]["decode_tokens_per_s"],
         "compiled_step": {"compile_s": compile_s, "greedy_prefix_shared_with_uncompiled": compiled_same_tokens,
                           "over_uncompiled": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
                                               / engines[f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
@@ -174,10 +182,10 @@ def format_table(result: dict) -> str:
         f"SmolLM2-135M-Instruct, batch 1, {flags['prompt_tokens']}-token prompt, {flags['new_tokens']} new tokens",
         f"memory bandwidth {result['bandwidth']['bandwidth_gbps']:.1f} GB/s; each row's bound: bandwidth / the bytes "
         "its weights make one step read",
-        f"{'engine':30s} {'tokens/s':>9s} {'MB/step':>8s} {'bound':>7s} {'of bound':>9s} {'first token':>12s}",
+        f"{'engine':42s} {'tokens/s':>9s} {'MB/step':>8s} {'bound':>7s} {'of bound':>9s} {'first token':>12s}",
     ]
     for name, row in result["engines"].items():
-        lines.append(f"{name:30s} {row['decode_tokens_per_s']:9.1f} {row['bytes_per_step'] / 1e6:8.0f} "
+        lines.append(f"{name:42s} {row['decode_tokens_per_s']:9.1f} {row['bytes_per_step'] / 1e6:8.0f} "
                      f"{row['bound_tokens_per_s']:7.1f} {row['fraction_of_bound']:9.0%} {row['first_token_s'] * 1000:10.0f} ms")
     lines.append(f"{'weights':24s} {'perplexity':>10s} {'greedy prefix shared with fp32':>31s} "
                  f"{'top-1 agreement':>16s}")
@@ -193,6 +201,8 @@ def format_table(result: dict) -> str:
         f"{w} {r:.2f}x (compile {step['compile_s'][w]:.1f} s, greedy prefix shared "
         f"{step['greedy_prefix_shared_with_uncompiled'][w]}/{result['flags']['new_tokens']})"
         for w, r in step["over_uncompiled"].items()))
+    lines.append(f"fp32 decode layout, oneDNN-packed over input-major: {result['fp32_packed_over_input_major']:.2f}x "
+                 f"(input-major gives the same greedy tokens: {result['input_major_same_greedy_tokens']})")
     lines.append("compiled step over transformers: " + ", ".join(
         f"{w} {r:.2f}x" for w, r in step["over_transformers"].items()))
     return "\n".join(lines)

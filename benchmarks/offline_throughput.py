@@ -6,9 +6,12 @@ A backlog of prompts with seeded lengths (random token ids; every request produc
 drawn number of tokens, no stop token) is served three ways:
 
 * **continuous batching**: ``LLM.generate`` on every prompt at once; at most ``B`` sequences run,
-  and a finished sequence's place goes to the next waiting prompt in the very next step;
+  and a finished sequence's place goes to the next waiting prompt in the very next step. The
+  engine runs the model's decode layout (``infra_lib.model.decode_layout``: the same fp32 weights,
+  fused and packed for oneDNN's product) and, once more at ``B``, the model as loaded (one
+  ``nn.Linear`` product per projection): the layout's effect, side by side;
 * **static batching**: the prompts cut once into batches of ``B`` in order; each batch runs on
-  the same engine (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
+  the same engine and layout (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
   batch while it runs. Finished sequences drop out of the batch rather than being padded, so
   this baseline is kinder than a padded static batch: it loses only the empty rows;
 * **padded static batching**: the classic static baseline, in ``transformers``: each batch of ``B``
@@ -43,6 +46,7 @@ from benchmark_cli import benchmark_main, load_average
 from decode import _transformers_model
 from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
 from infra_lib.model import SamplingParams, load_default
+from infra_lib.model.decode_layout import decode_layout
 from infra_lib.serving import LLM, SchedulerConfig
 
 SEED = 0
@@ -129,6 +133,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     load_before = load_average()
     loaded = loaded if loaded is not None else load_default()
     model, tokenizer = loaded.model, loaded.tokenizer
+    fast = decode_layout(model)  # the same fp32 weights, fused and packed once, at load time
     settings = plan(quick)
     batch = settings["batch"]
     prompts, outputs = make_backlog(settings["num_prompts"], settings["prompt_len"], settings["output_len"],
@@ -138,15 +143,23 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     expected_tokens = sum(outputs)
 
     # Warm-up: one small request through the engine, so first-call costs land in no measurement.
-    LLM(model, tokenizer, config).generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
+    for engine_model in (fast, model):
+        LLM(engine_model, tokenizer, config).generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()),
+                                                      use_tqdm=False)
 
-    llm = LLM(model, tokenizer, config)
+    llm = LLM(fast, tokenizer, config)
     start = time.perf_counter()
     continuous_out = llm.generate(prompts, params, use_tqdm=False)
     continuous = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in continuous_out),
                       [o.token_ids for o in continuous_out], len(llm.engine.steps))
 
-    static_llm = LLM(model, tokenizer, config)
+    loaded_llm = LLM(model, tokenizer, config)
+    start = time.perf_counter()
+    loaded_out = loaded_llm.generate(prompts, params, use_tqdm=False)
+    as_loaded = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in loaded_out),
+                     [o.token_ids for o in loaded_out], len(loaded_llm.engine.steps))
+
+    static_llm = LLM(fast, tokenizer, config)
     static_out, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         static_out += static_llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
@@ -172,13 +185,16 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     for sweep_batch in settings["sweep_batches"]:
         # Each batch limit's continuous rows, then the padded static baseline at the same limit right after
         # them, so that a busy minute slows both sides of that batch's ratio.
-        rows = sweep(model, tokenizer, prompts, outputs, [sweep_batch], settings["sweep_budgets"])
+        rows = sweep(fast, tokenizer, prompts, outputs, [sweep_batch], settings["sweep_budgets"])
         baseline = _padded_static(hf, prompts, outputs, sweep_batch, tokenizer.eos_id)
         best = max(row["tokens_per_s"] for row in rows)
         curve += rows
         padded_curve.append({"batch": sweep_batch, "padded_static_tokens_per_s": baseline["tokens_per_s"],
                              "padded_static_output_tokens": baseline["output_tokens"],
                              "computed_output_slots": baseline["computed_output_slots"],
+                             # the most continuous batching could gain by skipping the padded rows alone,
+                             # were a row as cheap to compute in both engines
+                             "computed_over_kept_slots": baseline["computed_output_slots"] / expected_tokens,
                              "continuous_best_tokens_per_s": best,
                              "continuous_over_padded_static": best / baseline["tokens_per_s"]})
 
@@ -189,8 +205,8 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                                    iters=3 if quick else 5)
     bound_s = flops / (peak["peak_gflops"] * 1e9)
     bound_tokens_per_s = expected_tokens / bound_s
-    engines = {"continuous batching": continuous, "static batching": static, "padded static batching": padded,
-               "sequential transformers": sequential}
+    engines = {"continuous batching": continuous, "continuous batching, model as loaded": as_loaded,
+               "static batching": static, "padded static batching": padded, "sequential transformers": sequential}
     for row in engines.values():
         row["fraction_of_roofline"] = row["tokens_per_s"] / bound_tokens_per_s
     same_as_transformers = sum(a.token_ids == b for a, b in zip(continuous_out, hf_tokens))
@@ -209,6 +225,9 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                   "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
                   "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
                   "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
+                  "continuous batching, static batching and the sweep run the decode layout (the same fp32 "
+                  "weights fused and packed for oneDNN); 'continuous batching, model as loaded' runs the model's "
+                  "own nn.Linear products at the same batch limit",
                   "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
                   "at the measured GEMM peak; attention FLOPs left out: a lower bound on time"],
         "model": {"source": loaded.source, "parameters": parameters},
@@ -221,6 +240,9 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "sweep": curve,
         "padded_sweep": padded_curve,
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
+        "decode_layout_over_model_as_loaded": continuous["tokens_per_s"] / as_loaded["tokens_per_s"],
+        "requests_same_tokens_in_both_layouts": sum(a.token_ids == b.token_ids
+                                                     for a, b in zip(continuous_out, loaded_out)),
         "continuous_over_padded_static": continuous["tokens_per_s"] / padded["tokens_per_s"],
         "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "requests_same_greedy_tokens_as_transformers": same_as_transformers,
@@ -234,21 +256,25 @@ def format_table(result: dict) -> str:
         f"{work['total_output_tokens']} output tokens), batch limit {flags['batch']}",
         f"compute bound: {bound['flops'] / 1e12:.2f} TFLOP at {result['peak_gemm']['peak_gflops']:.0f} GFLOP/s -> "
         f">= {bound['seconds_lower_bound']:.2f} s, <= {bound['tokens_per_s_upper_bound']:.0f} output tokens/s",
-        f"{'engine':26s} {'seconds':>8s} {'tokens/s':>9s} {'of bound':>9s}",
+        f"{'engine':37s} {'seconds':>8s} {'tokens/s':>9s} {'of bound':>9s}",
     ]
     for name, row in result["engines"].items():
-        lines.append(f"{name:26s} {row['seconds']:8.2f} {row['tokens_per_s']:9.1f} {row['fraction_of_roofline']:9.1%}")
+        lines.append(f"{name:37s} {row['seconds']:8.2f} {row['tokens_per_s']:9.1f} {row['fraction_of_roofline']:9.1%}")
     lines.append(f"{'max_num_seqs':>12s} {'token budget':>12s} {'tokens/s':>9s} {'steps':>6s} {'preempted':>9s}")
     for row in result["sweep"]:
         lines.append(f"{row['max_num_seqs']:12d} {row['max_num_batched_tokens']:12d} {row['tokens_per_s']:9.1f} "
                      f"{row['steps']:6d} {row['preemptions']:9d}")
-    lines.append(f"{'batch limit':>12s} {'padded static':>14s} {'continuous (best budget)':>25s} {'ratio':>6s}")
+    lines.append(f"{'batch limit':>12s} {'padded static':>14s} {'continuous (best budget)':>25s} {'ratio':>6s} "
+                 f"{'padded slots / kept':>20s}")
     for row in result["padded_sweep"]:
         lines.append(f"{row['batch']:12d} {row['padded_static_tokens_per_s']:14.1f} "
-                     f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x")
+                     f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x "
+                     f"{row['computed_over_kept_slots']:19.2f}x")
     lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
                  f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
-                 f"{result['continuous_over_sequential']:.2f}x")
+                 f"{result['continuous_over_sequential']:.2f}x; decode layout / model as loaded "
+                 f"{result['decode_layout_over_model_as_loaded']:.2f}x (same tokens: "
+                 f"{result['requests_same_tokens_in_both_layouts']}/{flags['num_prompts']} requests)")
     return "\n".join(lines)
 
 

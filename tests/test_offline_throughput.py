@@ -12,7 +12,8 @@ from conftest import REPO, SMOLLM2, run_benchmark
 sys.path.append(str(REPO / "benchmarks"))
 import offline_throughput  # noqa: E402  (a script in benchmarks/, importable once that folder is on the path)
 
-ENGINES = ["continuous batching", "static batching", "padded static batching", "sequential transformers"]
+ENGINES = ["continuous batching", "continuous batching, model as loaded", "static batching", "padded static batching",
+           "sequential transformers"]
 
 
 @SMOLLM2
@@ -61,11 +62,16 @@ def test_offline_throughput_benchmark_writes_json(tmp_path):
         best = max(r["tokens_per_s"] for r in sweep if r["max_num_seqs"] == row["batch"])
         assert row["continuous_best_tokens_per_s"] == best
         assert row["continuous_over_padded_static"] == pytest.approx(best / row["padded_static_tokens_per_s"])
+        assert row["computed_over_kept_slots"] == pytest.approx(row["computed_output_slots"] / work["total_output_tokens"])
     assert bound["flops"] == 2 * result["model"]["parameters"] * work["computed_tokens"]
     assert result["peak_gemm"]["peak_gflops"] > 0
     assert bound["seconds_lower_bound"] == pytest.approx(bound["flops"] / (result["peak_gemm"]["peak_gflops"] * 1e9))
     assert bound["tokens_per_s_upper_bound"] == pytest.approx(work["total_output_tokens"] / bound["seconds_lower_bound"])
     assert 0 <= result["requests_same_greedy_tokens_as_transformers"] <= flags["num_prompts"]
+    # The decode layout is the same fp32 model: every request gets the same greedy tokens as on the model as loaded.
+    assert result["requests_same_tokens_in_both_layouts"] == flags["num_prompts"]
+    assert result["decode_layout_over_model_as_loaded"] == pytest.approx(
+        continuous["tokens_per_s"] / engines["continuous batching, model as loaded"]["tokens_per_s"])
 
 
 def test_the_backlog_is_seeded():

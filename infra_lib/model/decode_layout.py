@@ -1,19 +1,28 @@
-"""The same model with its weights laid out for decoding: fused and stored input-major.
+"""The same model with its weights laid out for decoding: fused, and stored the way the product
+that reads them streams fastest.
 
 At batch 1 a decode step is a chain of matrix-vector products (GEMVs), and a GEMV's speed is how
 fast it streams its weight from memory. ``benchmarks/decode_profile.py`` measured PyTorch's GEMV
-for ``nn.Linear``'s ``[out, in]`` weight at about a third of this machine's STREAM bandwidth; the
-same product written ``x @ W_t`` with ``W_t`` stored ``[in, out]`` (contiguous along the output)
-streams much faster. ``decode_layout(model)`` builds, once at load time, a copy of the model whose
-projections are stored that way, with two fusions on top:
+for ``nn.Linear``'s ``[out, in]`` weight at about a third of this machine's STREAM bandwidth.
+``decode_layout(model)`` builds, once at load time, a copy of the model whose projections are
+stored for the product, with two fusions on top:
 
 * q, k and v become one ``[d, (H + 2 * KV) * head_dim]`` product (one pass over ``x``, one op
   instead of three);
 * the MLP's gate and up become one ``[d, 2 * intermediate]`` product.
 
 With ``weights="fp32"`` the maths is unchanged (the same products, summed in another order:
-logits agree with the original's within 1e-4 and greedy tokens are the same on the course's
-prompts; a test checks both). Two smaller weight formats read fewer bytes per step:
+logits agree with the original's within 1e-4 in the input-major layout and 3e-4 in the packed one
+(logits run to about 30), and greedy tokens are the same on the course's prompts; a test checks both). The fp32 weights are stored one of two ways:
+
+* **packed** (the default, ``PackedLinear``): in oneDNN's blocked layout, the one PyTorch's CPU
+  GEMM library reads fastest, packed once here so that no product repacks it. Side by side on
+  the course's CPU it beats the input-major layout at batch 1 and, by more, at the batch of 32
+  the serving engine runs (``benchmarks/decode.py``, ``benchmarks/offline_throughput.py``);
+* **input-major** (``pack=False``, or where PyTorch has no oneDNN; ``InputMajorLinear``): ``W_t``
+  stored ``[in, out]``, contiguous along the output, the product written ``x @ W_t``.
+
+Two smaller weight formats read fewer bytes per step:
 
 * ``"bf16"``: the projections' weights in bfloat16 (2 bytes a weight), fused as above but kept
   ``[out, in]``: PyTorch's bf16 product streams that layout faster here (about 10% a step, side by
@@ -73,6 +82,71 @@ class InputMajorLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+@torch.library.custom_op("infra_lib::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` packed by oneDNN (``torch.ops.mkldnn._reorder_linear_weight``).
+
+    An operator of its own so that ``torch.compile`` calls it as an opaque kernel: Inductor lowers
+    oneDNN's own linear only for weights it packed itself (frozen constants), not for a packed
+    weight handed in as an input, as ``StaticDecoder``'s layer graph hands in every weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_ONEDNN: bool | None = None
+
+
+def onednn_packing_available() -> bool:
+    """Whether this PyTorch build can pack an fp32 weight for oneDNN and multiply with it here."""
+    global _ONEDNN
+    if _ONEDNN is None:
+        try:
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8))
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), w, None, "none", [], "")
+            _ONEDNN = torch.backends.mkldnn.is_available() and bool(torch.all(y == 8))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _ONEDNN = False
+    return _ONEDNN
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T (+ bias)`` in fp32 with the weight packed once, at load time, into
+    oneDNN's blocked layout (the layout PyTorch's own CPU GEMM library reads fastest): the same
+    product as ``nn.Linear``, summed in another order.
+
+    The packed weight is an opaque tensor (``layout == torch._mkldnn``): it lives on the CPU, is not
+    saved in a ``state_dict`` and cannot be moved; ``weight_bytes`` says how many bytes of weights
+    one product reads.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        weight = weight.detach().float().contiguous()
+        if weight.device.type != "cpu":
+            raise ValueError(f"oneDNN packs CPU weights; this one is on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.weight_bytes = weight.nbytes
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linears(cls, *linears: nn.Linear) -> "PackedLinear":
+        return cls(*_fused(*linears))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features; this product takes {self.in_features}")
+        if torch.compiler.is_compiling():
+            y = packed_linear(x, self.packed, self.out_features)
+        else:  # eager: oneDNN directly, without the custom operator's dispatch
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return y if self.bias is None else y + self.bias
+
+
 class Bf16Linear(nn.Module):
     """``y = x @ weight.T (+ bias)`` with bfloat16 weights kept ``[out, in]``, as ``nn.Linear`` keeps
     them: PyTorch's bf16 product at batch 1 streams this layout faster than the input-major one on
@@ -126,22 +200,24 @@ class Int8RowLinear(nn.Module):
 WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 
 
-def _projection(weights: str, *linears: nn.Linear) -> nn.Module:
+def _projection(weights: str, pack: bool, *linears: nn.Linear) -> nn.Module:
     if weights == "int8":
         return Int8RowLinear.from_linears(*linears)
     if weights == "bf16":
         return Bf16Linear.from_linears(*linears)
+    if weights == "fp32" and pack and onednn_packing_available():
+        return PackedLinear.from_linears(*linears)
     return InputMajorLinear.from_linears(*linears)
 
 
 class FusedAttention(nn.Module):
     """``Attention`` with q, k and v in one input-major product."""
 
-    def __init__(self, attn: Attention, weights: str = "fp32"):
+    def __init__(self, attn: Attention, weights: str = "fp32", pack: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.qkv_proj = _projection(weights, attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = _projection(weights, attn.o_proj)
+        self.qkv_proj = _projection(weights, pack, attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = _projection(weights, pack, attn.o_proj)
         self.split = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,20 +241,22 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     """SwiGLU with gate and up in one input-major product."""
 
-    def __init__(self, mlp: MLP, weights: str = "fp32"):
+    def __init__(self, mlp: MLP, weights: str = "fp32", pack: bool = True):
         super().__init__()
         self.intermediate = mlp.gate_proj.out_features
-        self.gate_up_proj = _projection(weights, mlp.gate_proj, mlp.up_proj)
-        self.down_proj = _projection(weights, mlp.down_proj)
+        self.gate_up_proj = _projection(weights, pack, mlp.gate_proj, mlp.up_proj)
+        self.down_proj = _projection(weights, pack, mlp.down_proj)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
-def decode_layout(model: Llama, weights: str = "fp32") -> Llama:
+def decode_layout(model: Llama, weights: str = "fp32", pack: bool = True) -> Llama:
     """A copy of ``model`` whose projections are fused, stored for decoding, in the weight format
-    ``weights`` (``"fp32"``, ``"bf16"`` or ``"int8"``; see the module's text).
+    ``weights`` (``"fp32"``, ``"bf16"`` or ``"int8"``; see the module's text). With fp32 weights,
+    ``pack`` chooses oneDNN's packed layout (``PackedLinear``, where this PyTorch build has oneDNN)
+    over the input-major one (``InputMajorLinear``, always available).
 
     The original is untouched; the copy holds its own projection weights (the output head gets its
     own copy of a tied embedding table; the embedding lookup and the norms stay shared).
@@ -197,11 +275,11 @@ def decode_layout(model: Llama, weights: str = "fp32") -> Llama:
     for layer in model.layers:
         new = copy.copy(layer)
         new._modules = dict(layer._modules)
-        new.self_attn = FusedAttention(layer.self_attn, weights)
-        new.mlp = FusedMLP(layer.mlp, weights)
+        new.self_attn = FusedAttention(layer.self_attn, weights, pack)
+        new.mlp = FusedMLP(layer.mlp, weights, pack)
         layers.append(new)
     fast.layers = layers
-    fast.lm_head = _projection(weights, model.lm_head)
+    fast.lm_head = _projection(weights, pack, model.lm_head)
     return fast.eval()
 
 
@@ -211,6 +289,7 @@ def bytes_per_step(model: nn.Module) -> int:
     table = getattr(getattr(model, "embed_tokens", None), "weight", None)
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     total = 0
+    total += sum(m.weight_bytes for m in model.modules() if isinstance(m, PackedLinear))
     for parameter in model.parameters():  # a tied tensor is listed once
         if parameter is table and head is not table:
             total += parameter.shape[1] * parameter.element_size()

@@ -3,8 +3,8 @@
 One layer's cache is a tensor ``[num_blocks, block_size, n_kv_heads, head_dim]`` (keys; values
 alike). A sequence's keys are the rows its block table points at, in table order. A GPU kernel
 (vLLM's PagedAttention, FlashInfer) reads them block by block inside the kernel; here the same
-indirection is one gather, then the ordinary causal grouped-query attention, so the result
-equals attention over a contiguous cache exactly.
+indirection is one gather of whole blocks, then the ordinary causal grouped-query attention, so
+the result equals attention over a contiguous cache (to float rounding).
 """
 
 from __future__ import annotations
@@ -31,6 +31,32 @@ def _table_tensor(block_tables, width: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), width)
 
 
+def _check_tables(block_tables, seq_lens: list[int], block_size: int) -> None:
+    if not isinstance(block_tables, torch.Tensor):
+        for i, (table, s) in enumerate(zip(block_tables, seq_lens)):
+            if len(table) * block_size < s:
+                raise ValueError(f"sequence {i} has {s} tokens but its table holds {len(table)} blocks of "
+                                 f"{block_size} slots")
+
+
+def gather_blocks(cache: torch.Tensor, block_tables, seq_lens: Sequence[int]) -> torch.Tensor:
+    """Each sequence's blocks, whole and in table order: ``[batch, width * block_size, n_kv_heads,
+    head_dim]``, ``width`` the blocks of the longest sequence. Row ``p`` of sequence ``b`` is its
+    position ``p``; rows at or past ``seq_lens[b]`` are filler (the rest of its last block, or block 0
+    where its table is shorter) that attention must mask.
+
+    One ``index_select`` of whole blocks (``block_size * n_kv_heads * head_dim`` contiguous floats
+    each), not one of every token's row: the copy moves a few large rows instead of many small ones.
+    """
+    num_blocks, block_size, n_kv_heads, head_dim = cache.shape
+    seq_lens = [int(s) for s in seq_lens]
+    _check_tables(block_tables, seq_lens, block_size)
+    width = blocks_needed(max(seq_lens, default=0), block_size)
+    tables = _table_tensor(block_tables, width, cache.device)  # [batch, width]
+    rows = cache.reshape(num_blocks, -1).index_select(0, tables.reshape(-1))
+    return rows.view(tables.shape[0], width * block_size, n_kv_heads, head_dim)
+
+
 def gather_kv(cache: torch.Tensor, block_tables, seq_lens: Sequence[int]) -> torch.Tensor:
     """The keys (or values) of each sequence, contiguous: ``[batch, n_kv_heads, max_len, head_dim]``.
 
@@ -39,18 +65,8 @@ def gather_kv(cache: torch.Tensor, block_tables, seq_lens: Sequence[int]) -> tor
         block_tables: one list of block ids per sequence (or ``[batch, max_blocks]`` int tensor).
         seq_lens: tokens per sequence; positions past a sequence's length are filler.
     """
-    num_blocks, block_size, n_kv_heads, head_dim = cache.shape
-    seq_lens = [int(s) for s in seq_lens]
-    if not isinstance(block_tables, torch.Tensor):
-        for i, (table, s) in enumerate(zip(block_tables, seq_lens)):
-            if len(table) * block_size < s:
-                raise ValueError(f"sequence {i} has {s} tokens but its table holds {len(table)} blocks of "
-                                 f"{block_size} slots")
-    max_len = max(seq_lens, default=0)
-    tables = _table_tensor(block_tables, blocks_needed(max_len, block_size), cache.device)
-    positions = torch.arange(max_len, device=cache.device)
-    slots = tables[:, positions // block_size] * block_size + positions % block_size  # [batch, max_len]
-    rows = cache.reshape(num_blocks * block_size, n_kv_heads, head_dim)[slots]  # [batch, max_len, kv, hd]
+    max_len = max((int(s) for s in seq_lens), default=0)
+    rows = gather_blocks(cache, block_tables, seq_lens)[:, :max_len]  # [batch, max_len, kv, hd]
     return rows.permute(0, 2, 1, 3).contiguous()
 
 
@@ -76,20 +92,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"in the cache), got {seq_lens}")
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
-    k = gather_kv(k_cache, block_tables, seq_lens)  # [batch, n_kv, max_len, hd]
-    v = gather_kv(v_cache, block_tables, seq_lens)
-    # Grouped-query attention without copying K and V once per query head: the `group` query heads
-    # that share a K/V head (heads h*group .. h*group+group-1, as repeat_kv pairs them) are stacked
-    # as extra query rows of that head, one product per K/V head.
-    q_grouped = q.reshape(batch, n_kv, group * t, head_dim)  # rows: (head in group, query)
-    scores = q_grouped @ k.transpose(-1, -2) / math.sqrt(head_dim)  # [batch, n_kv, group*t, max_len]
+    # whole blocks, in the cache's own row layout: [batch, L, n_kv * hd], every K/V head side by side
+    k = gather_blocks(k_cache, block_tables, seq_lens).flatten(2)
+    v = gather_blocks(v_cache, block_tables, seq_lens).flatten(2)
     lengths = torch.tensor(seq_lens, device=q.device)
     query_positions = lengths[:, None] - t + torch.arange(t, device=q.device)  # [batch, t]
-    key_positions = torch.arange(k.shape[2], device=q.device)
-    visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [batch, t, max_len]
-    scores = scores.view(batch, n_kv, group, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, n_kv, group * t, -1)
-    return (weights @ v).view(batch, n_heads, t, head_dim)
+    key_positions = torch.arange(k.shape[1], device=q.device)
+    hidden = (key_positions[None, None, :] > query_positions[:, :, None])[:, None]  # [batch, 1, t, L]
+    # Grouped-query attention straight from that layout, without copying K and V into head-major
+    # order or once per query head: query head j (of K/V head h = j // group, as repeat_kv pairs
+    # them) is written into the h-th head_dim slice of a zero row n_kv * head_dim wide, so one
+    # batched product against all of a sequence's key rows gives every head's scores (the other
+    # slices add exact zeros). The values come back the same way, and each head keeps its own slice.
+    # The product does n_kv times the multiply-adds, which are cheap; it reads K and V once each,
+    # contiguous, which is what costs.
+    rows = q.reshape(batch, n_kv, group * t, head_dim)  # (K/V head, then its query heads and queries)
+    spread = q.new_zeros(batch, n_kv, group * t, n_kv, head_dim)
+    for h in range(n_kv):
+        spread[:, h, :, h] = rows[:, h]
+    scores = torch.bmm(spread.view(batch, n_heads * t, n_kv * head_dim), k.transpose(1, 2)) / math.sqrt(head_dim)
+    scores = scores.view(batch, n_heads, t, -1).masked_fill(hidden, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, n_heads * t, -1)
+    out = torch.bmm(weights, v).view(batch, n_kv, group * t, n_kv, head_dim)
+    return torch.stack([out[:, h, :, h] for h in range(n_kv)], dim=1).view(batch, n_heads, t, head_dim)
 
 
 def paged_cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache) -> torch.Tensor:
