@@ -205,7 +205,7 @@ def _projection(weights: str, pack: bool, *linears: nn.Linear) -> nn.Module:
         return Int8RowLinear.from_linears(*linears)
     if weights == "bf16":
         return Bf16Linear.from_linears(*linears)
-    if weights == "fp32" and pack and onednn_packing_available():
+    if weights == "fp32" and pack and linears[0].weight.device.type == "cpu" and onednn_packing_available():
         return PackedLinear.from_linears(*linears)
     return InputMajorLinear.from_linears(*linears)
 
@@ -255,8 +255,8 @@ class FusedMLP(nn.Module):
 def decode_layout(model: Llama, weights: str = "fp32", pack: bool = True) -> Llama:
     """A copy of ``model`` whose projections are fused, stored for decoding, in the weight format
     ``weights`` (``"fp32"``, ``"bf16"`` or ``"int8"``; see the module's text). With fp32 weights,
-    ``pack`` chooses oneDNN's packed layout (``PackedLinear``, where this PyTorch build has oneDNN)
-    over the input-major one (``InputMajorLinear``, always available).
+    ``pack`` chooses oneDNN's packed layout (``PackedLinear``, for a model on the CPU where this
+    PyTorch build has oneDNN) over the input-major one (``InputMajorLinear``, always available).
 
     The original is untouched; the copy holds its own projection weights (the output head gets its
     own copy of a tied embedding table; the embedding lookup and the norms stay shared).
