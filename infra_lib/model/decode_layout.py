@@ -13,12 +13,14 @@ stored for the product, with two fusions on top:
 
 With ``weights="fp32"`` the maths is unchanged (the same products, summed in another order:
 logits agree with the original's within 1e-4 in the input-major layout and 3e-4 in the packed one
-(logits run to about 30), and greedy tokens are the same on the course's prompts; a test checks both). The fp32 weights are stored one of two ways:
+(logits run to about 30), and greedy tokens are the same on the course's prompts; a test checks
+both). The fp32 weights are stored one of two ways:
 
 * **packed** (the default, ``PackedLinear``): in oneDNN's blocked layout, the one PyTorch's CPU
   GEMM library reads fastest, packed once here so that no product repacks it. Side by side on
-  the course's CPU it beats the input-major layout at batch 1 and, by more, at the batch of 32
-  the serving engine runs (``benchmarks/decode.py``, ``benchmarks/offline_throughput.py``);
+  the course's CPU the two layouts are even at batch 1 (a GEMV reads each weight once, in any
+  order; ``benchmarks/decode.py``), and the packed one is well ahead at the batches of 8 to 32
+  the serving engine runs, where a step is a GEMM (``benchmarks/offline_throughput.py``);
 * **input-major** (``pack=False``, or where PyTorch has no oneDNN; ``InputMajorLinear``): ``W_t``
   stored ``[in, out]``, contiguous along the output, the product written ``x @ W_t``.
 
@@ -103,11 +105,13 @@ _ONEDNN: bool | None = None
 def onednn_packing_available() -> bool:
     """Whether this PyTorch build can pack an fp32 weight for oneDNN and multiply with it here."""
     global _ONEDNN
+    if _ONEDNN is None and not torch.backends.mkldnn.is_available():
+        _ONEDNN = False
     if _ONEDNN is None:
         try:
             w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8))
             y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), w, None, "none", [], "")
-            _ONEDNN = torch.backends.mkldnn.is_available() and bool(torch.all(y == 8))
+            _ONEDNN = bool(torch.all(y == 8))
         except (RuntimeError, AttributeError, NotImplementedError):
             _ONEDNN = False
     return _ONEDNN
@@ -211,7 +215,7 @@ def _projection(weights: str, pack: bool, *linears: nn.Linear) -> nn.Module:
 
 
 class FusedAttention(nn.Module):
-    """``Attention`` with q, k and v in one input-major product."""
+    """``Attention`` with q, k and v in one product, stored as ``decode_layout``'s format says."""
 
     def __init__(self, attn: Attention, weights: str = "fp32", pack: bool = True):
         super().__init__()
@@ -239,7 +243,7 @@ class FusedAttention(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    """SwiGLU with gate and up in one input-major product."""
+    """SwiGLU with gate and up in one product, stored as ``decode_layout``'s format says."""
 
     def __init__(self, mlp: MLP, weights: str = "fp32", pack: bool = True):
         super().__init__()
