@@ -2,7 +2,8 @@
 model with its weights in the decode layout (``infra_lib.model.decode_layout``: fused; fp32 packed for
 oneDNN, and once more input-major to show what the packing alone is worth),
 each layout again with its decoder layer compiled over a static cache
-(``infra_lib.model.compiled_decode``), the model recomputing without a cache, and transformers'
+(``infra_lib.model.compiled_decode``), the decode step written in C (``infra_lib.model.native_decode``,
+fp32 and bf16 weights; where this machine can build it), the model recomputing without a cache, and transformers'
 ``generate`` on the same weights, against this machine's memory-bandwidth bound, all measured in
 one run.
 
@@ -29,6 +30,7 @@ from infra_lib.model import SamplingParams, generate, load_default
 from infra_lib.model.compiled_decode import StaticDecoder
 from infra_lib.model.decode_layout import (WEIGHT_FORMATS, bytes_per_step, decode_layout, greedy_answers,
                                           top1_agreement)
+from infra_lib.model.native_decode import NATIVE_FORMATS, NativeDecoder, native_decode_available
 from infra_lib.model.quant import heldout_text, perplexity
 from infra_lib.timing import time_op
 
@@ -120,6 +122,11 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         uncompiled = ours(new_tokens, on=laid_out).token_ids
         compiled_same_tokens[weights] = next((i for i, (a, b) in enumerate(zip(uncompiled, tokens)) if a != b),
                                              len(tokens))
+    # the step in C: fp32 on the model's own weights, bf16 on a copy; fp32 gives the model's tokens
+    native_ok, native_reason = native_decode_available()
+    native = {w: NativeDecoder(model, capacity=len(prompt) + new_tokens, weights=w) for w in NATIVE_FORMATS} \
+        if native_ok else {}
+    native_tokens = {w: decoder.greedy(prompt, new_tokens) for w, decoder in native.items()}
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
         **{name: row for weights, laid_out in formats.items() for name, row in (
@@ -129,6 +136,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
              _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup)))},
         "infra_lib, decode layout fp32 input-major": _decode_rate(lambda n: ours(n, on=input_major), new_tokens,
                                                                   iters, warmup),
+        **{f"infra_lib, native step {w}": _decode_rate(lambda n, d=decoder: d.greedy(prompt, n), new_tokens,
+                                                        iters, warmup) for w, decoder in native.items()},
         "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
         "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
     }
@@ -138,9 +147,14 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     for name, row in engines.items():
         weights = next((w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}",
                                                                f"infra_lib, compiled step {w}")), None)
-        row["weights"] = (f"{weights}, decode layout" if weights else
-                          "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
-        row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
+        native_weights = next((w for w in native if name == f"infra_lib, native step {w}"), None)
+        if native_weights:
+            row["weights"] = f"{native_weights}, native step"
+            row["bytes_per_step"] = native[native_weights].bytes_per_step
+        else:
+            row["weights"] = (f"{weights}, decode layout" if weights else
+                              "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
+            row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
         row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
         row["fraction_of_bound"] = row["decode_tokens_per_s"] / row["bound_tokens_per_s"]
     cached, uncached = engines["infra_lib, KV cache"], engines["infra_lib, no cache"]
@@ -167,6 +181,16 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "input_major_same_greedy_tokens": ours(new_tokens, on=input_major).token_ids == reference_tokens,
         "fp32_packed_over_input_major": engines["infra_lib, decode layout fp32"]["decode_tokens_per_s"]
         / engines["infra_lib, decode layout fp32 input-major"]["decode_tokens_per_s"],
+        "native_step": {
+            "available": native_ok, "reason": native_reason,
+            "same_greedy_tokens_as_model": native_tokens.get("fp32") == reference_tokens if native_ok else None,
+            "greedy_prefix_shared_with_fp32": {w: next((i for i, (a, b) in enumerate(zip(reference_tokens, t))
+                                                        if a != b), len(t)) for w, t in native_tokens.items()},
+            "over_transformers": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"] / theirs_rate
+                                  for w in native},
+            "over_compiled_step": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"]
+                                   / engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"] for w in native},
+        },
         "compiled_step": {"compile_s": compile_s, "greedy_prefix_shared_with_uncompiled": compiled_same_tokens,
                           "over_uncompiled": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
                                               / engines[f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
@@ -205,6 +229,16 @@ def format_table(result: dict) -> str:
                  f"(input-major gives the same greedy tokens: {result['input_major_same_greedy_tokens']})")
     lines.append("compiled step over transformers: " + ", ".join(
         f"{w} {r:.2f}x" for w, r in step["over_transformers"].items()))
+    native = result["native_step"]
+    if native["available"]:
+        lines.append("native step (C) over transformers: " + ", ".join(
+            f"{w} {r:.2f}x" for w, r in native["over_transformers"].items()) + "; over the compiled step: " + ", ".join(
+            f"{w} {r:.2f}x" for w, r in native["over_compiled_step"].items())
+            + f"; fp32 gives the model's greedy tokens: {native['same_greedy_tokens_as_model']}; greedy prefix "
+            "shared with fp32: " + ", ".join(f"{w} {n}/{flags['new_tokens']}"
+                                             for w, n in native["greedy_prefix_shared_with_fp32"].items()))
+    else:
+        lines.append(f"native step (C): not built here ({native['reason'].splitlines()[0]})")
     return "\n".join(lines)
 
 

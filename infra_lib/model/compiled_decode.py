@@ -94,6 +94,19 @@ class StaticDecoder:
 
         The prompt runs uncompiled in one pass; each decode step runs the compiled layer.
         """
+        self._check(prompt, max_new_tokens)
+        for buffer in (*self.keys, *self.values):
+            buffer.zero_()  # a slot past the sequence is masked anyway; zeros keep a stale one harmless
+        logits = self._forward(torch.tensor([prompt]), 0, layer_step)
+        out: list[int] = []
+        while True:
+            token = int(logits.argmax())
+            out.append(token)
+            if token == stop_id or len(out) == max_new_tokens:
+                return out
+            logits = self._step(token, len(prompt) + len(out) - 1)
+
+    def _check(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token id")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -105,13 +118,23 @@ class StaticDecoder:
             raise ValueError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need "
                              f"{len(prompt) + max_new_tokens - 1} cache slots; this decoder holds {self.capacity} "
                              "(build it with a larger capacity)")
+
+    @torch.inference_mode()
+    def teacher_forced(self, prompt: list[int], continuation: list[int]) -> list[int]:
+        """The greedy pick after the prompt and after each token of ``continuation`` but the last
+        (``len(continuation)`` picks), the decoder reading ``continuation`` whatever it picks: how
+        often these equal ``continuation`` is how often this decoder agrees with the one that wrote it."""
+        if not continuation:
+            raise ValueError("the continuation is empty: give at least one token id")
+        self._check(prompt, len(continuation))
+        self._check(continuation, 1)  # its ids, too, must lie in the vocabulary
         for buffer in (*self.keys, *self.values):
-            buffer.zero_()  # a slot past the sequence is masked anyway; zeros keep a stale one harmless
-        logits = self._forward(torch.tensor([prompt]), 0, layer_step)
-        out: list[int] = []
-        while True:
-            token = int(logits.argmax())
-            out.append(token)
-            if token == stop_id or len(out) == max_new_tokens:
-                return out
-            logits = self._forward(torch.tensor([[token]]), len(prompt) + len(out) - 1, self._decode_layer)
+            buffer.zero_()
+        picks = [int(self._forward(torch.tensor([prompt]), 0, layer_step).argmax())]
+        for i, token in enumerate(continuation[:-1]):
+            picks.append(int(self._step(token, len(prompt) + i).argmax()))
+        return picks
+
+    def _step(self, token: int, position: int) -> torch.Tensor:
+        """Logits ``[vocab]`` after ``token`` at ``position``: one decode step through the compiled layer."""
+        return self._forward(torch.tensor([[token]]), position, self._decode_layer)

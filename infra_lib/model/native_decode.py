@@ -1,0 +1,242 @@
+"""Batch-1 greedy decoding with each decode step one call into C: the last lever on the bandwidth roof.
+
+``benchmarks/decode.py`` measures every PyTorch path of this course, compiled or not, at about a third
+of the memory-bandwidth bound of batch-1 decoding. Two costs keep it there, both measured by
+``benchmarks/decode_profile.py``: PyTorch's CPU matrix-vector kernels stream weights well below the
+bandwidth the STREAM probe reads, and every step spends milliseconds between the products
+(operator dispatch, the compiled graph's guards and wrappers, temporary tensors). A decode step at
+batch 1 is only about 120 matrix-vector products with a little arithmetic between them, so
+``NativeDecoder`` writes the step itself, in ``native/decode_step.c``:
+
+* one call per token from Python; inside it nothing but the step's own arithmetic;
+* each product's output rows split evenly between the threads of PyTorch's own OpenMP pool, each
+  thread streaming four weight rows against one read of the input vector;
+* the weights read where the model keeps them (``nn.Linear``'s ``[out, in]`` rows, no copy in
+  fp32); q, k and v are one range of rows over three weights, gate and up one pass that multiplies
+  ``silu(gate) * up`` as the rows come;
+* the KV cache is ``StaticDecoder``'s: the prompt runs in PyTorch (``layer_step``, one pass),
+  writing the same buffers the C step then reads and extends.
+
+Weights are fp32 (the model's own tensors) or bf16 (a copy of every projection and the output
+head, 2 bytes a weight, widened to fp32 in registers; activations and sums stay fp32). The
+library is compiled once per machine with the system C compiler for this CPU (``cc -O3
+-march=native``) and cached beside the course's other caches; ``native_decode_available()`` says
+whether that worked and, if not, why.
+
+Summation order differs from PyTorch's (four rows at a time, vectorised), so logits agree with
+the model's within a few 1e-5 in fp32, and greedy tokens are the model's on the course's prompts;
+a test checks both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infra_lib.cache_lock import held
+from infra_lib.model.compiled_decode import StaticDecoder
+from infra_lib.model.model import Attention, Llama, MLP
+
+SOURCE = Path(__file__).with_name("native") / "decode_step.c"
+NATIVE_FORMATS = ("fp32", "bf16")
+_FORMAT_CODE = {"fp32": 0, "bf16": 1}
+ABI = 2
+# no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
+# these four let the compiler reorder sums into vector lanes, which is all the step needs
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
+         "-fno-signed-zeros", "-fno-trapping-math")
+
+
+class NativeUnavailable(RuntimeError):
+    """The C decode step could not be built or loaded here (no C compiler, a failed build)."""
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("INFRA_LIB_CACHE") or Path.home() / ".cache" / "infra_lib") / "native"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang): install one, "
+                            "e.g. `apt-get install gcc`, or use StaticDecoder")
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4000]
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+_LIBRARY: ctypes.CDLL | None = None
+_FAILURE: str | None = None
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile the step into ``target``: with OpenMP if the compiler has it, else single-threaded."""
+    errors = []
+    for openmp in (("-fopenmp",), ()):
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            run = subprocess.run([cc, *FLAGS, *openmp, "-o", str(out), str(SOURCE), "-lm"],
+                                 capture_output=True, text=True, timeout=120)
+            if run.returncode == 0:
+                os.replace(out, target)  # atomic: another process sees the whole library or none
+                return
+            errors.append(f"{' '.join([Path(cc).name, *FLAGS, *openmp])}: {run.stderr.strip()[-800:]}")
+    raise NativeUnavailable("the C decode step did not compile:\n" + "\n".join(errors))
+
+
+def native_library() -> ctypes.CDLL:
+    """The compiled step, built on first use and cached per source, compiler and CPU."""
+    global _LIBRARY, _FAILURE
+    if _LIBRARY is not None:
+        return _LIBRARY
+    if _FAILURE is not None:
+        raise NativeUnavailable(_FAILURE)
+    try:
+        cc = _compiler()
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cc.encode()
+                             + _cpu_signature().encode()).hexdigest()[:16]
+        root = _cache_root()
+        target = root / f"decode_step-{key}.so"
+        with held(root / f"decode_step-{key}.lock"):
+            if not target.exists():
+                root.mkdir(parents=True, exist_ok=True)
+                _build(cc, target)
+        library = ctypes.CDLL(str(target))
+        if library.infra_native_abi() != ABI:
+            raise NativeUnavailable(f"{target} speaks ABI {library.infra_native_abi()}, this module {ABI}")
+    except NativeUnavailable as error:
+        _FAILURE = str(error)
+        raise
+    except (OSError, subprocess.SubprocessError) as error:
+        _FAILURE = f"the C decode step could not be built or loaded: {error}"
+        raise NativeUnavailable(_FAILURE) from error
+    library.infra_native_decode_step.restype = ctypes.c_int
+    library.infra_native_decode_step.argtypes = [
+        ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    library.infra_native_scratch_floats.restype = ctypes.c_long
+    library.infra_native_scratch_floats.argtypes = [ctypes.POINTER(ctypes.c_long)]
+    _LIBRARY = library
+    return library
+
+
+def native_decode_available() -> tuple[bool, str]:
+    """(True, "") if the C step builds and loads here, else (False, why)."""
+    try:
+        native_library()
+    except NativeUnavailable as error:
+        return False, str(error)
+    return True, ""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder(StaticDecoder):
+    """Greedy batch-1 decoding of ``model`` with every decode step in C (see the module's text).
+
+    Args:
+        model: an infra_lib ``Llama`` as loaded (``nn.Linear`` projections, fp32, on the CPU).
+        capacity: the most tokens (prompt and output) one call of ``greedy`` may hold.
+        weights: ``"fp32"`` (the model's own weights, no copy) or ``"bf16"`` (a bf16 copy of every
+            projection and the output head).
+
+    ``greedy`` is ``StaticDecoder.greedy``: the prompt in PyTorch, then one C call per token.
+    ``bytes_per_step`` is what one step's weights read.
+    """
+
+    def __init__(self, model: Llama, capacity: int = 512, weights: str = "fp32"):
+        if weights not in NATIVE_FORMATS:
+            raise ValueError(f"weights must be one of {NATIVE_FORMATS}, got {weights!r}")
+        if not isinstance(model, Llama):
+            raise TypeError(f"NativeDecoder takes an infra_lib Llama, got {type(model).__name__}")
+        for layer in model.layers:
+            if not (isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP)
+                    and isinstance(model.lm_head, nn.Linear)):
+                raise TypeError("NativeDecoder reads nn.Linear weights: give it the model as loaded, "
+                                "not a decode_layout copy")
+        parameter = next(model.parameters())
+        if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
+            raise ValueError(f"NativeDecoder runs an fp32 model on the CPU, got {parameter.dtype} on "
+                             f"{parameter.device}")
+        self.library = native_library()
+        super().__init__(model, capacity, compile=False)
+        config = model.config
+        self.weights = weights
+        dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+
+        def stored(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(dtype).contiguous()
+
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().float().contiguous()
+
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer below points into
+        pointers = []
+        for layer, keys, values in zip(model.layers, self.keys, self.values):
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = [fp32(layer.input_layernorm.weight),
+                       stored(attn.q_proj.weight), stored(attn.k_proj.weight), stored(attn.v_proj.weight),
+                       fp32(attn.q_proj.bias), fp32(attn.k_proj.bias), fp32(attn.v_proj.bias),
+                       stored(attn.o_proj.weight), fp32(attn.o_proj.bias),
+                       fp32(layer.post_attention_layernorm.weight),
+                       stored(mlp.gate_proj.weight), stored(mlp.up_proj.weight), stored(mlp.down_proj.weight),
+                       keys, values]
+            self._keep += [t for t in tensors if t is not None]
+            pointers += [_ptr(t) for t in tensors]
+        if len(pointers) != config.n_layers * self.library.infra_native_param_count():
+            raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
+        self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._embed = fp32(model.embed_tokens.weight)
+        self._final_norm = fp32(model.norm.weight)
+        self._lm_head = stored(model.lm_head.weight)
+        self._cos, self._sin = fp32(model.rope_cos), fp32(model.rope_sin)
+        self._dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim,
+                      config.intermediate_size, config.vocab_size, config.n_layers, capacity, 0, 0, 1,
+                      _FORMAT_CODE[weights]]
+        if len(self._dims) != self.library.infra_native_dim_count():
+            raise NativeUnavailable("the C step and this module disagree on the shape fields")
+        dims = (ctypes.c_long * len(self._dims))(*self._dims)
+        self._scratch = torch.empty(self.library.infra_native_scratch_floats(dims))
+        self._logits = torch.empty(config.vocab_size)
+        self._eps = float(model.layers[0].input_layernorm.eps)
+        self.bytes_per_step = self._projection_bytes(model, dtype)
+
+    @staticmethod
+    def _projection_bytes(model: Llama, dtype: torch.dtype) -> int:
+        """Weights one step reads: every projection and the head in ``dtype``, the norms in fp32,
+        one row of the embedding table."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        total = model.lm_head.weight.numel() * size + model.config.hidden_size * 4
+        for layer in model.layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                total += m.weight.numel() * size + (0 if m.bias is None else m.bias.nbytes)
+            total += layer.input_layernorm.weight.nbytes + layer.post_attention_layernorm.weight.nbytes
+        return total + model.norm.weight.nbytes
+
+    def _step(self, token: int, position: int) -> torch.Tensor:
+        """Logits ``[vocab]`` after ``token`` at ``position``: one call into C."""
+        dims, row = self._dims, position * self._cos.stride(0) * self._cos.element_size()
+        dims[8], dims[9], dims[10] = position, token, torch.get_num_threads()
+        self.library.infra_native_decode_step(
+            (ctypes.c_long * len(dims))(*dims), self._eps, self._pointers, self._embed.data_ptr(),
+            self._final_norm.data_ptr(), self._lm_head.data_ptr(), self._cos.data_ptr() + row,
+            self._sin.data_ptr() + row, self._scratch.data_ptr(), self._logits.data_ptr())
+        return self._logits

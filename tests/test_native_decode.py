@@ -1,0 +1,105 @@
+"""infra_lib.model.native_decode: the decode step in C gives the model's logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SMOLLM2
+from infra_lib.model import DenseKVCache, Llama, LlamaConfig, greedy_decode
+from infra_lib.model.native_decode import NativeDecoder, NativeUnavailable, _build, native_decode_available
+
+PROMPTS = ("What is Python?", "Name three planets.", "Write a haiku about the sea.")
+
+
+def _tiny(tie: bool, bias: bool) -> Llama:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, n_layers=3, n_heads=4,
+                         n_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, max_position=128,
+                         tie_embeddings=tie, attention_bias=bias, output_bias=bias)
+    model = Llama(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from their initial ones and zeros
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("tie, bias", [(True, False), (False, True)], ids=["tied", "untied-bias"])
+def test_native_step_gives_the_models_logits_at_every_position(tie, bias):
+    """Every decode step's logits equal the model's through its KV cache (fp32, summed in another
+    order): grouped-query heads, biases, a tied or untied head, rows that do not fill a block."""
+    model = _tiny(tie, bias)
+    tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(1))
+    decoder = NativeDecoder(model, capacity=40)
+    picks = decoder.teacher_forced(tokens[0, :10].tolist(), tokens[0, 10:].tolist())
+    with torch.no_grad():
+        expected = model(tokens)[0, 9:29].argmax(-1).tolist()
+        cache = DenseKVCache.for_model(model.config, batch=1, capacity=40)
+        model(tokens[:, :10], cache)
+        for i in range(10, 30):
+            want = model(tokens[:, i:i + 1], cache)[0, -1]
+            got = decoder._step(int(tokens[0, i]), i)
+            assert float((got - want).abs().max()) <= 1e-4, i
+    assert picks == expected
+
+
+@SMOLLM2
+def test_native_decoder_keeps_smollm2s_greedy_tokens_and_logits(smollm2):
+    """fp32: the model's greedy tokens on the course's prompts and its logits within 1e-4 (logits
+    run to about 30); one thread or two, the same logits to the bit (each output row is one
+    thread's sum); bf16 weights pick fp32's token at 90% of positions or more, teacher-forced."""
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS]
+    answers = [greedy_decode(model, prompt, 16) for prompt in prompts]  # no stop token: 16 each
+    decoder = NativeDecoder(model, capacity=96)
+    for prompt, answer in zip(prompts[:2], answers):
+        expected = answer[:answer.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in answer else answer
+        assert decoder.greedy(prompt, 16, tokenizer.eos_id) == expected
+    prompt, answer = prompts[0], answers[0]
+    with torch.inference_mode():
+        full = model(torch.tensor([prompt + answer]))[0]
+        decoder.teacher_forced(prompt, answer[:8])  # fills the cache up to answer[6]
+        steps = {}
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                steps[threads] = decoder._step(answer[7], len(prompt) + 7).clone()
+            finally:
+                torch.set_num_threads(previous)
+    assert float((steps[2] - full[len(prompt) + 7]).abs().max()) <= 1e-4
+    assert torch.equal(steps[1], steps[2])
+    bf16 = NativeDecoder(model, capacity=96, weights="bf16")
+    assert bf16.bytes_per_step == pytest.approx(decoder.bytes_per_step / 2, rel=0.01)
+    assert decoder.bytes_per_step == pytest.approx(model.weight_bytes(), rel=0.01)
+    hits = total = 0
+    for prompt, answer in zip(prompts, answers):
+        picks = bf16.teacher_forced(prompt, answer)
+        hits += sum(a == b for a, b in zip(picks, answer))
+        total += len(answer)
+    assert hits / total >= 0.9, (hits, total)
+
+
+def test_bad_input_gets_errors_that_say_what_to_change(tmp_path):
+    from infra_lib.model.decode_layout import decode_layout
+
+    model = _tiny(True, False)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        NativeDecoder(model, weights="int4")
+    with pytest.raises(TypeError, match="model as loaded"):
+        NativeDecoder(decode_layout(model))
+    with pytest.raises(TypeError, match="infra_lib Llama"):
+        NativeDecoder(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="fp32 model"):
+        NativeDecoder(Llama(model.config).to(torch.bfloat16))
+    decoder = NativeDecoder(model, capacity=16)
+    with pytest.raises(ValueError, match="token ids"):
+        decoder.teacher_forced([1, 2], [3, 300])
+    with pytest.raises(ValueError, match="larger capacity"):
+        decoder.greedy([1] * 10, 8)
+    with pytest.raises(ValueError, match="empty"):
+        decoder.teacher_forced([1], [])
+    assert native_decode_available() == (True, "")
+    with pytest.raises(NativeUnavailable, match="did not compile"):
+        _build("/bin/false", tmp_path / "step.so")
+    assert not (tmp_path / "step.so").exists()
