@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -12,9 +14,9 @@ from infra_lib.model.native_decode import NativeDecoder, NativeUnavailable, _bui
 PROMPTS = ("What is Python?", "Name three planets.", "Write a haiku about the sea.")
 
 
-def _tiny(tie: bool, bias: bool) -> Llama:
+def _tiny(tie: bool, bias: bool, intermediate: int = 96) -> Llama:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, n_layers=3, n_heads=4,
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=intermediate, n_layers=3, n_heads=4,
                          n_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, max_position=128,
                          tie_embeddings=tie, attention_bias=bias, output_bias=bias)
     model = Llama(config).eval()
@@ -24,23 +26,43 @@ def _tiny(tie: bool, bias: bool) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("tie, bias", [(True, False), (False, True)], ids=["tied", "untied-bias"])
-def test_native_step_gives_the_models_logits_at_every_position(tie, bias):
-    """Every decode step's logits equal the model's through its KV cache (fp32, summed in another
-    order): grouped-query heads, biases, a tied or untied head, rows that do not fill a block."""
-    model = _tiny(tie, bias)
+def _bf16_weights(model: Llama) -> Llama:
+    """The same model with every projection's and the head's weight rounded to bf16 (kept in fp32), the
+    embedding table as it was: the weights the bf16 C step reads, in PyTorch's arithmetic."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in rounded.layers:
+            for linear in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+        head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        head.weight = torch.nn.Parameter(model.lm_head.weight.detach().to(torch.bfloat16).float())
+        rounded.lm_head = head
+    return rounded
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("tie, bias, intermediate", [(True, False, 96), (False, True, 97)],
+                         ids=["tied", "untied-bias-odd-rows"])
+def test_native_step_gives_the_models_logits_at_every_position(tie, bias, intermediate, weights):
+    """Every decode step's logits equal the model's through its KV cache (summed in another order):
+    grouped-query heads, biases, a tied or untied head, rows that do not fill a group of four, a row
+    length that does not pair up; bf16 against the same model with its weights rounded to bf16."""
+    model = _tiny(tie, bias, intermediate)
+    reference = model if weights == "fp32" else _bf16_weights(model)
     tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(1))
-    decoder = NativeDecoder(model, capacity=40)
+    decoder = NativeDecoder(model, capacity=40, weights=weights)
     picks = decoder.teacher_forced(tokens[0, :10].tolist(), tokens[0, 10:].tolist())
     with torch.no_grad():
-        expected = model(tokens)[0, 9:29].argmax(-1).tolist()
+        # the prompt runs in PyTorch on the model's fp32 weights, in the decoder as here; then each step
         cache = DenseKVCache.for_model(model.config, batch=1, capacity=40)
-        model(tokens[:, :10], cache)
+        expected = [int(model(tokens[:, :10], cache)[0, -1].argmax())]
         for i in range(10, 30):
-            want = model(tokens[:, i:i + 1], cache)[0, -1]
+            want = reference(tokens[:, i:i + 1], cache)[0, -1]
             got = decoder._step(int(tokens[0, i]), i)
             assert float((got - want).abs().max()) <= 1e-4, i
-    assert picks == expected
+            expected.append(int(want.argmax()))
+    assert picks == expected[:20]
 
 
 @SMOLLM2
