@@ -3,7 +3,7 @@ model with its weights in the decode layout (``infra_lib.model.decode_layout``: 
 oneDNN, and once more input-major to show what the packing alone is worth),
 each layout again with its decoder layer compiled over a static cache
 (``infra_lib.model.compiled_decode``), the decode step written in C (``infra_lib.model.native_decode``,
-fp32 and bf16 weights; where this machine can build it), the model recomputing without a cache, and transformers'
+fp32, bf16 and int8 weights; where this machine can build it), the model recomputing without a cache, and transformers'
 ``generate`` on the same weights, against this machine's memory-bandwidth bound, all measured in
 one run.
 

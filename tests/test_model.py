@@ -323,21 +323,20 @@ def test_decode_benchmark_writes_json(tmp_path):
                                       *(f"infra_lib, decode layout {w}" for w in formats),
                                       *(f"infra_lib, compiled step {w}" for w in formats),
                                       "infra_lib, decode layout fp32 input-major",
-                                      *(f"infra_lib, native step {w}" for w in ("fp32", "bf16"))}
+                                      *(f"infra_lib, native step {w}" for w in formats)}
     assert result["same_greedy_tokens_as_transformers"] is True
     native = result["native_step"]  # this machine has a C compiler: the step in C is built and measured
     assert native["available"] is True and native["reason"] == ""
     assert native["same_greedy_tokens_as_model"] is True
     assert native["greedy_prefix_shared_with_fp32"]["fp32"] == result["flags"]["new_tokens"]
-    for w in ("fp32", "bf16"):
+    for w, share in (("fp32", 1), ("bf16", 1 / 2), ("int8", 1 / 4)):
         row = result["engines"][f"infra_lib, native step {w}"]
         assert native["over_transformers"][w] == pytest.approx(
             row["decode_tokens_per_s"] / result["engines"]["transformers generate"]["decode_tokens_per_s"])
         assert native["over_compiled_step"][w] == pytest.approx(
             row["decode_tokens_per_s"] / result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"])
         assert row["weights"] == f"{w}, native step"
-        assert row["bytes_per_step"] == pytest.approx(result["model"]["weight_bytes"] / (1 if w == "fp32" else 2),
-                                                      rel=0.01)
+        assert row["bytes_per_step"] == pytest.approx(result["model"]["weight_bytes"] * share, rel=0.02)
     assert result["input_major_same_greedy_tokens"] is True  # fp32 in either layout: the model's own tokens
     assert result["fp32_packed_over_input_major"] == pytest.approx(
         result["engines"]["infra_lib, decode layout fp32"]["decode_tokens_per_s"]

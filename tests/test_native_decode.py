@@ -26,30 +26,40 @@ def _tiny(tie: bool, bias: bool, intermediate: int = 96) -> Llama:
     return model
 
 
-def _bf16_weights(model: Llama) -> Llama:
-    """The same model with every projection's and the head's weight rounded to bf16 (kept in fp32), the
-    embedding table as it was: the weights the bf16 C step reads, in PyTorch's arithmetic."""
+def _weights_as_read(model: Llama, weights: str) -> Llama:
+    """The same model with every projection's and the head's weight as the C step in ``weights`` reads
+    it (rounded to bf16, or quantised to int8 and scaled back), kept in fp32, the embedding table as it
+    was: the step's weights in PyTorch's arithmetic."""
+    from infra_lib.model.decode_layout import Int8RowLinear
+
+    def as_read(weight: torch.Tensor) -> torch.Tensor:
+        if weights == "bf16":
+            return weight.to(torch.bfloat16).float()
+        quantised = Int8RowLinear(weight)
+        return quantised.q.float() * quantised.scale.float()[:, None]
+
     rounded = copy.deepcopy(model)
     with torch.no_grad():
         for layer in rounded.layers:
             for linear in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
                            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+                linear.weight.copy_(as_read(linear.weight))
         head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
-        head.weight = torch.nn.Parameter(model.lm_head.weight.detach().to(torch.bfloat16).float())
+        head.weight = torch.nn.Parameter(as_read(model.lm_head.weight.detach()))
         rounded.lm_head = head
     return rounded
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("tie, bias, intermediate", [(True, False, 96), (False, True, 97)],
                          ids=["tied", "untied-bias-odd-rows"])
 def test_native_step_gives_the_models_logits_at_every_position(tie, bias, intermediate, weights):
     """Every decode step's logits equal the model's through its KV cache (summed in another order):
     grouped-query heads, biases, a tied or untied head, rows that do not fill a group of four, a row
-    length that does not pair up; bf16 against the same model with its weights rounded to bf16."""
+    length that does not pair up; bf16 and int8 against the same model with its weights as the step
+    reads them (rounded to bf16; quantised and scaled back)."""
     model = _tiny(tie, bias, intermediate)
-    reference = model if weights == "fp32" else _bf16_weights(model)
+    reference = model if weights == "fp32" else _weights_as_read(model, weights)
     tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     decoder = NativeDecoder(model, capacity=40, weights=weights)
     picks = decoder.teacher_forced(tokens[0, :10].tolist(), tokens[0, 10:].tolist())
@@ -69,7 +79,8 @@ def test_native_step_gives_the_models_logits_at_every_position(tie, bias, interm
 def test_native_decoder_keeps_smollm2s_greedy_tokens_and_logits(smollm2):
     """fp32: the model's greedy tokens on the course's prompts and its logits within 1e-4 (logits
     run to about 30); one thread or two, the same logits to the bit (each output row is one
-    thread's sum); bf16 weights pick fp32's token at 90% of positions or more, teacher-forced."""
+    thread's sum); bf16 and int8 weights pick fp32's token at 90% of positions or more, teacher-forced,
+    reading a half and a quarter of fp32's bytes."""
     model, tokenizer = smollm2.model, smollm2.tokenizer
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS]
     answers = [greedy_decode(model, prompt, 16) for prompt in prompts]  # no stop token: 16 each
@@ -91,15 +102,16 @@ def test_native_decoder_keeps_smollm2s_greedy_tokens_and_logits(smollm2):
                 torch.set_num_threads(previous)
     assert float((steps[2] - full[len(prompt) + 7]).abs().max()) <= 1e-4
     assert torch.equal(steps[1], steps[2])
-    bf16 = NativeDecoder(model, capacity=96, weights="bf16")
-    assert bf16.bytes_per_step == pytest.approx(decoder.bytes_per_step / 2, rel=0.01)
     assert decoder.bytes_per_step == pytest.approx(model.weight_bytes(), rel=0.01)
-    hits = total = 0
-    for prompt, answer in zip(prompts, answers):
-        picks = bf16.teacher_forced(prompt, answer)
-        hits += sum(a == b for a, b in zip(picks, answer))
-        total += len(answer)
-    assert hits / total >= 0.9, (hits, total)
+    for weights, share in (("bf16", 1 / 2), ("int8", 1 / 4)):
+        smaller = NativeDecoder(model, capacity=96, weights=weights)
+        assert smaller.bytes_per_step == pytest.approx(decoder.bytes_per_step * share, rel=0.02), weights
+        hits = total = 0
+        for prompt, answer in zip(prompts, answers):
+            picks = smaller.teacher_forced(prompt, answer)
+            hits += sum(a == b for a, b in zip(picks, answer))
+            total += len(answer)
+        assert hits / total >= 0.9, (weights, hits, total)
 
 
 def test_bad_input_gets_errors_that_say_what_to_change(tmp_path):

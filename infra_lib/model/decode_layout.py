@@ -17,10 +17,11 @@ logits agree with the original's within 1e-4 in the input-major layout and 3e-4 
 both). The fp32 weights are stored one of two ways:
 
 * **packed** (the default, ``PackedLinear``): in oneDNN's blocked layout, the one PyTorch's CPU
-  GEMM library reads fastest, packed once here so that no product repacks it. Side by side on
-  the course's CPU the two layouts are even at batch 1 (a GEMV reads each weight once, in any
-  order; ``benchmarks/decode.py``), and the packed one is well ahead at the batches of 8 to 32
-  the serving engine runs, where a step is a GEMM (``benchmarks/offline_throughput.py``);
+  GEMM library reads fastest, packed once here so that no product repacks it. At batch 1 a GEMV
+  reads each weight once, in any order, and packing does not pay: side by side in
+  ``benchmarks/decode.py`` the two layouts were even on one of the course's machines and the packed
+  one 0.77-0.81 times the input-major one on another. The packed one is well ahead at the batches of
+  8 to 32 the serving engine runs, where a step is a GEMM (``benchmarks/offline_throughput.py``);
 * **input-major** (``pack=False``, or where PyTorch has no oneDNN; ``InputMajorLinear``): ``W_t``
   stored ``[in, out]``, contiguous along the output, the product written ``x @ W_t``.
 

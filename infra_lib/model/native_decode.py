@@ -1,7 +1,7 @@
 """Batch-1 greedy decoding with each decode step one call into C: the last lever on the bandwidth roof.
 
-``benchmarks/decode.py`` measures every PyTorch path of this course, compiled or not, at about a third
-of the memory-bandwidth bound of batch-1 decoding. Two costs keep it there, both measured by
+``benchmarks/decode.py`` measures every PyTorch path of this course, compiled or not, at a third to
+a half of the memory-bandwidth bound of batch-1 decoding, depending on the machine and the format. Two costs keep it there, both measured by
 ``benchmarks/decode_profile.py``: PyTorch's CPU matrix-vector kernels stream weights well below the
 bandwidth the STREAM probe reads, and every step spends milliseconds between the products
 (operator dispatch, the compiled graph's guards and wrappers, temporary tensors). A decode step at
@@ -17,8 +17,10 @@ batch 1 is only about 120 matrix-vector products with a little arithmetic betwee
 * the KV cache is ``StaticDecoder``'s: the prompt runs in PyTorch (``layer_step``, one pass),
   writing the same buffers the C step then reads and extends.
 
-Weights are fp32 (the model's own tensors) or bf16 (a copy of every projection and the output
-head, 2 bytes a weight, widened to fp32 in registers; activations and sums stay fp32). The
+Weights are fp32 (the model's own tensors), bf16 (a copy of every projection and the output head,
+2 bytes a weight, widened to fp32 in registers) or int8 (chapter 09's quantisation with one scale
+per output row, as the int8 ``decode_layout`` quantises: 1 byte a weight, each row's sum scaled
+once); activations and sums stay fp32 in every format. The
 library is compiled once per machine with the system C compiler for this CPU (``cc -O3
 -march=native``) and cached beside the course's other caches; ``native_decode_available()`` says
 whether that worked and, if not, why.
@@ -44,12 +46,13 @@ from torch import nn
 
 from infra_lib.cache_lock import held
 from infra_lib.model.compiled_decode import StaticDecoder
+from infra_lib.model.decode_layout import Int8RowLinear
 from infra_lib.model.model import Attention, Llama, MLP
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
-NATIVE_FORMATS = ("fp32", "bf16")
-_FORMAT_CODE = {"fp32": 0, "bf16": 1}
-ABI = 2
+NATIVE_FORMATS = ("fp32", "bf16", "int8")
+_FORMAT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+ABI = 3
 # no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
 # these four let the compiler reorder sums into vector lanes, which is all the step needs
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
@@ -128,7 +131,8 @@ def native_library() -> ctypes.CDLL:
     library.infra_native_decode_step.restype = ctypes.c_int
     library.infra_native_decode_step.argtypes = [
         ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p]
     library.infra_native_scratch_floats.restype = ctypes.c_long
     library.infra_native_scratch_floats.argtypes = [ctypes.POINTER(ctypes.c_long)]
     _LIBRARY = library
@@ -154,8 +158,9 @@ class NativeDecoder(StaticDecoder):
     Args:
         model: an infra_lib ``Llama`` as loaded (``nn.Linear`` projections, fp32, on the CPU).
         capacity: the most tokens (prompt and output) one call of ``greedy`` may hold.
-        weights: ``"fp32"`` (the model's own weights, no copy) or ``"bf16"`` (a bf16 copy of every
-            projection and the output head).
+        weights: ``"fp32"`` (the model's own weights, no copy), ``"bf16"`` (a bf16 copy of every
+            projection and the output head) or ``"int8"`` (each of them quantised as the int8
+            ``decode_layout`` quantises: int8 weights, one scale per output row).
 
     ``greedy`` is ``StaticDecoder.greedy``: the prompt in PyTorch, then one C call per token.
     ``bytes_per_step`` is what one step's weights read.
@@ -166,10 +171,9 @@ class NativeDecoder(StaticDecoder):
             raise ValueError(f"weights must be one of {NATIVE_FORMATS}, got {weights!r}")
         if not isinstance(model, Llama):
             raise TypeError(f"NativeDecoder takes an infra_lib Llama, got {type(model).__name__}")
-        for layer in model.layers:
-            if not (isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP)
-                    and isinstance(model.lm_head, nn.Linear)):
-                raise TypeError("NativeDecoder reads nn.Linear weights: give it the model as loaded, "
+        if not (isinstance(model.lm_head, nn.Linear) and all(
+                isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP) for layer in model.layers)):
+            raise TypeError("NativeDecoder reads nn.Linear weights: give it the model as loaded, "
                                 "not a decode_layout copy")
         parameter = next(model.parameters())
         if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
@@ -179,33 +183,41 @@ class NativeDecoder(StaticDecoder):
         super().__init__(model, capacity, compile=False)
         config = model.config
         self.weights = weights
-        dtype = torch.float32 if weights == "fp32" else torch.bfloat16
-
-        def stored(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(dtype).contiguous()
 
         def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().float().contiguous()
 
+        def stored(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """A projection's weight as the step reads it, and its per-row scales (int8 only)."""
+            if weights == "int8":  # chapter 09's rule, as the int8 decode layout quantises
+                quantised = Int8RowLinear(linear.weight)
+                return quantised.q.data.contiguous(), quantised.scale.data.float().contiguous()
+            dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+            return linear.weight.detach().to(dtype).contiguous(), None
+
         self._keep: list[torch.Tensor] = []  # every tensor a pointer below points into
         pointers = []
+        self.bytes_per_step = config.hidden_size * 4 + model.norm.weight.nbytes  # an embedding row, the final norm
         for layer, keys, values in zip(model.layers, self.keys, self.values):
             attn, mlp = layer.self_attn, layer.mlp
-            tensors = [fp32(layer.input_layernorm.weight),
-                       stored(attn.q_proj.weight), stored(attn.k_proj.weight), stored(attn.v_proj.weight),
+            q, k, v, o, gate, up, down = (stored(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                             mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            tensors = [fp32(layer.input_layernorm.weight), q[0], k[0], v[0],
                        fp32(attn.q_proj.bias), fp32(attn.k_proj.bias), fp32(attn.v_proj.bias),
-                       stored(attn.o_proj.weight), fp32(attn.o_proj.bias),
-                       fp32(layer.post_attention_layernorm.weight),
-                       stored(mlp.gate_proj.weight), stored(mlp.up_proj.weight), stored(mlp.down_proj.weight),
-                       keys, values]
-            self._keep += [t for t in tensors if t is not None]
+                       o[0], fp32(attn.o_proj.bias), fp32(layer.post_attention_layernorm.weight),
+                       gate[0], up[0], down[0], keys, values,
+                       q[1], k[1], v[1], o[1], gate[1], up[1], down[1]]
+            kept = [t for t in tensors if t is not None]
+            self._keep += kept
             pointers += [_ptr(t) for t in tensors]
+            self.bytes_per_step += sum(t.nbytes for t in kept if t is not keys and t is not values)
         if len(pointers) != config.n_layers * self.library.infra_native_param_count():
             raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
         self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         self._embed = fp32(model.embed_tokens.weight)
         self._final_norm = fp32(model.norm.weight)
-        self._lm_head = stored(model.lm_head.weight)
+        self._lm_head, self._lm_head_scale = stored(model.lm_head)
+        self.bytes_per_step += self._lm_head.nbytes + (0 if self._lm_head_scale is None else self._lm_head_scale.nbytes)
         self._cos, self._sin = fp32(model.rope_cos), fp32(model.rope_sin)
         self._dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim,
                       config.intermediate_size, config.vocab_size, config.n_layers, capacity, 0, 0, 1,
@@ -216,20 +228,6 @@ class NativeDecoder(StaticDecoder):
         self._scratch = torch.empty(self.library.infra_native_scratch_floats(dims))
         self._logits = torch.empty(config.vocab_size)
         self._eps = float(model.layers[0].input_layernorm.eps)
-        self.bytes_per_step = self._projection_bytes(model, dtype)
-
-    @staticmethod
-    def _projection_bytes(model: Llama, dtype: torch.dtype) -> int:
-        """Weights one step reads: every projection and the head in ``dtype``, the norms in fp32,
-        one row of the embedding table."""
-        size = torch.tensor([], dtype=dtype).element_size()
-        total = model.lm_head.weight.numel() * size + model.config.hidden_size * 4
-        for layer in model.layers:
-            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                total += m.weight.numel() * size + (0 if m.bias is None else m.bias.nbytes)
-            total += layer.input_layernorm.weight.nbytes + layer.post_attention_layernorm.weight.nbytes
-        return total + model.norm.weight.nbytes
 
     def _step(self, token: int, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` after ``token`` at ``position``: one call into C."""
@@ -237,6 +235,6 @@ class NativeDecoder(StaticDecoder):
         dims[8], dims[9], dims[10] = position, token, torch.get_num_threads()
         self.library.infra_native_decode_step(
             (ctypes.c_long * len(dims))(*dims), self._eps, self._pointers, self._embed.data_ptr(),
-            self._final_norm.data_ptr(), self._lm_head.data_ptr(), self._cos.data_ptr() + row,
-            self._sin.data_ptr() + row, self._scratch.data_ptr(), self._logits.data_ptr())
+            self._final_norm.data_ptr(), self._lm_head.data_ptr(), _ptr(self._lm_head_scale),
+            self._cos.data_ptr() + row, self._sin.data_ptr() + row, self._scratch.data_ptr(), self._logits.data_ptr())
         return self._logits

@@ -9,8 +9,9 @@
  * one read of the input vector.
  *
  * Weights stay where the model keeps them (nn.Linear's [out, in] rows, row-major); the KV cache
- * is the caller's [n_kv_heads, capacity, head_dim] buffer per layer. Weight formats: fp32, and
- * bf16 (the upper half of an fp32, widened in registers); activations and sums are always fp32.
+ * is the caller's [n_kv_heads, capacity, head_dim] buffer per layer. Weight formats: fp32, bf16 (the
+ * upper half of an fp32, widened in registers) and int8 (one fp32 scale per output row, applied to
+ * the row's sum); activations and sums are always fp32.
  *
  * Built by infra_lib.model.native_decode with the system C compiler for this machine's CPU.
  */
@@ -27,12 +28,14 @@
 #define THREAD_COUNT() 1
 #endif
 
-enum { FORMAT_FP32 = 0, FORMAT_BF16 = 1 };
+enum { FORMAT_FP32 = 0, FORMAT_BF16 = 1, FORMAT_INT8 = 2 };
 
 /* per-layer pointers, in this order (the Python side fills them) */
 enum {
     P_IN_NORM, P_Q, P_K, P_V, P_QB, P_KB, P_VB, P_O, P_OB, P_POST_NORM, P_GATE, P_UP, P_DOWN,
-    P_KEYS, P_VALUES, P_COUNT
+    P_KEYS, P_VALUES,
+    /* int8 only (NULL otherwise): one fp32 scale per output row of each projection */
+    P_Q_SCALE, P_K_SCALE, P_V_SCALE, P_O_SCALE, P_GATE_SCALE, P_UP_SCALE, P_DOWN_SCALE, P_COUNT
 };
 
 /* dims[]: model shape and this step */
@@ -41,7 +44,7 @@ enum {
     D_THREADS, D_FORMAT, D_COUNT
 };
 
-int infra_native_abi(void) { return 2; }
+int infra_native_abi(void) { return 3; }
 int infra_native_param_count(void) { return P_COUNT; }
 int infra_native_dim_count(void) { return D_COUNT; }
 
@@ -61,6 +64,7 @@ static inline void prefetch_next_group(const char *base, long r, long r1, long r
 }
 
 static inline float fp32_to_float(float f) { return f; }
+static inline float int8_to_float(int8_t q) { return (float)q; }
 
 /* y[r] = W[r, :] . x for rows r0..r1 of a row-major [rows, n] weight whose elements are TYPE,
  * widened to fp32 by WIDEN: four rows at a time against one read of x, then the rows left over */
@@ -118,10 +122,16 @@ static void rows_dot_bf16_pairs(const uint16_t *W, const float *x, float *y, lon
     }
 }
 
-static void rows_dot(const void *weight, int format, const float *x, float *y, long r0, long r1, long n) {
+/* y[r] = W[r, :] . x for rows r0..r1, in the step's weight format; int8 rows are then scaled by
+ * their row's scale (q * scale is the weight, so the sum of q * x times scale is the product) */
+static void rows_dot(const void *weight, const float *scale, int format, const float *x, float *y, long r0,
+                     long r1, long n) {
     long r = r0;
     if (format == FORMAT_FP32) ROWS_DOT(float, fp32_to_float);
-    else if (n % 2 == 0 && n <= MAX_PAIRED_INPUT) rows_dot_bf16_pairs((const uint16_t *)weight, x, y, r0, r1, n);
+    else if (format == FORMAT_INT8) {
+        ROWS_DOT(int8_t, int8_to_float);
+        for (long i = r0; i < r1; i++) y[i] *= scale[i];
+    } else if (n % 2 == 0 && n <= MAX_PAIRED_INPUT) rows_dot_bf16_pairs((const uint16_t *)weight, x, y, r0, r1, n);
     else ROWS_DOT(uint16_t, bf16_to_float);  /* an odd row length: one weight at a time */
 }
 
@@ -158,14 +168,14 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 /* The step. `params` holds P_COUNT pointers per layer; `scratch` holds at least
  * 3 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 2 * inter + heads * capacity floats
  * (infra_native_scratch_floats). `embed` is the fp32 embedding table; the projections and
- * `lm_head` are in the step's format. Writes the logits [vocab] and returns their argmax. */
+ * `lm_head` are in the step's format (int8: with `lm_head_scale` and the layers' scales). Writes the logits [vocab] and returns their argmax. */
 long infra_native_scratch_floats(const long *dims) {
     return 3 * dims[D_HIDDEN] + (2 * dims[D_HEADS] + 2 * dims[D_KV_HEADS]) * dims[D_HEAD_DIM]
            + 2 * dims[D_INTER] + dims[D_HEADS] * dims[D_CAPACITY];
 }
 
 int infra_native_decode_step(const long *dims, float eps, void *const *params, const float *embed,
-                             const float *final_norm, const void *lm_head, const float *cos_row,
+                             const float *final_norm, const void *lm_head, const float *lm_head_scale, const float *cos_row,
                              const float *sin_row, float *scratch, float *logits) {
     const long d = dims[D_HIDDEN], H = dims[D_HEADS], KV = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
     const long inter = dims[D_INTER], vocab = dims[D_VOCAB], layers = dims[D_LAYERS];
@@ -197,11 +207,11 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
             /* q, k and v: one range of rows over the three weights */
             my_rows(qkv_rows, &r0, &r1, t, nt);
             long a = r0 < q_rows ? r0 : q_rows, b = r1 < q_rows ? r1 : q_rows;
-            if (a < b) rows_dot(p[P_Q], format, h, qkv, a, b, d);
+            if (a < b) rows_dot(p[P_Q], p[P_Q_SCALE], format, h, qkv, a, b, d);
             a = r0 > q_rows ? r0 : q_rows; b = r1 < q_rows + kv_rows ? r1 : q_rows + kv_rows;
-            if (a < b) rows_dot(p[P_K], format, h, qkv + q_rows, a - q_rows, b - q_rows, d);
+            if (a < b) rows_dot(p[P_K], p[P_K_SCALE], format, h, qkv + q_rows, a - q_rows, b - q_rows, d);
             a = r0 > q_rows + kv_rows ? r0 : q_rows + kv_rows; b = r1;
-            if (a < b) rows_dot(p[P_V], format, h, qkv + q_rows + kv_rows, a - q_rows - kv_rows,
+            if (a < b) rows_dot(p[P_V], p[P_V_SCALE], format, h, qkv + q_rows + kv_rows, a - q_rows - kv_rows,
                                 b - q_rows - kv_rows, d);
             #pragma omp barrier
             #pragma omp single
@@ -239,7 +249,7 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
             }
             #pragma omp barrier
             my_rows(d, &r0, &r1, t, nt);
-            rows_dot(p[P_O], format, attn, tmp, r0, r1, q_rows);
+            rows_dot(p[P_O], p[P_O_SCALE], format, attn, tmp, r0, r1, q_rows);
             #pragma omp barrier
             #pragma omp single
             {
@@ -248,12 +258,12 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
             }
             /* gate and up: the same rows of both, combined as they are made */
             my_rows(inter, &r0, &r1, t, nt);
-            rows_dot(p[P_GATE], format, h, act, r0, r1, d);
-            rows_dot(p[P_UP], format, h, up, r0, r1, d);
+            rows_dot(p[P_GATE], p[P_GATE_SCALE], format, h, act, r0, r1, d);
+            rows_dot(p[P_UP], p[P_UP_SCALE], format, h, up, r0, r1, d);
             for (long i = r0; i < r1; i++) act[i] = silu(act[i]) * up[i];
             #pragma omp barrier
             my_rows(d, &r0, &r1, t, nt);
-            rows_dot(p[P_DOWN], format, act, tmp, r0, r1, inter);
+            rows_dot(p[P_DOWN], p[P_DOWN_SCALE], format, act, tmp, r0, r1, inter);
         }
         for (long i = 0; i < d; i++) x[i] += tmp[i];
     }
@@ -264,7 +274,7 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
         const int t = THREAD_ID(), nt = THREAD_COUNT();
         long r0, r1;
         my_rows(vocab, &r0, &r1, t, nt);
-        rows_dot(lm_head, format, h, logits, r0, r1, d);
+        rows_dot(lm_head, lm_head_scale, format, h, logits, r0, r1, d);
     }
     long best = 0;
     for (long i = 1; i < vocab; i++) if (logits[i] > logits[best]) best = i;
