@@ -137,3 +137,17 @@ def test_bad_input_gets_errors_that_say_what_to_change(tmp_path):
     with pytest.raises(NativeUnavailable, match="did not compile"):
         _build("/bin/false", tmp_path / "step.so")
     assert not (tmp_path / "step.so").exists()
+
+
+def test_a_compiler_that_refuses_the_tuning_flags_still_builds_the_step(tmp_path):
+    """Tuning for this CPU is a bonus: a compiler that rejects it builds the portable step, which loads."""
+    import ctypes
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    picky = tmp_path / "picky-cc"
+    picky.write_text("#!/bin/sh\nfor a in \"$@\"; do case \"$a\" in -march=*|-mcpu=*|-mprefer*) "
+                     "echo \"unknown option $a\" >&2; exit 1;; esac; done\n" f"exec {cc} \"$@\"\n")
+    picky.chmod(0o755)
+    _build(str(picky), tmp_path / "step.so")
+    assert ctypes.CDLL(str(tmp_path / "step.so")).infra_native_abi() >= 1
