@@ -122,11 +122,21 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         uncompiled = ours(new_tokens, on=laid_out).token_ids
         compiled_same_tokens[weights] = next((i for i, (a, b) in enumerate(zip(uncompiled, tokens)) if a != b),
                                              len(tokens))
-    # the step in C: fp32 on the model's own weights, bf16 on a copy; fp32 gives the model's tokens
+    # the step in C: fp32 on the model's own weights, bf16 and int8 on copies; fp32 gives the model's
+    # tokens. Each format's perplexity and agreement are read through its own decode steps.
     native_ok, native_reason = native_decode_available()
-    native = {w: NativeDecoder(model, capacity=len(prompt) + new_tokens, weights=w) for w in NATIVE_FORMATS} \
-        if native_ok else {}
+    capacity = max(len(prompt) + new_tokens, len(held_out), *(len(p) + agreement_tokens for p in agreement_prompts))
+    native = {w: NativeDecoder(model, capacity=capacity, weights=w) for w in NATIVE_FORMATS} if native_ok else {}
     native_tokens = {w: decoder.greedy(prompt, new_tokens) for w, decoder in native.items()}
+    for weights, decoder in native.items():
+        picks = [decoder.teacher_forced(p, answer) for p, answer in zip(agreement_prompts, answers)]
+        weight_formats[f"{weights}, native step"] = {
+            "perplexity": decoder.perplexity(held_out),
+            "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(reference_tokens, native_tokens[weights]))
+                                        if a != b), len(native_tokens[weights])),
+            "top1_agreement": sum(a == b for got, answer in zip(picks, answers) for a, b in zip(got, answer))
+            / sum(len(answer) for answer in answers),
+            "bytes_per_step": decoder.bytes_per_step}
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
         **{name: row for weights, laid_out in formats.items() for name, row in (
@@ -148,13 +158,10 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         weights = next((w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}",
                                                                f"infra_lib, compiled step {w}")), None)
         native_weights = next((w for w in native if name == f"infra_lib, native step {w}"), None)
-        if native_weights:
-            row["weights"] = f"{native_weights}, native step"
-            row["bytes_per_step"] = native[native_weights].bytes_per_step
-        else:
-            row["weights"] = (f"{weights}, decode layout" if weights else
-                              "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
-            row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
+        row["weights"] = (f"{native_weights}, native step" if native_weights else
+                          f"{weights}, decode layout" if weights else
+                          "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
+        row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
         row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
         row["fraction_of_bound"] = row["decode_tokens_per_s"] / row["bound_tokens_per_s"]
     cached, uncached = engines["infra_lib, KV cache"], engines["infra_lib, no cache"]

@@ -337,6 +337,13 @@ def test_decode_benchmark_writes_json(tmp_path):
             row["decode_tokens_per_s"] / result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"])
         assert row["weights"] == f"{w}, native step"
         assert row["bytes_per_step"] == pytest.approx(result["model"]["weight_bytes"] * share, rel=0.02)
+        read = result["weight_formats"][f"{w}, native step"]  # perplexity and agreement through its own steps
+        assert read["bytes_per_step"] == row["bytes_per_step"]
+        assert read["perplexity"] == pytest.approx(result["weight_formats"]["fp32, plain layout"]["perplexity"],
+                                                   rel=1e-4 if w == "fp32" else 0.05)
+        assert 0 <= read["top1_agreement"] <= 1 and 0 <= read["same_greedy_prefix"] <= result["flags"]["new_tokens"]
+    assert result["weight_formats"]["fp32, native step"]["top1_agreement"] == 1.0
+    assert result["weight_formats"]["fp32, native step"]["same_greedy_prefix"] == result["flags"]["new_tokens"]
     assert result["input_major_same_greedy_tokens"] is True  # fp32 in either layout: the model's own tokens
     assert result["fp32_packed_over_input_major"] == pytest.approx(
         result["engines"]["infra_lib, decode layout fp32"]["decode_tokens_per_s"]

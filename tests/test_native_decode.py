@@ -75,6 +75,24 @@ def test_native_step_gives_the_models_logits_at_every_position(tie, bias, interm
     assert picks == expected[:20]
 
 
+def test_perplexity_read_one_step_at_a_time_is_the_models():
+    """StaticDecoder.perplexity (the first token as the prompt, then one decode step a token) gives
+    quant.perplexity's number, eager and through the C step; too short or too long a text is refused."""
+    from infra_lib.model.compiled_decode import StaticDecoder
+    from infra_lib.model.quant import perplexity
+
+    model = _tiny(False, True)
+    tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = perplexity(model, tokens)
+    assert StaticDecoder(model, capacity=40, compile=False).perplexity(tokens) == pytest.approx(expected, rel=1e-5)
+    decoder = NativeDecoder(model, capacity=40)
+    assert decoder.perplexity(tokens) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="two tokens"):
+        decoder.perplexity(tokens[:1])
+    with pytest.raises(ValueError, match="larger capacity"):
+        decoder.perplexity(tokens + tokens)
+
+
 @SMOLLM2
 def test_native_decoder_keeps_smollm2s_greedy_tokens_and_logits(smollm2):
     """fp32: the model's greedy tokens on the course's prompts and its logits within 1e-4 (logits

@@ -24,6 +24,8 @@ NOTE = "⚠ Unexpected result"
 
 DISTURB_TIMER = '''
 # Injected by tests/test_timing_notes.py: time_op reports each call as (real time) x (elements of its result).
+# The real time is the least of three single calls: one call alone, preempted on a loaded machine or
+# paying a first call's set-up, once came out 9 times its size's share and turned a comparison back.
 import torch
 import infra_lib.timing
 
@@ -31,7 +33,7 @@ _real_time_op = infra_lib.timing.time_op
 
 
 def _disturbed_time_op(fn, *, warmup=3, iters=10, sync=None):
-    seconds = _real_time_op(fn, warmup=0, iters=1, sync=sync)
+    seconds = min(_real_time_op(fn, warmup=0, iters=1, sync=sync) for _ in range(3))
     result = fn()
     return seconds * (result.numel() if isinstance(result, torch.Tensor) else 1)
 

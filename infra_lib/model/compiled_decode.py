@@ -27,6 +27,8 @@ against the uncompiled loop; chapter 04 takes it as its worked example.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -124,16 +126,32 @@ class StaticDecoder:
         """The greedy pick after the prompt and after each token of ``continuation`` but the last
         (``len(continuation)`` picks), the decoder reading ``continuation`` whatever it picks: how
         often these equal ``continuation`` is how often this decoder agrees with the one that wrote it."""
+        return [int(logits.argmax()) for logits in self._read(prompt, continuation)]
+
+    @torch.inference_mode()
+    def perplexity(self, token_ids: list[int]) -> float:
+        """exp(mean negative log-likelihood) of ``token_ids[1:]``, each predicted from the tokens before
+        it: the first token is the prompt, every later one a decode step. ``quant.perplexity(model,
+        token_ids)`` gives the same number for up to 513 tokens (one window), read in one pass."""
+        if len(token_ids) < 2:
+            raise ValueError("perplexity needs at least two tokens")
+        nll = 0.0
+        for logits, target in zip(self._read(token_ids[:1], token_ids[1:]), token_ids[1:]):
+            nll -= float(torch.log_softmax(logits.float(), dim=-1)[target])
+        return math.exp(nll / (len(token_ids) - 1))
+
+    def _read(self, prompt: list[int], continuation: list[int]):
+        """Logits after the prompt, then after each token of ``continuation`` but the last, as the
+        decoder reads them one step at a time (each valid until the next is taken)."""
         if not continuation:
             raise ValueError("the continuation is empty: give at least one token id")
         self._check(prompt, len(continuation))
         self._check(continuation, 1)  # its ids, too, must lie in the vocabulary
         for buffer in (*self.keys, *self.values):
             buffer.zero_()
-        picks = [int(self._forward(torch.tensor([prompt]), 0, layer_step).argmax())]
+        yield self._forward(torch.tensor([prompt]), 0, layer_step)
         for i, token in enumerate(continuation[:-1]):
-            picks.append(int(self._step(token, len(prompt) + i).argmax()))
-        return picks
+            yield self._step(token, len(prompt) + i)
 
     def _step(self, token: int, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` after ``token`` at ``position``: one decode step through the compiled layer."""

@@ -92,7 +92,9 @@ static inline float int8_to_float(int8_t q) { return (float)q; }
 
 /* bf16 weights two at a time: a 32-bit load holds weights 2i (low half) and 2i + 1 (high half), and
  * each becomes an fp32 with one shift or one mask, no widening shuffle; x is split into its even and
- * odd elements once per call to match. Measured on a 1.2 GB weight, 2 threads: 19 -> 22 GB/s. */
+ * odd elements once per call to match. Measured on a 1.2 GB weight, 2 threads: 19 -> 22 GB/s.
+ * (Reading uint16 data through a uint32 pointer is why the library is built with
+ * -fno-strict-aliasing.) */
 static inline float low_bf16(uint32_t pair) { union { uint32_t u; float f; } v; v.u = pair << 16; return v.f; }
 static inline float high_bf16(uint32_t pair) { union { uint32_t u; float f; } v; v.u = pair & 0xffff0000u; return v.f; }
 #define MAX_PAIRED_INPUT 16384
@@ -168,7 +170,8 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 /* The step. `params` holds P_COUNT pointers per layer; `scratch` holds at least
  * 3 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 2 * inter + heads * capacity floats
  * (infra_native_scratch_floats). `embed` is the fp32 embedding table; the projections and
- * `lm_head` are in the step's format (int8: with `lm_head_scale` and the layers' scales). Writes the logits [vocab] and returns their argmax. */
+ * `lm_head` are in the step's format (int8: with `lm_head_scale` and the layers' scales).
+ * Writes the logits [vocab] and returns their argmax. */
 long infra_native_scratch_floats(const long *dims) {
     return 3 * dims[D_HIDDEN] + (2 * dims[D_HEADS] + 2 * dims[D_KV_HEADS]) * dims[D_HEAD_DIM]
            + 2 * dims[D_INTER] + dims[D_HEADS] * dims[D_CAPACITY];
