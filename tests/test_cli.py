@@ -41,6 +41,7 @@ def test_doctor_reports_every_piece_and_passes_here():
         assert piece in result.stdout
     assert "graded kernels fork from a template" in result.stdout, "make installs the warm-kernel provisioner"
     assert "namespaces work: a class's kernels are graded in a sandbox" in result.stdout, "make installs bubblewrap"
+    assert "native decode step" in result.stdout and "split over the threads (OpenMP)" in result.stdout
     assert "all required pieces work" in result.stdout
 
 

@@ -169,3 +169,17 @@ def test_a_compiler_that_refuses_the_tuning_flags_still_builds_the_step(tmp_path
     picky.chmod(0o755)
     _build(str(picky), tmp_path / "step.so")
     assert ctypes.CDLL(str(tmp_path / "step.so")).infra_native_abi() >= 1
+
+
+def test_doctor_says_how_to_get_the_step_where_it_cannot_be_built(monkeypatch):
+    """Without a C compiler the doctor notes it (not a failure: the course runs without the step) and
+    says what to install."""
+    import infra_lib.model.native_decode as native_decode
+    from grading import doctor
+
+    monkeypatch.setattr(native_decode, "native_decode_available",
+                        lambda: (False, "no C compiler found (looked for $CC, cc, gcc, clang): install one"))
+    finding = doctor.native_finding()
+    assert not finding.ok and not finding.required
+    assert finding.detail.startswith("no C compiler found") and "apt-get install gcc" in finding.fix
+    assert "[note] native decode step" in doctor.report([finding])[0]

@@ -47,6 +47,14 @@ enum {
 int infra_native_abi(void) { return 3; }
 int infra_native_param_count(void) { return P_COUNT; }
 int infra_native_dim_count(void) { return D_COUNT; }
+/* 1 when built with OpenMP (products split over the threads), 0 when single-threaded */
+int infra_native_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v;
