@@ -3,9 +3,9 @@ model with its weights in the decode layout (``infra_lib.model.decode_layout``: 
 oneDNN, and once more input-major to show what the packing alone is worth),
 each layout again with its decoder layer compiled over a static cache
 (``infra_lib.model.compiled_decode``), the decode step written in C (``infra_lib.model.native_decode``,
-fp32, bf16 and int8 weights; where this machine can build it), the model recomputing without a cache, and transformers'
-``generate`` on the same weights, against this machine's memory-bandwidth bound, all measured in
-one run.
+fp32, bf16 and int8 weights; where this machine can build it), the model recomputing without a cache,
+and transformers' ``generate`` on the same weights, against this machine's memory-bandwidth bound,
+all measured in one run.
 
 Decode rate is measured as a difference, the same way for every engine: the time to generate
 N tokens minus the time to generate 1 (the prefill and the first token), divided by N - 1.
@@ -48,6 +48,11 @@ def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> di
     many = time_op(lambda: generate_n(new_tokens), warmup=warmup, iters=iters)
     return {"first_token_s": one, "total_s": many, "new_tokens": new_tokens,
             "decode_tokens_per_s": (new_tokens - 1) / (many - one)}
+
+
+def _shared_prefix(reference: list[int], tokens: list[int]) -> int:
+    """How many tokens ``tokens`` shares with ``reference`` before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), len(tokens))
 
 
 def _transformers_model(model):
@@ -105,7 +110,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
                                              "bytes_per_step": bytes_per_step(model)}}
     for weights, laid_out in formats.items():
         tokens = ours(new_tokens, on=laid_out).token_ids
-        shared = next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens)) if a != b), len(tokens))
+        shared = _shared_prefix(reference_tokens, tokens)
         weight_formats[f"{weights}, decode layout"] = {
             "perplexity": perplexity(laid_out, held_out), "same_greedy_prefix": shared,
             "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, answers),
@@ -120,8 +125,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         tokens = compiled[weights].greedy(prompt, new_tokens)
         compile_s[weights] = time.perf_counter() - started
         uncompiled = ours(new_tokens, on=laid_out).token_ids
-        compiled_same_tokens[weights] = next((i for i, (a, b) in enumerate(zip(uncompiled, tokens)) if a != b),
-                                             len(tokens))
+        compiled_same_tokens[weights] = _shared_prefix(uncompiled, tokens)
     # the step in C: fp32 on the model's own weights, bf16 and int8 on copies; fp32 gives the model's
     # tokens. Each format's perplexity and agreement are read through its own decode steps.
     native_ok, native_reason = native_decode_available()
@@ -132,8 +136,7 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         picks = [decoder.teacher_forced(p, answer) for p, answer in zip(agreement_prompts, answers)]
         weight_formats[f"{weights}, native step"] = {
             "perplexity": decoder.perplexity(held_out),
-            "same_greedy_prefix": next((i for i, (a, b) in enumerate(zip(reference_tokens, native_tokens[weights]))
-                                        if a != b), len(native_tokens[weights])),
+            "same_greedy_prefix": _shared_prefix(reference_tokens, native_tokens[weights]),
             "top1_agreement": sum(a == b for got, answer in zip(picks, answers) for a, b in zip(got, answer))
             / sum(len(answer) for answer in answers),
             "bytes_per_step": decoder.bytes_per_step}
@@ -191,8 +194,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "native_step": {
             "available": native_ok, "reason": native_reason,
             "same_greedy_tokens_as_model": native_tokens.get("fp32") == reference_tokens if native_ok else None,
-            "greedy_prefix_shared_with_fp32": {w: next((i for i, (a, b) in enumerate(zip(reference_tokens, t))
-                                                        if a != b), len(t)) for w, t in native_tokens.items()},
+            "greedy_prefix_shared_with_fp32": {w: weight_formats[f"{w}, native step"]["same_greedy_prefix"]
+                                               for w in native},
             "over_transformers": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"] / theirs_rate
                                   for w in native},
             "over_compiled_step": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"]

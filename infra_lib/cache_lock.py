@@ -13,6 +13,15 @@ import os
 from pathlib import Path
 
 
+CACHE_ENV = "INFRA_LIB_CACHE"
+
+
+def cache_root() -> Path:
+    """The folder every infra_lib cache lives under (models, embeddings, the compiled decode step):
+    ``$INFRA_LIB_CACHE``, else ``~/.cache/infra_lib``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "infra_lib")
+
+
 @contextlib.contextmanager
 def held(lock_file: Path | None):
     """Hold an exclusive lock on ``lock_file`` (created, with its folder, if missing) for the block.

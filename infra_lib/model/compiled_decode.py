@@ -113,13 +113,16 @@ class StaticDecoder:
             raise ValueError("the prompt is empty: give at least one token id")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        self._check_ids(prompt)
         if len(prompt) + max_new_tokens - 1 > self.capacity:
             raise ValueError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need "
                              f"{len(prompt) + max_new_tokens - 1} cache slots; this decoder holds {self.capacity} "
                              "(build it with a larger capacity)")
+
+    def _check_ids(self, tokens: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}); got {min(tokens)}..{max(tokens)}")
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> list[int]:
@@ -146,7 +149,7 @@ class StaticDecoder:
         if not continuation:
             raise ValueError("the continuation is empty: give at least one token id")
         self._check(prompt, len(continuation))
-        self._check(continuation, 1)  # its ids, too, must lie in the vocabulary
+        self._check_ids(continuation)
         for buffer in (*self.keys, *self.values):
             buffer.zero_()
         yield self._forward(torch.tensor([prompt]), 0, layer_step)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra_lib.cache_lock import held
+from infra_lib.cache_lock import CACHE_ENV, cache_root, held  # noqa: F401 (CACHE_ENV: for callers)
 from infra_lib.model.config import LlamaConfig
 from infra_lib.model.model import Llama
 from infra_lib.model.tokenizer import Tokenizer
@@ -312,15 +312,13 @@ def _blocks(reader, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]
 
 # --- the dequantised-weights cache ----------------------------------------------------------------
 
-CACHE_ENV = "INFRA_LIB_CACHE"  # the same root as the RAG embeddings' cache
 _CACHE_FORMAT = 1  # bump when what read_gguf produces changes
 
 
 def cache_dir() -> Path:
     """Where dequantised models are kept: ``$INFRA_LIB_CACHE/models``, else
     ``~/.cache/infra_lib/models``."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "infra_lib"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def _cache_entry(path: Path, kind: str = "fp32") -> Path | None:

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infra_lib.cache_lock import held
+from infra_lib.cache_lock import cache_root, held
 from infra_lib.model.compiled_decode import StaticDecoder
 from infra_lib.model.decode_layout import Int8RowLinear
 from infra_lib.model.model import Attention, Llama, MLP
@@ -52,6 +52,7 @@ from infra_lib.model.model import Attention, Llama, MLP
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
 NATIVE_FORMATS = ("fp32", "bf16", "int8")
 _FORMAT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+_POSITION, _TOKEN, _THREADS = 8, 9, 10  # the step's own fields of dims[] (D_POS, D_TOKEN, D_THREADS in C)
 ABI = 3
 # no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
 # these four let the compiler reorder sums into vector lanes, which is all the step needs.
@@ -68,10 +69,6 @@ TUNING = (("-march=native", "-mprefer-vector-width=512") if platform.machine().l
 
 class NativeUnavailable(RuntimeError):
     """The C decode step could not be built or loaded here (no C compiler, a failed build)."""
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("INFRA_LIB_CACHE") or Path.home() / ".cache" / "infra_lib") / "native"
 
 
 def _compiler() -> str:
@@ -123,7 +120,7 @@ def native_library() -> ctypes.CDLL:
         cc = _compiler()
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + TUNING).encode() + cc.encode()
                              + _cpu_signature().encode()).hexdigest()[:16]
-        root = _cache_root()
+        root = cache_root() / "native"
         target = root / f"decode_step-{key}.so"
         with held(root / f"decode_step-{key}.lock"):
             if not target.exists():
@@ -229,22 +226,22 @@ class NativeDecoder(StaticDecoder):
         self._lm_head, self._lm_head_scale = stored(model.lm_head)
         self.bytes_per_step += self._lm_head.nbytes + (0 if self._lm_head_scale is None else self._lm_head_scale.nbytes)
         self._cos, self._sin = fp32(model.rope_cos), fp32(model.rope_sin)
-        self._dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim,
-                      config.intermediate_size, config.vocab_size, config.n_layers, capacity, 0, 0, 1,
-                      _FORMAT_CODE[weights]]
-        if len(self._dims) != self.library.infra_native_dim_count():
+        # the C side's dims[]: the shape, then this step's position, token and threads, then the format
+        dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
+                config.vocab_size, config.n_layers, capacity, 0, 0, 1, _FORMAT_CODE[weights]]
+        if len(dims) != self.library.infra_native_dim_count():
             raise NativeUnavailable("the C step and this module disagree on the shape fields")
-        dims = (ctypes.c_long * len(self._dims))(*self._dims)
-        self._scratch = torch.empty(self.library.infra_native_scratch_floats(dims))
+        self._dims = (ctypes.c_long * len(dims))(*dims)  # _step rewrites the step's three fields in place
+        self._scratch = torch.empty(self.library.infra_native_scratch_floats(self._dims))
         self._logits = torch.empty(config.vocab_size)
         self._eps = float(model.layers[0].input_layernorm.eps)
 
     def _step(self, token: int, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` after ``token`` at ``position``: one call into C."""
-        dims, row = self._dims, position * self._cos.stride(0) * self._cos.element_size()
-        dims[8], dims[9], dims[10] = position, token, torch.get_num_threads()
+        row = position * self._cos.stride(0) * self._cos.element_size()
+        self._dims[_POSITION], self._dims[_TOKEN], self._dims[_THREADS] = position, token, torch.get_num_threads()
         self.library.infra_native_decode_step(
-            (ctypes.c_long * len(dims))(*dims), self._eps, self._pointers, self._embed.data_ptr(),
+            self._dims, self._eps, self._pointers, self._embed.data_ptr(),
             self._final_norm.data_ptr(), self._lm_head.data_ptr(), _ptr(self._lm_head_scale),
             self._cos.data_ptr() + row, self._sin.data_ptr() + row, self._scratch.data_ptr(), self._logits.data_ptr())
         return self._logits

