@@ -7,9 +7,13 @@ drawn number of tokens, no stop token) is served three ways:
 
 * **continuous batching**: ``LLM.generate`` on every prompt at once; at most ``B`` sequences run,
   and a finished sequence's place goes to the next waiting prompt in the very next step. The
-  engine runs the model's decode layout (``infra_lib.model.decode_layout``: the same fp32 weights,
-  fused and packed for oneDNN's product) and, once more at ``B``, the model as loaded (one
-  ``nn.Linear`` product per projection): the layout's effect, side by side;
+  engine's steps of up to 32 tokens (the decodes, short prefill chunks) run as one call into C
+  (``infra_lib.serving.native_runner.NativeModelRunner``, the same fp32 weights packed in panels),
+  the larger ones in PyTorch on the model's decode layout (``infra_lib.model.decode_layout``: the
+  same fp32 weights, fused and packed for oneDNN's product). Once more at ``B``, every step in
+  PyTorch on the decode layout, and once on the model as loaded (one ``nn.Linear`` product per
+  projection): each lever's effect, side by side. Where the C step cannot be built, the first row
+  runs in PyTorch too and the JSON says why;
 * **static batching**: the prompts cut once into batches of ``B`` in order; each batch runs on
   the same engine and layout (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
   batch while it runs. Finished sequences drop out of the batch rather than being padded, so
@@ -47,7 +51,9 @@ from decode import _transformers_model
 from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
 from infra_lib.model import SamplingParams, load_default
 from infra_lib.model.decode_layout import decode_layout
-from infra_lib.serving import LLM, SchedulerConfig
+from infra_lib.model.native_decode import native_decode_available
+from infra_lib.serving import LLM, LLMEngine, PagedKVStore, SchedulerConfig
+from infra_lib.serving.native_runner import NativeModelRunner
 
 SEED = 0
 
@@ -83,9 +89,19 @@ def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | N
             "output_token_counts": [len(t) for t in token_ids]}
 
 
-def sweep(model, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
+def engine_llm(model, fast, tokenizer, config: SchedulerConfig, native: bool) -> LLM:
+    """The benchmark's engine: steps of up to 32 tokens in C (``native``) and the rest in PyTorch on
+    ``fast`` (the decode layout); without ``native``, every step in PyTorch on ``fast``."""
+    if not native:
+        return LLM(fast, tokenizer, config)
+    store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size)
+    return LLM(engine=LLMEngine(NativeModelRunner(model, store, fallback=fast), config, tokenizer))
+
+
+def sweep(engine, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
     """Continuous batching on the same backlog at each ``max_num_seqs`` in ``batches`` and token budget
-    (``max_num_batched_tokens``) in ``budgets``: output tokens/s, steps and preemptions of each."""
+    (``max_num_batched_tokens``) in ``budgets``: output tokens/s, steps and preemptions of each.
+    ``engine(config)`` builds the ``LLM`` for one configuration."""
     params = [SamplingParams(max_new_tokens=n, stop_ids=()) for n in outputs]
     rows = []
     for batch in batches:
@@ -93,7 +109,7 @@ def sweep(model, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
             config = _config(batch, prompts, outputs)
             config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget, block_size=config.block_size,
                                      num_blocks=config.num_blocks)
-            llm = LLM(model, tokenizer, config)
+            llm = engine(config)
             start = time.perf_counter()
             out = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
@@ -141,17 +157,30 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     params = [SamplingParams(max_new_tokens=n, stop_ids=()) for n in outputs]
     config = _config(batch, prompts, outputs)
     expected_tokens = sum(outputs)
+    native, native_reason = native_decode_available()
 
-    # Warm-up: one small request through the engine, so first-call costs land in no measurement.
-    for engine_model in (fast, model):
-        LLM(engine_model, tokenizer, config).generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()),
-                                                      use_tqdm=False)
+    def engine(engine_config: SchedulerConfig) -> LLM:
+        return engine_llm(model, fast, tokenizer, engine_config, native)
 
-    llm = LLM(fast, tokenizer, config)
+    # Warm-up: one small request through each engine, so first-call costs land in no measurement.
+    for llm in (engine(config), LLM(fast, tokenizer, config), LLM(model, tokenizer, config)):
+        llm.generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
+
+    llm = engine(config)
     start = time.perf_counter()
     continuous_out = llm.generate(prompts, params, use_tqdm=False)
     continuous = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in continuous_out),
                       [o.token_ids for o in continuous_out], len(llm.engine.steps))
+    runner = llm.engine.runner
+    native_steps = {"native_steps": getattr(runner, "native_steps", 0),
+                    "fallback_steps": getattr(runner, "fallback_steps", len(llm.engine.steps)),
+                    "max_tokens": getattr(runner, "max_tokens", None)}
+
+    torch_llm = LLM(fast, tokenizer, config)
+    start = time.perf_counter()
+    torch_out = torch_llm.generate(prompts, params, use_tqdm=False)
+    torch_step = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in torch_out),
+                      [o.token_ids for o in torch_out], len(torch_llm.engine.steps))
 
     loaded_llm = LLM(model, tokenizer, config)
     start = time.perf_counter()
@@ -159,7 +188,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     as_loaded = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in loaded_out),
                      [o.token_ids for o in loaded_out], len(loaded_llm.engine.steps))
 
-    static_llm = LLM(fast, tokenizer, config)
+    static_llm = engine(config)
     static_out, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         static_out += static_llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
@@ -185,7 +214,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     for sweep_batch in settings["sweep_batches"]:
         # Each batch limit's continuous rows, then the padded static baseline at the same limit right after
         # them, so that a busy minute slows both sides of that batch's ratio.
-        rows = sweep(fast, tokenizer, prompts, outputs, [sweep_batch], settings["sweep_budgets"])
+        rows = sweep(engine, tokenizer, prompts, outputs, [sweep_batch], settings["sweep_budgets"])
         baseline = _padded_static(hf, prompts, outputs, sweep_batch, tokenizer.eos_id)
         best = max(row["tokens_per_s"] for row in rows)
         curve += rows
@@ -205,7 +234,8 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                                    iters=3 if quick else 5)
     bound_s = flops / (peak["peak_gflops"] * 1e9)
     bound_tokens_per_s = expected_tokens / bound_s
-    engines = {"continuous batching": continuous, "continuous batching, model as loaded": as_loaded,
+    engines = {"continuous batching": continuous, "continuous batching, PyTorch step": torch_step,
+               "continuous batching, model as loaded": as_loaded,
                "static batching": static, "padded static batching": padded, "sequential transformers": sequential}
     for row in engines.values():
         row["fraction_of_roofline"] = row["tokens_per_s"] / bound_tokens_per_s
@@ -225,9 +255,11 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                   "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
                   "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
                   "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
-                  "continuous batching, static batching and the sweep run the decode layout (the same fp32 "
-                  "weights fused and packed for oneDNN); 'continuous batching, model as loaded' runs the model's "
-                  "own nn.Linear products at the same batch limit",
+                  "continuous batching, static batching and the sweep run steps of up to 32 tokens in C "
+                  "(NativeModelRunner, the same fp32 weights packed in panels) and larger steps in PyTorch on the "
+                  "decode layout (the same fp32 weights fused and packed for oneDNN); 'continuous batching, "
+                  "PyTorch step' runs every step on the decode layout, 'continuous batching, model as loaded' on "
+                  "the model's own nn.Linear products, both at the same batch limit",
                   "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
                   "at the measured GEMM peak; attention FLOPs left out: a lower bound on time"],
         "model": {"source": loaded.source, "parameters": parameters},
@@ -239,10 +271,14 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "engines": engines,
         "sweep": curve,
         "padded_sweep": padded_curve,
+        "native_step": {"available": native, "reason": native_reason, "weights": "fp32", **native_steps},
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
-        "decode_layout_over_model_as_loaded": continuous["tokens_per_s"] / as_loaded["tokens_per_s"],
+        "native_step_over_pytorch_step": continuous["tokens_per_s"] / torch_step["tokens_per_s"],
+        "requests_same_tokens_native_and_pytorch_step": sum(a.token_ids == b.token_ids
+                                                            for a, b in zip(continuous_out, torch_out)),
+        "decode_layout_over_model_as_loaded": torch_step["tokens_per_s"] / as_loaded["tokens_per_s"],
         "requests_same_tokens_in_both_layouts": sum(a.token_ids == b.token_ids
-                                                     for a, b in zip(continuous_out, loaded_out)),
+                                                     for a, b in zip(torch_out, loaded_out)),
         "continuous_over_padded_static": continuous["tokens_per_s"] / padded["tokens_per_s"],
         "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "requests_same_greedy_tokens_as_transformers": same_as_transformers,
@@ -270,6 +306,11 @@ def format_table(result: dict) -> str:
         lines.append(f"{row['batch']:12d} {row['padded_static_tokens_per_s']:14.1f} "
                      f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x "
                      f"{row['computed_over_kept_slots']:19.2f}x")
+    step = result["native_step"]
+    lines.append(f"engine steps in C: {step['native_steps']}, in PyTorch: {step['fallback_steps']}"
+                 + ("" if step["available"] else f" (the C step is unavailable here: {step['reason'].splitlines()[0]})"))
+    lines.append(f"C step / PyTorch step {result['native_step_over_pytorch_step']:.2f}x (same tokens: "
+                 f"{result['requests_same_tokens_native_and_pytorch_step']}/{flags['num_prompts']} requests)")
     lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
                  f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
                  f"{result['continuous_over_sequential']:.2f}x; decode layout / model as loaded "

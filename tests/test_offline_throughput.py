@@ -12,8 +12,8 @@ from conftest import REPO, SMOLLM2, run_benchmark
 sys.path.append(str(REPO / "benchmarks"))
 import offline_throughput  # noqa: E402  (a script in benchmarks/, importable once that folder is on the path)
 
-ENGINES = ["continuous batching", "continuous batching, model as loaded", "static batching", "padded static batching",
-           "sequential transformers"]
+ENGINES = ["continuous batching", "continuous batching, PyTorch step", "continuous batching, model as loaded",
+           "static batching", "padded static batching", "sequential transformers"]
 
 
 @SMOLLM2
@@ -69,9 +69,16 @@ def test_offline_throughput_benchmark_writes_json(tmp_path):
     assert bound["tokens_per_s_upper_bound"] == pytest.approx(work["total_output_tokens"] / bound["seconds_lower_bound"])
     assert 0 <= result["requests_same_greedy_tokens_as_transformers"] <= flags["num_prompts"]
     # The decode layout is the same fp32 model: every request gets the same greedy tokens as on the model as loaded.
+    torch_step = engines["continuous batching, PyTorch step"]
     assert result["requests_same_tokens_in_both_layouts"] == flags["num_prompts"]
     assert result["decode_layout_over_model_as_loaded"] == pytest.approx(
-        continuous["tokens_per_s"] / engines["continuous batching, model as loaded"]["tokens_per_s"])
+        torch_step["tokens_per_s"] / engines["continuous batching, model as loaded"]["tokens_per_s"])
+    # The C step (fp32, this machine builds it) serves the small steps, PyTorch the rest, with the same tokens.
+    step = result["native_step"]
+    assert step["available"] is True and step["reason"] == "" and step["weights"] == "fp32"
+    assert step["native_steps"] > 0 and step["native_steps"] + step["fallback_steps"] == continuous["steps"]
+    assert result["requests_same_tokens_native_and_pytorch_step"] == flags["num_prompts"]
+    assert result["native_step_over_pytorch_step"] == pytest.approx(continuous["tokens_per_s"] / torch_step["tokens_per_s"])
 
 
 def test_the_backlog_is_seeded():

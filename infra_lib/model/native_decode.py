@@ -53,7 +53,7 @@ SOURCE = Path(__file__).with_name("native") / "decode_step.c"
 NATIVE_FORMATS = ("fp32", "bf16", "int8")
 _FORMAT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
 _POSITION, _TOKEN, _THREADS = 8, 9, 10  # the step's own fields of dims[] (D_POS, D_TOKEN, D_THREADS in C)
-ABI = 3
+ABI = 4
 # no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
 # these four let the compiler reorder sums into vector lanes, which is all the step needs.
 # -fno-strict-aliasing: the bf16 product reads pairs of 16-bit weights as 32-bit words.
@@ -140,8 +140,15 @@ def native_library() -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p]
-    library.infra_native_scratch_floats.restype = ctypes.c_long
-    library.infra_native_scratch_floats.argtypes = [ctypes.POINTER(ctypes.c_long)]
+    for name in ("infra_native_panel_width", "infra_native_batch_dim_count", "infra_native_batch_param_count",
+                 "infra_native_row_fields"):
+        getattr(library, name).restype = ctypes.c_int
+    library.infra_native_batch_step.restype = ctypes.c_int
+    library.infra_native_batch_step.argtypes = [
+        ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 11
+    for name in ("infra_native_scratch_floats", "infra_native_batch_scratch_floats"):
+        getattr(library, name).restype = ctypes.c_long
+        getattr(library, name).argtypes = [ctypes.POINTER(ctypes.c_long)]
     _LIBRARY = library
     return library
 
@@ -159,6 +166,81 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def check_native_model(model: Llama, weights: str, who: str) -> None:
+    """The C steps read an fp32 ``Llama`` as loaded (``nn.Linear`` projections) on the CPU."""
+    if weights not in NATIVE_FORMATS:
+        raise ValueError(f"weights must be one of {NATIVE_FORMATS}, got {weights!r}")
+    if not isinstance(model, Llama):
+        raise TypeError(f"{who} takes an infra_lib Llama, got {type(model).__name__}")
+    if not (isinstance(model.lm_head, nn.Linear) and all(
+            isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP) for layer in model.layers)):
+        raise TypeError(f"{who} reads nn.Linear weights: give it the model as loaded, not a decode_layout copy")
+    parameter = next(model.parameters())
+    if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
+        raise ValueError(f"{who} runs an fp32 model on the CPU, got {parameter.dtype} on {parameter.device}")
+
+
+def stored_weight(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An ``[out, in]`` weight as the C steps read it in format ``weights``, and its per-row scales
+    (int8 only, quantised by chapter 09's rule as the int8 ``decode_layout`` quantises; else None)."""
+    if weights == "int8":
+        quantised = Int8RowLinear(weight)
+        return quantised.q.data.contiguous(), quantised.scale.data.float().contiguous()
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    return weight.detach().to(dtype).contiguous(), None
+
+
+class NativeWeights:
+    """A model's weights as the C steps read them, and the per-layer pointer array they take.
+
+    Args:
+        model: checked by ``check_native_model``.
+        weights: ``"fp32"`` (the model's own tensors), ``"bf16"`` (a copy) or ``"int8"`` (quantised
+            as the int8 ``decode_layout`` quantises: int8 rows, one fp32 scale per output row).
+        keys, values: per layer, the KV tensors the step reads and writes (their pointers go in the
+            array beside the layer's weights).
+
+    ``bytes_per_step`` is what one step's weights read (an embedding row, the final norm, every
+    projection and the head).
+    """
+
+    def __init__(self, model: Llama, weights: str, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        library = native_library()
+        config = model.config
+
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().float().contiguous()
+
+        def stored(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return stored_weight(linear.weight, weights)
+
+        self.keep: list[torch.Tensor] = []  # every tensor a pointer below points into
+        pointers = []
+        self.bytes_per_step = config.hidden_size * 4 + model.norm.weight.nbytes  # an embedding row, the final norm
+        for layer, k_cache, v_cache in zip(model.layers, keys, values, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v, o, gate, up, down = (stored(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                             mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            tensors = [fp32(layer.input_layernorm.weight), q[0], k[0], v[0],
+                       fp32(attn.q_proj.bias), fp32(attn.k_proj.bias), fp32(attn.v_proj.bias),
+                       o[0], fp32(attn.o_proj.bias), fp32(layer.post_attention_layernorm.weight),
+                       gate[0], up[0], down[0], k_cache, v_cache,
+                       q[1], k[1], v[1], o[1], gate[1], up[1], down[1]]
+            kept = [t for t in tensors if t is not None]
+            self.keep += kept
+            pointers += [_ptr(t) for t in tensors]
+            self.bytes_per_step += sum(t.nbytes for t in kept if t is not k_cache and t is not v_cache)
+        if len(pointers) != config.n_layers * library.infra_native_param_count():
+            raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
+        self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.embed = fp32(model.embed_tokens.weight)
+        self.final_norm = fp32(model.norm.weight)
+        self.lm_head, self.lm_head_scale = stored(model.lm_head)
+        self.bytes_per_step += self.lm_head.nbytes + (0 if self.lm_head_scale is None else self.lm_head_scale.nbytes)
+        self.cos, self.sin = fp32(model.rope_cos), fp32(model.rope_sin)
+        self.eps = float(model.layers[0].input_layernorm.eps)
+
+
 class NativeDecoder(StaticDecoder):
     """Greedy batch-1 decoding of ``model`` with every decode step in C (see the module's text).
 
@@ -174,58 +256,13 @@ class NativeDecoder(StaticDecoder):
     """
 
     def __init__(self, model: Llama, capacity: int = 512, weights: str = "fp32"):
-        if weights not in NATIVE_FORMATS:
-            raise ValueError(f"weights must be one of {NATIVE_FORMATS}, got {weights!r}")
-        if not isinstance(model, Llama):
-            raise TypeError(f"NativeDecoder takes an infra_lib Llama, got {type(model).__name__}")
-        if not (isinstance(model.lm_head, nn.Linear) and all(
-                isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP) for layer in model.layers)):
-            raise TypeError("NativeDecoder reads nn.Linear weights: give it the model as loaded, "
-                                "not a decode_layout copy")
-        parameter = next(model.parameters())
-        if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
-            raise ValueError(f"NativeDecoder runs an fp32 model on the CPU, got {parameter.dtype} on "
-                             f"{parameter.device}")
+        check_native_model(model, weights, "NativeDecoder")
         self.library = native_library()
         super().__init__(model, capacity, compile=False)
         config = model.config
         self.weights = weights
-
-        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().float().contiguous()
-
-        def stored(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """A projection's weight as the step reads it, and its per-row scales (int8 only)."""
-            if weights == "int8":  # chapter 09's rule, as the int8 decode layout quantises
-                quantised = Int8RowLinear(linear.weight)
-                return quantised.q.data.contiguous(), quantised.scale.data.float().contiguous()
-            dtype = torch.float32 if weights == "fp32" else torch.bfloat16
-            return linear.weight.detach().to(dtype).contiguous(), None
-
-        self._keep: list[torch.Tensor] = []  # every tensor a pointer below points into
-        pointers = []
-        self.bytes_per_step = config.hidden_size * 4 + model.norm.weight.nbytes  # an embedding row, the final norm
-        for layer, keys, values in zip(model.layers, self.keys, self.values):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v, o, gate, up, down = (stored(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                             mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-            tensors = [fp32(layer.input_layernorm.weight), q[0], k[0], v[0],
-                       fp32(attn.q_proj.bias), fp32(attn.k_proj.bias), fp32(attn.v_proj.bias),
-                       o[0], fp32(attn.o_proj.bias), fp32(layer.post_attention_layernorm.weight),
-                       gate[0], up[0], down[0], keys, values,
-                       q[1], k[1], v[1], o[1], gate[1], up[1], down[1]]
-            kept = [t for t in tensors if t is not None]
-            self._keep += kept
-            pointers += [_ptr(t) for t in tensors]
-            self.bytes_per_step += sum(t.nbytes for t in kept if t is not keys and t is not values)
-        if len(pointers) != config.n_layers * self.library.infra_native_param_count():
-            raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
-        self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
-        self._embed = fp32(model.embed_tokens.weight)
-        self._final_norm = fp32(model.norm.weight)
-        self._lm_head, self._lm_head_scale = stored(model.lm_head)
-        self.bytes_per_step += self._lm_head.nbytes + (0 if self._lm_head_scale is None else self._lm_head_scale.nbytes)
-        self._cos, self._sin = fp32(model.rope_cos), fp32(model.rope_sin)
+        self.native = NativeWeights(model, weights, self.keys, self.values)
+        self.bytes_per_step = self.native.bytes_per_step
         # the C side's dims[]: the shape, then this step's position, token and threads, then the format
         dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
                 config.vocab_size, config.n_layers, capacity, 0, 0, 1, _FORMAT_CODE[weights]]
@@ -234,14 +271,14 @@ class NativeDecoder(StaticDecoder):
         self._dims = (ctypes.c_long * len(dims))(*dims)  # _step rewrites the step's three fields in place
         self._scratch = torch.empty(self.library.infra_native_scratch_floats(self._dims))
         self._logits = torch.empty(config.vocab_size)
-        self._eps = float(model.layers[0].input_layernorm.eps)
 
     def _step(self, token: int, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` after ``token`` at ``position``: one call into C."""
-        row = position * self._cos.stride(0) * self._cos.element_size()
+        w = self.native
+        row = position * w.cos.stride(0) * w.cos.element_size()
         self._dims[_POSITION], self._dims[_TOKEN], self._dims[_THREADS] = position, token, torch.get_num_threads()
         self.library.infra_native_decode_step(
-            self._dims, self._eps, self._pointers, self._embed.data_ptr(),
-            self._final_norm.data_ptr(), self._lm_head.data_ptr(), _ptr(self._lm_head_scale),
-            self._cos.data_ptr() + row, self._sin.data_ptr() + row, self._scratch.data_ptr(), self._logits.data_ptr())
+            self._dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
+            _ptr(w.lm_head_scale), w.cos.data_ptr() + row, w.sin.data_ptr() + row, self._scratch.data_ptr(),
+            self._logits.data_ptr())
         return self._logits

@@ -99,11 +99,18 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
-                   attention_backend: str = "torch", **kwargs) -> LLMEngine:
+                   attention_backend: str = "torch", native: str | None = None, **kwargs) -> LLMEngine:
         """An engine on ``model`` with a paged KV store of ``config.num_blocks`` blocks; its attention
-        runs in PyTorch (``"torch"``) or in the course's Triton kernels (``"triton"``)."""
+        runs in PyTorch (``"torch"``) or in the course's Triton kernels (``"triton"``). ``native``, a
+        weight format (``"fp32"``, ``"bf16"``, ``"int8"``), runs the engine's small steps in C
+        (``NativeModelRunner``; ``model`` must then be as loaded, on the CPU)."""
         weight = model.embed_tokens.weight
         store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size, weight.dtype, weight.device)
+        if native is not None:
+            from infra_lib.serving.native_runner import NativeModelRunner
+
+            return cls(NativeModelRunner(model, store, native, attention_backend=attention_backend), config, tokenizer,
+                       **kwargs)
         return cls(ModelRunner(model, store, attention_backend), config, tokenizer, **kwargs)
 
     # --- requests ----------------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""The engine's step in C: ``NativeModelRunner``, the batched sibling of ``NativeDecoder``.
+
+``ModelRunner`` runs a step as about 400 PyTorch operations (thirty layers of norms, projections,
+RoPE, a paged-KV write, a gather and two batched products for attention, the MLP). At the batch
+sizes this machine serves, 8 to 32 sequences decoding, most of a step's time is not in the
+products but between them: measured on the 64-prompt offline workload at a batch limit of 8, a
+decode step of about 8 tokens took 62 ms, where streaming the weights once takes under 20.
+
+``NativeModelRunner`` sends every step of up to ``max_tokens`` tokens into one C call
+(``infra_native_batch_step`` in ``infra_lib/model/native/decode_step.c``):
+
+* the step's tokens flattened as ``ModelRunner`` flattens them (decodes and short prefill chunks
+  of any sequences), each with its id, position, KV slot and sequence;
+* each product's weight rows split between the threads of PyTorch's OpenMP pool; each thread
+  streams its rows from memory once, four at a time, and multiplies them by every token's input
+  while they sit in L1;
+* each layer writes every token's K/V into its slot of the engine's ``PagedKVStore`` before any
+  token attends; each (token, head) pair then reads its sequence's keys and values through the
+  block table, causally (a chunk's tokens see each other);
+* logits only for the tokens that sample, which the runner samples as ``ModelRunner`` does.
+
+Larger steps (long prefill chunks, where the products are compute-bound and oneDNN's GEMM is the
+better kernel) run in PyTorch on ``fallback`` (the model itself unless another is given, e.g. its
+``decode_layout`` copy). Both paths read and write the same store, so a prompt can be prefilled in
+PyTorch and decoded in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from infra_lib.model.model import Llama
+from infra_lib.model.native_decode import (NativeUnavailable, _FORMAT_CODE, _ptr, check_native_model, native_library,
+                                           stored_weight)
+from infra_lib.serving.kv_store import PagedKVStore
+from infra_lib.serving.model_runner import Batch, ModelRunner
+
+# the step's own fields of dims[] (B_ROWS, B_SAMPLES, B_TABLE_WIDTH, B_THREADS in C)
+_ROWS, _SAMPLES, _TABLE_WIDTH, _THREADS = 8, 9, 10, 12
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``[out, in]`` rows as the batched step reads them: ``[panels, in, width]``, each panel
+    ``width`` consecutive output rows stored input-major, the last panel padded with zero rows."""
+    rows, n = weight.shape
+    padded = -(-rows // width) * width
+    if padded != rows:
+        weight = torch.cat([weight, weight.new_zeros(padded - rows, n)])
+    return weight.reshape(padded // width, width, n).transpose(1, 2).contiguous()
+
+
+class PanelWeights:
+    """A model's weights packed for the batched step, in format ``weights`` (fp32, bf16, int8 with
+    per-row scales), with q, k and v as one weight, and the per-layer pointer array the step takes
+    (``keys``/``values``: per layer, the paged store's tensors). ``bytes_per_step`` is what one
+    step's weights read: every packed projection and the head, without the panels' zero padding."""
+
+    def __init__(self, model: Llama, weights: str, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        library = native_library()
+        width = library.infra_native_panel_width()
+
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().float().contiguous()
+
+        def packed(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weight = torch.cat([m.weight.detach().float() for m in linears])  # rows of each, in order
+            stored, scale = stored_weight(weight, weights)
+            self.bytes_per_step += stored.nbytes + (0 if scale is None else scale.nbytes)
+            return pack_panels(stored, width), scale
+
+        self.keep: list[torch.Tensor] = []
+        self.bytes_per_step = model.config.hidden_size * 4 + model.norm.weight.nbytes
+        pointers = []
+        for layer, k_cache, v_cache in zip(model.layers, keys, values, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o = packed(attn.q_proj, attn.k_proj, attn.v_proj), packed(attn.o_proj)
+            gate, up, down = packed(mlp.gate_proj), packed(mlp.up_proj), packed(mlp.down_proj)
+            tensors = [fp32(layer.input_layernorm.weight), qkv[0], qkv[1], fp32(attn.q_proj.bias),
+                       fp32(attn.k_proj.bias), fp32(attn.v_proj.bias), o[0], o[1], fp32(attn.o_proj.bias),
+                       fp32(layer.post_attention_layernorm.weight), gate[0], gate[1], up[0], up[1], down[0], down[1],
+                       k_cache, v_cache]
+            self.keep += [t for t in tensors if t is not None]
+            pointers += [_ptr(t) for t in tensors]
+        if len(pointers) != model.config.n_layers * library.infra_native_batch_param_count():
+            raise NativeUnavailable("the C step and this module disagree on the batched step's parameters")
+        self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.embed = fp32(model.embed_tokens.weight)
+        self.final_norm = fp32(model.norm.weight)
+        self.lm_head, self.lm_head_scale = packed(model.lm_head)
+        self.cos, self.sin = fp32(model.rope_cos), fp32(model.rope_sin)
+        self.eps = float(model.layers[0].input_layernorm.eps)
+
+
+class NativeModelRunner(ModelRunner):
+    """A ``ModelRunner`` whose steps of up to ``max_tokens`` tokens are one call into C.
+
+    Args:
+        model: an fp32 infra_lib ``Llama`` as loaded (``nn.Linear`` projections) on the CPU.
+        store: the engine's paged K/V tensors (fp32, CPU), as for ``ModelRunner``.
+        weights: the C step's weight format: ``"fp32"`` (the model's own tensors), ``"bf16"`` or
+            ``"int8"`` (copies, as ``NativeDecoder`` makes them).
+        max_tokens: the largest step (tokens over all its sequences) that runs in C.
+        fallback: the model for larger steps (default ``model``); it must have ``model``'s shape.
+        attention_backend: the fallback's attention, as for ``ModelRunner``.
+
+    ``native_steps`` and ``fallback_steps`` count the steps each path ran.
+    """
+
+    def __init__(self, model: Llama, store: PagedKVStore, weights: str = "fp32", max_tokens: int = 32,
+                 fallback: Llama | None = None, attention_backend: str = "torch"):
+        check_native_model(model, weights, "NativeModelRunner")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        fallback = model if fallback is None else fallback
+        if fallback.config != model.config:
+            raise ValueError("the fallback model must have the model's config (the same layers and shapes)")
+        layer = store.k[0]
+        if layer.dtype != torch.float32 or layer.device.type != "cpu" or not all(
+                t.is_contiguous() for t in store.k + store.v):
+            raise ValueError(f"NativeModelRunner reads a contiguous fp32 store on the CPU, got {layer.dtype} "
+                             f"on {layer.device}")
+        super().__init__(fallback, store, attention_backend)
+        self.library = native_library()
+        self.weights, self.max_tokens = weights, max_tokens
+        self.native = PanelWeights(model, weights, store.k, store.v)
+        self.bytes_per_step = self.native.bytes_per_step
+        config = model.config
+        dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
+                config.vocab_size, config.n_layers, config.max_position, max_tokens, 0, 0, store.block_size, 1,
+                _FORMAT_CODE[weights]]
+        if len(dims) != self.library.infra_native_batch_dim_count() or self.library.infra_native_row_fields() != 4:
+            raise NativeUnavailable("the C step and this module disagree on the batched step's fields")
+        self._dims = (ctypes.c_long * len(dims))(*dims)
+        self._scratch = torch.empty(0)
+        self._logits = torch.empty(max_tokens, config.vocab_size)
+        self.native_steps = self.fallback_steps = 0
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Write every scheduled token's K/V; return logits ``[num_sampling, vocab]`` in batch order."""
+        if sum(s.num_tokens for _, s in batch) > self.max_tokens:
+            self.fallback_steps += 1
+            return super().forward(batch)
+        self.native_steps += 1
+        return self._native_forward(batch)
+
+    def _native_forward(self, batch: Batch) -> torch.Tensor:
+        if not batch:
+            raise ValueError("a step needs at least one scheduled sequence")
+        rows, tables, samples = [], [], []
+        for index, (seq, s) in enumerate(batch):
+            end = s.start + s.num_tokens
+            ids = seq.token_ids[s.start:end]
+            if len(ids) != s.num_tokens:
+                raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
+                                 f"{s.start}..{end - 1}")
+            if end > self.max_position:
+                raise ValueError(f"position {end - 1} exceeds the model's context of {self.max_position}")
+            table = seq.block_table
+            if end > table.capacity:
+                raise IndexError(f"seq {seq.seq_id}: positions up to {end - 1} lie outside its table's "
+                                 f"{table.capacity} slots")
+            for position, token in zip(range(s.start, end), ids):
+                rows.append((token, position, table.slot(position), index))
+            tables.append(table.blocks)
+            if s.samples:
+                samples.append(len(rows) - 1)
+        blocks = [b for t in tables for b in t]
+        if blocks and not 0 <= min(blocks) <= max(blocks) < self.store.num_blocks:
+            raise IndexError(f"a block table names a block outside the store's {self.store.num_blocks}")
+        width = max(len(t) for t in tables)
+        rows_t = torch.tensor(rows, dtype=torch.long)  # [T, 4]: token, position, slot, sequence
+        tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        samples_t = torch.tensor(samples, dtype=torch.long)
+        if rows_t[:, 0].min() < 0 or rows_t[:, 0].max() >= self.native.embed.shape[0]:
+            raise ValueError(f"token ids must lie in [0, {self.native.embed.shape[0]})")
+        threads = torch.get_num_threads()
+        dims = self._dims
+        dims[_ROWS], dims[_SAMPLES], dims[_TABLE_WIDTH], dims[_THREADS] = self.max_tokens, len(samples), width, threads
+        needed = self.library.infra_native_batch_scratch_floats(dims)  # sized for max_tokens rows
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed)
+        dims[_ROWS] = len(rows)
+        w = self.native
+        status = self.library.infra_native_batch_step(
+            dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
+            _ptr(w.lm_head_scale), w.cos.data_ptr(), w.sin.data_ptr(), rows_t.data_ptr(), tables_t.data_ptr(),
+            samples_t.data_ptr() if samples else None, self._scratch.data_ptr(), self._logits.data_ptr())
+        if status != 0:
+            raise ValueError(f"a position lies past the model's context of {self.max_position}")
+        return self._logits[:len(samples)].clone()

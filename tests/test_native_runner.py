@@ -1,0 +1,151 @@
+"""infra_lib.serving.native_runner: the engine's step in C gives ModelRunner's logits, K/V and tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import SMOLLM2
+from test_native_decode import _tiny, _weights_as_read
+from infra_lib.model import SamplingParams, greedy_decode
+from infra_lib.model.native_decode import native_library
+from infra_lib.serving import LLM, LLMEngine, PagedKVStore, SchedulerConfig
+from infra_lib.serving.model_runner import ModelRunner
+from infra_lib.serving.native_runner import NativeModelRunner, pack_panels
+
+
+class BothRunners:
+    """Runs every engine step through the PyTorch runner and the C runner, each on its own store,
+    records how far the logits and the stores differ, and samples from the PyTorch logits."""
+
+    def __init__(self, reference: ModelRunner, native: NativeModelRunner):
+        self.reference, self.native = reference, native
+        self.max_position = reference.max_position
+        self.logit_error = self.store_error = 0.0
+        self.step_sizes: list[int] = []
+
+    def run(self, batch):
+        expected, got = self.reference.forward(batch), self.native.forward(batch)
+        self.step_sizes.append(sum(s.num_tokens for _, s in batch))
+        assert got.shape == expected.shape
+        self.logit_error = max(self.logit_error, float((got - expected).abs().max()))
+        for a, b in zip(self.reference.store.k + self.reference.store.v, self.native.store.k + self.native.store.v):
+            self.store_error = max(self.store_error, float((a - b).abs().max()))
+        samplers = [seq for seq, s in batch if s.samples]
+        return {seq.seq_id: int(expected[i].argmax()) for i, seq in enumerate(samplers)}
+
+
+def _config(budget: int) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, block_size=4, num_blocks=96)
+
+
+def _both(model, weights: str, budget: int, max_tokens: int) -> tuple[LLMEngine, BothRunners]:
+    config = _config(budget)
+    stores = [PagedKVStore.for_model(model.config, config.num_blocks, config.block_size) for _ in range(2)]
+    runner = BothRunners(ModelRunner(model if weights == "fp32" else _weights_as_read(model, weights), stores[0]),
+                         NativeModelRunner(model, stores[1], weights, max_tokens=max_tokens))
+    return LLMEngine(runner, config), runner
+
+
+def _serve(engine: LLMEngine, prompts, new_tokens) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, stop_ids=())) for p, n in zip(prompts, new_tokens)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.output(i).token_ids for i in ids]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("tie, bias, intermediate", [(True, False, 96), (False, True, 97)],
+                         ids=["tied", "untied-bias-odd-rows"])
+def test_native_runner_gives_the_pytorch_runners_logits_and_kv(tie, bias, intermediate, weights):
+    """Ragged prompts in chunks of up to 6 tokens beside other sequences' decodes, every step in C:
+    each step's logits and every K/V slot equal ModelRunner's (summed in another order), through
+    block tables that run out of order as the pool hands blocks back; grouped-query heads, biases, a
+    tied or untied head, projections whose rows do not fill a panel. bf16 and int8 against the same
+    model with its weights as the step reads them."""
+    model = _tiny(tie, bias, intermediate)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (3, 11, 6, 17, 1, 9)]
+    new_tokens = [5, 3, 8, 4, 6, 2]
+    engine, runner = _both(model, weights, budget=6, max_tokens=64)
+    tokens = _serve(engine, prompts, new_tokens)
+    assert runner.native.native_steps == len(runner.step_sizes) > 0 and runner.native.fallback_steps == 0
+    assert max(runner.step_sizes) > 4  # steps with a chunk beside decodes, not only decodes
+    assert runner.logit_error < 1e-4, f"logits differ by {runner.logit_error:.2e}"
+    assert runner.store_error < 1e-5, f"K/V slots differ by {runner.store_error:.2e}"
+    assert [len(t) for t in tokens] == new_tokens
+    if weights == "fp32":
+        assert tokens == [greedy_decode(model, p, n) for p, n in zip(prompts, new_tokens)]
+
+
+def test_steps_larger_than_max_tokens_run_in_pytorch_on_the_same_store():
+    """A prompt prefilled by the fallback (PyTorch), then decoded in C from the K/V it wrote: the
+    engine's tokens equal greedy_decode's, and both paths ran."""
+    model = _tiny(True, False)
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32, block_size=4, num_blocks=64)
+    store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size)
+    runner = NativeModelRunner(model, store, max_tokens=4)
+    engine = LLMEngine(runner, config)
+    prompts = [list(range(5, 25)), list(range(40, 49)), [7, 8]]
+    tokens = _serve(engine, prompts, [6, 6, 6])
+    assert tokens == [greedy_decode(model, p, 6) for p in prompts]
+    assert runner.native_steps > 0 and runner.fallback_steps > 0
+
+
+def test_the_engine_runs_in_c_through_from_model_and_llm():
+    model = _tiny(False, True, 97)
+    config = _config(8)
+    llm = LLM(engine=LLMEngine.from_model(model, config=config, native="fp32"))
+    assert isinstance(llm.engine.runner, NativeModelRunner)
+    out = llm.generate([[3, 4, 5, 6], [9] * 7], SamplingParams(max_new_tokens=5, stop_ids=()), use_tqdm=False)
+    assert [o.token_ids for o in out] == [greedy_decode(model, p, 5) for p in ([3, 4, 5, 6], [9] * 7)]
+
+
+def test_pack_panels_puts_each_panels_rows_input_major_and_pads_the_last():
+    weight = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    panels = pack_panels(weight, 4)
+    assert panels.shape == (2, 3, 4)
+    assert torch.equal(panels[0], weight[:4].T) and torch.equal(panels[1][:, 0], weight[4])
+    assert torch.equal(panels[1][:, 1:], torch.zeros(3, 3))
+    assert native_library().infra_native_panel_width() in (16, 32)
+
+
+def test_native_runner_refuses_what_it_cannot_read():
+    model = _tiny(True, False)
+    store = PagedKVStore.for_model(model.config, 8, 4)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        NativeModelRunner(model, store, "fp16")
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        NativeModelRunner(model, store, max_tokens=0)
+    with pytest.raises(ValueError, match="contiguous fp32 store"):
+        NativeModelRunner(model, PagedKVStore.for_model(model.config, 8, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="fallback model must have the model's config"):
+        NativeModelRunner(model, store, fallback=_tiny(True, False, 97))
+    from infra_lib.model.decode_layout import decode_layout
+
+    with pytest.raises(TypeError, match="as loaded"):
+        NativeModelRunner(decode_layout(model), store)
+    runner = NativeModelRunner(model, store)
+    with pytest.raises(ValueError, match="at least one scheduled sequence"):
+        runner.forward([])
+
+
+@SMOLLM2
+def test_smollm2_engine_in_c_gives_the_pytorch_engines_tokens(smollm2):
+    """SmolLM2 on a small backlog at batch limit 4: prefill chunks in PyTorch (steps over 32 tokens),
+    the rest in C; every request's tokens equal the PyTorch engine's, and greedy_decode's alone."""
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    prompts = [tokenizer.encode(text) for text in (
+        "What is Python?", "Name three planets.", "Write a haiku about the sea.",
+        "Explain in three short paragraphs how a CPU cache works, why memory bandwidth limits decoding, and what "
+        "batching changes about it.", "Count from one to five.")]
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_blocks=64)
+    params = SamplingParams(max_new_tokens=12, stop_ids=())
+    native = LLM(engine=LLMEngine.from_model(model, tokenizer, config, native="fp32"))
+    got = [o.token_ids for o in native.generate(prompts, params, use_tqdm=False)]
+    expected = [o.token_ids for o in LLM(model, tokenizer, config).generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert got[:2] == [greedy_decode(model, p, 12) for p in prompts[:2]]
+    assert native.engine.runner.native_steps > native.engine.runner.fallback_steps > 0
