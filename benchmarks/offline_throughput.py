@@ -7,9 +7,9 @@ drawn number of tokens, no stop token) is served three ways:
 
 * **continuous batching**: ``LLM.generate`` on every prompt at once; at most ``B`` sequences run,
   and a finished sequence's place goes to the next waiting prompt in the very next step. The
-  engine's steps of up to 32 tokens (the decodes, short prefill chunks) run as one call into C
+  engine's steps (decodes and prefill chunks, up to 512 tokens) run as one call into C each
   (``infra_lib.serving.native_runner.NativeModelRunner``, the same fp32 weights packed in panels),
-  the larger ones in PyTorch on the model's decode layout (``infra_lib.model.decode_layout``: the
+  any larger ones in PyTorch on the model's decode layout (``infra_lib.model.decode_layout``: the
   same fp32 weights, fused and packed for oneDNN's product). Once more at ``B``, every step in
   PyTorch on the decode layout, and once on the model as loaded (one ``nn.Linear`` product per
   projection): each lever's effect, side by side. Where the C step cannot be built, the first row
@@ -90,7 +90,7 @@ def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | N
 
 
 def engine_llm(model, fast, tokenizer, config: SchedulerConfig, native: bool) -> LLM:
-    """The benchmark's engine: steps of up to 32 tokens in C (``native``) and the rest in PyTorch on
+    """The benchmark's engine: steps of up to 512 tokens in C (``native``) and any larger in PyTorch on
     ``fast`` (the decode layout); without ``native``, every step in PyTorch on ``fast``."""
     if not native:
         return LLM(fast, tokenizer, config)
@@ -255,7 +255,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
                   "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
                   "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
                   "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
-                  "continuous batching, static batching and the sweep run steps of up to 32 tokens in C "
+                  "continuous batching, static batching and the sweep run steps of up to 512 tokens in C "
                   "(NativeModelRunner, the same fp32 weights packed in panels) and larger steps in PyTorch on the "
                   "decode layout (the same fp32 weights fused and packed for oneDNN); 'continuous batching, "
                   "PyTorch step' runs every step on the decode layout, 'continuous batching, model as loaded' on "

@@ -134,8 +134,9 @@ def test_native_runner_refuses_what_it_cannot_read():
 
 @SMOLLM2
 def test_smollm2_engine_in_c_gives_the_pytorch_engines_tokens(smollm2):
-    """SmolLM2 on a small backlog at batch limit 4: prefill chunks in PyTorch (steps over 32 tokens),
-    the rest in C; every request's tokens equal the PyTorch engine's, and greedy_decode's alone."""
+    """SmolLM2 on a small backlog at batch limit 4, every step in C; then again with steps over 32
+    tokens (the prompts' prefill) in PyTorch and the rest in C: every request's tokens equal the
+    PyTorch engine's, and greedy_decode's alone."""
     model, tokenizer = smollm2.model, smollm2.tokenizer
     prompts = [tokenizer.encode(text) for text in (
         "What is Python?", "Name three planets.", "Write a haiku about the sea.",
@@ -143,9 +144,12 @@ def test_smollm2_engine_in_c_gives_the_pytorch_engines_tokens(smollm2):
         "batching changes about it.", "Count from one to five.")]
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_blocks=64)
     params = SamplingParams(max_new_tokens=12, stop_ids=())
-    native = LLM(engine=LLMEngine.from_model(model, tokenizer, config, native="fp32"))
-    got = [o.token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     expected = [o.token_ids for o in LLM(model, tokenizer, config).generate(prompts, params, use_tqdm=False)]
-    assert got == expected
-    assert got[:2] == [greedy_decode(model, p, 12) for p in prompts[:2]]
-    assert native.engine.runner.native_steps > native.engine.runner.fallback_steps > 0
+    assert expected[:2] == [greedy_decode(model, p, 12) for p in prompts[:2]]
+    native = LLM(engine=LLMEngine.from_model(model, tokenizer, config, native="fp32"))
+    assert [o.token_ids for o in native.generate(prompts, params, use_tqdm=False)] == expected
+    assert native.engine.runner.native_steps == len(native.engine.steps) and native.engine.runner.fallback_steps == 0
+    store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size)
+    split = LLM(engine=LLMEngine(NativeModelRunner(model, store, max_tokens=32), config, tokenizer))
+    assert [o.token_ids for o in split.generate(prompts, params, use_tqdm=False)] == expected
+    assert split.engine.runner.native_steps > split.engine.runner.fallback_steps > 0

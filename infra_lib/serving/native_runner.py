@@ -6,23 +6,25 @@ sizes this machine serves, 8 to 32 sequences decoding, most of a step's time is 
 products but between them: measured on the 64-prompt offline workload at a batch limit of 8, a
 decode step of about 8 tokens took 62 ms, where streaming the weights once takes under 20.
 
-``NativeModelRunner`` sends every step of up to ``max_tokens`` tokens into one C call
-(``infra_native_batch_step`` in ``infra_lib/model/native/decode_step.c``):
+``NativeModelRunner`` sends every step of up to ``max_tokens`` tokens (512, the engine's default
+token budget) into one C call (``infra_native_batch_step`` in ``infra_lib/model/native/decode_step.c``):
 
 * the step's tokens flattened as ``ModelRunner`` flattens them (decodes and short prefill chunks
   of any sequences), each with its id, position, KV slot and sequence;
-* each product's weight rows split between the threads of PyTorch's OpenMP pool; each thread
-  streams its rows from memory once, four at a time, and multiplies them by every token's input
-  while they sit in L1;
+* each product's weights packed once, at load time, in panels of output rows stored input-major
+  (``pack_panels``), the panels split between the threads of PyTorch's OpenMP pool; each panel
+  streams from memory once per step, and every token's sums for its rows stay in vector registers;
 * each layer writes every token's K/V into its slot of the engine's ``PagedKVStore`` before any
   token attends; each (token, head) pair then reads its sequence's keys and values through the
   block table, causally (a chunk's tokens see each other);
 * logits only for the tokens that sample, which the runner samples as ``ModelRunner`` does.
 
-Larger steps (long prefill chunks, where the products are compute-bound and oneDNN's GEMM is the
-better kernel) run in PyTorch on ``fallback`` (the model itself unless another is given, e.g. its
-``decode_layout`` copy). Both paths read and write the same store, so a prompt can be prefilled in
-PyTorch and decoded in C.
+Measured side by side on this machine (SmolLM2, 2 threads), a decode step of 8 sequences at a
+context of 100 took 32 ms in C and 62 ms in ``ModelRunner`` on the model's ``decode_layout``; 64
+sequences, 113 and 162 ms; a prefill chunk of 504 tokens beside 7 decodes, 590 and 888 ms. Steps
+larger than ``max_tokens`` run in PyTorch on ``fallback`` (the model itself unless another is
+given, e.g. its ``decode_layout`` copy). Both paths read and write the same store, so a prompt
+can be prefilled in PyTorch and decoded in C.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class NativeModelRunner(ModelRunner):
     ``native_steps`` and ``fallback_steps`` count the steps each path ran.
     """
 
-    def __init__(self, model: Llama, store: PagedKVStore, weights: str = "fp32", max_tokens: int = 32,
+    def __init__(self, model: Llama, store: PagedKVStore, weights: str = "fp32", max_tokens: int = 512,
                  fallback: Llama | None = None, attention_backend: str = "torch"):
         check_native_model(model, weights, "NativeModelRunner")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:

@@ -13,6 +13,10 @@
  * upper half of an fp32, widened in registers) and int8 (one fp32 scale per output row, applied to
  * the row's sum); activations and sums are always fp32.
  *
+ * The second half of the file is the serving engine's step (infra_native_batch_step): any number
+ * of tokens from several sequences at once, their K/V in the engine's paged store, the weights
+ * packed in panels (see there).
+ *
  * Built by infra_lib.model.native_decode with the system C compiler for this machine's CPU.
  */
 #include <math.h>
@@ -370,21 +374,37 @@ int infra_native_row_fields(void) { return ROW_FIELDS; }
     }
 
 /* Panels p0..p1 of a packed weight with `rows` real rows against T tokens: TILE tokens at a time,
- * then four, then one */
+ * then the rest in one tile of their own size (a tile of one token would hold two accumulators
+ * and wait on each multiply-add's latency) */
 #define PANELS_DOT(NAME, TYPE, WIDEN)                                                              \
-    PANEL_TILE(NAME##_tile, TYPE, WIDEN, TILE)                                                     \
-    PANEL_TILE(NAME##_four, TYPE, WIDEN, 4)                                                        \
-    PANEL_TILE(NAME##_one, TYPE, WIDEN, 1)                                                         \
+    PANEL_TILE(NAME##_1, TYPE, WIDEN, 1)                                                           \
+    PANEL_TILE(NAME##_2, TYPE, WIDEN, 2)                                                           \
+    PANEL_TILE(NAME##_3, TYPE, WIDEN, 3)                                                           \
+    PANEL_TILE(NAME##_4, TYPE, WIDEN, 4)                                                           \
+    PANEL_TILE(NAME##_5, TYPE, WIDEN, 5)                                                           \
+    PANEL_TILE(NAME##_6, TYPE, WIDEN, 6)                                                           \
+    PANEL_TILE(NAME##_7, TYPE, WIDEN, 7)                                                           \
+    PANEL_TILE(NAME##_8, TYPE, WIDEN, 8)                                                           \
     static void NAME(const TYPE *W, const float *scale, const float *X, long ldx, long T, float *Y, long ldy, \
                      long p0, long p1, long rows, long n) {                                        \
         for (long p = p0; p < p1; p++) {                                                           \
             const TYPE *P = W + p * n * PANEL;                                                     \
             const long r = p * PANEL, valid = rows - r < PANEL ? rows - r : PANEL;                 \
             const float *sc = scale ? scale + r : 0;                                               \
-            long t = 0;                                                                            \
-            for (; t + TILE <= T; t += TILE) NAME##_tile(P, sc, X + t * ldx, ldx, Y + t * ldy + r, ldy, n, valid); \
-            for (; t + 4 <= T; t += 4) NAME##_four(P, sc, X + t * ldx, ldx, Y + t * ldy + r, ldy, n, valid); \
-            for (; t < T; t++) NAME##_one(P, sc, X + t * ldx, ldx, Y + t * ldy + r, ldy, n, valid);  \
+            for (long t = 0; t < T; t += TILE) {                                                   \
+                const float *x = X + t * ldx;                                                      \
+                float *y = Y + t * ldy + r;                                                        \
+                switch (T - t < TILE ? T - t : TILE) {                                             \
+                case 1: NAME##_1(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 2: NAME##_2(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 3: NAME##_3(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 4: NAME##_4(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 5: NAME##_5(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 6: NAME##_6(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                case 7: NAME##_7(P, sc, x, ldx, y, ldy, n, valid); break;                          \
+                default: NAME##_8(P, sc, x, ldx, y, ldy, n, valid); break;                         \
+                }                                                                                  \
+            }                                                                                      \
         }                                                                                          \
     }
 
