@@ -347,6 +347,8 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (512)")
     parser.add_argument("--max-queue-len", type=int, default=256, help="requests that may wait; more get 429")
     parser.add_argument("--max-tokens-default", type=int, default=256, help="output limit without max_tokens")
+    parser.add_argument("--native", choices=("fp32", "bf16", "int8"),
+                        help="run the course's engine steps in C with these weights (default: PyTorch)")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -153,3 +153,32 @@ def test_smollm2_engine_in_c_gives_the_pytorch_engines_tokens(smollm2):
     split = LLM(engine=LLMEngine(NativeModelRunner(model, store, max_tokens=32), config, tokenizer))
     assert [o.token_ids for o in split.generate(prompts, params, use_tqdm=False)] == expected
     assert split.engine.runner.native_steps > split.engine.runner.fallback_steps > 0
+
+
+@SMOLLM2
+def test_the_server_on_the_engine_in_c_answers_the_openai_client_as_in_pytorch(smollm2):
+    """`infra-lab serve --native fp32`'s engine behind the official client: the whole answer and the
+    streamed deltas equal the PyTorch engine's greedy answer; a sampled answer arrives too."""
+    from openai import OpenAI
+
+    from infra_lib.serving.server import ServerThread, build_engine, create_app
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = LLM(smollm2.model, smollm2.tokenizer, _config(64)).generate(
+        [question], SamplingParams(max_new_tokens=16), use_tqdm=False)[0]
+    engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=64, native="fp32")
+    assert isinstance(engine.engine.runner, NativeModelRunner)
+    with ServerThread(create_app(engine, "SmolLM2-135M-Instruct")) as thread:
+        client = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
+        whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
+                                               max_tokens=16)
+        assert whole.choices[0].message.content == expected.text
+        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
+                                                max_tokens=16, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+        sampled = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0.8,
+                                                 max_tokens=8, seed=3)
+        assert sampled.usage.completion_tokens >= 1
+    assert engine.engine.runner.native_steps > 0
+    with pytest.raises(ValueError, match="without --native"):
+        build_engine(smollm2.model, smollm2.tokenizer, pieces={"BlockPool": None}, native="fp32")

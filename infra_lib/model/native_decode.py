@@ -166,6 +166,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor as the C steps read activations' companions (norms, biases, tables): contiguous fp32."""
+    return None if t is None else t.detach().float().contiguous()
+
+
+def take_shared_tensors(target, model: Llama) -> None:
+    """What every C step reads as fp32, whatever its weight format: the embedding table, the final
+    norm, the rope tables, and the norms' epsilon, set on ``target``."""
+    target.embed = fp32(model.embed_tokens.weight)
+    target.final_norm = fp32(model.norm.weight)
+    target.cos, target.sin = fp32(model.rope_cos), fp32(model.rope_sin)
+    target.eps = float(model.layers[0].input_layernorm.eps)
+
+
 def check_native_model(model: Llama, weights: str, who: str) -> None:
     """The C steps read an fp32 ``Llama`` as loaded (``nn.Linear`` projections) on the CPU."""
     if weights not in NATIVE_FORMATS:
@@ -208,9 +222,6 @@ class NativeWeights:
         library = native_library()
         config = model.config
 
-        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().float().contiguous()
-
         def stored(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             return stored_weight(linear.weight, weights)
 
@@ -233,12 +244,9 @@ class NativeWeights:
         if len(pointers) != config.n_layers * library.infra_native_param_count():
             raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
-        self.embed = fp32(model.embed_tokens.weight)
-        self.final_norm = fp32(model.norm.weight)
+        take_shared_tensors(self, model)
         self.lm_head, self.lm_head_scale = stored(model.lm_head)
         self.bytes_per_step += self.lm_head.nbytes + (0 if self.lm_head_scale is None else self.lm_head_scale.nbytes)
-        self.cos, self.sin = fp32(model.rope_cos), fp32(model.rope_sin)
-        self.eps = float(model.layers[0].input_layernorm.eps)
 
 
 class NativeDecoder(StaticDecoder):

@@ -34,8 +34,8 @@ import ctypes
 import torch
 
 from infra_lib.model.model import Llama
-from infra_lib.model.native_decode import (NativeUnavailable, _FORMAT_CODE, _ptr, check_native_model, native_library,
-                                           stored_weight)
+from infra_lib.model.native_decode import (NativeUnavailable, _FORMAT_CODE, _ptr, check_native_model, fp32,
+                                           native_library, stored_weight, take_shared_tensors)
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.model_runner import Batch, ModelRunner
 
@@ -63,9 +63,6 @@ class PanelWeights:
         library = native_library()
         width = library.infra_native_panel_width()
 
-        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().float().contiguous()
-
         def packed(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight.detach().float() for m in linears])  # rows of each, in order
             stored, scale = stored_weight(weight, weights)
@@ -88,11 +85,8 @@ class PanelWeights:
         if len(pointers) != model.config.n_layers * library.infra_native_batch_param_count():
             raise NativeUnavailable("the C step and this module disagree on the batched step's parameters")
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
-        self.embed = fp32(model.embed_tokens.weight)
-        self.final_norm = fp32(model.norm.weight)
+        take_shared_tensors(self, model)
         self.lm_head, self.lm_head_scale = packed(model.lm_head)
-        self.cos, self.sin = fp32(model.rope_cos), fp32(model.rope_sin)
-        self.eps = float(model.layers[0].input_layernorm.eps)
 
 
 class NativeModelRunner(ModelRunner):

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from infra_lib.model.native_decode import NativeUnavailable
 from infra_lib.model.sampling import SamplingParams
 from infra_lib.serving.async_engine import AsyncLLMEngine, EngineDead, QueueFull
 from infra_lib.serving.engine import LLMEngine
@@ -336,11 +337,16 @@ def _usage(out) -> dict:
 def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, max_num_seqs: int = 16,
                  kv_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, max_queue_len: int = 256,
-                 event_log_len: int | None = 200_000, pieces: dict | None = None) -> AsyncLLMEngine:
+                 event_log_len: int | None = 200_000, pieces: dict | None = None,
+                 native: str | None = None) -> AsyncLLMEngine:
     """An ``AsyncLLMEngine`` on ``model`` (default: ``model_path``, else the course's SmolLM2).
 
     ``pieces``: a learner's engine pieces (``infra_lib.serving.pieces``); with a learner's block
-    pool, prefix caching is off (the lab's pool has no prefix cache)."""
+    pool, prefix caching is off (the lab's pool has no prefix cache). ``native``: a weight format
+    (``"fp32"``, ``"bf16"``, ``"int8"``) for the course's engine to run its steps in C
+    (``NativeModelRunner``), or None for PyTorch."""
+    if pieces and native is not None:
+        raise ValueError("a learner's engine runs its own pieces in PyTorch: serve it without --native")
     if model is None:
         from infra_lib.model.loaders import load_default, load_gguf, load_hf_dir
         if model_path is None:
@@ -359,7 +365,7 @@ def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, m
 
         engine = assemble(model, tokenizer, config, pieces, events=EventLog(maxlen=event_log_len))
     else:
-        engine = LLMEngine.from_model(model, tokenizer, config, events=EventLog(maxlen=event_log_len))
+        engine = LLMEngine.from_model(model, tokenizer, config, events=EventLog(maxlen=event_log_len), native=native)
     return AsyncLLMEngine(engine, max_queue_len=max_queue_len)
 
 
@@ -439,10 +445,18 @@ def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
     problem = listen_problem(args.host, args.port)
     if problem:  # found before the model loads, not after
         raise SystemExit(problem)
+    native = getattr(args, "native", None)
+    if pieces and native:
+        raise SystemExit("--native runs the course's engine in C; a learner's engine (--engine learner) runs its "
+                         "own pieces: leave --native out")
     print("loading the model ...", flush=True)
-    engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
-                          pieces=pieces)
+    try:
+        engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
+                              pieces=pieces, native=native)
+    except NativeUnavailable as exc:
+        raise SystemExit(f"--native {native}: the engine's step in C is unavailable here: {exc}\n"
+                         "serve without --native (the same engine in PyTorch)") from None
     name = args.served_model_name or (Path(args.model_path).stem if args.model_path else DEFAULT_MODEL_NAME)
     app = create_app(engine, name, max_tokens_default=args.max_tokens_default)
     base = f"http://{args.host}:{args.port}/v1"
