@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,13 +156,24 @@ def limit_processes(max_processes: int) -> tuple[str, str]:
             f"enforced by the OS (a pids cgroup: a fork past it fails)", str(group))
 
 
-def remove_cgroup(path: str) -> None:
-    """Remove a cgroup made by ``limit_processes`` once its processes are gone (best effort)."""
-    if path:
+def remove_cgroup(path: str, wait_s: float = 5.0) -> None:
+    """Remove a cgroup made by ``limit_processes`` once its processes are gone (best effort).
+
+    The kernel releases a cgroup a moment after its last task has exited: a kernel that started
+    thousands of threads can still hold some of them (exiting, not yet released) when its process
+    has been reaped. Until then the removal fails with EBUSY, so it is retried for up to ``wait_s``.
+    """
+    if not path:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
             Path(path).rmdir()
-        except OSError:
-            pass
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                return  # gone already, not ours to remove, or still busy: leave it
+        time.sleep(0.02)
 
 
 def apply_limits(memory_mb: int, file_size_mb: int, no_network: bool) -> dict[str, str]:

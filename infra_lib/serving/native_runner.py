@@ -9,7 +9,7 @@ decode step of about 8 tokens took 62 ms, where streaming the weights once takes
 ``NativeModelRunner`` sends every step of up to ``max_tokens`` tokens (512, the engine's default
 token budget) into one C call (``infra_native_batch_step`` in ``infra_lib/model/native/decode_step.c``):
 
-* the step's tokens flattened as ``ModelRunner`` flattens them (decodes and short prefill chunks
+* the step's tokens flattened as ``ModelRunner`` flattens them (decodes and prefill chunks
   of any sequences), each with its id, position, KV slot and sequence;
 * each product's weights packed once, at load time, in panels of output rows stored input-major
   (``pack_panels``), the panels split between the threads of PyTorch's OpenMP pool; each panel
