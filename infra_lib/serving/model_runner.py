@@ -83,11 +83,7 @@ class ModelRunner:
         model, device = self.model, self.model.rope_cos.device
         tokens, positions, slots = [], [], []
         for seq, s in batch:
-            ids = seq.token_ids[s.start:s.start + s.num_tokens]
-            if len(ids) != s.num_tokens:
-                raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
-                                 f"{s.start}..{s.start + s.num_tokens - 1}")
-            tokens += ids
+            tokens += self.scheduled_ids(seq, s)
             positions += range(s.start, s.start + s.num_tokens)
             slots.append(seq.block_table.slot_mapping(s.start, s.start + s.num_tokens, device=device))
         if max(positions) >= self.max_position:
@@ -103,6 +99,15 @@ class ModelRunner:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         ends = torch.tensor(self._sampling_rows(batch), dtype=torch.long, device=device)
         return model.lm_head(model.norm(x[0, ends]))  # [num_sampling, vocab]
+
+    @staticmethod
+    def scheduled_ids(seq: Sequence, s: ScheduledSeq) -> list[int]:
+        """The token ids of the positions the step computes for ``seq``; ValueError if it lacks them."""
+        ids = seq.token_ids[s.start:s.start + s.num_tokens]
+        if len(ids) != s.num_tokens:
+            raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
+                             f"{s.start}..{s.start + s.num_tokens - 1}")
+        return ids
 
     def _attention_plan(self, batch: Batch, device) -> dict:
         """Where each sequence's rows sit in the flattened step, and what its attention reads: the

@@ -38,6 +38,7 @@ from infra_lib.model.native_decode import (NativeUnavailable, _FORMAT_CODE, _ptr
                                            native_library, stored_weight, take_shared_tensors)
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.model_runner import Batch, ModelRunner
+from infra_lib.serving.paged_attention import _table_tensor
 
 # the step's own fields of dims[] (B_ROWS, B_SAMPLES, B_TABLE_WIDTH, B_THREADS in C)
 _ROWS, _SAMPLES, _TABLE_WIDTH, _THREADS = 8, 9, 10, 12
@@ -56,8 +57,7 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
 class PanelWeights:
     """A model's weights packed for the batched step, in format ``weights`` (fp32, bf16, int8 with
     per-row scales), with q, k and v as one weight, and the per-layer pointer array the step takes
-    (``keys``/``values``: per layer, the paged store's tensors). ``bytes_per_step`` is what one
-    step's weights read: every packed projection and the head, without the panels' zero padding."""
+    (``keys``/``values``: per layer, the paged store's tensors)."""
 
     def __init__(self, model: Llama, weights: str, keys: list[torch.Tensor], values: list[torch.Tensor]):
         library = native_library()
@@ -66,11 +66,9 @@ class PanelWeights:
         def packed(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight.detach().float() for m in linears])  # rows of each, in order
             stored, scale = stored_weight(weight, weights)
-            self.bytes_per_step += stored.nbytes + (0 if scale is None else scale.nbytes)
             return pack_panels(stored, width), scale
 
         self.keep: list[torch.Tensor] = []
-        self.bytes_per_step = model.config.hidden_size * 4 + model.norm.weight.nbytes
         pointers = []
         for layer, k_cache, v_cache in zip(model.layers, keys, values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -121,7 +119,6 @@ class NativeModelRunner(ModelRunner):
         self.library = native_library()
         self.weights, self.max_tokens = weights, max_tokens
         self.native = PanelWeights(model, weights, store.k, store.v)
-        self.bytes_per_step = self.native.bytes_per_step
         config = model.config
         dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
                 config.vocab_size, config.n_layers, config.max_position, max_tokens, 0, 0, store.block_size, 1,
@@ -148,10 +145,7 @@ class NativeModelRunner(ModelRunner):
         rows, tables, samples = [], [], []
         for index, (seq, s) in enumerate(batch):
             end = s.start + s.num_tokens
-            ids = seq.token_ids[s.start:end]
-            if len(ids) != s.num_tokens:
-                raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
-                                 f"{s.start}..{end - 1}")
+            ids = self.scheduled_ids(seq, s)
             if end > self.max_position:
                 raise ValueError(f"position {end - 1} exceeds the model's context of {self.max_position}")
             table = seq.block_table
@@ -168,7 +162,7 @@ class NativeModelRunner(ModelRunner):
             raise IndexError(f"a block table names a block outside the store's {self.store.num_blocks}")
         width = max(len(t) for t in tables)
         rows_t = torch.tensor(rows, dtype=torch.long)  # [T, 4]: token, position, slot, sequence
-        tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        tables_t = _table_tensor(tables, width, "cpu")  # [sequences, width], padded with block 0 (never read)
         samples_t = torch.tensor(samples, dtype=torch.long)
         if rows_t[:, 0].min() < 0 or rows_t[:, 0].max() >= self.native.embed.shape[0]:
             raise ValueError(f"token ids must lie in [0, {self.native.embed.shape[0]})")
