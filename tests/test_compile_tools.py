@@ -6,6 +6,7 @@ speed comparison); the others use Dynamo alone or no compiler at all.
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
+from conftest import check_fails
 
+from grading import check
 from infra_lib.kernels import fused_ops
 from infra_lib.kernels.compile_tools import (
     CompileCount,
@@ -110,7 +113,8 @@ def test_fuse_silu_rewrites_several_patterns_and_keeps_the_rest():
     lambda x, y: torch.sigmoid(x) * torch.sigmoid(x),
     lambda x, y: x * torch.tanh(x),
     lambda x, y: x * torch.sigmoid(x * 1.0),
-], ids=["other_operand", "other_operand_swapped", "add", "two_sigmoids", "tanh", "other_node"])
+    lambda x, y: x * torch.sigmoid(input=x),  # the sigmoid's argument recorded as a keyword: lab 04 leaves it
+], ids=["other_operand", "other_operand_swapped", "add", "two_sigmoids", "tanh", "other_node", "keyword_sigmoid"])
 def test_fuse_silu_leaves_look_alikes_unchanged(fn):
     gm = torch.fx.symbolic_trace(fn)
     code = gm.code
@@ -138,7 +142,9 @@ def test_fuse_silu_keeps_a_sigmoid_with_other_users_and_its_mul():
     lambda x, y: F.relu(x.add(y)) * 2,
     lambda x, y: torch.relu(x + 0.5) * y,
     lambda x, y: torch.relu(0.5 + x) * y,
-], ids=["torch_relu", "functional_relu", "method_relu", "torch_add", "method_add", "number", "number_first"])
+    lambda x, y: F.relu(x + y, inplace=True) * 2,  # relu's own keyword: still relu(a + b)
+], ids=["torch_relu", "functional_relu", "method_relu", "torch_add", "method_add", "number", "number_first",
+        "inplace_relu"])
 def test_fuse_add_relu_rewrites_every_spelling(fn):
     gm, _ = _rewrite(fuse_add_relu, fn)
     assert op_histogram(gm) == {"placeholder": 2, "add_relu": 1, "mul": 1, "output": 1}
@@ -153,7 +159,8 @@ def test_fuse_add_relu_rewrites_every_spelling(fn):
     lambda x, y: torch.relu(x * y),
     lambda x, y: torch.sigmoid(x + y),
     lambda x, y: torch.relu(x) + y,
-], ids=["alpha", "method_alpha", "sub", "mul", "sigmoid", "add_after_relu"])
+    lambda x, y: torch.relu(input=x + y),  # the relu's argument recorded as a keyword: lab 04 leaves it
+], ids=["alpha", "method_alpha", "sub", "mul", "sigmoid", "add_after_relu", "keyword_relu"])
 def test_fuse_add_relu_leaves_look_alikes_unchanged(fn):
     gm, before = _rewrite(fuse_add_relu, fn)
     assert op_histogram(gm) == before
@@ -307,3 +314,102 @@ def test_operator_spellings_are_the_ones_tracing_records():
     gm = torch.fx.symbolic_trace(lambda x: F.relu(x * torch.sigmoid(x) + x))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == [torch.sigmoid, operator.mul, operator.add, F.relu]
+
+
+# --- lab 04's checks hold the keyword rules its text states ----------------------------------------
+
+def _is_call(node, functions, method):
+    if not isinstance(node, torch.fx.Node):
+        return False
+    return node.target in functions if node.op == "call_function" else (node.op == "call_method"
+                                                                         and node.target == method)
+
+
+def _silu_pass(*, keyword_sigmoid: bool):
+    """fuse_silu, except that with ``keyword_sigmoid`` it also reads torch.sigmoid(input=x)."""
+
+    def fuse(gm):
+        for node in list(gm.graph.nodes):
+            if not _is_call(node, (operator.mul, torch.mul), "mul") or len(node.args) != 2 or node.kwargs:
+                continue
+            for gate, x in (node.args, node.args[::-1]):
+                if not _is_call(gate, (torch.sigmoid,), "sigmoid") or len(gate.users) != 1:
+                    continue
+                inputs = list(gate.args) + (list(gate.kwargs.values()) if keyword_sigmoid else [])
+                if len(inputs) == 1 and inputs[0] is x:
+                    with gm.graph.inserting_before(node):
+                        silu = gm.graph.call_function(F.silu, (x,))
+                    node.replace_all_uses_with(silu)
+                    break
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    return fuse
+
+
+def _add_relu_pass(*, relu_keywords_allowed: set):
+    """fuse_add_relu, accepting a relu only when its keywords (and their values) are in the allowed set."""
+
+    def fuse(gm):
+        for node in list(gm.graph.nodes):
+            if (not _is_call(node, (torch.relu, F.relu), "relu") or len(node.args) != 1
+                    or not set(node.kwargs.items()) <= relu_keywords_allowed):
+                continue
+            add = node.args[0]
+            if not _is_call(add, (operator.add, torch.add), "add") or len(add.args) != 2 or add.kwargs \
+                    or len(add.users) != 1:
+                continue
+            with gm.graph.inserting_before(node):
+                fused = gm.graph.call_function(add_relu, tuple(add.args))
+            node.replace_all_uses_with(fused)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    return fuse
+
+
+def test_lab04_a_sigmoid_called_with_a_keyword_must_not_be_fused():
+    check("lab04.fuse_silu_lookalikes", _silu_pass(keyword_sigmoid=False))
+    text = check_fails("lab04.fuse_silu_lookalikes", _silu_pass(keyword_sigmoid=True))
+    assert "replaced nodes it must leave alone" in text and "torch.sigmoid(input=x)" in text
+
+
+def test_lab04_an_inplace_relu_is_fused_and_a_keyword_input_is_not():
+    check("lab04.fuse_add_relu_spellings", _add_relu_pass(relu_keywords_allowed={("inplace", False),
+                                                                                  ("inplace", True)}))
+    text = check_fails("lab04.fuse_add_relu_spellings", _add_relu_pass(relu_keywords_allowed={("inplace", False)}))
+    assert "left a relu(a + b) unfused" in text and "inplace=True" in text
+
+
+def test_lab04_the_fused_call_takes_the_adds_operands_in_their_order():
+    def swapped(gm):
+        fuse_add_relu(gm)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is add_relu:
+                node.args = node.args[::-1]
+        gm.recompile()
+        return gm
+
+    text = check_fails("lab04.fuse_add_relu_spellings", swapped)  # relu(0.5 + x) and relu(y + x) among them
+    assert "takes other arguments than the pattern's" in text and "in the order the add had them" in text
+
+
+def test_lab04_a_pass_must_rewrite_the_module_it_was_given():
+    def copied(gm):
+        return fuse_silu(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)))
+
+    text = check_fails("lab04.fuse_silu", copied)
+    assert "in place, and return that same module" in text and "it returned another GraphModule" in text
+
+
+def test_lab04_a_mul_with_a_keyword_operand_must_not_be_fused():
+    def keyword_mul_too(gm):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is torch.mul and "other" in node.kwargs:
+                node.args, node.kwargs = (*node.args, node.kwargs["other"]), {}
+        return fuse_silu(gm)
+
+    text = check_fails("lab04.fuse_silu_lookalikes", keyword_mul_too)
+    assert "replaced nodes it must leave alone" in text and "other=torch.sigmoid(x)" in text

@@ -59,6 +59,8 @@ _SILU_LOOKALIKES = {
     "add_not_mul": "x = x + torch.sigmoid(x)",
     "two_sigmoids": "x = torch.sigmoid(x) * torch.sigmoid(x)",
     "tanh_not_sigmoid": "x = x * torch.tanh(x)",
+    "keyword_sigmoid": "x = x * torch.sigmoid(input=x)",  # the sigmoid's argument is a keyword: no match
+    "keyword_mul": "x = torch.mul(x, other=torch.sigmoid(x))",  # the mul's operand is a keyword: no match
 }
 _ADD_RELU = {
     "torch_relu": "x = torch.relu(x + y)",
@@ -70,6 +72,7 @@ _ADD_RELU = {
     "number": "x = F.relu(x + 1.0)",
     "number_first": "x = torch.relu(0.5 + x)",
     "linear_residual": "x = torch.relu(self.lin(x) + y)",
+    "inplace_relu": "x = F.relu(x + y, inplace=True)",  # relu's own keyword: still a match
 }
 _ADD_RELU_LOOKALIKES = {
     "alpha": "x = torch.relu(torch.add(x, y, alpha=2))",
@@ -80,6 +83,7 @@ _ADD_RELU_LOOKALIKES = {
     "mul_not_add": "x = torch.relu(x * y)",
     "sigmoid_not_relu": "x = torch.sigmoid(x + y)",
     "relu_then_add": "x = torch.relu(x) + y",
+    "keyword_relu": "x = torch.relu(input=x + y)",  # the relu's argument is a keyword: no match
 }
 _BLOCKS = {**_FILLER, **_MODULES, **_SILU, **_SILU_LOOKALIKES, **_ADD_RELU, **_ADD_RELU_LOOKALIKES}
 
@@ -232,12 +236,13 @@ def _drive_pass(graph_pass, graphs: list[dict]) -> list[dict]:
 
     results = []
     for graph in graphs:
-        returned = graph_pass(_trace(graph))
+        given = _trace(graph)
+        returned = graph_pass(given)
         if not isinstance(returned, torch.fx.GraphModule):
             results.append({"returned": type(returned).__name__})
             continue
-        entry = {"returned": "GraphModule", "histogram": _histogram(returned), "lint": "", "stale": False,
-                 "error": "", "output": []}
+        entry = {"returned": "GraphModule", "same_module": returned is given, "histogram": _histogram(returned),
+                 "fused_calls": _fused_calls(returned), "lint": "", "stale": False, "error": "", "output": []}
         try:
             returned.graph.lint()
         except Exception as exc:  # noqa: BLE001 (a malformed graph: the learner's to fix)
@@ -254,6 +259,19 @@ def _drive_pass(graph_pass, graphs: list[dict]) -> list[dict]:
     return results
 
 
+def _fused_calls(gm) -> list[list]:
+    """Each silu or add_relu call in graph order, with its positional arguments: the name of a node of
+    the traced graph (names the pass does not change) or the printed form of a number."""
+    import torch.fx
+
+    calls = []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name in ("silu", "add_relu"):
+            calls.append([name, [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in node.args]])
+    return calls
+
+
 # Hints for a pass whose matching may be right but whose rewrite is not finished.
 _RETURN_HINT = ("a pass changes the graph of the module it is given, in place, and hands that same module back; "
                 "the check runs what the pass returns.")
@@ -262,6 +280,11 @@ _LINT_HINT = ("every node must come after the nodes it uses and before the nodes
               "Writing a graph pass with torch.fx”).")
 _STALE_HINT = ("a GraphModule runs the Python code generated from its graph, and that code is generated again only "
                "when asked: after the graph changes, the module must regenerate it.")
+_ARGUMENTS_HINT = {
+    "silu": "the fused node takes one positional argument, the x that the sigmoid and the mul share.",
+    "add_relu": ("the fused node takes the add's two operands, positionally and in the order the add had them "
+                 "(relu(0.5 + x) becomes add_relu(0.5, x)), nothing else."),
+}
 _LEFTOVER_HINT = ("the fused nodes are there, but other nodes differ: a node left without users still sits in the "
                   "graph, and still runs, until dead-code elimination removes it; any other difference is a node that "
                   "should have been left alone.")
@@ -275,6 +298,9 @@ def _pass_compare(name: str, fused: str, pattern: str):
                 return Mismatch(f"{name} must return the GraphModule it rewrote",
                                 f"on {where}: it returned a {g['returned']}; end with `return gm`",
                                 hint=_RETURN_HINT)
+            if not g["same_module"]:
+                return Mismatch(f"{name} must rewrite the GraphModule it is given, in place, and return that same "
+                                "module", f"on {where}: it returned another GraphModule", hint=_RETURN_HINT)
             if g["lint"]:
                 return Mismatch(f"the graph after {name} is malformed (gm.graph.lint() fails)",
                                 f"on {where}: {g['lint']}", hint=_LINT_HINT)
@@ -294,6 +320,11 @@ def _pass_compare(name: str, fused: str, pattern: str):
                             "call gm.graph.eliminate_dead_code())")
                 return Mismatch(what, f"on {where}:\nexpected nodes {e['histogram']},\ngot            "
                                       f"{g['histogram']}", hint="" if got_fused != want_fused else _LEFTOVER_HINT)
+            if g["fused_calls"] != e["fused_calls"]:
+                got_call, want_call = next((a, b) for a, b in zip(g["fused_calls"], e["fused_calls"]) if a != b)
+                return Mismatch(f"a {got_call[0]} node {name} inserted takes other arguments than the pattern's",
+                                f"on {where}: expected {want_call[0]}({', '.join(want_call[1])}), got "
+                                f"{got_call[0]}({', '.join(got_call[1])})", hint=_ARGUMENTS_HINT[got_call[0]])
             problem = array_mismatch(g["output"], e["output"], f"the module after {name} computes different values",
                                      where, atol=1e-5, rtol=1e-5)
             if problem:
@@ -324,10 +355,10 @@ def _silu_lookalikes_visible(rng: random.Random) -> list[dict]:
     return [_graph(rng, ["other_operand"], 1), _graph(rng, ["sigmoid_reused", rng.choice(list(_SILU)[:4])], 1)]
 
 
-_SILU_HINT = ("a match is a mul whose two operands are a sigmoid and that sigmoid's own input, the very same node "
-              "(an identity test, not equal names or values), with the sigmoid on either side and the mul its only "
-              "user; a mul and a sigmoid count whether called as a function or as a method (chapter 04, section "
-              "“7 · Writing a graph pass with torch.fx”).")
+_SILU_HINT = ("a match is a mul whose two positional operands are a sigmoid and that sigmoid's own positional input, "
+              "the very same node (an identity test, not equal names or values), with the sigmoid on either side and "
+              "the mul its only user; a mul and a sigmoid count whether called as a function or as a method (chapter "
+              "04, section “7 · Writing a graph pass with torch.fx”).")
 
 for check_id, make_inputs, extra in (
         ("lab04.fuse_silu", _silu_visible, ""),
@@ -339,7 +370,8 @@ for check_id, make_inputs, extra in (
          " x * sigmoid(y) is not SiLU; a sigmoid with another user must stay, and then its mul stays too."),
         ("lab04.fuse_silu_lookalikes", _silu_lookalikes,
          (" Look-alikes must stay as they are: x + sigmoid(x), sigmoid(x) * sigmoid(x), x * tanh(x), "
-          "x * sigmoid(y), a sigmoid used twice."))):
+          "x * sigmoid(y), a sigmoid used twice, and a sigmoid or mul whose operand is given as a keyword "
+          "(torch.sigmoid(input=x), torch.mul(x, other=...)), which does not match."))):
     register(Check(
         check_id=check_id,
         task="lab04 task 2: fuse_silu",
@@ -374,21 +406,22 @@ def _add_relu_lookalikes(rng: random.Random) -> list[dict]:
 
 _ADD_RELU_HINT = ("a match is a relu whose input is an add of exactly two operands with no keyword arguments, whose "
                   "sum the relu alone uses; a relu and an add count whether called as a function or as a method. "
-                  "The no-keyword rule is the add's: F.relu records a keyword of its own (inplace) and still matches, "
-                  "and the fused call takes the add's two operands in their order (chapter 04, section “7 · Writing "
+                  "The no-keyword rule is the add's: F.relu records a keyword of its own (inplace, False or True) and "
+                  "still matches, while a relu whose input is itself passed as a keyword does not. The fused call "
+                  "takes the add's two operands in their order (chapter 04, section “7 · Writing "
                   "a graph pass with torch.fx”).")
 
 for check_id, make_inputs, extra in (
         ("lab04.fuse_add_relu", _add_relu_visible, ""),
         ("lab04.fuse_add_relu_spellings", _add_relu_spellings,
-         (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu or .relu(); "
-          "a or b may be a number or a Linear's output.")),
+         (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu (inplace=True "
+          "too) or .relu(); a or b may be a number or a Linear's output.")),
         ("lab04.fuse_add_relu_no_match", _add_relu_lookalikes_visible,
          (" torch.add(a, b, alpha=2) is a + 2 * b, not a plain sum: an add with keyword arguments stays as it is, "
           "and so does a sum with another user, which must be computed anyway.")),
         ("lab04.fuse_add_relu_lookalikes", _add_relu_lookalikes,
          (" Look-alikes must stay as they are: relu(a - b), relu(a * b), sigmoid(a + b), relu(a) + b, an add with "
-          "alpha, a sum used twice."))):
+          "alpha, a sum used twice, a relu whose argument is given as a keyword (torch.relu(input=a + b))."))):
     register(Check(
         check_id=check_id,
         task="lab04 task 3: fuse_add_relu",
