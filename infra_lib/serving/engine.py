@@ -200,12 +200,14 @@ class LLMEngine:
         now = self.clock.now()
         self.steps.append(StepRecord(start, now, out))
         outputs = [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
-        self.events.emit("step", now, start=start, running=len(self.scheduler.running),
-                         waiting=len(self.scheduler.waiting),
-                         kv_usage=1 - self.scheduler.pool.num_free / self.config.num_blocks,
-                         batched_tokens=out.num_batched_tokens, prefill_tokens=out.num_prefill_tokens,
-                         decode_seqs=out.num_decode_seqs)
+        self.events.emit("step", now, start=start, **self._queues(), batched_tokens=out.num_batched_tokens,
+                         prefill_tokens=out.num_prefill_tokens, decode_seqs=out.num_decode_seqs)
         return outputs
+
+    def _queues(self) -> dict:
+        """The queues and the KV pool now (what the running, waiting and KV-usage gauges show)."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_usage": 1 - self.scheduler.pool.num_free / self.config.num_blocks}
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.append_token(token)
@@ -233,8 +235,10 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         seq.metrics.finish_time = now
         self._decoders.pop(seq.seq_id, None)
+        # the queues after the release: an abort between steps is followed by no step event, so the
+        # gauges must not wait for one
         self.events.emit("finished", now, seq.seq_id, reason=reason, prompt_tokens=seq.num_prompt_tokens,
-                         output_tokens=len(seq.output_ids))
+                         output_tokens=len(seq.output_ids), **self._queues())
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:

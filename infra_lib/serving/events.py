@@ -10,7 +10,8 @@ log, so they cannot disagree about what happened.
     admitted   request_id  cached_tokens, prompt_tokens, first (False after a preemption)
     preempted  request_id
     token      request_id  first (the request's first output token)
-    finished   request_id  reason ("stop", "length", "abort"), prompt_tokens, output_tokens
+    finished   request_id  reason ("stop", "length", "abort"), prompt_tokens, output_tokens,
+                           running, waiting, kv_usage (after its blocks were freed)
     step       -1          start, running, waiting, kv_usage, batched_tokens, prefill_tokens, decode_seqs
 """
 

@@ -4,8 +4,8 @@
 servers in one process (a notebook, a test) never share counters. The names and meanings follow
 vLLM's ``/metrics`` so dashboards and habits carry over:
 
-    vllm:num_requests_running / _waiting      gauges, after the latest step
-    vllm:kv_cache_usage_perc                  gauge, fraction of KV blocks in use (0..1)
+    vllm:num_requests_running / _waiting      gauges, after the latest step or finished request
+    vllm:kv_cache_usage_perc                  gauge, fraction of KV blocks in use (0..1), same times
     vllm:prefix_cache_queries / _hits         counters, prompt tokens looked up / found cached
     vllm:num_preemptions                      counter
     vllm:prompt_tokens / generation_tokens    counters
@@ -116,12 +116,17 @@ class ServingMetrics:
                 if rid in self._arrival:
                     self._l(self.e2e).observe(t - self._arrival.pop(rid))
                 self._last_token.pop(rid, None)
+                if "running" in data:  # an abort frees its blocks between steps: no step event follows
+                    self._set_queues(data)
             elif kind == "step":
-                self._l(self.running).set(data.get("running", 0))
-                self._l(self.waiting).set(data.get("waiting", 0))
-                self._l(self.kv_usage).set(data.get("kv_usage", 0.0))
+                self._set_queues(data)
                 self._l(self.busy).inc(max(0.0, t - data.get("start", t)))
                 self._l(self.steps).inc()
+
+    def _set_queues(self, data: dict) -> None:
+        self._l(self.running).set(data.get("running", 0))
+        self._l(self.waiting).set(data.get("waiting", 0))
+        self._l(self.kv_usage).set(data.get("kv_usage", 0.0))
 
     def exposition(self) -> bytes:
         """The Prometheus text format, what ``GET /metrics`` answers."""
