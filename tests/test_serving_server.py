@@ -183,6 +183,95 @@ def test_oversize_prompts_are_refused_before_running(server, smollm2):
     assert not engine.engine.has_unfinished()
 
 
+CONTEXT = 8192  # SmolLM2's context length
+
+
+def _long_request(smollm2, endpoint: str, words: int, **fields) -> tuple[dict, int]:
+    """A request on ``endpoint`` whose prompt repeats a word ``words`` times, and its prompt's token count."""
+    text = "word " * words
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": text}]
+        return {"model": MODEL, "messages": messages, **fields}, len(smollm2.tokenizer.encode_chat(messages))
+    return {"model": MODEL, "prompt": text, **fields}, len(smollm2.tokenizer.encode(text))
+
+
+def _refusal(thread, engine, endpoint: str, body: dict) -> dict:
+    """POST ``body``; check the answer is an OpenAI 400 error the engine never saw, and return the error."""
+    arrived = len(engine.engine.events.events(kind="arrived"))
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    response = httpx.post(thread.url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json"), "a refusal is never an event stream"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["code"] == "context_length_exceeded", error
+    assert len(engine.engine.events.events(kind="arrived")) == arrived, "the refused request reached the engine"
+    return error
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_max_tokens_past_the_context_left_by_the_prompt_is_a_400_with_the_figures(server, smollm2, endpoint, stream):
+    thread, engine, _ = server
+    body, n = _long_request(smollm2, endpoint, 8000, stream=stream, temperature=0)
+    assert 8000 <= n < CONTEXT - 100
+    for field, asked in (("max_tokens", 200), ("max_tokens", CONTEXT - n + 1), ("max_completion_tokens", 200)):
+        error = _refusal(thread, engine, endpoint, {**body, field: asked})
+        assert error["param"] == field
+        for figure in (CONTEXT, n, asked):  # the context length, the prompt's tokens, what was asked for
+            assert str(figure) in error["message"], (figure, error["message"])
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_prompt_that_fills_the_context_alone_is_a_400_with_the_figures(server, smollm2, endpoint):
+    thread, engine, _ = server
+    body, n = _long_request(smollm2, endpoint, 8300)
+    assert n > CONTEXT
+    for extra in ({}, {"max_tokens": 4}, {"stream": True}):
+        error = _refusal(thread, engine, endpoint, {**body, **extra})
+        assert error["param"] == ("messages" if endpoint == "chat" else "prompt")
+        assert str(CONTEXT) in error["message"] and str(n) in error["message"], error["message"]
+    # exactly the context: no room left for one output token
+    ids = smollm2.tokenizer.encode("word " * 8300)[:CONTEXT]
+    error = _refusal(thread, engine, "completions", {"model": MODEL, "prompt": ids})
+    assert str(CONTEXT) in error["message"]
+    wait_idle(engine)
+
+
+@pytest.fixture(scope="module")
+def short_context(smollm2):
+    """A server on the same model with its context cut to 48 tokens (the chat question takes 37), so a
+    request can reach the context's end in a few decode steps."""
+    from infra_lib.serving.server import ServerThread, build_engine, create_app
+
+    engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=16)
+    engine.engine.runner.max_position = 48  # what the server reads as the model's context length
+    with ServerThread(create_app(engine, MODEL, max_tokens_default=256)) as thread:
+        yield thread, engine
+
+
+def test_requests_that_fit_the_context_run_and_the_default_caps_at_what_fits(short_context, smollm2):
+    thread, engine = short_context
+    n = len(smollm2.tokenizer.encode_chat(QUESTION))
+    room = 48 - n
+    assert 0 < room < 256
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "ignore_eos": True}
+    url = thread.url + "/v1/chat/completions"
+    exact = httpx.post(url, json={**body, "max_tokens": room}, timeout=60)  # the prompt and the output fill it
+    assert exact.status_code == 200, exact.text
+    assert exact.json()["usage"] == {"prompt_tokens": n, "completion_tokens": room, "total_tokens": 48}
+    default = httpx.post(url, json=body, timeout=60)  # no max_tokens: 256 lowered to the room left
+    assert default.status_code == 200, default.text
+    assert default.json()["usage"]["completion_tokens"] == room
+    assert default.json()["choices"][0]["finish_reason"] == "length"
+    over = httpx.post(url, json={**body, "max_tokens": room + 1}, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    normal = httpx.post(url, json={**body, "max_tokens": 3}, timeout=60)
+    assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 3
+    wait_idle(engine)
+
+
 def test_a_full_queue_answers_429(smollm2, tmp_path):
     from infra_lib.ops import run_load
     from infra_lib.serving.server import ServerThread, build_engine, create_app
@@ -213,6 +302,38 @@ def test_a_client_that_hangs_up_aborts_its_request(server):
     wait_idle(engine, timeout_s=20)
     after = app.state.serving.metrics.snapshot()['vllm:request_success_total{finished_reason="abort"}']
     assert after - aborted == 2
+
+
+def test_gauges_fall_back_to_idle_when_a_stream_is_aborted_with_no_request_after_it(server):
+    """An abort frees its sequence between steps; the gauges must follow then, not at the next request."""
+    from infra_lib.serving.observability import parse_metrics
+
+    thread, engine, _ = server
+    wait_idle(engine)
+
+    def gauges():
+        m = parse_metrics(httpx.get(thread.url + "/metrics").text)
+        return m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]
+
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        contents = 0
+        for line in r.iter_lines():
+            contents += '"content"' in line
+            if contents == 2:
+                break
+        running, _, usage = gauges()
+        assert running == 1 and usage > 0, "mid-stream the gauges show the request"
+        arrived = len(engine.engine.events.events(kind="arrived"))
+    # the connection is closed: poll /metrics only (a bounded wait; no request reaches the engine)
+    deadline = time.monotonic() + 20
+    while gauges() != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gauges() == (0, 0, 0), "running, waiting and KV usage after the abort"
+    assert len(engine.engine.events.events(kind="arrived")) == arrived
+    assert engine.engine.events.events(kind="finished")[-1].data["reason"] == "abort"
+    wait_idle(engine)
 
 
 def test_load_with_hundreds_of_streams_some_hanging_up_leaks_nothing(server, smollm2):

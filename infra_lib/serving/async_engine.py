@@ -85,9 +85,12 @@ class AsyncLLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    async def submit(self, prompt, params: SamplingParams, stop: tuple[str, ...] = ()) -> tuple[int, asyncio.Queue]:
+    async def submit(self, prompt, params: SamplingParams, stop: tuple[str, ...] = (),
+                     arrival_time: float | None = None) -> tuple[int, asyncio.Queue]:
         """Queue a request; returns its id and the queue its ``RequestOutput``s arrive on.
 
+        ``arrival_time``: when the request arrived, on the engine's clock (default: now; a server
+        that tokenizes the prompt itself stamps it before, so its latencies include tokenizing).
         Raises ``QueueFull``, ``EngineDead``, or the engine's ``ValueError`` for a request it
         cannot take (prompt longer than the context, more KV than the pool holds).
         """
@@ -101,7 +104,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         outputs: asyncio.Queue = asyncio.Queue()
-        arrival = self.engine.clock.now()  # now, not when the engine thread next looks (after its step)
+        # now, not when the engine thread next looks (after its step)
+        arrival = self.engine.clock.now() if arrival_time is None else arrival_time
         self._inbox.put(("add", (prompt, params, tuple(stop), arrival), loop, accepted, outputs))
         self._wake.set()
         try:

@@ -7,11 +7,13 @@
     GET  /metrics               Prometheus text with vLLM's metric names (observability.py)
 
 Every request is validated before it reaches the engine: malformed JSON, wrong types, values
-out of range, an unknown model or a prompt longer than the context get an OpenAI-style error
-body (``{"error": {"message", "type", "param", "code"}}``) with status 400 (404 for an unknown
-model), and the engine never sees them. A full queue answers 429. A client that disconnects,
-mid-stream or while waiting for a whole answer, aborts its request: the engine frees its KV
-blocks at the next step.
+out of range, an unknown model, a prompt that fills the context, or a ``max_tokens`` that with
+the prompt overruns it get an OpenAI-style error body (``{"error": {"message", "type", "param",
+"code"}}``) with status 400 (404 for an unknown model), and the engine never sees them. A request
+without ``max_tokens`` gets ``max_tokens_default``, lowered to what the context leaves. A full
+queue answers 429. A client that disconnects, mid-stream or while waiting for a whole answer,
+aborts its request: the engine thread frees its KV blocks before its next step, and the
+``/metrics`` gauges show the freed blocks at once, with no other request needed.
 
 Start it with ``infra-lab serve`` (``serve_main``), or in a notebook or test with
 ``ServerThread``, which runs uvicorn on a background thread on 127.0.0.1.
@@ -145,7 +147,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
     Args:
         model_name: the id clients must send as ``model``.
         metrics: the collectors ``/metrics`` exposes (default: new ones on the engine's event log).
-        max_tokens_default: output limit when a request gives no ``max_tokens``.
+        max_tokens_default: output limit when a request gives no ``max_tokens`` (lowered to what the
+            context leaves after the prompt).
         downstream_delay_s: a fault to inject: every request first waits this long in the handler,
             like a slow retrieval or gateway in front of the engine (chapter 11's drill).
     """
@@ -185,12 +188,18 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _parse(request, ChatRequest)
-        prompt = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return await _complete(request, body, prompt, chat=True)
+        arrival = await _arrive()
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (no chat template): use /v1/completions with the "
+                                "prompt as a list of token ids", param="messages")
+        ids = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        return await _complete(request, body, ids, arrival, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
+        arrival = await _arrive()
         tokenizer = engine.engine.tokenizer
         if isinstance(body.prompt, str):
             if tokenizer is None:
@@ -202,7 +211,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
             if vocab is not None and any(not 0 <= t < vocab for t in body.prompt):
                 raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
             ids = list(body.prompt)
-        return await _complete(request, body, ids, chat=False)
+        return await _complete(request, body, ids, arrival, chat=False)
+
+    async def _arrive() -> float:
+        """The request's arrival on the engine's clock, after the injected downstream delay (which lies
+        in front of the engine) and before tokenizing (which the engine's latencies include)."""
+        if downstream_delay_s:
+            await asyncio.sleep(downstream_delay_s)
+        return engine.engine.clock.now()
 
     async def _parse(request, model_cls):
         raw = await request.body()
@@ -217,8 +233,27 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
                                 "(see GET /v1/models)", param="model", code="model_not_found")
         return body
 
-    async def _complete(request, body: _SamplingRequest, prompt, chat: bool):
-        max_tokens = body.max_completion_tokens or body.max_tokens or max_tokens_default
+    def _output_limit(body: _SamplingRequest, num_prompt: int, chat: bool) -> int:
+        """The request's max_tokens, refused (400) where the prompt and it overrun the model's context;
+        without one, ``max_tokens_default`` lowered to what the context leaves after the prompt."""
+        context = engine.engine.runner.max_position
+        if num_prompt >= context:
+            raise APIError(400, f"the prompt has {num_prompt} tokens; the model's context length is {context} "
+                                f"tokens, and at least one of them must be left for the output: shorten the prompt",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        asked, field = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
+                        else (body.max_tokens, "max_tokens"))
+        if asked is None:
+            return min(max_tokens_default, context - num_prompt)
+        if num_prompt + asked > context:
+            raise APIError(400, f"{field} is {asked}, but the model's context length is {context} tokens and the "
+                                f"prompt takes {num_prompt} of them ({num_prompt} + {asked} = {num_prompt + asked} "
+                                f"> {context}): ask for at most {context - num_prompt} tokens or shorten the prompt",
+                           param=field, code="context_length_exceeded")
+        return asked
+
+    async def _complete(request, body: _SamplingRequest, prompt: list[int], arrival: float, chat: bool):
+        max_tokens = _output_limit(body, len(prompt), chat)
         params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                                 seed=body.seed, max_new_tokens=max_tokens,
@@ -226,10 +261,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")
-        if downstream_delay_s:
-            await asyncio.sleep(downstream_delay_s)
         try:
-            request_id, outputs = await engine.submit(prompt, params, stop)
+            request_id, outputs = await engine.submit(prompt, params, stop, arrival_time=arrival)
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
                            code="queue_full") from None
