@@ -99,3 +99,14 @@ def token_difference(got: list[int], expected: list[int]) -> str:
     else:
         then = f"{len(got)} tokens came out instead of {len(expected)}"
     return f"the first {step} tokens agree, then {then} (expected {expected}, got {got})"
+
+
+def type_mismatch(got, cases: list, want: type, what: str, describe: Callable[[list], str],
+                  hint: str = "") -> Mismatch | None:
+    """The first case whose result is not exactly of type ``want`` (a bool is no int, a float no int)."""
+    if type(got) is not list:
+        return None  # the shape of the results is number_mismatch's to report
+    for case, g in zip(cases, got):
+        if type(g) is not want:
+            return Mismatch(what, f"on {describe(case)}: got {g!r:.40} of type {type(g).__name__}", hint=hint)
+    return None

@@ -7,7 +7,7 @@ import statistics
 import threading
 import time
 
-from grading.checks.common import call_each, number_mismatch, reference
+from grading.checks.common import call_each, number_mismatch, reference, type_mismatch
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 
@@ -44,8 +44,13 @@ def _large_shapes(rng: random.Random) -> list[list[int]]:
     ]
 
 
+_EXACT_COUNT_HINT = ("a count of operations is a whole number and must stay exact at any size: a Python int does, a "
+                     "float rounds every count above 2**53 (an 8192-cube GEMM's is already over 10**12).")
+
+
 def _compare_flops(got, expected, cases) -> Mismatch | None:
-    return number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
+    return (number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
+            or type_mismatch(got, cases, int, "gemm_flops must return the count as an int", _mnk, _EXACT_COUNT_HINT))
 
 
 register(Check(
@@ -81,6 +86,15 @@ def _timing_plan(rng: random.Random) -> dict:
     timed = [rng.randint(8, 14) for _ in range(iters)]
     timed[rng.randrange(iters)] = 150
     return {"warmup": rng.choice([3, 4]), "iters": iters, "cold_ms": rng.randint(45, 60), "timed_ms": timed}
+
+
+def _even_timing_plan(rng: random.Random) -> dict:
+    """Six timed calls whose two middle ones lie far apart: their mean, the median, is more than 20 ms from
+    either of them, so a timer that takes one middle call (the upper or the lower) is told apart."""
+    plan = _timing_plan(rng)
+    timed = [rng.randint(8, 14) for _ in range(3)] + [rng.randint(60, 70), rng.randint(60, 70), 150]
+    rng.shuffle(timed)
+    return {**plan, "iters": len(timed), "timed_ms": timed}
 
 
 def _planned_median_s(plan: dict) -> float:
@@ -165,6 +179,15 @@ def _allowed_overshoot_s(expected: dict, want: float) -> float:
     return min(0.020, max(0.012, reference_overshoot + 0.008))
 
 
+def _one_middle_call(plan: dict, seconds: float) -> bool:
+    """Whether, with an even number of timed calls, ``seconds`` is one of the two middle calls' costs."""
+    ordered = sorted(plan["timed_ms"])
+    if len(ordered) % 2:
+        return False
+    middles = ordered[len(ordered) // 2 - 1:len(ordered) // 2 + 1]
+    return any(abs(seconds * 1000 - m) <= TIMER_SETTLED_S * 1000 for m in middles)
+
+
 def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     """Calls must match the reference's; the time must match the plan's median cost.
 
@@ -187,11 +210,17 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     highest = want + _allowed_overshoot_s(expected, want)
     if not want * 0.9 <= seconds <= highest:
         in_milliseconds = want * 900 <= seconds <= highest * 1000
+        hint = ("the value is about a thousand times the median call: time_op returns seconds, the unit "
+                "time.perf_counter() counts in, not milliseconds." if in_milliseconds else "")
+        what = "time_op returned the wrong time"
+        if _one_middle_call(plan, seconds):
+            what = "time_op returned one of the two middle calls, not the median of an even number of timed calls"
+            hint = ("with an even number of timed calls there is no single middle call: the median is the mean of the "
+                    "two middle durations, as statistics.median computes it, not the upper or the lower one.")
         return Mismatch(
-            "time_op returned the wrong time",
+            what,
             f"with {setting}: expected about {want * 1000:.1f} ms (the median timed call), got {seconds * 1000:.1f} ms",
-            hint="the value is about a thousand times the median call: time_op returns seconds, the unit "
-            "time.perf_counter() counts in, not milliseconds." if in_milliseconds else "",
+            hint=hint,
         )
     if got.get("warmup_leaked_ms", 0) > expected.get("warmup_leaked_ms", 0):
         return Mismatch(
@@ -221,7 +250,7 @@ register(Check(
     check_id="lab01.time_op_sync",
     task="lab01 task 2: time_op",
     reference=_reference("time_op"),
-    make_inputs=_timing_plan,
+    make_inputs=_even_timing_plan,
     drive=_drive_timer(asynchronous=True),
     compare=_compare_timer,
     hint="fn may only queue work, as a GPU launch does, so a clock stopped when fn returns has timed the launch, "

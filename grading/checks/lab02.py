@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.common import call_each, number_mismatch, reference
+from grading.checks.common import call_each, number_mismatch, reference, type_mismatch
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 register_shortcuts("lab02", [
@@ -211,8 +211,12 @@ def _compare_fit(got, expected, cases) -> Mismatch | None:
             if type(g) in (int, float) and g < 0:
                 return Mismatch("max_concurrency returned a negative number of sequences",
                                 f"on {_describe_fit(case)}: expected {e}, got {g!r}; when nothing fits the answer is 0")
-    return number_mismatch(got, expected, cases, "max_concurrency returned the wrong number of sequences",
-                           _describe_fit, 0.0, integral=True)
+    return (number_mismatch(got, expected, cases, "max_concurrency returned the wrong number of sequences",
+                            _describe_fit, 0.0, integral=True)
+            or type_mismatch(got, cases, int, "max_concurrency must return the number of sequences as an int",
+                             _describe_fit, "a number of sequences is a count, an int: sizes given as floats (80e9) "
+                             "make every division of them a float too, even a floor division, so the whole number "
+                             "must be turned into an int before it is returned."))
 
 
 register(Check(

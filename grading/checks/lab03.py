@@ -328,10 +328,38 @@ register(Check(
     compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT), hint=_SOFTMAX_HINT,
 ))
 
+_MINUS_INF_HINT = ("a -inf logit is a key that must not be attended at all: exp of -inf after the shift is exactly 0, "
+                   "and that 0 must reach the output unchanged; a floor or a small constant added to the probabilities "
+                   "gives such a key a weight after all (chapter 03, section “4 · Fused softmax: the same maths, half "
+                   "the bytes”).")
+
+
+def _compare_softmax_extremes(got, expected, cases) -> Mismatch | None:
+    """Values as every softmax check compares them; then, in the rows with -inf logits, a probability of
+    exactly 0 for each of them (the reference's zeros there are the -inf positions: the finite logits of
+    those cases are too close together to underflow)."""
+    import numpy as np
+
+    problem = _compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT)(got, expected, cases)
+    if problem:
+        return problem
+    for case, g, e in zip(cases, got, expected):
+        if case["special"] not in ("-inf", "one finite"):
+            continue
+        mine, want = np.asarray(g["out"], dtype=np.float64), np.asarray(e["out"], dtype=np.float64)
+        leaked = (want == 0) & (mine != 0)
+        if leaked.any():
+            index = tuple(int(i) for i in np.argwhere(leaked)[0])
+            return Mismatch("softmax_kernel gave a -inf logit a probability other than exactly 0",
+                            f"on {_describe_softmax(case)}: {int(leaked.sum())} of {int((want == 0).sum())} -inf "
+                            f"logits; at index {list(index)} expected 0, got {mine[index]:.3g}", hint=_MINUS_INF_HINT)
+    return None
+
+
 register(Check(
     check_id="lab03.softmax_extreme_values", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_extremes, drive=_driver("softmax_kernel", _softmax_setup),
-    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT),
+    compare=_compare_softmax_extremes,
     hint="exp overflows float32 for any logit above about 88 (and inf / inf is NaN), so each row must be shifted by "
     "its own true maximum before the exponential; a padded lane must never become that maximum. -inf logits must "
     "come out as probability 0, even in a row where only one logit is finite. Cases: logits of scale 1e4, every "
@@ -441,6 +469,10 @@ _MATMUL_EXCESS_HINTS = {
     "of a tile is read once per step along K (chapter 03, section “5 · Tiled matrix multiplication”)."
     for argument, matrix, axis, feeds in (("a_ptr", "A", "rows past M (its first axis)", "rows"),
                                           ("b_ptr", "B", "columns past N (its second axis)", "columns"))}
+_MATMUL_EXCESS_HINTS["c_ptr"] = (
+    "each program stores its tile of C once, after the last step along K: the partial sums stay in the float32 "
+    "accumulator, inside the program, from one step to the next, so C is neither written nor read back between "
+    "steps (chapter 03, section “5 · Tiled matrix multiplication”).")
 
 register(Check(
     check_id="lab03.matmul_in_bounds", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
