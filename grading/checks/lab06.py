@@ -104,29 +104,41 @@ register(Check(
 # --- task 2: repeat_kv ------------------------------------------------------------------------
 
 def _repeat_cases(rng: random.Random) -> list[dict]:
-    return [{"seed": rng.randrange(10**6), "batch": rng.randint(1, 2), "n_kv_heads": kv, "seq": rng.randint(1, 6),
-             "head_dim": rng.choice([2, 4, 8]), "group": group}
-            for kv, group in [(rng.randint(2, 3), 3), (1, rng.randint(2, 5)), (rng.randint(2, 4), 1), (3, 2)]]
+    cases = [{"seed": rng.randrange(10**6), "batch": rng.randint(1, 2), "n_kv_heads": kv, "seq": rng.randint(1, 6),
+              "head_dim": rng.choice([2, 4, 8]), "group": group, "dtype": "float32"}
+             for kv, group in [(rng.randint(2, 3), 3), (1, rng.randint(2, 5)), (rng.randint(2, 4), 1), (3, 2)]]
+    cases[rng.choice([0, 1, 3])]["dtype"] = "bfloat16"  # a cache kept in bf16: the copies keep x's dtype
+    return cases
 
 
 def _drive_repeat(repeat_kv, cases):
+    import torch
+
     out = []
     for c in cases:
-        x = _seeded(c["seed"], c["batch"], c["n_kv_heads"], c["seq"], c["head_dim"])
-        out.append(_tensor_list(repeat_kv(x, c["group"]), "repeat_kv"))
+        x = _seeded(c["seed"], c["batch"], c["n_kv_heads"], c["seq"], c["head_dim"]).to(getattr(torch, c["dtype"]))
+        repeated = repeat_kv(x, c["group"])
+        out.append({"values": _tensor_list(repeated, "repeat_kv"), "dtype": str(repeated.dtype).removeprefix("torch.")})
     return out
 
 
 def _describe_repeat(c) -> str:
-    return (f"x of shape [{c['batch']}, {c['n_kv_heads']}, {c['seq']}, {c['head_dim']}] with group={c['group']}")
+    return (f"x of shape [{c['batch']}, {c['n_kv_heads']}, {c['seq']}, {c['head_dim']}] and dtype {c['dtype']} "
+            f"with group={c['group']}")
 
 
 def _compare_repeat(got, expected, cases):
     for c, g, e in zip(cases, got, expected):
-        problem = array_mismatch(g, e, "repeat_kv put the wrong key/value head under a query head",
+        problem = array_mismatch(g["values"], e["values"], "repeat_kv put the wrong key/value head under a query head",
                                  _describe_repeat(c), atol=0.0)
         if problem:
             return problem
+        if g["dtype"] != e["dtype"]:
+            return Mismatch("repeat_kv changed the dtype of the keys and values",
+                            f"on {_describe_repeat(c)}: expected dtype {e['dtype']}, got {g['dtype']}",
+                            hint="repeating a head copies its numbers, it does not convert them: the result keeps "
+                            "x's dtype, so a cache kept in bf16 stays bf16 (a new tensor made without x's dtype "
+                            "gets torch's default, float32).")
     return None
 
 
@@ -346,19 +358,25 @@ class CountingModel:
     """Wraps a model for a learner's decode loop: counts calls and tokens fed in, and runs the
     checks' own attention, so the loop never touches the reference implementation."""
 
-    def __init__(self, model):
-        self.model, self.config = model, model.config
-        self.calls, self.tokens_in = 0, 0
+    def __init__(self, model, ties: bool = False):
+        self.model, self.config, self.ties = model, model.config, ties
+        self.calls, self.tokens_in, self.calls_with_grad = 0, 0, 0
 
     def __call__(self, tokens, cache=None, last_only=False):
+        import torch
+
         from infra_lib.model.cache import DenseKVCache
 
         self.calls += 1
+        self.calls_with_grad += int(torch.is_grad_enabled())
         self.tokens_in += int(tokens.shape[-1]) if tokens.dim() else 1
         if cache is None:  # no cache given: the whole sequence, through a cache of its own
             cache = DenseKVCache.for_model(self.config, batch=tokens.shape[0], capacity=tokens.shape[1])
         with self.model.using_attention(private_attention):
-            return self.model(tokens, cache, last_only=last_only)
+            logits = self.model(tokens, cache, last_only=last_only)
+        if self.ties:  # the two highest logits made equal at every position: greedy takes the lower id
+            logits = logits.clamp(max=logits.topk(2, dim=-1).values[..., 1:])
+        return logits
 
 
 def _decode_case(rng: random.Random) -> dict:
@@ -370,6 +388,7 @@ def _decode_case(rng: random.Random) -> dict:
 def _stop_case(rng: random.Random) -> dict:
     case = _decode_case(rng)
     case["stop_at"] = rng.randint(2, 5)  # the token generated at this step becomes the stop token
+    case["ties"] = True  # and the model's two highest logits are equal at every step
     return case
 
 
@@ -377,6 +396,7 @@ def _drive_decode(greedy_decode, case):
     import torch
 
     model = tiny_model(case["seed"])
+    ties = case.get("ties", False)
     results = []
     for prompt in case["prompts"]:
         stop_id = None
@@ -384,21 +404,26 @@ def _drive_decode(greedy_decode, case):
             with torch.inference_mode():
                 ids = list(prompt)
                 for _ in range(case["stop_at"]):
-                    ids.append(int(CountingModel(model)(torch.tensor([ids]))[0, -1].argmax()))
+                    ids.append(int(CountingModel(model, ties)(torch.tensor([ids]))[0, -1].argmax()))
             stop_id = ids[-1]
-        counted = CountingModel(model)
+        counted = CountingModel(model, ties)
         tokens = greedy_decode(counted, list(prompt), case["new_tokens"], stop_id)
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise TypeError(f"greedy_decode must return a list of ints, got {tokens!r:.80}")
         results.append({"tokens": tokens, "calls": counted.calls, "tokens_in": counted.tokens_in,
-                        "stop_id": stop_id, "prompt_length": len(prompt)})
+                        "calls_with_grad": counted.calls_with_grad, "stop_id": stop_id, "prompt_length": len(prompt)})
     return results
 
 
 def _compare_decode(got, expected, case):
+    ties = case.get("ties", False)
     for g, e in zip(got, expected):
-        where = f"a prompt of {g['prompt_length']} tokens, max_new_tokens={case['new_tokens']}, stop_id={g['stop_id']}"
+        where = (f"a prompt of {g['prompt_length']} tokens, max_new_tokens={case['new_tokens']}, stop_id={g['stop_id']}"
+                 + (", a model whose two highest logits tie at every step" if ties else ""))
         if g["tokens"] != e["tokens"]:
+            if ties:
+                return Mismatch("greedy_decode produced different tokens where two logits tie for the highest",
+                                f"on {where}: expected {e['tokens']}, got {g['tokens']}", hint=_TIE_HINT)
             return Mismatch("greedy_decode produced different tokens",
                             f"on {where}: expected {e['tokens']}, got {g['tokens']}")
         if g["tokens_in"] != e["tokens_in"]:
@@ -407,7 +432,27 @@ def _compare_decode(got, expected, case):
                             f"on {where}: expected {e['tokens_in']} tokens over {e['calls']} model calls (the prompt once, "
                             f"then each new token but the last), got {g['tokens_in']} over {g['calls']} calls",
                             hint=_LAST_CALL_HINT if one_more else "")
+        if g["calls"] != e["calls"]:
+            return Mismatch("greedy_decode called the model another number of times than a cached loop needs",
+                            f"on {where}: expected {e['calls']} model calls (the whole prompt in one, then one per new "
+                            f"token but the last), got {g['calls']} (the tokens fed in were right: {g['tokens_in']})",
+                            hint=_PREFILL_ONCE_HINT)
+        if g["calls_with_grad"]:
+            return Mismatch("greedy_decode ran the model with gradient recording on",
+                            f"on {where}: {g['calls_with_grad']} of {g['calls']} model calls recorded gradients",
+                            hint=_NO_GRAD_HINT)
     return None
+
+
+_TIE_HINT = ("here the model's two highest logits are equal at every step, and greedy decoding must still be "
+             "deterministic: of the ids that share the highest logit it takes the lowest, the one torch.argmax "
+             "returns.")
+_PREFILL_ONCE_HINT = ("prefill is one model call over the whole prompt, [1, len(prompt)], which fills the cache with "
+                      "every prompt position at once; feeding the prompt a token at a time gives the same cache in "
+                      "len(prompt) calls, each a matrix-vector product where one matrix product would do.")
+_NO_GRAD_HINT = ("nothing in a decode loop is trained: with gradient recording on, every call keeps a graph of its "
+                 "work alive (through the cache, for the whole answer), costing memory and time; the whole loop runs "
+                 "with it off, under torch.inference_mode().")
 
 
 _LAST_CALL_HINT = ("the answer is complete as soon as its last token is chosen (max_new_tokens reached, or stop_id): "
