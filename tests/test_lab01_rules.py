@@ -7,8 +7,6 @@ import statistics
 import time
 from types import SimpleNamespace
 
-import pytest
-
 from conftest import REPO, check_fails, solution_namespace
 from grading import check
 from grading.checks.lab01 import _EXACT_COUNT_HINT
@@ -16,15 +14,11 @@ from grading.checks.lab01 import _EXACT_COUNT_HINT
 SOLUTION = REPO / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
 
 
-@pytest.fixture(scope="module")
-def answers() -> dict:
-    return solution_namespace(SOLUTION, statistics=statistics, time=time)
-
-
-def test_the_instructor_answers_pass_the_checks_that_hold_these_rules(answers):
-    check("lab01.gemm_flops", answers["gemm_flops"])
-    check("lab01.gemm_flops_shapes", answers["gemm_flops"])
-    check("lab01.time_op_sync", answers["time_op"])
+def test_the_instructor_answers_pass_the_checks_that_hold_these_rules():
+    answers = solution_namespace(SOLUTION, statistics=statistics, time=time)
+    for check_id, name in (("lab01.gemm_flops", "gemm_flops"), ("lab01.gemm_flops_shapes", "gemm_flops"),
+                           ("lab01.time_op_sync", "time_op")):
+        check(check_id, answers[name])
 
 
 def test_a_float_count_fails_the_rule_that_the_count_is_an_exact_int():
