@@ -11,6 +11,14 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 LAB_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told it may.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+# What JupyterLab shows (jupyter_config/README.md): `make lab` is a learner's view, without nbgrader's
+# instructor tools (jupyter_config/learner); `make lab-instructor` shows them. Neither asks to fetch
+# Jupyter's news (jupyter_config/course). The folders go first on JUPYTER_CONFIG_PATH, ahead of the
+# configuration the packages installed in .venv, so both share one environment.
+LEARNER_CONFIG := $(CURDIR)/jupyter_config/learner:$(CURDIR)/jupyter_config/course
+INSTRUCTOR_CONFIG := $(CURDIR)/jupyter_config/course
+JUPYTER_LAB = $(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
+with_config = JUPYTER_CONFIG_PATH="$(1)$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))"
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
 # Test processes: two more than the cores, which keeps the cores busy while some tests wait on
@@ -42,10 +50,14 @@ INSTALL = $(UV) pip install --python $(BIN)/python --quiet --constraint $(CONSTR
 #   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: lab test test-fast .venv labs doctor gpu-check site browser clean-venv
+.PHONY: lab lab-instructor test test-fast .venv labs doctor gpu-check site browser clean-venv
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
+	$(call with_config,$(LEARNER_CONFIG)) $(JUPYTER_LAB)
+
+# The same JupyterLab with nbgrader's tools: the Nbgrader menu and formgrader, Create Assignment, Validate.
+lab-instructor: $(STAMP)
+	$(call with_config,$(INSTRUCTOR_CONFIG)) $(JUPYTER_LAB)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -1,5 +1,7 @@
-"""Lab 01 in a real browser: JupyterLab serves it, headless Chromium runs every cell, and the
-rendered page shows the progress cell's widgets, its plotly chart, and no error anywhere.
+"""Lab 01 in a real browser: JupyterLab serves it, configured as `make lab` configures it, headless
+Chromium runs every cell, and the rendered page shows the progress cell's widgets, its plotly chart,
+and no error anywhere; the learner sees none of nbgrader's instructor tools and no news prompt,
+and the instructor's JupyterLab (`make lab-instructor`) shows Create Assignment.
 
 Chromium and its driver are Debian's (`make test` installs them): Selenium is pointed at
 them explicitly, so it never tries to download a browser or a driver.
@@ -11,11 +13,13 @@ import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -53,22 +57,39 @@ def _seed_grade(grades: Path) -> None:
 
 
 def _write_settings(folder: Path) -> None:
-    """JupyterLab settings for the test: every cell in the DOM (no windowing), no news pop-up."""
-    settings = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
-                "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
-                    {"fetchNews": "false", "checkForUpdates": False}}
+    """JupyterLab settings for the test: every cell in the DOM (no windowing). Nothing else: the news
+    prompt and nbgrader's tools are left to the configuration `make lab` uses."""
+    settings = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"}}
     for name, values in settings.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(json.dumps(values))
 
 
-def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
+def _make_lab_environment(target: str) -> dict[str, str]:
+    """The variables `make <target>` starts JupyterLab with (the assignments before its command)."""
+    printed = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    command = [line for line in printed.stdout.splitlines() if "jupyter lab " in line]
+    assert len(command) == 1, f"make {target} should run one `jupyter lab` command:\n{printed.stdout}"
+    variables = {}
+    for word in shlex.split(command[0]):
+        name, is_assignment, value = word.partition("=")
+        if not (is_assignment and name.isidentifier()):
+            break
+        variables[name] = value
+    assert "JUPYTER_CONFIG_PATH" in variables, f"make {target} sets no JupyterLab configuration: {command[0]}"
+    return variables
+
+
+def _start_lab(root: Path, port: int, token: str, target: str = "lab") -> subprocess.Popen:
+    """JupyterLab on ``root``, configured as ``make <target>`` configures it."""
     args = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
             "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
             f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}"]
     if os.geteuid() == 0:
         args.append("--allow-root")
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime")}
+    env = {**os.environ, **_make_lab_environment(target), "JUPYTER_RUNTIME_DIR": str(root / ".runtime")}
     return subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -160,6 +181,44 @@ def _progress_panel(driver, deadline: float):
     return buttons[0].find_element(By.XPATH, "./ancestor::div[contains(@class, 'widget-vbox')][1]")
 
 
+NBGRADER_SERVER_PATHS = ("formgrader", "assignments", "courses")  # what nbgrader's server extensions answer
+
+
+def _learner_sees_no_instructor_tool(driver, port: int, token: str) -> None:
+    """No nbgrader menu, Create Assignment sidebar, Validate button or course list, on the page or
+    on the server, and no prompt to fetch Jupyter's news."""
+    from selenium.webdriver.common.by import By
+
+    menus = [item.text.strip() for item in driver.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-item")]
+    assert "Run" in menus and "Nbgrader" not in menus, menus
+    # The sidebars' tabs (by title) and the notebook's toolbar: where nbgrader puts Create Assignment
+    # and Validate; the lab's own text is not searched.
+    tabs = [tab.get_attribute("title") or tab.text for tab in driver.find_elements(By.CSS_SELECTOR, ".lm-TabBar-tab")]
+    toolbar = " ".join(bar.text for bar in driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel-toolbar"))
+    assert not [tab for tab in tabs if "Assignment" in tab or "Course" in tab], tabs
+    assert "Validate" not in toolbar, toolbar
+    nbgrader = driver.find_elements(By.CSS_SELECTOR, "#jp-mainmenu-nbgrader, [data-id^='nbgrader'], .validate-button")
+    assert not nbgrader, [element.get_attribute("outerHTML")[:200] for element in nbgrader]
+    shown = driver.find_element(By.TAG_NAME, "body").text
+    assert "Jupyter news" not in shown, f"a learner's JupyterLab asks about Jupyter's news (screenshot: {SCREENSHOT})"
+    for path in NBGRADER_SERVER_PATHS:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/{path}?token={token}", timeout=10) as answer:
+                raise AssertionError(f"/{path} answered {answer.status}: nbgrader's server extensions are on")
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 404, f"/{path}: {refused.code}"
+
+
+def _instructor_sees_create_assignment(driver, port: int, token: str, deadline: float) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"http://127.0.0.1:{port}/lab?token={token}")
+    tab = _until("the instructor's Create Assignment sidebar", lambda: driver.find_elements(
+        By.CSS_SELECTOR, ".lm-TabBar-tab[data-id^='nbgrader-create']"), deadline)
+    assert tab[0].get_attribute("title") or tab[0].text, tab[0].get_attribute("outerHTML")[:300]
+    assert "Nbgrader" in [item.text.strip() for item in driver.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-item")]
+
+
 def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -173,6 +232,10 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     SCREENSHOT.unlink(missing_ok=True)
     lab = _start_lab(tmp_path, port, token)
+    instructor_root = tmp_path / "instructor"  # its own folder: nothing to open, no kernel to start
+    _write_settings(instructor_root / ".settings")
+    instructor_port = _free_port()
+    instructor = _start_lab(instructor_root, instructor_port, token, target="lab-instructor")
     driver = None
     try:
         _wait_for_server(lab, port, token, deadline)
@@ -198,15 +261,23 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
         assert len(panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .bars .point")) == 8  # 4 tests, 2 bars each
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", panel)
         time.sleep(0.5)  # let the scroll settle before the screenshot
+        driver.save_screenshot(str(SCREENSHOT))
+        _learner_sees_no_instructor_tool(driver, port, token)
+
+        _wait_for_server(instructor, instructor_port, token, deadline)
+        _instructor_sees_create_assignment(driver, instructor_port, token, deadline)
     finally:
         try:
             if driver is not None:
-                driver.save_screenshot(str(SCREENSHOT))
-                print(f"screenshot: {SCREENSHOT}")
+                driver.save_screenshot(str(SCREENSHOT.with_name("browser_lab_instructor.png"))
+                                       if driver.current_url.startswith(f"http://127.0.0.1:{instructor_port}")
+                                       else str(SCREENSHOT))
+                print(f"screenshots: {SCREENSHOT.parent}")
         finally:
             if driver is not None:
                 driver.quit()
             _stop(lab)
+            _stop(instructor)
     assert time.monotonic() < deadline, f"the browser test took more than {DEADLINE_S} s"
 
 
