@@ -5,8 +5,8 @@ file so that Triton can read its source. It must lose exactly the checks listed 
 own task (a check launches one task's kernel, so other tasks' checks never meet it), and each lost
 kernel check must carry the hint written for that mistake; a check that runs the kernel inside a
 model gives its own hint. A Python stand-in for a kernel, and a kernel that sends its scores
-through memory, score zero on the checks they cheat. The SmolLM2 check is left out (about half a
-minute of interpreter per kernel): the small decoder's checks stand in for it.
+through memory, score zero on the checks they cheat. The SmolLM2 check is left out (it loads the model,
+then runs 30 layers in the interpreter per kernel): the small decoder's checks stand in for it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -107,7 +108,8 @@ MISTAKES = [
             frozenset({"lab15.flash_extreme_scores"}), lab15.FLASH_MASK_HINT),
     Mistake("flash GQA heads mapped by modulo", 2,
             (("kv_head = head // group", "kv_head = head % (n_heads // group)"),),
-            frozenset({"lab15.flash_odd_shapes", "lab15.flash_in_tiny_model"}), lab15.FLASH_GQA_HINT),
+            frozenset({"lab15.flash_odd_shapes", "lab15.flash_block_shapes", "lab15.flash_in_tiny_model"}),
+            lab15.FLASH_GQA_HINT),
     Mistake("paged block table read with the wrong stride", 3,
             (("tables_ptr + seq * stride_table + i", "tables_ptr + seq + i"),),
             frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}), lab15.PAGED_TABLE_HINT),
@@ -247,3 +249,106 @@ def test_the_traffic_budgets_are_the_lessons_formulas():
         formula = paged_decode_bytes(case["lengths"], case["heads"], case["kv_heads"], case["head_dim"],
                                      case["block_size"])
         assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
+
+
+_OVER_READ = ("key_ok = keys < last", "key_ok = keys < s")  # masks the keys at s instead of at the block's end
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", [INTERACTIVE_SEED, 1, 2, 3])
+def test_a_kernel_reading_keys_past_its_query_blocks_last_fails_the_traffic_check_on_any_seed(tmp_path, seed):
+    """Its values are right, but each query block reads its last key block up to s, past its own last
+    visible key. With t = s and square tiles the two bounds coincide; a chunk of several query blocks on
+    top of cached keys, and BLOCK_N > BLOCK_M, tell them apart. The check run in the lab and the grader's
+    runs of it (other seeds) both fail it, naming the shape; the reference passes on the same inputs."""
+    kernel = variant(tmp_path, 2, (_OVER_READ,))
+    registered = get_check("lab15.flash_traffic")
+    inputs = registered.inputs(seed)
+    expected = drive(registered, registered.reference(), inputs)
+    assert judge(registered, drive(registered, registered.reference(), inputs), expected, inputs).passed
+    result = judge(registered, drive(registered, kernel, inputs), expected, inputs)
+    assert not result.passed and result.kind == TRAFFIC, (result.what, result.detail)
+    assert result.what.startswith("flash_attention_kernel loads more bytes")
+    shape = re.search(r"q \[\d+, \d+, (\d+), \d+\], k and v \[\d+, \d+, (\d+), \d+\].*BLOCK_M=(\d+), BLOCK_N=(\d+)",
+                      result.detail)
+    assert shape, result.detail
+    t, s, block_m, block_n = map(int, shape.groups())
+    assert t < s or block_n > block_m, result.detail
+    first_three = inputs[:3]  # the cases the check had before: t = s with square tiles, or a single query block
+    assert judge(registered, drive(registered, kernel, first_three),
+                 drive(registered, registered.reference(), first_three), first_three).passed
+
+
+@needs_interpreter
+def test_the_over_reading_kernel_loses_only_the_traffic_check(tmp_path):
+    kernel = variant(tmp_path, 2, (_OVER_READ,))
+    verdicts = {check_id: verdict(check_id, kernel) for check_id in task_checks(2) if check_id not in IN_A_MODEL}
+    assert {c for c, v in verdicts.items() if not v.passed} == {"lab15.flash_traffic"}
+
+
+_OWN_STRIDES = {  # (task, replacement, the one check that must fail)
+    "flash out assumed contiguous": (2, (
+        "tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,",
+        "tl.store(out_ptr + ((batch * n_heads + head) * t + rows[:, None]) * head_dim + dims[None, :],"),
+        "lab15.flash_block_shapes"),
+    "flash q's dims assumed contiguous": (2, (
+        "rows[:, None] * stride_qt + dims[None, :] * stride_qd", "rows[:, None] * stride_qt + dims[None, :]"),
+        "lab15.flash_block_shapes"),
+    "paged out at q's strides": (3, (
+        "tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh",
+        "tl.store(out_ptr + seq * stride_qb + heads[:, None] * stride_qh"), "lab15.paged_layouts"),
+    "gemv y rows assumed N long": (4, ("y_ptr + rows[:, None] * stride_ym", "y_ptr + rows[:, None] * N"),
+                                   "lab15.gemv_q4_odd_shapes"),
+    "gemv packed rows assumed K // 2 long": (4, ("cols[None, :] * stride_pn", "cols[None, :] * (K // 2)"),
+                                             "lab15.gemv_q4_odd_shapes"),
+    "gemv scale rows assumed K // GROUP long": (4, ("cols * stride_sn", "cols * (K // GROUP)"),
+                                                "lab15.gemv_q4_odd_shapes"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("name", list(_OWN_STRIDES))
+def test_a_kernel_that_ignores_a_tensors_own_strides_fails_with_a_hint_about_strides(name, tmp_path):
+    """The text says each tensor comes with its own strides (out's, y's, the packed bytes' and the
+    scales' included): a kernel that assumes a contiguous layout, or another tensor's strides, fails the
+    check whose inputs have rows padded or a strided head dimension, and the hint names the strides."""
+    task, replacement, loses = _OWN_STRIDES[name]
+    kernel = variant(tmp_path, task, (replacement,))
+    verdicts = {check_id: verdict(check_id, kernel) for check_id in task_checks(task) if check_id not in IN_A_MODEL}
+    assert {c for c, v in verdicts.items() if not v.passed} == {loses}, {c: v.what for c, v in verdicts.items()}
+    assert "own" in verdicts[loses].hint and "stride" in verdicts[loses].hint, verdicts[loses].hint
+
+
+_TOLERANCE = re.compile(r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+in\s+Triton's\s+interpreter\s+and\s+"
+                        r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+compiled\s+on\s+a\s+GPU")
+
+
+def test_the_lab_states_the_tolerances_the_checks_use():
+    """Each task's text states, in one sentence of a fixed form, the atol and rtol of its value checks in
+    the interpreter and compiled; they are the check module's own numbers (the SmolLM2 logits' included)."""
+    from grading.notebook import read_notebook
+
+    texts = {cell.metadata["nbgrader"]["grade_id"]: cell.source for cell in read_notebook(SOLUTION).cells
+             if cell.cell_type == "markdown"}
+    stated = {"task1_md": "online_softmax_kernel", "task2_md": "flash_attention_kernel",
+              "task3_md": "paged_decode_kernel", "task4_md": "q4_gemv_kernel", "task2_model_md": None}
+    for grade_id, kernel in stated.items():
+        found = _TOLERANCE.findall(texts[grade_id])
+        assert len(found) == 1, f"{grade_id} should state its tolerances once, in the fixed form"
+        tolerance = lab15.TOLERANCES[kernel] if kernel else lab15.MODEL_LOGITS
+        assert tuple(map(float, found[0])) == (tolerance.atol, tolerance.rtol, tolerance.gpu_atol, tolerance.rtol), (
+            grade_id, found[0], tolerance)
+
+
+def test_the_answers_the_text_forbids_are_refused_before_they_run():
+    """The text's rules on what an answer may use: the course's kernels and tl.softmax are shortcuts."""
+    from grading.registry import shortcut_modules
+    from grading.tamper import SHORTCUT, scan
+
+    modules, names = shortcut_modules("lab15")
+    for source in ("p = tl.softmax(scores)", "from infra_lib.kernels.flash_attention import flash_attention_kernel",
+                   "import infra_lib.kernels.paged_decode", "from infra_lib.kernels.gemv_q4 import q4_kernel",
+                   "from infra_lib.kernels.softmax import softmax_kernel", "from grading.checks import lab15"):
+        found = scan(source, modules, names, {"tl", "triton", "torch", "math"})
+        assert found, source
+        assert found[0].kind == SHORTCUT or "grading" in source, (source, found)

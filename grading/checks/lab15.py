@@ -144,6 +144,33 @@ def _values(tensor) -> list:
 
 # --- comparing ----------------------------------------------------------------------------------------
 
+RTOL = 1e-4  # the relative part of every value comparison
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``numpy.isclose``'s test, element by element: |yours - reference| <= atol + rtol * |reference|.
+
+    ``atol`` applies when both sides ran in Triton's interpreter, ``gpu_atol`` when either ran
+    compiled (a float32 ``tl.dot`` rounds its inputs to TF32 on a GPU). The relative part keeps
+    large values fair: near 1e4, float32's rounding step is about 1e-3.
+    """
+
+    atol: float
+    gpu_atol: float
+    rtol: float = RTOL
+
+    def for_sides(self, g: dict, e: dict) -> float:
+        """The absolute tolerance for a learner's result ``g`` against the reference's ``e``."""
+        return self.atol if g.get("interpreted") is True and e.get("interpreted") is True else self.gpu_atol
+
+
+# What the lab's text states for each kernel's outputs (tests/test_lab15.py reads it back from the text).
+TOLERANCES = {"online_softmax_kernel": Tolerance(1e-6, 1e-5), "flash_attention_kernel": Tolerance(2e-5, 2e-2),
+              "paged_decode_kernel": Tolerance(2e-5, 1e-3), "q4_gemv_kernel": Tolerance(1e-4, 3e-2)}
+MODEL_LOGITS = Tolerance(1e-3, 2e-2)  # SmolLM2's logits after a prompt attended through the learner's kernel
+
+
 @dataclass(frozen=True)
 class _Kernel:
     """What the comparisons need to know about one task's kernel.
@@ -152,7 +179,6 @@ class _Kernel:
         name: the kernel's name.
         outputs: (result key, argument name) of each output, in the order they are compared.
         describe: case -> the input in words (shown for visible checks only).
-        atol: the tolerance when both sides ran in the interpreter; ``gpu_atol`` when either was compiled.
         access_hint: a violation (as ``Violation.as_dict()``) -> the hint for that out-of-range access.
         diagnose: a ``Failure`` -> the hint naming the mistake the values show, or "".
     """
@@ -160,13 +186,15 @@ class _Kernel:
     name: str
     outputs: tuple[tuple[str, str], ...]
     describe: Callable[[dict], str]
-    atol: float
-    gpu_atol: float
     access_hint: Callable[[dict], str]
     diagnose: Callable[["Failure"], str]
 
+    @property
+    def tolerances(self) -> Tolerance:
+        return TOLERANCES[self.name]
+
     def tolerance(self, g: dict, e: dict) -> float:
-        return self.atol if g.get("interpreted") is True and e.get("interpreted") is True else self.gpu_atol
+        return self.tolerances.for_sides(g, e)
 
 
 @dataclass(frozen=True)
@@ -201,11 +229,18 @@ class Failure:
 
 
 def close(got, expected, atol: float) -> bool:
-    """Every element within ``atol`` (plus 1e-4 relative), NaN never close: lists from the drivers."""
+    """Every element within ``atol`` (plus ``RTOL`` relative), NaN never close: lists from the drivers."""
     import numpy as np
 
     got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    return got.shape == expected.shape and bool(np.isclose(got, expected, atol=atol, rtol=1e-4).all())
+    return got.shape == expected.shape and bool(np.isclose(got, expected, atol=atol, rtol=RTOL).all())
+
+
+def gaps_hint(argument: str, section: str) -> str:
+    """The hint for an access in the gaps of a tensor whose rows are padded: a mask or a stride."""
+    return (f"an access landed in the gaps between the rows of `{argument}`, whose rows are padded here: each tensor "
+            "is walked with its own strides, passed in as arguments, never with another tensor's or with an assumed "
+            f"row length, and lanes past the end of a row (past head_dim, N or n_cols) are switched off ({section}).")
 
 
 def _access_problem(spec: _Kernel, g: dict, where: str) -> Mismatch | None:
@@ -240,7 +275,7 @@ def _output_problem(spec: _Kernel, g: dict, e: dict, where: str) -> Mismatch | N
                 return Mismatch(f"{spec.name} stored NaN or inf into `{argument}` where the result is finite",
                                 f"on {where}: {int(bad.sum())} of {got.size} elements")
         problem = array_mismatch(g[key], e[key], f"{spec.name}'s `{argument}` differs from the reference", where,
-                                 atol=atol, rtol=1e-4)
+                                 atol=atol, rtol=spec.tolerances.rtol)
         if problem:
             return problem
     return None
@@ -274,7 +309,8 @@ def compare_traffic(spec: _Kernel, budget: str):
     """Values first (a value difference keeps its diagnosed hint, else: fix the values first), then
     lab 03's count of the bytes loaded and stored against the reference kernel's on the same launch."""
     values = compare_values(spec)
-    bytes_moved = lab03._compare_traffic(spec.name, spec.describe, budget, spec.atol, spec.gpu_atol)
+    bytes_moved = lab03._compare_traffic(spec.name, spec.describe, budget, spec.tolerances.atol,
+                                         spec.tolerances.gpu_atol)
 
     def compare(got, expected, cases):
         problem = values(got, expected, cases)
@@ -434,7 +470,7 @@ def _diagnose_softmax(failure: Failure) -> str:
         return {"negative": SOFTMAX_MASK_HINT, "-inf blocks": SOFTMAX_EMPTY_BLOCK_HINT,
                 "one finite": SOFTMAX_EMPTY_BLOCK_HINT}.get(case["special"], SOFTMAX_SHIFT_HINT)
     wrong = ~np.isclose(np.asarray(failure.got["out"], dtype=np.float64),
-                        np.asarray(failure.expected["out"], dtype=np.float64), atol=failure.atol, rtol=1e-4)
+                        np.asarray(failure.expected["out"], dtype=np.float64), atol=failure.atol, rtol=RTOL)
     full_blocks = case["cols"] - case["cols"] % case["block"]
     if full_blocks < case["cols"] and wrong.any() and not wrong[:, :full_blocks].any():
         return SOFTMAX_LAST_BLOCK_HINT
@@ -451,8 +487,8 @@ def _softmax_access_hint(violation: dict) -> str:
             f"row's max nor its sum ({_ONLINE}).")
 
 
-_SOFTMAX = _Kernel("online_softmax_kernel", (("out", "out_ptr"),), _describe_softmax, 1e-6, 1e-5,
-                   _softmax_access_hint, _diagnose_softmax)
+_SOFTMAX = _Kernel("online_softmax_kernel", (("out", "out_ptr"),), _describe_softmax, _softmax_access_hint,
+                   _diagnose_softmax)
 
 _register(1, _SOFTMAX_REFERENCE, _drive_softmax, [
     ("lab15.softmax_long_rows", _softmax_long_rows, compare_values(_SOFTMAX),
@@ -506,13 +542,21 @@ def _flash_extremes(rng):
 
 def _flash_block_shapes(rng):
     return [_flash_case(rng, 1, 3, 1, *[_partial(rng, 33, 50)] * 2, 64, blocks=(32, 16), layout="model"),
-            _flash_case(rng, 1, 2, 1, rng.randint(10, 20), _partial(rng, 40, 70, 32), 24, blocks=(16, 32))]
+            _flash_case(rng, 1, 2, 1, rng.randint(10, 20), _partial(rng, 40, 70, 32), 24, blocks=(16, 32)),
+            _flash_case(rng, 2, 4, 2, rng.randint(5, 20), _partial(rng, 30, 60), 24, blocks=(32, 16),
+                        layout="strided")]
 
 
 def _flash_traffic_cases(rng):
+    # The last two make a causal query block's last visible key fall inside a key block that also holds keys
+    # past it (a chunk of more than one query block after cached keys; BLOCK_N > BLOCK_M): reading that key
+    # block up to s instead of up to the block's end shows in the bytes. With t = s and square tiles it cannot.
+    chunk = rng.randint(17, 30)
     return [_flash_case(rng, 1, 2, 1, *[_partial(rng, 33, 50)] * 2, 16),
             _flash_case(rng, 1, 2, 2, rng.randint(5, 15), _partial(rng, 30, 50), 8),
-            _flash_case(rng, 1, 1, 1, rng.randint(17, 30), _partial(rng, 31, 45), 16, causal=False)]
+            _flash_case(rng, 1, 1, 1, rng.randint(17, 30), _partial(rng, 31, 45), 16, causal=False),
+            _flash_case(rng, 1, 2, 1, chunk, chunk + _partial(rng, 20, 60), 16),
+            _flash_case(rng, 1, 2, 1, *[_partial(rng, 33, 50)] * 2, 16, blocks=(16, 32))]
 
 
 def _flash_tensors(case):
@@ -523,6 +567,9 @@ def _flash_tensors(case):
     generator = _generator(case["seed"])
     if case["layout"] == "model":  # as the model makes them: [batch, positions, heads, head_dim] transposed
         q, k, v = (torch.randn(b, n, heads, d, generator=generator).transpose(1, 2)
+                   for n, heads in ((t, h), (s, kv), (s, kv)))
+    elif case["layout"] == "strided":  # the head dimension is not the contiguous one: stride_*d is the length
+        q, k, v = (torch.randn(b, heads, d, n, generator=generator).transpose(2, 3)
                    for n, heads in ((t, h), (s, kv), (s, kv)))
     else:
         q = torch.randn(b, h, t, d, generator=generator)
@@ -599,6 +646,17 @@ def flash_launch(kernel, q, k, v, out, lse, *, causal: bool, blocks=(16, 16)):
     return grid, args, meta
 
 
+def _flash_output(case, device):
+    """``out`` filled with UNWRITTEN: contiguous, or for the "strided" layout a [batch, t, heads, head_dim]
+    buffer with padded rows, transposed (out's strides are then neither q's nor contiguous ones)."""
+    import torch
+
+    b, h, t, d = case["batch"], case["heads"], case["t"], case["head_dim"]
+    if case["layout"] == "strided":
+        return torch.full((b, t, h, d + 3), UNWRITTEN, device=device)[..., :d].transpose(1, 2)
+    return torch.full((b, h, t, d), UNWRITTEN, device=device)
+
+
 def _drive_flash(kernel, cases):
     import torch
 
@@ -609,7 +667,7 @@ def _drive_flash(kernel, cases):
         alternatives = _flash_alternatives(case, q, k, v)
         q, k, v = _to_device(q, k, v)
         b, h, t = case["batch"], case["heads"], case["t"]
-        out = torch.full((b, h, t, case["head_dim"]), UNWRITTEN, device=q.device)
+        out = _flash_output(case, q.device)
         lse = torch.full((b, h, t), UNWRITTEN, device=q.device)
         grid, args, meta = flash_launch(kernel, q, k, v, out, lse, causal=case["causal"], blocks=case["blocks"])
         result = launch(kernel, grid, args, meta, {"q_ptr": q, "k_ptr": k, "v_ptr": v})
@@ -622,7 +680,9 @@ def _describe_flash(case) -> str:
     b, h, kv, t, s, d = (case[key] for key in ("batch", "heads", "kv_heads", "t", "s", "head_dim"))
     extra = {"huge": ", scores of the order of 1e4", "negative": ", every score near -300",
              "rising": ", scores that grow along the keys"}.get(case["special"], "")
-    layout = ", q, k and v transposed views (the model's layout)" if case["layout"] == "model" else ""
+    layout = {"model": ", q, k and v transposed views (the model's layout)",
+              "strided": ", q, k and v with the head dimension strided (stride_*d = t or s), out a transposed view "
+                         "with padded rows"}.get(case["layout"], "")
     bm, bn = case["blocks"]
     return (f"q [{b}, {h}, {t}, {d}], k and v [{b}, {kv}, {s}, {d}] (group {h // kv}), "
             f"{'causal' if case['causal'] else 'not causal'}{layout}{extra}, BLOCK_M={bm}, BLOCK_N={bn}, "
@@ -647,6 +707,10 @@ FLASH_MASK_HINT = ("a masked score took part in the running max: with every visi
                    f"mask must be applied to the scores before their max is taken ({_TILES}).")
 FLASH_SHIFT_HINT = ("exp overflows float32 above about 88: every exponential must be taken against the row's running "
                     f"max, so that scores of the order of 1e4 stay finite ({_TILES}).")
+FLASH_STRIDES_HINT = ("only the case with an unusual layout differs: there the head dimension is not the contiguous one "
+                      "(stride_qd, stride_kd and stride_vd are not 1) and out is a transposed view with padded rows. "
+                      "Every address comes from its own tensor's four strides, the dim's included, never from an "
+                      f"assumed layout or another tensor's strides ({_TILES}).")
 FLASH_V_HINT = ("your log-sum-exp is right, so the scores, the mask, the running max and the running sum are too: "
                 "what differs is the output, that is the V rows read (their strides, their KV head), the "
                 f"accumulator's rescaling as the max grows, or the final division by the sum ({_TILES}).")
@@ -661,6 +725,8 @@ def _diagnose_flash(failure: Failure) -> str:
     if failure.non_finite():  # "negative" fails both mistakes, "huge" (nothing masked) only the missing shift
         huge_passed = any(c["special"] == "huge" and i not in failure.failing for i, c in enumerate(failure.cases))
         return FLASH_MASK_HINT if failure.case["special"] == "negative" and huge_passed else FLASH_SHIFT_HINT
+    if failure.only_where(lambda c: c["layout"] == "strided"):
+        return FLASH_STRIDES_HINT
     if failure.only_where(lambda c: c["heads"] > c["kv_heads"]):
         return FLASH_GQA_HINT
     if failure.only_where(lambda c: c["causal"] and c["t"] < c["s"]):
@@ -672,6 +738,8 @@ def _diagnose_flash(failure: Failure) -> str:
 
 def _flash_access_hint(violation: dict) -> str:
     argument = violation["argument"]
+    if violation["side"] == "between":
+        return gaps_hint(argument, _TILES)
     if violation["kind"] == "store":
         return (f"a store reached outside `{argument}`: query rows past t and dims past head_dim (BLOCK_D is a power "
                 "of two, at least 16) must not be stored; lse holds t float32 per (batch, head), contiguous, "
@@ -685,7 +753,7 @@ def _flash_access_hint(violation: dict) -> str:
             f"add nothing to a dot product ({_TILES}).")
 
 
-_FLASH = _Kernel("flash_attention_kernel", (("out", "out_ptr"), ("lse", "lse_ptr")), _describe_flash, 2e-5, 2e-2,
+_FLASH = _Kernel("flash_attention_kernel", (("out", "out_ptr"), ("lse", "lse_ptr")), _describe_flash,
                  _flash_access_hint, _diagnose_flash)
 
 _register(2, _FLASH_REFERENCE, _drive_flash, [
@@ -748,6 +816,7 @@ def _drive_flash_in_model(kernel, case):
     which spares the grader the interpreter's time on the reference."""
     import torch
 
+    from infra_lib.kernels.triton_env import interpreter_active
     from infra_lib.model.cache import DenseKVCache
 
     require_kernel(kernel, "flash_attention_kernel")
@@ -770,7 +839,7 @@ def _drive_flash_in_model(kernel, case):
             while len(tokens) < case["new_tokens"]:
                 logits = model(torch.tensor([[tokens[-1]]]), cache, last_only=True)
                 tokens.append(int(logits[0, -1].argmax()))
-            results.append({"tokens": tokens, "first_logits": first_logits})
+            results.append({"tokens": tokens, "first_logits": first_logits, "interpreted": interpreter_active()})
     return results
 
 
@@ -797,7 +866,7 @@ def _compare_in_model(got, expected, case):
             where = f"the small random model (seed {case['seed']}), a prompt of {len(prompt)} token(s)"
         if "first_logits" in e:
             problem = array_mismatch(g["first_logits"], e["first_logits"], "the model's logits after the prompt "
-                                     "differ", where, atol=1e-3, rtol=1e-4)
+                                     "differ", where, atol=MODEL_LOGITS.for_sides(g, e), rtol=MODEL_LOGITS.rtol)
             if problem:
                 return problem
         if g["tokens"] != e["tokens"]:
@@ -931,6 +1000,8 @@ def _drive_paged(kernel, cases):
         alternatives = _paged_alternatives(case, q, k_cache, v_cache, tables)
         q, k_cache, v_cache, tables, lengths = _to_device(q, k_cache, v_cache, tables, lengths)
         out = torch.full(q.shape, UNWRITTEN, device=q.device)
+        if case["layout"] == "padded":  # out's rows padded too, by another amount than q's: its own strides
+            out = torch.full((*q.shape[:3], q.shape[3] + 5), UNWRITTEN, device=q.device)[..., :q.shape[3]]
         grid, args, meta = paged_launch(kernel, out, q, k_cache, v_cache, tables, lengths)
         inputs = {"q_ptr": q, "k_cache_ptr": k_cache, "v_cache_ptr": v_cache, "tables_ptr": tables,
                   "seq_lens_ptr": lengths}
@@ -943,7 +1014,8 @@ def _drive_paged(kernel, cases):
 def _describe_paged(case) -> str:
     h, kv, d, size = case["heads"], case["kv_heads"], case["head_dim"], case["block_size"]
     extra = {"huge": ", scores of the order of 1e4"}.get(case["special"], "")
-    layout = ", q and the caches with rows padded past head_dim" if case["layout"] == "padded" else ""
+    layout = (", q, out and the caches with rows padded past head_dim (out by another amount than q)"
+              if case["layout"] == "padded" else "")
     return (f"{len(case['lengths'])} sequences of {case['lengths']} tokens, {h} query heads over {kv} KV heads, "
             f"head_dim {d}, blocks of {size} slots{layout}{extra}, grid ({len(case['lengths'])}, {kv})")
 
@@ -963,6 +1035,10 @@ PAGED_ONE_SHORT_HINT = ("the output matches attention over every token but the l
 PAGED_GQA_HINT = ("the query heads are mapped to the wrong KV heads: the program of KV head j serves query heads "
                   "j * group to j * group + group - 1 (query head h reads KV head h // group), loading their "
                   f"queries and storing their outputs at those heads' strides ({_CAUSAL}; {_PAGED}).")
+PAGED_STRIDES_HINT = ("only the case with padded rows differs: q, out and the caches each have rows longer than "
+                      "head_dim there, out's padded by another amount than q's. Every address comes from its own "
+                      "tensor's strides (stride_qb, stride_qh for q; stride_ob, stride_oh for out; the caches' own), "
+                      f"never from head_dim or another tensor's strides ({_PAGED}).")
 PAGED_EMPTY_HINT = ("an empty context (0 tokens) must give a row of zeros: there is nothing to attend to, so the "
                     f"sum stays 0 and the output must not divide by it ({_PAGED}).")
 
@@ -981,6 +1057,8 @@ def _diagnose_paged(failure: Failure) -> str:
         return PAGED_TABLE_HINT  # the first sequence (the longest, its last block partial) shows most other mistakes
     if failure.non_finite():
         return PAGED_LAST_BLOCK_HINT
+    if failure.only_where(lambda c: c["layout"] == "padded"):
+        return PAGED_STRIDES_HINT
     if failure.only_where(lambda c: c["heads"] > c["kv_heads"]):
         return PAGED_GQA_HINT
     return ""
@@ -988,6 +1066,8 @@ def _diagnose_paged(failure: Failure) -> str:
 
 def _paged_access_hint(violation: dict) -> str:
     argument = violation["argument"]
+    if violation["side"] == "between":
+        return gaps_hint(argument, _PAGED)
     if argument in ("k_cache_ptr", "v_cache_ptr"):
         return (f"a load reached outside `{argument}`: a tile of BLOCK_ROWS rows covers a block of BLOCK_SIZE slots "
                 "(BLOCK_ROWS is BLOCK_SIZE rounded up to a power of two), dims past head_dim must not be read, and "
@@ -997,8 +1077,8 @@ def _paged_access_hint(violation: dict) -> str:
             f"neither read nor stored ({_PAGED}).")
 
 
-_PAGED_KERNEL = _Kernel("paged_decode_kernel", (("out", "out_ptr"),), _describe_paged, 2e-5, 1e-3,
-                        _paged_access_hint, _diagnose_paged)
+_PAGED_KERNEL = _Kernel("paged_decode_kernel", (("out", "out_ptr"),), _describe_paged, _paged_access_hint,
+                        _diagnose_paged)
 
 _register(3, _PAGED_REFERENCE, _drive_paged, [
     ("lab15.paged_ragged", _paged_ragged, compare_values(_PAGED_KERNEL), ""),
@@ -1084,14 +1164,17 @@ _register(3, _PAGED_REFERENCE, _drive_paged_in_model, [
 
 # --- task 4 (bonus): q4_gemv_kernel ------------------------------------------------------------------
 
-def _gemv_case(rng: random.Random, m: int, n: int, k: int, group: int, block_n: int, *, pad: int = 0) -> dict:
-    return {"seed": _seed(rng), "m": m, "n": n, "k": k, "group": group, "block_n": block_n, "pad": pad}
+def _gemv_case(rng: random.Random, m: int, n: int, k: int, group: int, block_n: int, *, pad: int = 0,
+               y_pad: int = 0, w_pad: int = 0) -> dict:
+    """``pad``, ``y_pad``, ``w_pad``: elements past the end of each row of x, of y, and of packed and scales."""
+    return {"seed": _seed(rng), "m": m, "n": n, "k": k, "group": group, "block_n": block_n, "pad": pad,
+            "y_pad": y_pad, "w_pad": w_pad}
 
 
 def _gemv_odd_shapes(rng):
     return [_gemv_case(rng, 1, _partial(rng, 20, 50), 64, 32, 16),
-            _gemv_case(rng, 3, _partial(rng, 40, 70, 32), 128, 32, 32, pad=rng.randint(1, 9)),
-            _gemv_case(rng, rng.randint(17, 20), 16, 128, 64, 16)]
+            _gemv_case(rng, 3, _partial(rng, 40, 70, 32), 128, 32, 32, pad=rng.randint(1, 9), y_pad=rng.randint(1, 5)),
+            _gemv_case(rng, rng.randint(17, 20), 16, 128, 64, 16, y_pad=rng.randint(1, 5), w_pad=rng.randint(1, 7))]
 
 
 def _gemv_traffic_cases(rng):
@@ -1101,7 +1184,7 @@ def _gemv_traffic_cases(rng):
 
 def _gemv_tensors(case):
     """x [m, k] (rows padded by ``pad``), packed uint8 [n, k // 2] and scales [n, k // group] as
-    ``QuantLinear(bits=4)`` stores a random weight."""
+    ``QuantLinear(bits=4)`` stores a random weight (both with rows padded by ``w_pad``)."""
     import torch
 
     from infra_lib.model.quant import pack_int4, quantize_symmetric
@@ -1110,7 +1193,9 @@ def _gemv_tensors(case):
     m, n, k = case["m"], case["n"], case["k"]
     q, scales = quantize_symmetric(torch.randn(n, k, generator=generator), 4, case["group"])
     x = torch.randn(m, k + case["pad"], generator=generator)[:, :k]
-    return x, pack_int4(q), scales, q
+    packed, padded_scales = (torch.nn.functional.pad(t, (0, case["w_pad"]))[:, :t.shape[1]]
+                             for t in (pack_int4(q), scales))
+    return x, packed, padded_scales, q
 
 
 def _gemv_alternatives(case, x, q, scales) -> dict:
@@ -1138,7 +1223,7 @@ def _drive_gemv(kernel, cases):
         x, packed, scales, q = _gemv_tensors(case)
         alternatives = _gemv_alternatives(case, x, q, scales)
         x, packed, scales = _to_device(x, packed, scales)
-        y = torch.full((case["m"], case["n"]), UNWRITTEN, device=x.device)
+        y = torch.full((case["m"], case["n"] + case["y_pad"]), UNWRITTEN, device=x.device)[:, :case["n"]]
         grid = (-(-case["m"] // 16), -(-case["n"] // case["block_n"]))
         args = (x, packed, scales, y, case["m"], case["n"], case["k"], x.stride(0), packed.stride(0),
                 scales.stride(0), y.stride(0))
@@ -1151,7 +1236,9 @@ def _drive_gemv(kernel, cases):
 
 def _describe_gemv(case) -> str:
     m, n, k = case["m"], case["n"], case["k"]
-    return (f"x [{m}, {k}] (row stride {k + case['pad']}) @ W.T with W [{n}, {k}] in groups of {case['group']}, "
+    strides = (f"row strides: x {k + case['pad']}, y {n + case['y_pad']}, packed {k // 2 + case['w_pad']}, "
+               f"scales {k // case['group'] + case['w_pad']}")
+    return (f"x [{m}, {k}] @ W.T with W [{n}, {k}] in groups of {case['group']} ({strides}), "
             f"BLOCK_M=16, BLOCK_N={case['block_n']}, grid ({-(-m // 16)}, {-(-n // case['block_n'])})")
 
 
@@ -1164,21 +1251,30 @@ GEMV_SCALE_HINT = ("every weight used the first scale of its row: a row has one 
                    f"and weight k takes the scale of group k // GROUP ({_GEMV}).")
 
 
+GEMV_STRIDES_HINT = ("only a case with padded rows differs: x, y, the packed bytes and the scales each have a row "
+                     "stride of their own (stride_xm, stride_ym, stride_pn, stride_sn), longer than the row there. "
+                     f"Every address comes from them, never from K, N, K // 2 or K // GROUP ({_GEMV}).")
+
+
 def _diagnose_gemv(failure: Failure) -> str:
     for name, hint in (("nibbles_swapped", GEMV_NIBBLE_HINT), ("no_offset", GEMV_OFFSET_HINT),
                        ("first_scale_only", GEMV_SCALE_HINT)):
         if failure.matches(name):
             return hint
+    if failure.only_where(lambda c: c["pad"] or c["y_pad"] or c["w_pad"]):
+        return GEMV_STRIDES_HINT
     return ""
 
 
 def _gemv_access_hint(violation: dict) -> str:
+    if violation["side"] == "between":
+        return gaps_hint(violation["argument"], _GEMV)
     return (f"an access reached outside `{violation['argument']}`: the tiles at the edges hang over, rows of x and "
             f"y past M and columns of y (rows of W, of the packed bytes and of the scales) past N must be neither "
             f"read nor stored ({_GEMV}).")
 
 
-_GEMV_KERNEL = _Kernel("q4_gemv_kernel", (("out", "y_ptr"),), _describe_gemv, 1e-4, 3e-2, _gemv_access_hint,
+_GEMV_KERNEL = _Kernel("q4_gemv_kernel", (("out", "y_ptr"),), _describe_gemv, _gemv_access_hint,
                        _diagnose_gemv)
 
 _register(4, _GEMV_REFERENCE, _drive_gemv, [
