@@ -188,6 +188,23 @@ def test_next_node_follows_edges_routers_and_mappings():
         next_node(StateGraph(Job).add_node("a", job.fetch), "a", {})
 
 
+def test_a_node_that_changes_its_state_in_place_changes_neither_the_run_nor_the_caller():
+    """Each node is handed a deep copy: appending to a list of it in place reaches neither the run's state nor
+    the caller's dict, in run_graph and in the compiled graph alike; only the returned update counts."""
+    def meddle(state):
+        state["done"].append("in place")
+        state["rounds"] += 100
+        return {"done": ["returned"]}
+
+    graph = StateGraph(Job).add_node("meddle", meddle).add_node("again", meddle)
+    graph.add_edge(START, "meddle").add_edge("meddle", "again").add_edge("again", END)
+    for run in (lambda given: run_graph(graph, given, checkpointer=MemoryCheckpointer(), thread_id="t"),
+                lambda given: graph.compile().invoke(given)):
+        given = {"done": ["first"], "rounds": 1}
+        assert run(given) == {"done": ["first", "returned", "returned"], "rounds": 1}
+        assert given == {"done": ["first"], "rounds": 1}
+
+
 def test_endless_loop_stops_at_max_steps():
     graph = StateGraph(Job).add_node("spin", lambda s: {"rounds": s.get("rounds", 0) + 1}).add_edge(START, "spin")
     graph.add_conditional_edges("spin", lambda s: "spin")

@@ -126,3 +126,65 @@ def test_task4_a_recall_off_by_one_fails_the_pipeline_check(solution):
 def test_task4_wrong_arguments_are_explained():
     text = check_fails("lab12.pipeline", lambda *a: None)
     assert "takes the tuple (chunk_text, top_k_cosine, recall_at_k)" in text
+
+
+def test_task1_invalid_sizes_raise_even_for_an_empty_text(solution):
+    def empty_first(text, size, overlap):  # returns [] for an empty text before checking the sizes
+        return [] if not text else solution["chunk_text"](text, size, overlap)
+
+    assert "should raise ValueError" in check_fails("lab12.chunk_text_edges", empty_first)
+
+
+def test_task2_a_nan_for_a_zero_query_is_caught(solution):
+    def rows_only(queries, matrix, k):  # clamps the rows' norms, not the query's
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        q = queries / queries.norm(dim=-1, keepdim=True)
+        m = matrix / matrix.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return torch.topk(q @ m.T, min(k, matrix.shape[0]), dim=-1)
+
+    text = check_fails("lab12.top_k_cosine_edges", rows_only)
+    assert "a score is nan" in text and "zero query" in text
+
+
+def test_task2_a_zero_query_may_return_any_rows(solution):
+    """A zero query ties every row at 0: any k distinct rows pass, scored 0."""
+    def reversed_ties(queries, matrix, k):
+        scores, indices = solution["top_k_cosine"](queries, matrix, k)
+        zero = (queries.reshape(-1, queries.shape[-1]).norm(dim=-1) == 0).reshape(scores.shape[:-1] + (1,))
+        return scores, torch.where(zero, indices.flip(-1), indices)
+
+    check("lab12.top_k_cosine_edges", reversed_ties)
+
+    def repeated(queries, matrix, k):
+        scores, indices = solution["top_k_cosine"](queries, matrix, k)
+        zero = (queries.reshape(-1, queries.shape[-1]).norm(dim=-1) == 0).reshape(scores.shape[:-1] + (1,))
+        return scores, torch.where(zero, torch.zeros_like(indices), indices)
+
+    assert "zero query" in check_fails("lab12.top_k_cosine_edges", repeated)
+
+
+def test_task2_float_indices_are_refused(solution):
+    def float_indices(queries, matrix, k):
+        scores, indices = solution["top_k_cosine"](queries, matrix, k)
+        return scores, indices.float()
+
+    assert "integer dtype" in check_fails("lab12.top_k_cosine", float_indices)
+
+
+def test_task3_an_id_counted_twice_is_caught(solution):
+    def counts_repeats(retrieved, relevant, k):
+        if k < 1 or not retrieved or len(retrieved) != len(relevant) or not all(relevant):
+            raise ValueError("bad input")
+        return sum(sum(i in rel for i in r[:k]) / len(rel) for r, rel in zip(retrieved, relevant)) / len(retrieved)
+
+    text = check_fails("lab12.recall_at_k", counts_repeats)
+    assert "counted once" in text
+
+
+def test_task3_an_int_is_not_a_float(solution):
+    def whole(retrieved, relevant, k):
+        value = solution["recall_at_k"](retrieved, relevant, k)
+        return int(value) if value == int(value) else value
+
+    assert "must return a float" in check_fails("lab12.recall_at_k", whole)

@@ -6,6 +6,7 @@ and call_with_retry, so a slip in task 1 or 2 costs only that task, as whole gra
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 from typing import Annotated, TypedDict
@@ -36,11 +37,31 @@ UNMAPPED = {"task1_next_node": [("""        if mapping is not None:
 UNCAPPED = {"task2_call_with_retry": [(
     "sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))",
     "sleep(policy.initial_interval * policy.backoff_factor ** attempt)")]}
-RETRIES_EVERY_ERROR = {"task2_call_with_retry": [("not isinstance(error, policy.retry_on) or ", "")]}
+RETRIES_EVERY_ERROR = {"task2_call_with_retry": [("not policy.should_retry(error) or ", "")]}
+CLASSES_ONLY = {"task2_call_with_retry": [("not policy.should_retry(error)", "not isinstance(error, policy.retry_on)")]}
+RERAISES_THE_FIRST = {"task2_call_with_retry": [(
+    "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n                raise\n",
+    "            first = first if attempt else error\n"
+    "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n"
+    "                raise first\n")]}
+MAPPING_UNCHECKED = {"task1_next_node": [("""            if choice not in mapping:
+                raise ValueError(f"the router of {current!r} returned {choice!r}, not a key of {sorted(mapping)}")
+""", "")]}  # the mapping's KeyError goes out as it is
+DEAD_END_UNNAMED = {"task1_next_node": [('raise ValueError(f"node {current!r} has no outgoing edge: a dead end")',
+                                         'raise ValueError("a node has no outgoing edge")')]}
 CHECKPOINTS_BEFORE_MERGE = {"task3_run_graph": [
     ("        state = merge_update(", "        before, state = state, merge_update("),
     ("next_node=nxt, state=state)", "next_node=nxt, state=before)")]}
 NEVER_RESUMES = {"task3_run_graph": [("cp = checkpointer.latest(thread_id)", "cp = None")]}
+SHALLOW_COPY = {"task3_run_graph": [("copy.deepcopy(state), spec.retry", "dict(state), spec.retry")]}
+NO_COPY = {"task3_run_graph": [("copy.deepcopy(state), spec.retry", "state, spec.retry")]}
+ONE_STEP_TOO_MANY = {"task3_run_graph": [("if step >= max_steps:", "if step > max_steps:")]}
+ONE_STEP_TOO_FEW = {"task3_run_graph": [("if step >= max_steps:", "if step >= max_steps - 1:")]}
+COUNTS_FROM_THE_RESUME = {"task3_run_graph": [  # max_steps counted from this call, not from the thread's start
+    ("    while node != END:\n        if step >= max_steps:", "    taken = 0\n    while node != END:\n        if taken >= max_steps:"),
+    ("        step += 1\n", "        step += 1\n        taken += 1\n")]}
+INPUT_OVER_THE_CHECKPOINT = {"task3_run_graph": [("state, node, step = cp.state, cp.next_node, cp.step",
+                                                  "state, node, step = {**cp.state, **state}, cp.next_node, cp.step")]}
 
 
 def _answers(*mistakes: dict) -> dict[str, str]:
@@ -110,7 +131,7 @@ def test_task2_an_uncapped_backoff_is_caught(solution):
             try:
                 return fn(state)
             except Exception as error:
-                if policy is None or not isinstance(error, policy.retry_on) or attempt == attempts - 1:
+                if policy is None or not policy.should_retry(error) or attempt == attempts - 1:
                     raise
                 sleep(policy.initial_interval * policy.backoff_factor ** attempt)
 
@@ -135,7 +156,7 @@ def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
             try:
                 return fn(state)
             except Exception as error:
-                if policy is None or not isinstance(error, policy.retry_on) or attempt == attempts - 1:
+                if policy is None or not policy.should_retry(error) or attempt == attempts - 1:
                     raise
                 sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
 
@@ -159,7 +180,7 @@ def _runner(solution, *, resume=True, checkpoint_before_merge=False, limit=True)
             if limit and step >= max_steps:
                 raise solution["GraphRecursionError"](f"max_steps={max_steps}")
             spec = graph.nodes[node]
-            update = solution["call_with_retry"](spec.fn, dict(state), spec.retry, sleep)
+            update = solution["call_with_retry"](spec.fn, copy.deepcopy(state), spec.retry, sleep)
             before = state
             state = solution["merge_update"](state, update, graph.reducers)
             nxt = solution["next_node"](graph, node, state)
@@ -302,10 +323,22 @@ def _graded_alone(tmp_path, mistake: dict) -> dict[int, tuple[float, list[str]]]
     (UNMAPPED, {1}, _NEXT_MISSED["mapping"]),
     (UNCAPPED, {2}, _RETRY_MISSED["cap"]),
     (RETRIES_EVERY_ERROR, {2}, _RETRY_MISSED["retry_on"]),
-    (CHECKPOINTS_BEFORE_MERGE, {3, 4}, _RUN_MISSED["after merge"]),
+    (CLASSES_ONLY, {2}, _RETRY_MISSED["retry_on"]),
+    (RERAISES_THE_FIRST, {2}, _RETRY_MISSED["ending"]),
+    (MAPPING_UNCHECKED, {1}, _NEXT_MISSED["kind"]),
+    (DEAD_END_UNNAMED, {1}, _NEXT_MISSED["name"]),
+    (CHECKPOINTS_BEFORE_MERGE, {3}, _RUN_MISSED["after merge"]),
+    (SHALLOW_COPY, {3}, _RUN_MISSED["copy"]),
+    (NO_COPY, {3}, _RUN_MISSED["copy"]),
+    (ONE_STEP_TOO_MANY, {3}, _RUN_MISSED["limit"]),
+    (ONE_STEP_TOO_FEW, {3}, _RUN_MISSED["limit"]),
     (NEVER_RESUMES, {4}, _RUN_MISSED["resume"]),
-], ids=["unmapped router", "uncapped backoff", "retries every error", "checkpoints before the merge",
-        "never resumes"])
+    (COUNTS_FROM_THE_RESUME, {4}, _RUN_MISSED["limit"]),
+    (INPUT_OVER_THE_CHECKPOINT, {4}, _RUN_MISSED["resume"]),
+], ids=["unmapped router", "uncapped backoff", "retries every error", "retry_on as classes only",
+        "re-raises the first error", "mapping unchecked", "dead end unnamed", "checkpoints before the merge",
+        "shallow copy for the node", "no copy for the node", "one step too many", "one step too few",
+        "never resumes", "counts steps from the resume", "input over the checkpoint"])
 def test_a_mistake_costs_only_its_own_task_with_the_hint_for_it(tmp_path, mistake, losing, hint):
     graded = _graded_alone(tmp_path, mistake)
     assert {task: score for task, (score, _) in graded.items()} == \
@@ -313,3 +346,50 @@ def test_a_mistake_costs_only_its_own_task_with_the_hint_for_it(tmp_path, mistak
     for task in losing:
         messages = graded[task][1]
         assert messages and all(f"hint: {hint}" in message for message in messages), messages
+
+
+def test_a_step_limit_off_by_one_is_named_as_such(tmp_path):
+    late = check_fails("lab13.run_graph_limits", _namespace(tmp_path, ONE_STEP_TOO_MANY)["run_graph"])
+    assert "run_graph stopped at a different step limit" in late and "max_steps=" in late
+    assert "wrong order" not in late and f"hint: {_RUN_MISSED['limit']}" in late
+    early = check_fails("lab13.run_graph_limits", _namespace(tmp_path, ONE_STEP_TOO_FEW)["run_graph"])
+    assert "run_graph stopped at" in early and "max_steps=" in early and f"hint: {_RUN_MISSED['limit']}" in early
+
+
+def test_a_checkpoint_message_names_the_field_that_differs(solution):
+    text = check_fails("lab13.run_graph", _runner(solution, checkpoint_before_merge=True))
+    assert "is the first that differs, in its state: expected" in text, text
+    assert "as expected" in text  # the count was right: the message says so instead of repeating two equal numbers
+
+
+def test_a_node_changing_its_state_in_place_is_explained(tmp_path):
+    shallow = check_fails("lab13.run_graph", _namespace(tmp_path, SHALLOW_COPY)["run_graph"])
+    assert "a node's change to the state it was handed reached the run's state" in shallow
+    assert "a new dict that still holds the run's lists" in shallow
+    own = check_fails("lab13.run_graph", _namespace(tmp_path, NO_COPY)["run_graph"])
+    assert "the node was handed the run's own state dict" in own
+
+
+def test_a_runner_that_changes_the_callers_dict_is_caught(solution):
+    reference = _runner(solution)
+
+    def in_place(graph, state, **kwargs):  # keeps the caller's log list and appends to it
+        final = reference(graph, state, **kwargs)
+        state["log"].extend(final["log"])
+        return final
+
+    text = check_fails("lab13.run_graph", in_place)
+    assert "run_graph changed the state dict it was given" in text and f"hint: {_RUN_MISSED['input']}" in text
+
+
+def test_the_course_runner_equals_the_reference_on_every_runner_check():
+    """Task 4's checks crash the course's runner (course_run_graph) in place of the learner's: it must not drift."""
+    from grading.check import drive
+    from grading.checks.lab13 import course_run_graph
+    from grading.registry import get_check
+
+    for seed in range(3):
+        for check_id in CHECKS["run_graph"]:
+            registered = get_check(check_id)
+            inputs = registered.inputs(seed)
+            assert drive(registered, course_run_graph, inputs) == drive(registered, registered.reference(), inputs)

@@ -98,6 +98,8 @@ def _chunk_edge_cases(rng: random.Random) -> list[dict]:
         {"text": _words(rng, 50), "size": 10, "overlap": -1},
         {"text": _words(rng, 50), "size": 10, "overlap": 10},
         {"text": _words(rng, 50), "size": 10, "overlap": 12},
+        {"text": "", "size": 0, "overlap": 0},  # invalid sizes raise whatever the text, the empty one included
+        {"text": "", "size": 6, "overlap": 6},
     ]
     return cases
 
@@ -183,7 +185,7 @@ for _check_id, _make, _extra in [
     ("lab12.chunk_text", _chunk_cases, ""),
     ("lab12.chunk_text_edges", _chunk_edge_cases,
      " Edges: a text exactly one window long or ending exactly on a window, one character, a step of 1, "
-     "non-ASCII text, an empty text and invalid sizes."),
+     "non-ASCII text, an empty text and invalid sizes (with a text and with an empty one)."),
     ("lab12.chunk_text_corpus", _corpus_chunk_cases, " Documents of the shipped corpus, 800/100 and others."),
 ]:
     register(Check(check_id=_check_id, task=_TASKS[1], reference=reference(f"{_RAG}.chunking", "chunk_text"),
@@ -192,8 +194,11 @@ for _check_id, _make, _extra in [
 
 # --- task 2: top_k_cosine ---------------------------------------------------------------------------
 
-def _search_case(rng: random.Random, n: int, d: int, k: int, queries: int | None, zero_row: bool = False) -> dict:
-    return {"n": n, "d": d, "k": k, "queries": queries, "seed": rng.randrange(10**6), "zero_row": zero_row}
+def _search_case(rng: random.Random, n: int, d: int, k: int, queries: int | None, zero_row: bool = False,
+                 zero_query: bool = False) -> dict:
+    """``zero_row``: row n // 2 of the matrix is all zeros; ``zero_query``: so is the last query."""
+    return {"n": n, "d": d, "k": k, "queries": queries, "seed": rng.randrange(10**6), "zero_row": zero_row,
+            "zero_query": zero_query}
 
 
 def _search_cases(rng: random.Random) -> list[dict]:
@@ -206,7 +211,9 @@ def _search_edge_cases(rng: random.Random) -> list[dict]:
             _search_case(rng, 6, 8, 10, 2),  # k larger than the number of rows
             _search_case(rng, 60, 12, 8, 3, zero_row=True),  # a zero row must score 0, not nan
             _search_case(rng, 60, 12, 0, 2),  # k < 1 raises ValueError
-            _search_case(rng, 1, 4, 1, 1)]
+            _search_case(rng, 1, 4, 1, 1),
+            _search_case(rng, 50, 12, 6, 3, zero_query=True),  # a zero query scores 0 against every row, not nan
+            _search_case(rng, 30, 8, 4, None, zero_query=True)]  # the same, as one 1-D query
 
 
 def search_tensors(case: dict):
@@ -219,6 +226,11 @@ def search_tensors(case: dict):
         matrix[case["n"] // 2] = 0.0
     shape = (case["d"],) if case["queries"] is None else (case["queries"], case["d"])
     queries = torch.randn(*shape, generator=gen) * 3.0
+    if case.get("zero_query"):
+        if queries.dim() == 1:
+            queries.zero_()
+        else:
+            queries[-1] = 0.0  # the last query
     return queries, matrix
 
 
@@ -232,8 +244,8 @@ def _plain_search(result):
         indices = torch.as_tensor(result[1])
     except (TypeError, ValueError, RuntimeError) as exc:
         return ["malformed", f"scores and indices must be tensors: {exc}"[:200]]
-    if indices.is_floating_point() and not bool((indices == indices.round()).all()):
-        return ["malformed", "indices must be whole numbers"]
+    if indices.is_floating_point() or indices.dtype == torch.bool:
+        return ["malformed", f"indices must have an integer dtype (row numbers of matrix), got {indices.dtype}"]
     return ["value", {"scores": scores.tolist(), "indices": indices.to(torch.int64).tolist(),
                       "shape": list(indices.shape), "score_shape": list(scores.shape)}]
 
@@ -250,6 +262,8 @@ def _drive_search(top_k_cosine, cases: list[dict]) -> list:
 def _describe_search(case: dict) -> str:
     q = "one 1-D query" if case["queries"] is None else f"{case['queries']} queries"
     zero = " (row {} is all zeros)".format(case["n"] // 2) if case["zero_row"] else ""
+    if case.get("zero_query"):
+        zero += " (the query is all zeros)" if case["queries"] is None else " (the last query is all zeros)"
     return f"{q} of dimension {case['d']} against {case['n']} rows{zero}, k={case['k']}"
 
 
@@ -259,6 +273,21 @@ def _dot_product_ranking(case: dict, k: int) -> list:
     return scores.topk(k, dim=-1).indices.tolist()
 
 
+def _zero_query_problem(got: dict, case: dict, where: str) -> Mismatch | None:
+    """A zero query ties every row at cosine 0: any k distinct rows are right, each scored 0."""
+    indices = got["indices"] if case["queries"] is None else got["indices"][-1]
+    scores = got["scores"] if case["queries"] is None else got["scores"][-1]
+    if len(set(indices)) != len(indices) or not all(0 <= i < case["n"] for i in indices):
+        return Mismatch("a zero query did not return distinct rows",
+                        f"on {where}: the zero query's indices are {indices}; it ties every row at 0, so any "
+                        f"{len(indices)} distinct row numbers below {case['n']} will do")
+    if any(abs(s) > 1e-4 for s in scores):
+        return Mismatch("a zero query scored something other than 0",
+                        f"on {where}: the zero query's scores are {scores!s:.160}; a zero vector has no "
+                        "direction, so its cosine with every row is 0")
+    return None
+
+
 def _search_problem(got: dict, expected: dict, case: dict, where: str) -> Mismatch | None:
     if got["shape"] != expected["shape"] or got["score_shape"] != expected["shape"]:
         return Mismatch("wrong result shape",
@@ -266,8 +295,16 @@ def _search_problem(got: dict, expected: dict, case: dict, where: str) -> Mismat
                         f"{got['score_shape']} and indices {got['shape']}")
     flat = lambda rows: rows if case["queries"] is None else [x for row in rows for x in row]  # noqa: E731
     if any(math.isnan(s) for s in flat(got["scores"])):
-        return Mismatch("a score is nan", f"on {where}: a zero vector has no direction; give it cosine 0 "
+        which = "the zero query" if case.get("zero_query") else f"row {case['n'] // 2}, all zeros,"
+        return Mismatch("a score is nan", f"on {where}: {which} has no direction; give it cosine 0 "
                                           "(divide by the norm clamped to a small epsilon)")
+    if case.get("zero_query"):
+        problem = _zero_query_problem(got, case, where)
+        if problem is not None:
+            return problem
+        # the tied rows came back right: compare the other queries only
+        got = {**got, "indices": expected["indices"] if case["queries"] is None else
+               got["indices"][:-1] + expected["indices"][-1:]}
     if got["indices"] != expected["indices"]:
         k = len(expected["indices"]) if case["queries"] is None else len(expected["indices"][0])
         rows = lambda x: [x] if case["queries"] is None else x  # noqa: E731
@@ -295,14 +332,15 @@ def _compare_search(got, expected, cases) -> Mismatch | None:
 
 _SEARCH_HINT = ("similarity is the cosine of the angle between two vectors, so a vector's length must not count: a raw "
                 "dot product lets long rows win whatever their direction, and a zero vector, which has no direction, "
-                "scores 0, never nan (chapter 12, section “Gotchas”: cosine is a dot product only on unit vectors). "
-                "Return (scores, indices) tensors sorted highest first, shaped (q, k), or (k,) for a 1-D query; when "
-                "k exceeds the number of rows every row comes back, and k below 1 raises ValueError.")
+                "scores 0, never nan, whether it is a row or a query (chapter 12, section “Gotchas”: cosine is a "
+                "dot product only on unit vectors). Return (scores, indices) tensors sorted highest first, shaped "
+                "(q, k), or (k,) for a 1-D query, with indices of an integer dtype; when k exceeds the number of rows "
+                "every row comes back, and k below 1 raises ValueError.")
 
 for _check_id, _make, _extra in [
     ("lab12.top_k_cosine", _search_cases, ""),
     ("lab12.top_k_cosine_edges", _search_edge_cases, " Edges: a 1-D query, k above the number of rows, a zero "
-                                                     "row, k = 0 and a single row."),
+                                                     "row, k = 0, a single row and zero queries."),
 ]:
     register(Check(check_id=_check_id, task=_TASKS[2], reference=reference(f"{_RAG}.search", "top_k_cosine"),
                    make_inputs=_make, drive=_drive_search, compare=_compare_search, hint=_SEARCH_HINT + _extra))
@@ -310,11 +348,16 @@ for _check_id, _make, _extra in [
 
 # --- task 3: recall_at_k ------------------------------------------------------------------------------
 
-def _retrieval_case(rng: random.Random, queries: int, k: int, ids=range(50)) -> dict:
+def _retrieval_case(rng: random.Random, queries: int, k: int, ids=range(50), repeats: bool = False) -> dict:
+    """Ranked lists of distinct ids (with ``repeats``, some ids appear again further down, as a retriever that
+    returns several chunks of one document under the document's id does)."""
     ids = list(ids)
     retrieved, relevant = [], []
     for _ in range(queries):
         ranked = rng.sample(ids, rng.randint(k // 2 + 1, min(len(ids), k + 5)))
+        if repeats:
+            for _ in range(rng.randint(1, 3)):
+                ranked.insert(rng.randint(1, len(ranked)), ranked[rng.randrange(min(len(ranked), k))])
         wanted = set(rng.sample(ranked, rng.randint(0, min(3, len(ranked)))))
         wanted |= set(rng.sample(ids, rng.randint(1 if not wanted else 0, 2)))
         retrieved.append(ranked)
@@ -327,7 +370,9 @@ def _recall_cases(rng: random.Random) -> list[dict]:
             {"retrieved": [[3, 1, 2]], "relevant": [[1]], "k": 2},
             {"retrieved": [[4, 5, 6, 7], [9, 8]], "relevant": [[5, 7, 11], [8]], "k": 3},
             _retrieval_case(rng, 8, 5), _retrieval_case(rng, 12, 10),
-            _retrieval_case(rng, 6, 3, ids=[f"doc{i}#{j}" for i in range(6) for j in range(4)])]
+            _retrieval_case(rng, 6, 3, ids=[f"doc{i}#{j}" for i in range(6) for j in range(4)]),
+            {"retrieved": [[3, 3, 1, 3], [7, 7, 7]], "relevant": [[3, 5], [7]], "k": 3},  # an id counts once
+            _retrieval_case(rng, 8, 5, ids=[f"doc{i}" for i in range(12)], repeats=True)]
 
 
 def _recall_edge_cases(rng: random.Random) -> list[dict]:
@@ -347,7 +392,7 @@ def _plain_number(got: list) -> list:
     value = got[1]
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         value = value.item()
-    return ["value", value] if type(value) in (int, float) else ["malformed", f"{value!r:.60} is not a float"]
+    return ["value", value] if type(value) is float else ["malformed", f"{value!r:.60} is a {type(value).__name__}: recall_at_k must return a float"]
 
 
 def _drive_recall(recall_at_k, cases: list[dict]) -> list:
@@ -379,9 +424,23 @@ def _pooled_recall(case: dict) -> float:
     return found / sum(len(set(rel)) for rel in case["relevant"])
 
 
+def _counted_repeats(case: dict) -> float:
+    """recall@k counting an id once for every time it appears in the first k."""
+    k = case["k"]
+    return sum(sum(i in set(rel) for i in r[:k]) / len(set(rel)) for r, rel in zip(case["retrieved"], case["relevant"])
+               ) / len(case["retrieved"])
+
+
 def _recall_problem(got: float, expected: float, case: dict, where: str) -> Mismatch | None:
     if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
         return None
+    if math.isclose(got, _counted_repeats(case), rel_tol=1e-9):
+        return Mismatch("an id was counted once for every time it appears",
+                        f"on {where}: expected {expected!r}, got {got!r}; an id counts once however often it "
+                        "appears in the first k, so no query's share can pass 1")
+    if not 0.0 <= got <= 1.0:
+        return Mismatch("recall@k outside [0, 1]", f"on {where}: expected {expected!r}, got {got!r}; recall@k is "
+                                                   "a share of each query's relevant items, between 0 and 1")
     if math.isclose(got, _precision(case), rel_tol=1e-9):
         return Mismatch("this is precision@k, not recall@k",
                         f"on {where}: expected {expected!r}, got {got!r}; divide by the number of relevant "
@@ -404,8 +463,8 @@ def _compare_recall(got, expected, cases) -> Mismatch | None:
 _RECALL_HINT = ("recall@k is computed per query, as the share of that query's relevant items found among its first k "
                 "results, and only then averaged over the queries: dividing by k gives precision@k, scoring a query 1 "
                 "when any relevant item appears gives the hit rate, and pooling every query's items together weights "
-                "queries with many relevant items more (chapter 12, section “2 · Why embeddings work”). Return a "
-                "float; raise ValueError when k is below 1, there are no queries, the two lists differ in length or "
+                "queries with many relevant items more (chapter 12, section “2 · Why embeddings work”). An id "
+                "counts once however often it appears in the first k. Return a float; raise ValueError when k is below 1, there are no queries, the two lists differ in length or "
                 "a relevant set is empty.")
 
 for _check_id, _make, _extra in [

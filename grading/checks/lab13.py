@@ -8,8 +8,10 @@ or multiply a counter and append their name to a log (a reducer), plain edges, c
 whose routers compare the counter with a limit (some through a mapping), and loops that end once
 the counter passes a limit. Flaky functions fail a planned number of times with planned exception
 types; ``sleep`` is replaced by a recorder, so the backoff sequence is compared exactly and no
-check waits. A crash is a planned exception at step k; the resumed run must end in the same state
-as an uninterrupted one, re-running only the node that crashed.
+check waits. A crash is a planned exception at step k, in a run of the course's own runner
+(``course_run_graph``), which leaves the checkpoints a correct runner leaves; the learner's run_graph
+then resumes the thread and must end in the same state as an uninterrupted run, re-running only the
+node that crashed. So task 4 judges the resume alone, and a checkpoint mistake costs task 3 only.
 
 Each task is scored on its own: while a check of task 3 or 4 runs, the learner's notebook sees the
 course's ``next_node`` and ``call_with_retry`` under those names, so a slip in task 1 or 2 costs only
@@ -93,8 +95,13 @@ def _graph_spec(rng: random.Random, n_nodes: int, loops: bool = True, mapping: b
 
 
 def _apply(spec: dict, x: int) -> int:
-    """Every node raises x, so every loop ends once x passes its branch's limit."""
+    """Every node but a meddler raises x, so every loop (which has no meddler) ends once x passes its limit."""
+    if spec["op"] == "meddle":
+        return x
     return x + spec["arg"] if spec["op"] == "add" else x * spec["arg"] + 1
+
+
+MEDDLED = "meddled"  # what a meddling node appends, in place, to the log of the state it is handed
 
 
 def build_graph(spec: dict, events: list | None = None, crash_at_call: int | None = None,
@@ -104,7 +111,7 @@ def build_graph(spec: dict, events: list | None = None, crash_at_call: int | Non
     ``events`` collects every node call; the call numbered ``crash_at_call`` (0-based) raises
     ``Crash``; ``flaky[name]`` is a list of error names the node raises on its first calls.
     """
-    from infra_lib.apps.agents import END, START, RetryPolicy, StateGraph
+    from infra_lib.apps.agents import END, START, StateGraph
 
     calls = {"count": 0}
     flaky = {name: list(errors) for name, errors in (flaky or {}).items()}
@@ -120,17 +127,16 @@ def build_graph(spec: dict, events: list | None = None, crash_at_call: int | Non
                 raise Crash(f"planned crash in {name} (call {number})")
             if flaky.get(name):
                 raise _ERRORS[flaky[name].pop(0)](f"{name} failed")
+            if node_spec["op"] == "meddle":  # changes what it was handed, in place; returns only its log entry
+                state["x"] += 1000
+                state["log"].append(MEDDLED)
+                return {"log": [name]}
             return {"x": _apply(node_spec, state["x"]), "log": [name]}
 
         return node
 
     for name, node_spec in spec["nodes"].items():
-        policy = node_spec.get("retry")
-        retry = None if policy is None else RetryPolicy(
-            max_attempts=policy["max_attempts"], initial_interval=policy["initial_interval"],
-            backoff_factor=policy["backoff_factor"], max_interval=policy["max_interval"],
-            retry_on=tuple(_ERRORS[e] for e in policy["retry_on"]))
-        graph.add_node(name, make_node(name, node_spec), retry=retry)
+        graph.add_node(name, make_node(name, node_spec), retry=_policy_object(node_spec.get("retry")))
     graph.add_edge(START, spec["entry"])
     resolve = lambda target: END if target == "END" else target  # noqa: E731
     for name, target in spec["edges"].items():
@@ -165,24 +171,31 @@ def _next_cases(rng: random.Random) -> list[dict]:
 
 
 def _next_edge_cases(rng: random.Random) -> list[dict]:
-    """A router that returns a name that is not a node, and a node with no outgoing edge."""
+    """A router that returns a name that is not a node, an answer its mapping lacks, and a node with no outgoing
+    edge. ``culprit``: the bad value the ValueError must name."""
     spec = _graph_spec(rng, 4, loops=False, mapping=False)
     spec["branches"] = {"n1": {"limit": 10, "below": "n9", "above": "n2"}}  # n9 does not exist
     spec["edges"].pop("n1", None)
-    cases = [{"spec": spec, "current": "n1", "x": 3},
+    cases = [{"spec": spec, "current": "n1", "x": 3, "culprit": "n9"},
              {"spec": spec, "current": "n1", "x": 30}]
     dead = _graph_spec(rng, 3, loops=False, mapping=False)
     dead["edges"] = {"n0": "n1", "n1": "n2"}
     dead["branches"] = {}
-    cases.append({"spec": dead, "current": "n2", "x": 1})
+    cases.append({"spec": dead, "current": "n2", "x": 1, "culprit": "n2"})
     mapped = _graph_spec(rng, 5)
     mapped["branches"]["n2"] = {"limit": 20, "below": "n0", "above": "END", "mapping": {"small": "n0", "big": "END"}}
     mapped["edges"].pop("n2", None)
     cases += [{"spec": mapped, "current": "n2", "x": 19}, {"spec": mapped, "current": "n2", "x": 20}]
+    lacking = _graph_spec(rng, 4, loops=False)
+    lacking["branches"] = {"n1": {"limit": 15, "below": "n0", "above": "n2", "mapping": {"small": "n0"}}}  # no "big"
+    lacking["edges"].pop("n1", None)
+    cases += [{"spec": lacking, "current": "n1", "x": 4}, {"spec": lacking, "current": "n1", "x": 15, "culprit": "big"}]
     return cases
 
 
 def _drive_next(next_node, cases: list[dict]) -> list:
+    """Per case, the outcome (the error's type when it raised) and, for a case with a culprit, whether the
+    error's message names it."""
     from infra_lib.apps.agents import END
 
     results = []
@@ -191,7 +204,8 @@ def _drive_next(next_node, cases: list[dict]) -> list:
         if got[0] == "value":
             got = ["value", "END" if got[1] == END else got[1]] if isinstance(got[1], str) else \
                 ["malformed", f"{got[1]!r:.60} is not a node name"]
-        results.append(got[:2])
+        named = case["culprit"] in got[2] if got[0] == "raised" and "culprit" in case else None
+        results.append({"outcome": got[:2], "named": named})
     return results
 
 
@@ -224,16 +238,19 @@ _NEXT_MISSED = {
                 "stops only where an edge leads to END.",
     "kind": "every malformed edge (an unknown target, an answer the mapping lacks, a dead end) raises ValueError, "
             "the one kind of error a caller catches for a broken graph.",
+    "name": "an error about a broken graph names what is wrong in it: the target that is not a node, the answer "
+            "the mapping lacks, the node that is a dead end, so that the person who reads it knows what to fix.",
 }
 
 
 def _compare_next(got, expected, cases) -> Mismatch | None:
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results from next_node, got {got!r:.80}")
-    for case, g, e in zip(cases, got, expected):
+    for case, g_record, e_record in zip(cases, got, expected):
         where = _describe_next(case)
         branch = case["spec"]["branches"].get(case["current"])
         mapped = branch is not None and "mapping" in branch
+        g, e = g_record["outcome"], e_record["outcome"]
         (gk, gv), (ek, ev) = unwrap(g), unwrap(e)
         if gk == "malformed":
             return Mismatch("next_node must return a node name or END", f"on {where}: got {gv}",
@@ -248,6 +265,9 @@ def _compare_next(got, expected, cases) -> Mismatch | None:
         if gk == "raised" and gv != ev:
             return Mismatch("next_node raised the wrong kind of exception", f"on {where}: expected {ev}, got {gv}",
                             hint=_NEXT_MISSED["kind"])
+        if e_record["named"] and not g_record["named"]:
+            return Mismatch("next_node's ValueError does not name the bad value",
+                            f"on {where}: the message should contain {case['culprit']!r}", hint=_NEXT_MISSED["name"])
         if gk == "value" and gv != ev:
             unmapped = mapped and gv in branch["mapping"]  # the router's own answer, not the node it names
             return Mismatch("next_node picked the wrong edge", f"on {where}: expected {ev!r}, got {gv!r}",
@@ -265,7 +285,8 @@ register(Check(check_id="lab13.next_node", task=_TASKS[1], reference=lambda: _re
                make_inputs=_next_cases, drive=_drive_next, compare=_compare_next, hint=_NEXT_HINT))
 register(Check(check_id="lab13.next_node_errors", task=_TASKS[1], reference=lambda: _ref("runner", "next_node"),
                make_inputs=_next_edge_cases, drive=_drive_next, compare=_compare_next,
-               hint=_NEXT_HINT + " Hidden cases: a router's unknown target, a dead end, a mapping at its limit."))
+               hint=_NEXT_HINT + " Hidden cases: a router's unknown target, a dead end, a mapping at its limit, an "
+                                 "answer the mapping lacks."))
 
 
 def _ref(module: str, name: str):
@@ -276,10 +297,23 @@ def _ref(module: str, name: str):
 
 # --- task 2: call_with_retry ---------------------------------------------------------------------------
 
+PREDICATE = "every error but Fatal"  # a policy's retry_on given as a predicate on the error, not classes
+
+
 def _policy(rng: random.Random, retry_on=("Flaky",)) -> dict:
+    """``retry_on``: error names (a tuple of classes in the policy), or PREDICATE."""
     return {"max_attempts": rng.randint(2, 5), "initial_interval": rng.choice([0.1, 0.25, 0.5, 1.0]),
             "backoff_factor": rng.choice([1.0, 2.0, 3.0]), "max_interval": rng.choice([0.6, 2.0, 8.0]),
-            "retry_on": list(retry_on)}
+            "retry_on": retry_on if retry_on == PREDICATE else list(retry_on)}
+
+
+def _retried(policy: dict, error: str) -> bool:
+    """Whether the policy (as plain data) retries the error of that name."""
+    return error != "Fatal" if policy["retry_on"] == PREDICATE else error in policy["retry_on"]
+
+
+def _not_fatal(error: BaseException) -> bool:
+    return not isinstance(error, Fatal)
 
 
 def _retry_cases(rng: random.Random) -> list[dict]:
@@ -292,6 +326,8 @@ def _retry_cases(rng: random.Random) -> list[dict]:
     cases.append({"policy": {**_policy(rng), "max_attempts": 6, "initial_interval": 0.5, "backoff_factor": 2.0,
                              "max_interval": 3.0}, "errors": ["Flaky"] * 5})  # the cap
     cases.append({"policy": None, "errors": ["Flaky"]})  # no policy: one attempt
+    cases.append({"policy": {**_policy(rng, retry_on=PREDICATE), "max_attempts": 5},  # retry_on as a predicate
+                  "errors": ["TimeoutError", "Flaky", "Fatal"]})
     return cases
 
 
@@ -302,7 +338,8 @@ def _retry_more_cases(rng: random.Random) -> list[dict]:
             {"policy": {**policy, "max_attempts": 1}, "errors": ["Flaky"]},
             {"policy": None, "errors": []},
             {"policy": {**_policy(rng), "max_attempts": 8, "backoff_factor": 2.0, "max_interval": 1.0},
-             "errors": ["Flaky"] * 7}]
+             "errors": ["Flaky"] * 7},
+            {"policy": {**_policy(rng, retry_on=PREDICATE), "max_attempts": 3}, "errors": ["Flaky"] * 3}]
 
 
 def _policy_object(policy: dict | None):
@@ -310,9 +347,10 @@ def _policy_object(policy: dict | None):
         return None
     from infra_lib.apps.agents import RetryPolicy
 
+    retry_on = _not_fatal if policy["retry_on"] == PREDICATE else tuple(_ERRORS[e] for e in policy["retry_on"])
     return RetryPolicy(max_attempts=policy["max_attempts"], initial_interval=policy["initial_interval"],
                        backoff_factor=policy["backoff_factor"], max_interval=policy["max_interval"],
-                       retry_on=tuple(_ERRORS[e] for e in policy["retry_on"]))
+                       retry_on=retry_on)
 
 
 def _drive_retry(call_with_retry, cases: list[dict]) -> list:
@@ -328,7 +366,9 @@ def _drive_retry(call_with_retry, cases: list[dict]) -> list:
 
         got = _outcome(call_with_retry, fn, {"x": 1, "log": []}, _policy_object(case["policy"]),
                        sleep=lambda seconds: sleeps.append(seconds))
-        result = ["value", got[1] if isinstance(got[1], dict) else repr(got[1])] if got[0] == "value" else got[:2]
+        # an error is kept with its message ("Flaky: attempt 3 failed"): the last attempt's error must come back
+        result = ["value", got[1] if isinstance(got[1], dict) else repr(got[1])] if got[0] == "value" else \
+            ["raised", got[2]]
         results.append({"result": result, "attempts": len(calls), "sleeps": [round(float(s), 9) for s in sleeps]})
     return results
 
@@ -338,17 +378,21 @@ def _describe_retry(case: dict) -> str:
     errors = ", ".join(case["errors"]) or "nothing"
     if policy is None:
         return f"policy=None, fn raising {errors} before it succeeds"
+    retry_on = (f"<a predicate: {PREDICATE}>" if policy["retry_on"] == PREDICATE
+                else f"({', '.join(policy['retry_on'])},)")
     return (f"RetryPolicy(max_attempts={policy['max_attempts']}, initial_interval={policy['initial_interval']}, "
             f"backoff_factor={policy['backoff_factor']}, max_interval={policy['max_interval']}, retry_on="
-            f"({', '.join(policy['retry_on'])})), fn raising {errors} on its first calls")
+            f"{retry_on}), fn raising {errors} on its first calls (Flaky is a ConnectionError, Fatal a "
+            "ValueError)")
 
 
 _BACKOFF = "chapter 13, section “7 · Retries with exponential backoff, under a flaky tool”"
 _RETRY_MISSED = {
     "count": "max_attempts counts every call of fn, the first one included: it is not the number of retries "
              f"({_BACKOFF}).",
-    "retry_on": "only the exception types the policy names are passing failures worth another attempt; any other "
-                "error is a bug, and it goes to the caller at once, before any wait.",
+    "retry_on": "only the errors the policy retries are passing failures worth another attempt (its retry_on "
+                "names exception classes, or is a predicate on the error); any other error is a bug, and it goes "
+                "to the caller at once, before any wait.",
     "no policy": "no policy means a single attempt: nothing is retried and nothing is waited for.",
     "cap": f"every wait is capped at the policy's max_interval, however many failures came before ({_BACKOFF}).",
     "between": "a wait comes only between two attempts: none before the first call, none after the last one.",
@@ -363,7 +407,9 @@ def _attempts_hint(case: dict, got: int, expected: int) -> str:
     if case["policy"] is None:
         return _RETRY_MISSED["no policy"]
     stopped_by = case["errors"][expected - 1] if expected <= len(case["errors"]) else None
-    if got > expected and stopped_by is not None and stopped_by not in case["policy"]["retry_on"]:
+    if got > expected and stopped_by is not None and not _retried(case["policy"], stopped_by):
+        return _RETRY_MISSED["retry_on"]
+    if case["policy"]["retry_on"] == PREDICATE:  # the cases before it got the count right
         return _RETRY_MISSED["retry_on"]
     return _RETRY_MISSED["count"]
 
@@ -390,6 +436,10 @@ def _compare_retry(got, expected, cases) -> Mismatch | None:
                             f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}",
                             hint=_sleeps_hint(case, g["sleeps"], e["sleeps"]))
         (gk, gv), (ek, ev) = g["result"][:2], e["result"][:2]
+        if gk == ek == "raised" and gv.split(":")[0] == ev.split(":")[0] and gv != ev:
+            return Mismatch("call_with_retry re-raised an earlier attempt's error",
+                            f"on {where}: expected the last attempt's error, {ev}, got {gv}",
+                            hint=_RETRY_MISSED["ending"])
         if gk != ek or gv != ev:
             said = {"value": "returned {}", "raised": "raised {}"}
             return Mismatch("call_with_retry ended the wrong way",
@@ -401,8 +451,9 @@ def _compare_retry(got, expected, cases) -> Mismatch | None:
 _RETRY_HINT = ("max_attempts counts every call of fn, the first included, and a wait comes only between two attempts; "
                "the waits grow geometrically from the first interval (exponential backoff), and each is capped at the "
                "policy's maximum (chapter 13, section “7 · Retries with exponential backoff, under a flaky tool”). "
-               "Only the exception types the policy names are retried: any other is re-raised at once, the last one "
-               "is re-raised when the attempts run out, and no policy means a single attempt. Wait only through the "
+               "Only the errors the policy retries are retried (retry_on: exception classes, or a predicate on the "
+               "error): any other is re-raised at once, the last one is re-raised when the attempts run out, and no "
+               "policy means a single attempt. Wait only through the "
                "sleep argument, never time.sleep: the checks pass a recorder and compare every delay exactly.")
 register(Check(check_id="lab13.call_with_retry", task=_TASKS[2], reference=lambda: _ref("retry", "call_with_retry"),
                make_inputs=_retry_cases, drive=_drive_retry, compare=_compare_retry, hint=_RETRY_HINT))
@@ -410,7 +461,8 @@ register(Check(check_id="lab13.call_with_retry_more", task=_TASKS[2],
                reference=lambda: _ref("retry", "call_with_retry"), make_inputs=_retry_more_cases, drive=_drive_retry,
                compare=_compare_retry,
                hint=_RETRY_HINT + " Hidden cases: two retried error types, a fatal error after a retry, one attempt, "
-                                  "and a long run of failures against the cap."))
+                                  "a long run of failures against the cap, and a predicate that runs out of "
+                                  "attempts."))
 
 
 # --- task 3: run_graph ------------------------------------------------------------------------------------
@@ -421,6 +473,9 @@ def _run_cases(rng: random.Random) -> list[dict]:
     retry = _graph_spec(rng, 4, loops=False)
     retry["nodes"]["n1"]["retry"] = _policy(rng)
     cases.append({"spec": retry, "x": 1, "max_steps": 200, "flaky": {"n1": ["Flaky"]}})
+    meddling = _graph_spec(rng, 4, loops=False)
+    meddling["nodes"]["n0"] = {"op": "meddle"}  # the entry node changes the state it is handed, in place
+    cases.append({"spec": meddling, "x": 2, "max_steps": 200})
     return cases
 
 
@@ -430,6 +485,10 @@ def _resume_cases(rng: random.Random) -> list[dict]:
     cases = [{"spec": spec, "x": 2, "max_steps": 200, "crash_at": k} for k in range(0, steps, max(1, steps // 6))]
     cases.append({"spec": spec, "x": 2, "max_steps": 200, "crash_at": steps - 1})
     cases.append({"spec": spec, "x": 2, "max_steps": 200, "crash_at": None, "rerun_finished": True})
+    # The steps before the crash count towards max_steps: a loop that would run for long stops max_steps steps after
+    # its start, not max_steps steps after the resume (where exactly is task 3's check: see _resume_mismatch).
+    max_steps = rng.randint(8, 12)
+    cases.append({"spec": _counting_loop(600), "x": 0, "max_steps": max_steps, "crash_at": rng.randint(3, max_steps - 3)})
     return cases
 
 
@@ -442,12 +501,19 @@ def _sqlite_resume_cases(rng: random.Random) -> list[dict]:
             for k in range(steps)]
 
 
+def _counting_loop(limit: int) -> dict:
+    """n0 -> n1, back to n0 while x < limit: each step adds 1, so the run takes ``limit`` steps from x = 0."""
+    return {"nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
+            "edges": {"n0": "n1"}, "branches": {"n1": {"limit": limit, "below": "n0", "above": "END"}}, "entry": "n0"}
+
+
 def _limit_cases(rng: random.Random) -> list[dict]:
-    loop = {"nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
-            "edges": {"n0": "n1"}, "branches": {"n1": {"limit": 600, "below": "n0", "above": "END"}}, "entry": "n0"}  # ends, late
     spec = _graph_spec(rng, 4)
     spec["nodes"]["n2"]["retry"] = _policy(rng)
-    return [{"spec": loop, "x": 0, "max_steps": rng.randint(5, 12)},
+    steps = 2 * rng.randint(2, 4)  # a run of exactly this many steps
+    return [{"spec": _counting_loop(600), "x": 0, "max_steps": rng.randint(5, 12)},  # it would end, much later
+            {"spec": _counting_loop(steps), "x": 0, "max_steps": steps},  # it needs exactly max_steps: it ends
+            {"spec": _counting_loop(steps), "x": 0, "max_steps": steps - 1},  # one step short
             {"spec": spec, "x": 0, "max_steps": 200, "flaky": {"n2": ["Flaky"] * 10}},  # retries run out
             {"spec": spec, "x": 0, "max_steps": 200,
              "flaky": {"n2": ["Flaky"] * (spec["nodes"]["n2"]["retry"]["max_attempts"] - 1)}}]
@@ -511,6 +577,33 @@ def course_call_with_retry(fn, state: dict, policy, sleep=time.sleep):
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+def course_run_graph(graph, state: dict, *, checkpointer, thread_id: str, max_steps: int = 25,
+                     sleep=time.sleep) -> dict:
+    """Task 3 as the course answers it, on the two functions above. Task 4's checks crash this runner, so that the
+    checkpoints the learner's run_graph resumes from are right whatever its own would be: task 4 judges the resume
+    alone, and a checkpoint mistake costs task 3 only."""
+    import copy
+    import itertools
+
+    from infra_lib.apps.agents import END, Checkpoint, GraphRecursionError, merge_update
+
+    latest = checkpointer.latest(thread_id)
+    state, node, taken = ((latest.state, latest.next_node, latest.step) if latest is not None
+                          else (merge_update({}, state, graph.reducers), graph.entry, 0))
+    for step in itertools.count(taken + 1):  # the number of the step about to run
+        if node == END:
+            return state
+        if step > max_steps:
+            raise GraphRecursionError(f"max_steps={max_steps} steps taken before END (next node {node!r})")
+        called = graph.nodes[node]
+        update = course_call_with_retry(called.fn, copy.deepcopy(state), called.retry, sleep)
+        state = merge_update(state, update, graph.reducers)
+        following = course_next_node(graph, node, state)
+        checkpointer.put(thread_id, Checkpoint(step=step, node=node, next_node=following, state=state))
+        node = following
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
 _COURSE = {"next_node": course_next_node, "call_with_retry": course_call_with_retry}
 _SIBLING_TASKS = {"next_node": _TASKS[1], "call_with_retry": _TASKS[2]}
 
@@ -559,43 +652,68 @@ def _drive_run(run_graph, cases: list[dict]) -> list:
     return results
 
 
+def _is_resume_case(case: dict) -> bool:
+    """Task 4's cases: the course's runner makes the thread's checkpoints, the runner under test resumes it."""
+    return case.get("crash_at") is not None or bool(case.get("rerun_finished"))
+
+
 def _run_case(run_graph, case: dict, database: Path) -> dict:
-    """Run the case's graph (crashing as planned), then again on the same thread when it crashed."""
+    """Run the case's graph (crashing as planned), then again on the same thread when it crashed.
+
+    In a resume case the first run is the course's (``course_run_graph``), so that the checkpoints
+    ``run_graph`` resumes from are right whatever it would have saved itself: the resume alone is judged.
+    The second run is given another input state, which a resume ignores.
+    """
     from infra_lib.apps.agents import MemoryCheckpointer, SqliteCheckpointer
 
     events, sleeps = [], []
     # With SQLite the second run gets a new checkpointer on the same file, as a restarted process would.
     new_checkpointer = (lambda: SqliteCheckpointer(database)) if case.get("sqlite") else None
     checkpointer = new_checkpointer() if new_checkpointer else MemoryCheckpointer()
-    crash = case.get("crash_at")
+    crash, resume = case.get("crash_at"), _is_resume_case(case)
 
-    def run(graph, saver) -> list:
-        return _outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=saver, thread_id="t",
-                        max_steps=case["max_steps"], sleep=lambda s: sleeps.append(s))
+    def run(runner, graph, saver, given: dict) -> list:
+        return _outcome(runner, graph, given, checkpointer=saver, thread_id="t", max_steps=case["max_steps"],
+                        sleep=lambda s: sleeps.append(s))
 
-    first = run(build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky")), checkpointer)
-    record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events)}
-    if crash is not None or case.get("rerun_finished"):
+    given = {"x": case["x"], "log": []}
+    first = run(course_run_graph if resume else run_graph,
+                build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky")), checkpointer, given)
+    record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events),
+              "input_after": _plain_state(given)[1]}
+    if resume:
         record["history_first"] = _history(checkpointer, "t")
         events.clear()
         checkpointer = new_checkpointer() if new_checkpointer else checkpointer
-        second = run(build_graph(case["spec"], events), checkpointer)  # the same graph, no crash: resume
+        # A thread with a checkpoint ignores its input: this one would show if it were used.
+        given = RESUME_INPUT if checkpointer.latest("t") is not None else {"x": case["x"], "log": []}
+        given = {"x": given["x"], "log": list(given["log"])}
+        second = run(run_graph, build_graph(case["spec"], events), checkpointer, given)  # no crash: resume
         record["resumed"] = _plain_state(second[1]) if second[0] == "value" else second[:2]
         record["resumed_events"] = list(events)
+        record["input_after"] = _plain_state(given)[1]
     record["history"] = _history(checkpointer, "t")
     record["sleeps"] = [round(float(s), 9) for s in sleeps]
     return record
 
 
+RESUME_INPUT = {"x": 1000, "log": ["the input state of the second call"]}
+
+
 def _describe_run(case: dict) -> str:
     spec = case["spec"]
-    parts = [f"{name}: x + {s['arg']}" if s["op"] == "add" else f"{name}: x * {s['arg']} + 1"
-             for name, s in spec["nodes"].items()]
+    ops = {"add": "{name}: x + {arg}", "mul": "{name}: x * {arg} + 1",
+           "meddle": "{name}: changes the state it is handed in place (x += 1000, log.append('meddled')) and returns "
+                     "only its log entry"}
+    parts = [ops[s["op"]].format(name=name, arg=s.get("arg")) for name, s in spec["nodes"].items()]
     edges = [f"{a} -> {b}" for a, b in spec["edges"].items()]
     edges += [f"{a} -> ({b['below']} if x < {b['limit']} else {b['above']})" for a, b in spec["branches"].items()]
     text = f"a graph with nodes [{'; '.join(parts)}] and edges [{', '.join(edges)}], start x={case['x']}"
     if case.get("crash_at") is not None:
-        text += f", a crash in node call {case['crash_at']} then a second run with the same thread_id"
+        text += (f", a crash in node call {case['crash_at']} (in a run of the course's runner, which leaves the "
+                 "checkpoints a correct run_graph leaves), then your run_graph with the same thread_id")
+    elif case.get("rerun_finished"):
+        text += (", a run of the course's runner to END, then your run_graph with the same thread_id")
     if case.get("flaky"):
         text += f", flaky nodes {case['flaky']}"
     return text + f", max_steps={case['max_steps']}"
@@ -629,6 +747,11 @@ _RUN_MISSED = {
     "every step": "there is exactly one checkpoint per completed step, the last one included, so that a finished "
                   "thread is seen to be finished and a crash loses at most the step that was running.",
     "resume": _RESUME_HINT,
+    "copy": "a node is handed a deep copy of the state, one that shares nothing with the run's own: a new dict "
+            "alone still holds the same lists, so a node that appends to one in place changes the run's state; "
+            f"whatever a node does to what it is handed, only the update it returns reaches the state ({_LOOP}).",
+    "input": "the state dict the caller passes in is never changed, not even a list inside it: the run works on its "
+             "own state, and every merge makes a new dict.",
 }
 
 
@@ -649,38 +772,99 @@ def _checkpoints_hint(got: list, expected: list, first: int, start: dict) -> str
     if first >= min(len(got), len(expected)):
         return _RUN_MISSED["every step"]
     g, e = got[first], expected[first]
-    before_the_step = expected[first - 1][3] if first else start
-    if g[3] != e[3] and g[3] == before_the_step:
+    before_the_step = expected[first - 1][3] if first and len(e) > 3 else start
+    if len(e) > 3 and g[3] != e[3] and g[3] == before_the_step:
         return _RUN_MISSED["after merge"]
     if g[0] != e[0]:
         return _RUN_MISSED["steps"]
     return _RUN_MISSED["next"] if g[2] != e[2] else ""
 
 
-def _checkpoints_mismatch(got: list, expected: list, where: str, start: dict, when: str) -> Mismatch | None:
+CHECKPOINT_FIELDS = ("step", "node", "next_node", "state")
+
+
+def _checkpoints_mismatch(got: list, expected: list, where: str, start: dict, when: str,
+                          fields: int = 4) -> Mismatch | None:
+    """The first checkpoint that differs, and in which of its fields; ``fields=3`` leaves the states out."""
+    got, expected = [c[:fields] for c in got], [c[:fields] for c in expected]
     if got == expected:
         return None
     first = first_difference(got, expected)
-    return Mismatch("run_graph saved the wrong checkpoints",
-                    f"on {where}: {when}, expected {len(expected)} checkpoints [step, node, next_node, state], got "
-                    f"{len(got)}; the first difference is checkpoint {first}: expected {expected[first:first + 1]}, "
-                    f"got {got[first:first + 1]}", hint=_checkpoints_hint(got, expected, first, start))
+    names = ", ".join(CHECKPOINT_FIELDS[:fields])
+    count = (f"{len(got)} checkpoints [{names}] as expected" if len(got) == len(expected) else
+             f"{len(got)} checkpoints [{names}] where {len(expected)} were expected")
+    if first < min(len(got), len(expected)):
+        differs = " and ".join(name for name, g, e in zip(CHECKPOINT_FIELDS, got[first], expected[first]) if g != e)
+        which = (f"checkpoint {first} is the first that differs, in its {differs}: expected {expected[first]}, "
+                 f"got {got[first]}")
+    elif len(got) < len(expected):
+        which = f"the first {first} are right, then checkpoint {first} is missing: expected {expected[first]}"
+    else:
+        which = f"the first {first} are right, then comes one too many: {got[first]}"
+    return Mismatch("run_graph saved the wrong checkpoints", f"on {where}: {when}, {count}; {which}",
+                    hint=_checkpoints_hint(got, expected, first, start))
+
+
+def _meddled(got, expected, where: str) -> Mismatch | None:
+    """The node that changes its state in place reached the run's state: which copy was missing."""
+    if not isinstance(got, dict) or got == expected:
+        return None
+    if isinstance(got.get("x"), int) and isinstance(expected.get("x"), int) and got["x"] >= expected["x"] + 1000:
+        how = "its x += 1000 reached the run's state: the node was handed the run's own state dict"
+    elif MEDDLED in (got.get("log") or []):
+        how = ("its log.append('meddled') reached the run's state: the node was handed a new dict that still "
+               "holds the run's lists")
+    else:
+        return None
+    return Mismatch("a node's change to the state it was handed reached the run's state",
+                    f"on {where}: {how}; expected the final state {expected!r:.160}, got {got!r:.160}",
+                    hint=_RUN_MISSED["copy"])
+
+
+def _limit_mismatch(g: dict, e: dict, case: dict, where: str) -> Mismatch | None:
+    """Both runs stopped at max_steps, after different numbers of node calls."""
+    if e["first"][:2] != ["raised", "GraphRecursionError"] or g["events"] == e["events"]:
+        return None
+    return Mismatch("run_graph stopped at a different step limit",
+                    f"on {where}: with max_steps={case['max_steps']} the run should make {len(e['events'])} node "
+                    f"calls ({e['events']}) and then raise GraphRecursionError; yours made {len(g['events'])} "
+                    f"({g['events']})", hint=_RUN_MISSED["limit"])
+
+
+def _input_mismatch(g: dict, e: dict, where: str, which: str) -> Mismatch | None:
+    if g.get("input_after") == e["input_after"]:
+        return None
+    return Mismatch("run_graph changed the state dict it was given",
+                    f"on {where}: the {which} was {e['input_after']!r:.120} before the call and "
+                    f"{g.get('input_after')!r:.120} after it", hint=_RUN_MISSED["input"])
 
 
 def _run_mismatch(g: dict, e: dict, case: dict) -> Mismatch | None:
+    if _is_resume_case(case):
+        return _resume_mismatch(g, e, case)
     where, start = _describe_run(case), {"x": case["x"], "log": []}
     (gk, gv), (ek, ev) = g["first"][:2], e["first"][:2]
+    wrong = (_meddled(gv, ev, where) if gk == ek == "value" else None) or _input_mismatch(g, e, where, "input state")
+    if wrong:
+        return wrong
     if [gk, gv] != [ek, ev]:
         if ek == "raised":
             return Mismatch(f"run_graph should raise {ev} here", f"on {where}: got {gv!r:.200}",
                             hint=_RUN_MISSED["limit" if ev == "GraphRecursionError" else "gives up"])
+        if gk == "raised" and gv == "GraphRecursionError":
+            return Mismatch("run_graph stopped at max_steps where it should finish",
+                            f"on {where}: the run needs {len(e['events'])} steps, within max_steps="
+                            f"{case['max_steps']}, and should end in {ev!r:.200}; yours raised GraphRecursionError "
+                            f"after {len(g['events'])} node calls", hint=_RUN_MISSED["limit"])
         if gk == "raised":
-            return Mismatch("run_graph raised where it should finish", f"on {where}: expected {ev!r:.200}, got {gv}",
-                            hint=_RUN_MISSED["limit"] if gv == "GraphRecursionError" else "")
+            return Mismatch("run_graph raised where it should finish", f"on {where}: expected {ev!r:.200}, got {gv}")
         if gk != "value":
             return Mismatch("run_graph must return the final state, a dict", f"on {where}: got {gv}")
         return Mismatch("run_graph ended in the wrong state", f"on {where}: expected {ev!r:.200}, got {gv!r:.200}",
                         hint=_state_hint(gv, ev))
+    wrong = _limit_mismatch(g, e, case, where)
+    if wrong:
+        return wrong
     if g["events"] != e["events"]:
         return Mismatch("run_graph ran the nodes in the wrong order",
                         f"on {where}: expected the calls {e['events']}, got {g['events']}", hint=_RUN_MISSED["order"])
@@ -688,22 +872,40 @@ def _run_mismatch(g: dict, e: dict, case: dict) -> Mismatch | None:
         return Mismatch("run_graph did not retry as the node's policy says",
                         f"on {where}: expected sleep() with {e['sleeps']}, got {g['sleeps']}",
                         hint=_RUN_MISSED["retry"])
-    if "resumed" in e:
-        # Checkpoints that were already wrong before the second run explain a wrong resume: they come first.
-        wrong = _checkpoints_mismatch(g.get("history_first"), e["history_first"], where, start, "after the first run")
-        if wrong:
-            return wrong
-        if g.get("resumed", [None])[:2] != e["resumed"][:2]:
-            return Mismatch("the resumed run ended in the wrong state",
-                            f"on {where}: expected {e['resumed'][1]!r:.200}, got {g.get('resumed')!r:.200}",
-                            hint=_RUN_MISSED["resume"])
-        if g.get("resumed_events") != e["resumed_events"]:
-            return Mismatch("the resumed run did not start from the last checkpoint",
-                            f"on {where}: expected it to call {e['resumed_events']}, "
-                            f"it called {g.get('resumed_events')}",
-                            hint=_RUN_MISSED["resume"])
-    return _checkpoints_mismatch(g["history"], e["history"], where, start,
-                                 "after the second run" if "resumed" in e else "after the run")
+    return _checkpoints_mismatch(g["history"], e["history"], where, start, "after the run")
+
+
+def _resume_mismatch(g: dict, e: dict, case: dict) -> Mismatch | None:
+    """Task 4: the course's runner made the checkpoints, the runner under test resumed from them. What its
+    resumed run saved is compared without the states: a checkpoint of the wrong state is task 3's."""
+    where, start = _describe_run(case), {"x": case["x"], "log": []}
+    wrong = _input_mismatch(g, e, where, "input state of the second call")
+    if wrong:
+        return wrong
+    (gk, gv), (ek, ev) = g.get("resumed", [None, None])[:2], e["resumed"][:2]
+    stopped = ek == gk == "raised" and ev == gv == "GraphRecursionError"
+    if stopped and abs(len(g.get("resumed_events") or []) - len(e["resumed_events"])) <= 1:
+        return None  # the steps before the crash were counted; the exact step limit is task 3's check
+    made = len(g.get("resumed_events") or [])
+    if [gk, gv] != [ek, ev] and ek == "raised" and ev == "GraphRecursionError":
+        return Mismatch("the resumed run did not stop at max_steps",
+                        f"on {where}: the {case['crash_at']} steps before the crash count, so the resumed run should "
+                        f"stop after {len(e['resumed_events'])} more node calls with GraphRecursionError; yours made "
+                        f"{made} and {'raised ' + str(gv) if gk == 'raised' else 'returned ' + repr(gv)[:120]}",
+                        hint=_RUN_MISSED["limit"])
+    if stopped:
+        return Mismatch("the resumed run did not count the steps taken before the crash",
+                        f"on {where}: with max_steps={case['max_steps']} and {case['crash_at']} steps done before the "
+                        f"crash, the resumed run should make {len(e['resumed_events'])} node calls and then raise "
+                        f"GraphRecursionError; yours made {made}", hint=_RUN_MISSED["limit"])
+    if g.get("resumed_events") != e["resumed_events"]:
+        return Mismatch("the resumed run did not start from the last checkpoint",
+                        f"on {where}: expected it to call {e['resumed_events']}, it called {g.get('resumed_events')}",
+                        hint=_RUN_MISSED["resume"])
+    if [gk, gv] != [ek, ev]:
+        return Mismatch("the resumed run ended in the wrong state",
+                        f"on {where}: expected {ev!r:.200}, got {gv!r:.200}", hint=_RUN_MISSED["resume"])
+    return _checkpoints_mismatch(g["history"], e["history"], where, start, "after the resumed run", fields=3)
 
 
 def _compare_run(got, expected, cases) -> Mismatch | None:
@@ -720,7 +922,7 @@ def _compare_run(got, expected, cases) -> Mismatch | None:
     return None
 
 
-_RUN_HINT = ("one step runs one node on a copy of the state under that node's own retry policy (waiting through the "
+_RUN_HINT = ("one step runs one node on a deep copy of the state under that node's own retry policy (waiting through the "
              "sleep argument), merges its update through the graph's reducers, chooses the next node from the merged "
              "state, and only then checkpoints the step count, the node, the next node and the whole state (chapter "
              "13, section “2 · The runner loop”). A thread that already has a checkpoint continues from it rather "
@@ -737,4 +939,5 @@ register(Check(check_id="lab13.run_graph_resume_sqlite", task=_TASKS[4], referen
                                    "SQLite, and the second run on a new SqliteCheckpointer over the same file."))
 register(Check(check_id="lab13.run_graph_limits", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
                make_inputs=_limit_cases, drive=_drive_run, compare=_compare_run,
-               hint=_RUN_HINT + " Hidden cases: a loop that never ends (max_steps), a node whose retries run out."))
+               hint=_RUN_HINT + " Hidden cases: a loop that never ends (max_steps), a run that needs exactly "
+                                "max_steps steps and one that needs one more, a node whose retries run out."))

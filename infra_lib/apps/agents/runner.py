@@ -4,7 +4,8 @@
 
     resume from the thread's latest checkpoint, or start at the entry node
     while the node is not END:
-        run it (with its retry policy) on a copy of the state
+        run it (with its retry policy) on a deep copy of the state: nothing the node does to what it is
+            handed, a list inside it changed in place included, reaches the run's state; only its update does
         merge its update into the state (reducers for annotated keys, overwrite for the rest)
         ask the edges for the next node
         save a checkpoint (step, node, next node, state)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -206,7 +208,7 @@ def run_graph(graph, state: dict | None, *, checkpointer, thread_id: str, max_st
 
     Args:
         graph: a ``StateGraph`` or its compiled form (``nodes``, ``edges``, ``branches``, ``entry``, ``reducers``).
-        state: the input state (ignored when the thread resumes).
+        state: the input state (ignored when the thread resumes; never changed).
         checkpointer: where checkpoints go (``MemoryCheckpointer``, ``SqliteCheckpointer``).
         thread_id: the run's name in the checkpointer.
         max_steps: the most steps a run may take (its steps before a resume count too).
@@ -226,7 +228,7 @@ def run_graph(graph, state: dict | None, *, checkpointer, thread_id: str, max_st
             raise GraphRecursionError(f"the run took max_steps={max_steps} steps without reaching END (next node: "
                                       f"{node!r}); a loop that never exits? raise max_steps if it needs more")
         log = AttemptLog(trace, step + 1, node, sleep)
-        update = call_with_retry(graph.nodes[node].fn, dict(state), graph.nodes[node].retry,
+        update = call_with_retry(graph.nodes[node].fn, copy.deepcopy(state), graph.nodes[node].retry,
                                  sleep=log.sleep, on_attempt=log.on_attempt)
         log.done(update)
         state = merge_update(state, update, graph.reducers)
