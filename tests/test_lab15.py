@@ -352,3 +352,36 @@ def test_the_answers_the_text_forbids_are_refused_before_they_run():
         found = scan(source, modules, names, {"tl", "triton", "torch", "math"})
         assert found, source
         assert found[0].kind == SHORTCUT or "grading" in source, (source, found)
+
+
+def _lab_cells() -> dict[str, str]:
+    from grading.notebook import read_notebook
+
+    return {cell.metadata["nbgrader"]["grade_id"]: cell.source for cell in read_notebook(SOLUTION).cells}
+
+
+def test_the_labs_own_cells_import_nothing_from_the_checks_and_launch_the_blocks_task_1_states():
+    """The lab's cells (not the answers, not the tests) use public modules only, and the demonstration
+    launches the online softmax with a BLOCK the text allows (16 or 32)."""
+    cells = _lab_cells()
+    own = {grade_id: source for grade_id, source in cells.items()
+           if grade_id not in ANSWERS.values() and not grade_id.startswith("test_")}
+    for grade_id, source in own.items():
+        assert "grading.checks" not in source, f"{grade_id} imports from grading/checks"
+    launches = re.findall(r"online_softmax\([^()]*?,\s*(\d+)\)", cells["use_kernels"])
+    default = re.search(r"def online_softmax\(x: torch.Tensor, block: int = (\d+)\)", cells["launchers"])
+    assert launches and default and {int(b) for b in [*launches, default.group(1)]} <= {16, 32}
+    assert "16 or 32 in the checks" in cells["task1_md"]
+
+
+def test_the_bonus_states_the_bytes_per_weight_its_storage_takes():
+    """Task 4's text: half a byte per weight plus the scale's share, 0.625 with groups of 32 and 0.5625
+    with 64: what QuantLinear(bits=4) stores for those groups."""
+    from infra_lib.model.quant import QuantLinear, weight_bytes
+
+    text = " ".join(_lab_cells()["task4_md"].split())
+    stated = re.search(r"([0-9.]+) bytes with groups of 32 \(([0-9.]+) with groups of 64\)", text)
+    assert stated, "task 4's text should give the bytes per weight for groups of 32 and 64"
+    weight = torch.randn(64, 128)
+    for group, figure in zip((32, 64), stated.groups()):
+        assert float(figure) == weight_bytes(QuantLinear(weight, bits=4, group_size=group)) / weight.numel()
