@@ -97,8 +97,9 @@ def _cmd_grade(args) -> int:
         return _refuse("grade", "give a notebook, or --submissions DIR --lab LAB for a class")
     started = time.monotonic()
     from grading.grader import GradingError, grade_notebook
-    from grading.grading_times import estimate
-    from grading.report import default_out_dir, table, write_reports
+    from grading.grading_times import estimate, machine_load, remember_load
+    from grading.progress import mark_graded
+    from grading.report import default_out_dir, gradescope_results, table, write_reports
 
     sandboxed, problem = _use_bubblewrap(args, default=False)
     if problem:
@@ -109,8 +110,10 @@ def _cmd_grade(args) -> int:
     except (GradingError, ValueError) as exc:
         return _refuse_grading(args, str(exc))
     out_dir = Path(args.out) if args.out else default_out_dir(lab_id, args.notebook, GRADES)
-    print(f"grading {args.notebook} as {lab_id} (a fresh kernel runs the lab; {estimate(lab_id, GRADES)})...",
-          file=sys.stderr, flush=True)
+    load = machine_load()
+    expected = estimate(lab_id, GRADES, load=load)
+    print(f"grading {args.notebook} as {lab_id} (a fresh kernel runs the lab; {expected})...", file=sys.stderr, flush=True)
+    digest = _graded_answers(args, lab_id, limits)
     try:
         report = grade_notebook(args.notebook, lab_id=lab_id, source_dir=args.source, seed=args.seed, limits=limits)
     except (GradingError, ValueError) as exc:
@@ -118,16 +121,34 @@ def _cmd_grade(args) -> int:
     except Exception as exc:  # a grader bug: still a results.json in the --out folder
         return _refuse_grading(args, f"internal grader error: {type(exc).__name__}: {exc}", EXIT_PROBLEM)
     written = write_reports(report, out_dir)
+    mark_graded(out_dir, digest)  # `infra-lab progress` reuses this grading while the answers stay the same
+    remember_load(out_dir, gradescope_results(report), load)
     print(table(report))
     print(f"\nwrote {', '.join(str(p) for p in written)}")
     print(f"graded in {time.monotonic() - started:.0f} s")
     return EXIT_OK
 
 
+def _graded_answers(args, lab_id: str, limits) -> str | None:
+    """The digest of the answers being graded (``grading.progress.answers_digest``); None when
+    the notebook cannot be read (the grading then says why)."""
+    from grading.grader import GradingError
+    from grading.notebook import NotebookError
+    from grading.progress import answers_digest
+
+    try:
+        return answers_digest(args.notebook, limits, lab_id, args.source)
+    except (GradingError, NotebookError, OSError):
+        return None
+
+
 def _write_failure(out_dir: Path, message: str) -> None:
+    from grading.progress import mark_graded
+
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"score": 0.0, "max_score": 0.0, "output": message, "tests": []}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    mark_graded(out_dir, None)  # this failure is no grading of the answers an earlier mark stood for
 
 
 def _cmd_grade_batch(args) -> int:

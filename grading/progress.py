@@ -2,7 +2,8 @@
 
 Grading a lab is slow (a fresh kernel runs it), so each grade is kept next to the lab's
 reports with a digest of what it depends on (the learner's answer cells and the trusted
-source): an unchanged lab is not graded again. Everything here returns data; the command
+source): an unchanged lab is not graded again, whether ``infra-lab progress`` or
+``infra-lab grade`` graded it (both mark their grading with ``mark_graded``). Everything here returns data; the command
 line (``infra-lab progress``) and each lab's progress cell only present it.
 """
 
@@ -124,12 +125,21 @@ def read_recorded(lab_id: str, grades: str | Path) -> LabProgress | None:
         return LabProgress(lab_id, graded=False, note=f"cannot read {path}: {exc}; grade the lab again")
 
 
-def answers_digest(path: Path, limits: Limits | None = None) -> str:
+def answers_digest(path: Path, limits: Limits | None = None, lab_id: str | None = None,
+                   source_dir: Path | None = None) -> str:
     """A digest of what grading depends on: the learner's answer cells, the lab
     (:func:`grading.lab_version.lab_version`, the key `infra-lab grade --submissions` uses too:
-    its notebook, its checks and the modules they run) and the limits."""
+    its notebook, its checks and the modules they run) and the limits.
+
+    Args:
+        path: the learner's notebook.
+        limits: the grader's limits (default ``Limits()``).
+        lab_id: the lab it is graded as (default: the one its file or folder names).
+        source_dir: the instructor notebooks (default ``solutions/``).
+    """
     from dataclasses import asdict
 
+    from grading.course import DEFAULT_SOURCE
     from grading.grader import trusted_source
     from grading.lab_version import lab_version
     from grading.notebook import grade_id, is_solution_cell, read_notebook
@@ -138,10 +148,21 @@ def answers_digest(path: Path, limits: Limits | None = None) -> str:
     for cell in read_notebook(path).cells:
         if is_solution_cell(cell):
             digest.update(f"{grade_id(cell)}\0{cell.source}\0".encode())
-    lab_id, source = trusted_source(path)
+    lab_id, source = trusted_source(path, lab_id, source_dir or DEFAULT_SOURCE)
     digest.update(lab_version(lab_id, source.parent.parent).encode())
     digest.update(json.dumps(asdict(limits or Limits()), sort_keys=True).encode())
     return digest.hexdigest()
+
+
+def mark_graded(out_dir: str | Path, digest: str | None) -> None:
+    """Mark the results.json in ``out_dir`` as the grading of the answers ``digest`` stands for, so
+    that ``infra-lab progress`` reuses it while they are unchanged; None (answers not known, or no
+    grade) removes the mark, so an earlier grading's mark is never taken for this one's."""
+    stamp = Path(out_dir) / STAMP
+    if digest is None:
+        stamp.unlink(missing_ok=True)
+    else:
+        stamp.write_text(digest)
 
 
 def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = None,
@@ -159,6 +180,7 @@ def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = 
         notebook cannot be graded at all.
     """
     from grading.grader import GradingError, grade_notebook
+    from grading.grading_times import machine_load, remember_load
     from grading.notebook import NotebookError
     from grading.report import gradescope_results, write_reports
 
@@ -168,12 +190,15 @@ def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = 
         cache, stamp = out_dir / RESULTS, out_dir / STAMP
         if not regrade and cache.is_file() and stamp.is_file() and stamp.read_text() == digest:
             return from_results(path.stem, json.loads(cache.read_text(encoding="utf-8")), UNCHANGED)
+        load = machine_load()
         report = grade_notebook(path, limits=limits or Limits())
         write_reports(report, out_dir)
-        stamp.write_text(digest)
+        mark_graded(out_dir, digest)
+        results = gradescope_results(report)
+        remember_load(out_dir, results, load)
     except (GradingError, NotebookError) as exc:
         return LabProgress(path.stem, graded=False, note=f"cannot grade: {exc}")
-    return from_results(report.lab_id, gradescope_results(report))
+    return from_results(report.lab_id, results)
 
 
 def measure_history(lab_dir: str | Path) -> list[tuple[str, dict]]:

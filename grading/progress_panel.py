@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from grading.grading_times import estimate
+from grading.grading_times import estimate, machine_load
 from grading.progress import RESULTS, LabProgress, read_recorded
 from infra_lib.controls import show_in
 
@@ -123,7 +123,7 @@ def progress_panel(lab_id: str, notebook: str | Path | None = None) -> widgets.V
     notebook = Path(notebook) if notebook is not None else Path.cwd() / f"{lab_id}.ipynb"
     grades = grades_folder(lab_id, notebook.parent)
     output = widgets.Output()
-    expected = estimate(lab_id, grades)
+    expected = estimate(lab_id, grades)  # a quiet machine's time: the load is measured when the button is pressed
     button = widgets.Button(description=BUTTON_LABEL, icon="check", button_style="primary",
                             layout=widgets.Layout(width="auto"),
                             tooltip=f"grade the saved notebook in a fresh kernel ({expected})")
@@ -135,7 +135,7 @@ def progress_panel(lab_id: str, notebook: str | Path | None = None) -> widgets.V
             return
         button.disabled = True
         show_in(output, text=f"grading {notebook.name} as saved on disk (a fresh kernel runs the lab: "
-                             f"{estimate(lab_id, grades)})...\n")
+                             f"{estimate(lab_id, grades, load=machine_load())})...\n")
         try:
             result = grade_saved_notebook(notebook, grades)
             problem = "" if result.returncode == 0 else f"grading failed:\n{result.stderr[-2000:]}\n\n"

@@ -4,7 +4,10 @@ The test suite times every lesson it executes with ``QUICK=True`` and writes one
 lesson under ``build/notebook_times/``; ``measure`` times full runs the same way. ``update``
 merges those measurements into ``notebooks/run_times.json`` (committed) and rewrites the
 "**Run time**" paragraph of each lesson's first cell from it, so that a stated time is always
-a measured one. Nothing here asserts a time: a slow run only changes what the lessons say.
+a measured one. Each run records the machine's load (``grading.grading_times.machine_load``):
+a lesson states a quiet machine's time, and a run made while other programs were busy replaces
+it only when it is slower even scaled to a quiet machine. Nothing here asserts a time: a slow
+run only changes what the lessons say.
 
     python -m grading.run_times measure --full 06 09   # full runs of two lessons, recorded
     python -m grading.run_times update                  # measurements -> run_times.json -> lessons
@@ -21,6 +24,8 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+
+from grading.grading_times import Load, machine_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO_ROOT / "notebooks"
@@ -41,22 +46,43 @@ def describe(seconds: float) -> str:
     return f"about {max(1, round(seconds / 60))} min"
 
 
+def _run_load(entry: dict, mode: str) -> Load | None:
+    """The load a mode's stated run began at; None when it was quiet or not recorded."""
+    if entry.get(f"{mode}_quiet", True):
+        return None
+    return Load.from_dict({"busy": entry.get(f"{mode}_busy"), "cores": entry.get("cores", 2)})
+
+
 def run_time_paragraph(entry: dict) -> str:
-    """The lesson's stated run times, from its entry in run_times.json."""
+    """The lesson's stated run times, from its entry in run_times.json: a quiet machine's, and how
+    much longer other programs make it; a time measured while the machine was busy says so."""
     cores = entry.get("cores", 2)
-    return (f"{RUN_TIME_PREFIX} (measured on {cores} CPU cores): {describe(entry['quick_s'])} with `QUICK = True`, "
-            f"{describe(entry['full_s'])} with the full settings.")
+    times = f"{describe(entry['quick_s'])} with `QUICK = True`, {describe(entry['full_s'])} with the full settings"
+    busy = {mode: _run_load(entry, mode) for mode in MODES}
+    if not any(busy.values()):
+        stretched = Load(2.0 * cores, cores).slowdown()
+        return (f"{RUN_TIME_PREFIX} on a quiet machine with {cores} CPU cores: {times}. Other programs running at the "
+                f"same time make it longer: with {2 * cores} of them busy, about {stretched:.0f} times as long.")
+    measured = "; ".join(f"{'`QUICK`' if mode == 'quick' else 'full'} with {load.describe()}"
+                         for mode, load in busy.items() if load)
+    quiet = [describe(entry[f"{mode}_s"] / load.slowdown()) if load else describe(entry[f"{mode}_s"])
+             for mode, load in busy.items()]
+    return (f"{RUN_TIME_PREFIX} on {cores} CPU cores while other programs were busy ({measured}): {times}; "
+            f"on a quiet machine, {quiet[0]} and {quiet[1]}.")
 
 
-def record(stem: str, mode: str, seconds: float, out_dir: Path = MEASURED_DIR) -> Path:
-    """Write one measured run of a notebook (``build/notebook_times/<stem>.<mode>.json``)."""
+def record(stem: str, mode: str, seconds: float, out_dir: Path = MEASURED_DIR, load: Load | None = None) -> Path:
+    """Write one measured run of a notebook (``build/notebook_times/<stem>.<mode>.json``), with the
+    machine's load (``load``, else measured now) and whether that load left the machine quiet."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.{mode}.json"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = load or machine_load()
+    load_1min = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     row = {"notebook": stem, "mode": mode, "seconds": round(seconds, 1), "date": date.today().isoformat(),
-           "cores": os.cpu_count(), "load_1min": load, "under_pytest_xdist": bool(os.environ.get("PYTEST_XDIST_WORKER"))}
+           "cores": os.cpu_count(), "load_1min": load_1min, "under_pytest_xdist": bool(os.environ.get("PYTEST_XDIST_WORKER")),
+           **({"busy": load.as_dict()["busy"], "quiet": load.quiet} if load else {})}
     path.write_text(json.dumps(row, indent=1) + "\n", encoding="utf-8")
     return path
 
@@ -77,15 +103,38 @@ def read_times(path: Path = TIMES_FILE) -> dict[str, dict]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def _replaces(entry: dict, mode: str, row: dict) -> bool:
+    """Whether a recorded run takes the place of the entry's time for ``mode``.
+
+    A quiet run (or one whose load was not recorded) always does, as does any run for a mode
+    with no time yet or whose time was itself measured on a busy machine. A run on a busy
+    machine replaces a quiet machine's time only when, scaled to a quiet machine, it is still
+    longer (the lesson has grown slower): otherwise the quiet figure is the better one.
+    """
+    if f"{mode}_s" not in entry or row.get("quiet", True) or entry.get(f"{mode}_quiet") is False:
+        return True
+    load = Load.from_dict({"busy": row.get("busy"), "cores": row.get("cores")})
+    quiet_seconds = row["seconds"] / load.slowdown() if load else row["seconds"]
+    return quiet_seconds > entry[f"{mode}_s"]
+
+
 def merge(times: dict[str, dict], runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
-    """``times`` with each notebook's newest measurements in place of the old ones."""
+    """``times`` with each notebook's newest measurements in place of the old ones, a quiet
+    machine's kept over a busy one's (``_replaces``); each mode records whether it was quiet."""
     merged = {stem: dict(entry) for stem, entry in times.items()}
     for stem, modes in runs.items():
         entry = merged.setdefault(stem, {})
         for mode, row in modes.items():
+            if not _replaces(entry, mode, row):
+                continue
             entry[f"{mode}_s"] = row["seconds"]
             entry[f"{mode}_date"] = row["date"]
             entry["cores"] = row["cores"]
+            entry[f"{mode}_quiet"] = row.get("quiet", True)
+            if "busy" in row:
+                entry[f"{mode}_busy"] = row["busy"]
+            else:
+                entry.pop(f"{mode}_busy", None)
     return dict(sorted(merged.items()))
 
 

@@ -1,8 +1,10 @@
 """One time estimate per lab, the same in the README's chapter table, the lab's intro and the rule
-the README states; and the README's lesson times are the ones the lessons state."""
+the README states; the README's lesson times are the ones the lessons state; and the grader's
+estimate of how long grading takes, a quiet machine's time scaled to the load it measures."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -112,3 +114,77 @@ def test_a_lesson_names_its_lab_with_the_same_estimate(lesson):
     lab = found.group(1)
     want = rule_minutes(read_notebook(REPO / "solutions" / lab / f"{lab}.ipynb"))
     assert int(found.group(2)) == want, f"{lesson.name}: {lab} takes about {want} minutes by the README's rule"
+
+
+# --- how long grading takes: a quiet machine's time, scaled to the load the grader sees ----------------------
+
+def test_a_grading_estimate_is_a_quiet_machines_and_scales_with_the_load_at_start(tmp_path):
+    from grading.grading_times import Load, estimate, record
+
+    table, grades = record({"lab15_serving_kernels": 7.0}, tmp_path / "times.json"), tmp_path / "grades"
+    said = estimate("lab15_serving_kernels", grades, table)
+    assert said == "about 7 s on a quiet machine (as measured for the course)"
+    busy = estimate("lab15_serving_kernels", grades, table, load=Load(busy=4, cores=2))
+    assert busy == f"{said}; about 21 s at this load (4.0 busy processes on 2 cores)"
+    busier = estimate("lab15_serving_kernels", grades, table, load=Load(busy=8, cores=2))
+    assert busier.endswith("about 35 s at this load (8.0 busy processes on 2 cores)")
+    assert estimate("lab15_serving_kernels", grades, table, load=Load(busy=4, cores=16)).endswith(
+        "about 9 s at this load (4.0 busy processes on 16 cores)")  # the same processes weigh less on more cores
+    quiet = estimate("lab15_serving_kernels", grades, table, load=Load(busy=0.2, cores=2))
+    assert quiet == f"{said}; this machine is quiet now (0.2 busy processes on 2 cores)"
+
+
+def test_a_time_measured_at_load_is_scaled_to_a_quiet_machine_and_the_table_says_how_busy_it_was(tmp_path):
+    from grading.grading_times import Load, Measured, estimate, record
+
+    table = record({"lab16_capstone": Measured(120.0, Load(4, 2)), "lab02_roofline": Measured(8.0, Load(0.1, 2))},
+                   tmp_path / "times.json")
+    written = json.loads(table.read_text())
+    assert written["seconds"] == {"lab02_roofline": 8.0, "lab16_capstone": 120.0}
+    assert written["load"] == {"lab02_roofline": {"busy": 0.1, "cores": 2, "quiet": True},
+                               "lab16_capstone": {"busy": 4.0, "cores": 2, "quiet": False}}
+    assert estimate("lab16_capstone", tmp_path, table) == "about 40 s on a quiet machine (as measured for the course)"
+    assert estimate("lab02_roofline", tmp_path, table).startswith("about 8 s on a quiet machine")
+    record({"lab16_capstone": 45.0}, table)  # a run without a recorded load drops the old run's load
+    assert "lab16_capstone" not in json.loads(table.read_text())["load"]
+
+
+def test_the_last_grading_here_is_scaled_by_the_load_it_began_at(tmp_path):
+    from grading.grading_times import Load, estimate, record, remember_load
+
+    table, lab = record({}, tmp_path / "times.json"), tmp_path / "grades" / "lab01_gemm"
+    lab.mkdir(parents=True)
+    results = {"execution_time": 60.0, "tests": [{"name": "test_task1", "tags": []}],
+               "extra_data": {"graded_at": "2026-12-06T02:00:00+00:00"}}
+    (lab / "results.json").write_text(json.dumps(results))
+    assert estimate("lab01_gemm", lab.parent, table) == "about 60 s on a quiet machine (from its last grading here)"
+    remember_load(lab, results, Load(2, 2))
+    assert estimate("lab01_gemm", lab.parent, table).startswith("about 30 s on a quiet machine")
+    newer = {**results, "extra_data": {"graded_at": "2026-12-06T03:00:00+00:00"}}
+    (lab / "results.json").write_text(json.dumps(newer))  # a grading whose load was not kept: the old one's is not its
+    assert estimate("lab01_gemm", lab.parent, table).startswith("about 60 s on a quiet machine")
+    remember_load(lab, newer, None)
+    assert not (lab / "grading-load.json").exists()
+
+
+def test_machine_load_counts_the_other_running_processes(tmp_path, monkeypatch):
+    import os
+
+    from grading import grading_times
+    from grading.grading_times import Load, machine_load
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3 4\nprocs_running 5\nprocs_blocked 0\n")
+    monkeypatch.setattr(grading_times, "PROC_STAT", stat)
+    cores = len(os.sched_getaffinity(0))
+    assert machine_load(sample_s=0, samples=3) == Load(4.0, cores)  # the process reading the count is not counted
+    stat.write_text("procs_running 1\n")
+    assert machine_load(sample_s=0).quiet
+    monkeypatch.setattr(grading_times, "PROC_STAT", tmp_path / "absent")
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert machine_load(sample_s=0) == Load(3.0, cores)  # where the count cannot be read: the load average
+    for bad in (dict(busy=-1, cores=2), dict(busy=1, cores=0), dict(busy=float("nan"), cores=2)):
+        with pytest.raises(ValueError, match="busy|cores"):
+            Load(**bad)
+    with pytest.raises(ValueError, match="samples"):
+        machine_load(samples=0)

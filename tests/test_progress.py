@@ -186,3 +186,56 @@ def test_button_grades_the_saved_notebook_and_progress_reuses_that_grade(course,
     assert _panel_figure(panel)["data"][1]["y"][0] == 0.0  # task 1's bar is empty
     again = _progress(labs, tmp_path / "grades").stdout
     assert re.search(r"^lab01_gemm\s+8/10\s+3/4\s+\(unchanged since last grade\)", again, re.M), again
+
+
+def test_progress_reuses_the_grading_infra_lab_grade_made_of_the_same_answers(tmp_path, monkeypatch):
+    """`infra-lab grade` marks its grading as `infra-lab progress` does: progress right after it
+    grades nothing while the answers and the lab are unchanged, and grades again once they change."""
+    import nbformat
+
+    import grading.grader
+    from grading.notebook import is_solution_cell
+    from grading.progress import UNCHANGED, course_progress
+    from grading.sandbox import Limits
+
+    notebook = tmp_path / "labs" / "lab02_roofline" / "lab02_roofline.ipynb"
+    notebook.parent.mkdir(parents=True)
+    shutil.copy(LAB02, notebook)
+    graded = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "labs/lab02_roofline/lab02_roofline.ipynb"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    assert "on a quiet machine" in graded.stderr, graded.stderr  # the estimate it printed first
+
+    class Graded(Exception):
+        """Raised by the stand-in grader: reaching it is what counts."""
+
+    gradings = []
+
+    def count_grading(*args, **kwargs):
+        gradings.append(args)
+        raise Graded
+
+    monkeypatch.setattr(grading.grader, "grade_notebook", count_grading)
+    (row,) = course_progress([notebook], tmp_path / "grades", limits=Limits(), progress=False)
+    assert gradings == [] and row.note == UNCHANGED, row.note
+    assert row.graded and row.tests > 0 and row.not_started  # the untouched lab's grade, read back
+
+    changed = nbformat.read(notebook, as_version=4)
+    next(cell for cell in changed.cells if is_solution_cell(cell)).source += "\n# edited\n"
+    nbformat.write(changed, notebook)
+    with pytest.raises(Graded):
+        course_progress([notebook], tmp_path / "grades", limits=Limits(), progress=False)
+    assert len(gradings) == 1, "changed answers are graded again"
+
+
+def test_a_failed_grading_leaves_no_mark_of_an_earlier_one(tmp_path):
+    """A grading that could not be done (its results.json says why) is never reused as the grading
+    of the answers an earlier mark stood for."""
+    from grading.cli import main
+    from grading.progress import STAMP
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / STAMP).write_text("0" * 64)
+    assert main(["grade", str(tmp_path / "missing.ipynb"), "--out", str(out)]) != 0
+    assert json.loads((out / "results.json").read_text())["tests"] == [] and not (out / STAMP).exists()
