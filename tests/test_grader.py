@@ -195,13 +195,13 @@ def test_reports_of_any_other_file_go_beside_the_labs_own_record():
 def test_time_estimate_comes_from_the_labs_last_grading_else_the_measured_table(tmp_path):
     table_path = grading_times.record({"lab01_gemm": 31.04}, tmp_path / "times.json")
     grades = tmp_path / "grades"
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 31 s, as measured for the course"
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 31 s on a quiet machine (as measured for the course)"
     assert grading_times.estimate("lab42_new", grades, table_path) == "no time recorded for lab42_new yet"
 
     check = CheckResult("lab01.gemm_flops", False, False, "lab01.gemm_flops failed", "wrong result")
     graded = GradeReport("lab01_gemm", "alice.ipynb", 1, [GradedTest("test_task1", 0.0, 2.0, [check])], seconds=47.2)
     write_reports(graded, grades / "lab01_gemm" / "alice")
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s, as its last grading here"
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s on a quiet machine (from its last grading here)"
 
     # Newer records that ran no kernel say nothing of the lab's time: an unreadable notebook, a refusal.
     unreadable = unreadable_report("lab01_gemm", Path("lab01_gemm.ipynb"), read_notebook(SOLUTION01), "bad JSON", 0.01)
@@ -210,7 +210,7 @@ def test_time_estimate_comes_from_the_labs_last_grading_else_the_measured_table(
     (grades / "lab01_gemm" / "refused" / "results.json").write_text('{"score": 0, "max_score": 0, "tests": []}')
     for newer in (grades / "lab01_gemm" / "results.json", grades / "lab01_gemm" / "refused" / "results.json"):
         os.utime(newer, (os.path.getmtime(newer) + 60,) * 2)
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s, as its last grading here"
+    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s on a quiet machine (from its last grading here)"
 
     grading_times.record({"lab02_roofline": 12}, table_path)
     assert json.loads(table_path.read_text())["seconds"] == {"lab01_gemm": 31.0, "lab02_roofline": 12.0}
