@@ -128,6 +128,10 @@ class _Replay:
     def can_allocate(self, n: int):
         self.call("can_allocate", n)
 
+    def ref_count_unknown(self, negative: bool):
+        """The count of an id that is no block of this pool (a negative one must not count from the end)."""
+        self.call("ref_count", -1 if negative else self.num_blocks)
+
     def can_allocate_free(self, delta: int):
         self.call("can_allocate", max(0, self.num_free + delta))
 
@@ -160,6 +164,19 @@ class _Replay:
             if got is not None:
                 self.tables.append(got)
 
+    def fork_twice(self, pick: int):
+        """A held block listed twice in one fork: it gains two holders."""
+        held = [b for table in self.tables for b in table]
+        if held:
+            block = held[pick % len(held)]
+            got = self.call("fork", [block, block])
+            if got is not None:
+                self.tables.append(got)
+
+    def fork_unknown(self, pick: int, negative: bool):
+        """A live table's blocks and an id that is no block of this pool."""
+        self.call("fork", self._table(pick) + [-1 if negative else self.num_blocks])
+
     def fork_bad(self, pick: int):
         """A live table's blocks and one free block: nothing may be shared."""
         free = self._free_blocks()
@@ -182,6 +199,9 @@ class _Replay:
         shared = [(t, i) for t in self.tables for i, b in enumerate(t) if self.counts[b] > 1]
         if shared:
             self._write(*shared[pick % len(shared)])
+
+    def write_unknown(self, negative: bool):
+        self.call("prepare_write", -1 if negative else self.num_blocks)
 
     def write_free(self, pick: int):
         free = self._free_blocks()
@@ -351,14 +371,17 @@ _MISSED = {
         "any count or the free queue changes.",
     "refuse": {
         "allocate": "allocate serves a request in full or not at all: more blocks than are free is OutOfBlocks, and a "
-                    "negative count is a ValueError.",
+                    "count that is negative or not an int (a float such as 2.0, or a bool) is a ValueError.",
+        "ref_count": "an id outside 0 .. num_blocks - 1 is no block of the pool, a ValueError, and a negative one "
+                     "included: it must not count from the end of the list of counts.",
         "free": "free refuses a double free: within one call a block may be released at most as many times as "
                 "tables hold it, so a block listed twice that only one table holds is refused, and so is a free block "
                 "or an id outside the pool.",
         "fork": "only blocks some table holds can be shared: a free block, or an id outside the pool, anywhere in the "
                 "list refuses the whole fork.",
-        "prepare_write": "a table can only write blocks it holds, so writing a free block is refused; and a copy "
-                         "needs a free block, so when none is left the call is refused with OutOfBlocks.",
+        "prepare_write": "a table can only write blocks it holds, so writing a free block or an id outside the pool "
+                         "(a negative one included) is refused; and a copy needs a free block, so when none is left "
+                         "the call is refused with OutOfBlocks.",
         "": "this method must refuse this call: see the table of errors in the lab's text.",
     },
     "accept": {
@@ -519,7 +542,8 @@ def _allocate_scripts(rng: random.Random) -> list[dict]:
     return [
         {"num_blocks": n, "block_size": rng.choice([4, 16]), "ops": [
             ["allocate", rng.randint(1, 3)], ["can_allocate_free", 0], ["can_allocate_free", 1], ["allocate", 0],
-            ["allocate", 2], ["allocate_free", rng.randint(1, 3)], ["allocate", -1], ["allocate_free", 0],
+            ["allocate", 2], ["allocate_free", rng.randint(1, 3)], ["allocate", -1], ["allocate", 2.0],
+            ["allocate", True], ["ref_count_unknown", True], ["ref_count_unknown", False], ["allocate_free", 0],
             ["can_allocate", 1], ["can_allocate", 0], ["allocate", 0], ["allocate", 1]]},
         {"num_blocks": 1, "block_size": 8, "ops": [["allocate", 1], ["allocate", 1], ["can_allocate", 1]]},
     ]
@@ -544,6 +568,8 @@ def _fork_scripts(rng: random.Random) -> list[dict]:
     return [{"num_blocks": n, "block_size": 16, "ops": [
         ["fork_bad", rng.randrange(n)],  # sharing a block nobody holds
         ["allocate", 3], ["fork", 0], ["fork", 0],  # three tables hold the same 3 blocks
+        ["fork_unknown", 0, True], ["fork_unknown", 0, False],  # an id outside the pool: nothing is shared
+        ["fork_twice", rng.randrange(3)], ["free", 3, False],  # a block listed twice gains two holders, then loses them
         ["free", 0, True],  # one holder finishes: nothing is freed yet
         ["allocate", 1], ["fork_bad", 0],  # a held table plus a free block: nothing is shared
         ["fork", 2], ["free", 3, True], ["free_twice", 0],
@@ -555,6 +581,7 @@ def _cow_scripts(rng: random.Random) -> list[dict]:
     n = rng.randint(5, 8)
     return [{"num_blocks": n, "block_size": 4, "ops": [
         ["write_free", rng.randrange(n)],  # writing a block nobody holds
+        ["write_unknown", True], ["write_unknown", False],  # writing an id outside the pool
         ["allocate", 2],  # table A
         ["write", 0, 1],  # A holds it alone: write in place
         ["fork", 0],  # table A' shares both blocks
@@ -569,12 +596,14 @@ def _cow_scripts(rng: random.Random) -> list[dict]:
 
 
 _RANDOM_KINDS = {
-    1: {"allocate": 5, "allocate_free": 1, "can_allocate": 1, "can_allocate_free": 2},
+    1: {"allocate": 5, "allocate_free": 1, "can_allocate": 1, "can_allocate_free": 2, "ref_count_unknown": 1},
     2: {"allocate": 5, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
         "free_unknown": 1},
-    3: {"allocate": 4, "allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1, "fork": 4, "fork_bad": 1},
+    3: {"allocate": 4, "allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1, "fork": 4, "fork_bad": 1,
+        "fork_twice": 1, "fork_unknown": 1},
     4: {"allocate": 4, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
-        "free_unknown": 1, "fork": 3, "fork_bad": 1, "write": 3, "write_shared": 4, "write_free": 1},
+        "free_unknown": 1, "fork": 3, "fork_bad": 1, "fork_twice": 1, "write": 3, "write_shared": 4, "write_free": 1,
+        "write_unknown": 1},
 }
 _FIRST_OP = {1: "allocate", 2: "free_bad", 3: "fork_bad", 4: "write_free"}  # each task's own method first
 
@@ -588,6 +617,9 @@ def _random_op(rng: random.Random, kind: str) -> list:
         "can_allocate_free": [rng.choice([-1, 0, 1])],
         "free": [pick, rng.random() < 0.7],
         "free_unknown": [pick, rng.random() < 0.5],
+        "fork_unknown": [pick, rng.random() < 0.5],
+        "ref_count_unknown": [rng.random() < 0.5],
+        "write_unknown": [rng.random() < 0.5],
         "write": [pick, rng.randrange(1000)],
     }
     return [kind, *arguments.get(kind, [pick])]
