@@ -146,13 +146,14 @@ _TEXTS: dict[str, str | None] = {
                                "rows with a single finite logit",
     "lab15.softmax_two_passes": None,
     "lab15.flash_odd_shapes": "scores of the order of 10^4, scores near -300 for every visible key, scores that grow "
-                              "along the keys, tiles with BLOCK_M != BLOCK_N, and head_dim 64 with SmolLM2's three "
-                              "query heads per KV head",
+                              "along the keys, tiles with BLOCK_M != BLOCK_N, head_dim 64 with SmolLM2's three "
+                              "query heads per KV head, and a head dimension that is not contiguous with out a "
+                              "transposed view whose rows are padded",
     "lab15.flash_traffic": None,
     "lab15.flash_in_tiny_model": "the real SmolLM2-135M-Instruct model reading a short prompt through your kernel "
                                  "(its logits and first greedy token)",
-    "lab15.paged_ragged": "blocks of 6 slots, SmolLM2's 9 query heads over 3 KV heads with head_dim 64 and rows "
-                          "padded past head_dim, scores of the order of 10^4, a batch of empty contexts, and the small "
+    "lab15.paged_ragged": "blocks of 6 slots, SmolLM2's 9 query heads over 3 KV heads with head_dim 64 and the "
+                          "rows of q, out and the caches padded past head_dim (out's by another amount than q's), scores of the order of 10^4, a batch of empty contexts, and the small "
                           "random decoder decoding through your kernel",
     "lab15.paged_in_place": None,
     "lab15.gemv_q4_odd_shapes": "the bytes your kernel loads, on one row of x against SmolLM2's 576 inputs in groups "
