@@ -177,11 +177,25 @@ def test_numpy_percentile_is_numpys_not_the_reference_but_infra_lib_aliases_are(
 
 # --- tasks 8 and 9: the release rules ----------------------------------------------------------------
 
-def _gate(*, absolute=False, strict=False, finite=True, scores=("perplexity", "evidence_nll")):
+def _gate(*, absolute=False, strict=False, finite=True, scores=("perplexity", "evidence_nll"), validate=True,
+          divided=False):
     """passes_gate as a learner might write it, with one mistake switched on."""
     def passes_gate(candidate, current, tolerance=0.05):
+        if validate:
+            if not (math.isfinite(tolerance) and tolerance >= 0):
+                raise ValueError(f"bad tolerance {tolerance}")
+            for key in ("perplexity", "evidence_nll"):
+                if not (math.isfinite(getattr(current, key)) and getattr(current, key) >= 0):
+                    raise ValueError(f"bad current {key}")
         for key in scores:
             ours, theirs = getattr(candidate, key), getattr(current, key)
+            if divided:  # the same rule on paper, as a relative difference ("guarded": no division by a zero score)
+                if divided == "guarded" and theirs == 0:
+                    if not ours <= 0:
+                        return False
+                elif not (math.isfinite(ours) and (ours - theirs) / theirs <= tolerance):
+                    return False
+                continue
             limit = theirs + tolerance if absolute else theirs * (1 + tolerance)
             if ours > limit if not strict else ours >= limit:
                 return False
@@ -203,6 +217,70 @@ def test_task8_the_solution_passes_and_the_classic_gate_mistakes_are_named(solut
     assert "nan compares False with everything" in _fails("lab10.gate_edges", _gate(finite=False))
     assert "you judged perplexity only" in _fails("lab10.passes_gate", _gate(scores=("perplexity",)))
     assert "must return a bool" in _fails("lab10.passes_gate", lambda c, p, t=0.05: int(_gate()(c, p, t)))
+
+
+def test_task8_a_gate_written_as_a_relative_difference_fails_on_the_limit():
+    """(candidate - current) / current <= tolerance is the rule on paper, but rejects 16.8 against 16.0 at 5%,
+    which the lab says passes: the hidden check must fail it, whatever the grader's seed."""
+    from grading.registry import get_check
+
+    from infra_lib.ops.llmops import VersionCard
+
+    divided = _gate(divided="guarded")
+    card = VersionCard("x", "fp32", 16.8, 2.0, 1.0, 1.0)
+    assert not divided(card, VersionCard("p", "fp32", 16.0, 2.0, 1.0, 1.0))  # the case the lab names
+    text = _fails("lab10.gate_edges", divided)
+    assert "passes_gate gave the wrong verdict" in text and "rounds differently" in text
+    registered = get_check("lab10.gate_edges")
+    reference = registered.reference()
+    for seed in range(40):
+        inputs = registered.inputs(seed)
+        expected = registered.drive(reference, inputs)
+        assert registered.compare(registered.drive(divided, inputs), expected, inputs) is not None, seed
+        assert registered.compare(registered.drive(_gate(), inputs), expected, inputs) is None, seed
+        on_limit = [c for c in inputs if "exactly on its limit" in c["label"]]
+        assert on_limit and all(_gate()(*(_as_cards(c)), c["tolerance"]) for c in on_limit)
+
+
+def _as_cards(case):
+    from infra_lib.ops.llmops import VersionCard
+
+    return [VersionCard(name, "w", case[side]["perplexity"], case[side]["evidence_nll"], 1.0, 1.0)
+            for name, side in (("candidate", "candidate"), ("production", "current"))]
+
+
+@pytest.mark.parametrize("tolerance, current, candidate, outcome", [
+    (-0.05, (16.0, 2.0), (16.0, 2.0), ValueError),
+    (float("nan"), (16.0, 2.0), (16.0, 2.0), ValueError),
+    (float("inf"), (16.0, 2.0), (16.0, 2.0), ValueError),
+    (0.05, (float("nan"), 2.0), (16.0, 2.0), ValueError),
+    (0.05, (16.0, float("inf")), (16.0, 2.0), ValueError),
+    (0.05, (-16.0, 2.0), (16.0, 2.0), ValueError),
+    (0.05, (16.0, 0.0), (16.0, 0.0), True),
+    (0.05, (16.0, 0.0), (16.0, 1e-9), False),
+    (0.05, (16.0, 2.0), (16.0, 0.0), True),
+    (0.05, (16.0, 2.0), (16.0, float("-inf")), False),
+    (0.05, (16.0, 2.0), (16.8, 2.0), True),
+])
+def test_task8_edges_as_the_text_states_them(solution, tolerance, current, candidate, outcome):
+    """The lab's text, the solution, the library's gate and the check agree on nan, infinite and zero scores
+    and on invalid tolerances."""
+    from infra_lib.ops.llmops import VersionCard, gate
+
+    cards = [VersionCard(name, "w", ppl, nll, 1.0, 1.0) for name, (ppl, nll) in (("c", candidate), ("p", current))]
+    for judge in (solution["passes_gate"],
+                  lambda c, p, t: gate(c, p, perplexity_tolerance=t, evidence_tolerance=t).passed):
+        if outcome is ValueError:
+            with pytest.raises(ValueError):
+                judge(*cards, tolerance)
+        else:
+            assert judge(*cards, tolerance) is outcome
+
+
+def test_task8_a_gate_that_accepts_invalid_input_or_divides_by_a_zero_score_fails():
+    assert "should raise ValueError on an invalid input" in _fails("lab10.gate_edges", _gate(validate=False))
+    text = _fails("lab10.gate_edges", _gate(divided=True))
+    assert "ZeroDivisionError" in text or "rounds differently" in text
 
 
 def _verdict(solution, *, at_least=False, with_failed=False, floor=True, rule=None, use_max=False, defaults=False):

@@ -31,6 +31,22 @@ def test_the_gate_compares_quality_with_production_within_a_tolerance():
     assert not gate(_card("e", ppl=float("nan")), current).passed
 
 
+def test_the_gate_passes_a_score_on_its_limit_and_refuses_invalid_input():
+    current = _card("a")
+    assert gate(_card("b", ppl=16.8), current).passed  # 16.0 * 1.05: on the limit, which passes
+    assert not gate(_card("c", ppl=16.8), current, perplexity_tolerance=0.049).passed
+    assert gate(_card("d", nll=0.0), _card("z", nll=0.0)).passed
+    assert not gate(_card("e", nll=1e-12), _card("z", nll=0.0)).passed
+    with pytest.raises(ValueError, match="tolerance must be a finite fraction >= 0"):
+        gate(_card("f"), current, perplexity_tolerance=-0.01)
+    with pytest.raises(ValueError, match="tolerance must be a finite fraction >= 0"):
+        gate(_card("f"), current, evidence_tolerance=float("nan"))
+    with pytest.raises(ValueError, match="broken's perplexity is nan"):
+        gate(_card("f"), _card("broken", ppl=float("nan")))
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        gate(_card("f"), _card("negative", nll=-1.0))
+
+
 def test_the_registry_keeps_stages_and_reasons_in_one_file(tmp_path):
     registry = Registry(tmp_path / "registry.json")
     registry.register(_card("v1"))

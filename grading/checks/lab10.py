@@ -839,6 +839,27 @@ def _gate_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
+def _divided(candidate: float, current: float, tolerance: float) -> bool:
+    """The gate written as a relative difference, (candidate - current) / current <= tolerance: the same rule on
+    paper, but its rounding differs from the product's, so it disagrees on some scores on the limit."""
+    return (candidate - current) / current <= tolerance
+
+
+def _on_the_limit(rng: random.Random, want_disagreement: int, past: bool = False) -> list[tuple[float, float, float]]:
+    """(current, candidate, tolerance) with the candidate exactly on the limit current * (1 + tolerance), as
+    floating point computes it (``past``: the next float above it), drawn until the division form gives the
+    other verdict: on the limit it rejects what the rule passes; just past it, it passes what the rule rejects."""
+    found = []
+    while len(found) < want_disagreement:
+        current = round(rng.uniform(1.5, 60.0), rng.choice([1, 2, 3]))
+        tolerance = rng.choice([0.01, 0.02, 0.025, 0.03, 0.05, 0.1, 0.15, 0.2])
+        limit = current * (1 + tolerance)
+        candidate = math.nextafter(limit, math.inf) if past else limit
+        if _divided(candidate, current, tolerance) == past:
+            found.append((current, candidate, tolerance))
+    return found
+
+
 def _gate_edges(rng: random.Random) -> list[dict]:
     ppl, nll = 16.0 + rng.randint(-8, 8) / 8, 2.0 + rng.randint(-8, 8) / 32
     t = 0.0625
@@ -849,6 +870,7 @@ def _gate_edges(rng: random.Random) -> list[dict]:
         _gate_case("a candidate whose perplexity is nan (its evaluation diverged)", (ppl, nll), (_NAN, nll), t),
         _gate_case("a candidate whose evidence score is nan", (ppl, nll), (ppl, _NAN), t),
         _gate_case("a candidate whose perplexity is infinite", (ppl, nll), (float("inf"), nll), t),
+        _gate_case("a candidate whose evidence score is minus infinity", (ppl, nll), (ppl, float("-inf")), t),
         _gate_case("a tolerance of zero and an identical candidate", (ppl, nll), (ppl, nll), 0.0),
         _gate_case("a tolerance of zero and a candidate worse by 1/64", (ppl, nll), (ppl + 1 / 64, nll), 0.0),
         _gate_case("a large tolerance (1.0: twice as bad still passes)", (ppl, nll), (2 * ppl, 2 * nll - 0.25), 1.0),
@@ -858,7 +880,26 @@ def _gate_edges(rng: random.Random) -> list[dict]:
                    (16.0, 2.0), (16.5, 2.0), t),
         _gate_case("a gap of 0.0625 in evidence NLL that is past a relative tolerance of 0.0625 at 0.5",
                    (16.0, 0.5), (16.0, 0.5625), t),
+        _gate_case("the lab's own example on the limit: perplexity 16.8 against 16.0 at 5%", (16.0, nll), (16.8, nll),
+                   0.05),
+        _gate_case("a current evidence score of 0 and a candidate at 0 too", (ppl, 0.0), (ppl, 0.0), t),
+        _gate_case("a current evidence score of 0 and a candidate just above it", (ppl, 0.0), (ppl, 0.015625), t),
+        _gate_case("a candidate evidence score of 0 (better than any positive one)", (ppl, nll), (ppl, 0.0), t),
+        _gate_case("a negative tolerance", (ppl, nll), (ppl, nll), -0.05),
+        _gate_case("a tolerance that is nan", (ppl, nll), (ppl, nll), _NAN),
+        _gate_case("a current perplexity that is nan (production's card is broken)", (_NAN, nll), (ppl, nll), t),
+        _gate_case("a current evidence score that is infinite", (ppl, float("inf")), (ppl, nll), t),
+        _gate_case("a current perplexity that is negative", (-ppl, nll), (ppl, nll), t),
     ]
+    for current, candidate, tolerance in _on_the_limit(rng, 3):
+        cases.append(_gate_case("a perplexity exactly on its limit (current times (1 + tolerance))",
+                                (current, nll), (candidate, nll), tolerance))
+    for current, candidate, tolerance in _on_the_limit(rng, 1):
+        cases.append(_gate_case("an evidence score exactly on its limit (current times (1 + tolerance))",
+                                (ppl, current), (ppl, candidate), tolerance))
+    for current, candidate, tolerance in _on_the_limit(rng, 1, past=True):
+        cases.append(_gate_case("a perplexity just past its limit (the next float above current times "
+                                "(1 + tolerance))", (current, nll), (candidate, nll), tolerance))
     rng.shuffle(cases)
     return cases
 
@@ -870,18 +911,24 @@ def _drive_gate(fn, cases: list[dict]) -> list:
 
 def _describe_gate(case: dict) -> str:
     c, p = case["candidate"], case["current"]
-    return (f"{case['label']}: candidate perplexity {_fmt(c['perplexity'])}, evidence_nll {_fmt(c['evidence_nll'])}; "
-            f"current perplexity {_fmt(p['perplexity'])}, evidence_nll {_fmt(p['evidence_nll'])}; "
-            f"tolerance {case['tolerance']}")
+    exact = repr  # every digit: a score on its limit must read as on it
+    return (f"{case['label']}: candidate perplexity {exact(c['perplexity'])}, evidence_nll "
+            f"{exact(c['evidence_nll'])}; current perplexity {exact(p['perplexity'])}, evidence_nll "
+            f"{exact(p['evidence_nll'])}; tolerance {case['tolerance']!r}")
 
 
-def _variant_gate(case: dict, *, absolute=False, strict=False, nan_passes=False, only=None, higher=False) -> bool:
-    """The gate with one common mistake, for the message."""
+def _variant_gate(case: dict, *, absolute=False, strict=False, nan_passes=False, only=None, higher=False,
+                  divided=False) -> bool | None:
+    """The gate with one common mistake, for the message (None where that mistake would raise)."""
     t = case["tolerance"]
     for key in _SCORES if only is None else (only,):
         ours, theirs = case["candidate"][key], case["current"][key]
         if higher:
             ok = ours >= theirs * (1 - t)
+        elif divided:
+            if theirs == 0:
+                return None
+            ok = _divided(ours, theirs, t)
         else:
             limit = theirs + t if absolute else theirs * (1 + t)
             ok = ours < limit if strict else ours <= limit
@@ -906,6 +953,9 @@ def _gate_problem(case: dict, got, want):
         "you judged perplexity only: the evidence score must be within the tolerance too": {"only": "perplexity"},
         "you judged the evidence score only: perplexity must be within the tolerance too": {"only": "evidence_nll"},
         "both scores are better when lower (a negative log-likelihood and its exponential)": {"higher": True},
+        "the limit is the current score times (1 + tolerance), compared with <=: a relative difference, the gap "
+        "divided by the current score, rounds differently in floating point and puts some scores that sit exactly "
+        "on the limit past it (or some just past it within it)": {"divided": True},
     }
     fits = [why for why, flags in mistakes.items() if _variant_gate(case, **flags) == got]
     note = "; " + "; or ".join(fits) if fits else ""
@@ -918,8 +968,10 @@ def _compare_gate(got, expected, cases):
 
 
 _GATE_HINT = ("a candidate passes when each of its two scores, perplexity and evidence_nll (both lower is better), is a "
-              "number no larger than the current version's times (1 + tolerance); a score on its limit passes, and "
-              "a nan or infinite score fails whatever the comparison says. "
+              "number no larger than the current version's times (1 + tolerance), that product as floating point "
+              "gives it; a score on its limit passes, and a nan or infinite candidate score fails whatever the "
+              "comparison says. A negative or nan tolerance, and a current score that is nan, infinite or negative, "
+              "are invalid input (ValueError). "
               "chapter 11, section “7 · LLMOps: a registry, an evaluation gate, a canary, a rollback”.")
 
 register(Check(check_id="lab10.passes_gate", task=_TASKS["passes_gate"],
@@ -928,7 +980,9 @@ register(Check(check_id="lab10.passes_gate", task=_TASKS["passes_gate"],
 register(Check(check_id="lab10.gate_edges", task=_TASKS["passes_gate"],
                reference=lambda: reference_passes_gate, make_inputs=_gate_edges, drive=_drive_gate,
                compare=_compare_gate,
-               hint=_GATE_HINT + " Scores exactly on their limits, nan and infinite scores, tolerances of 0 and 1."))
+               hint=_GATE_HINT + " Scores exactly on their limits (the product, not a relative difference, decides), "
+                                 "nan and infinite scores, scores of 0, tolerances of 0 and 1, and invalid tolerances "
+                                 "and current scores."))
 
 
 # --- task 9: the canary's verdict ---------------------------------------------------------------------

@@ -198,11 +198,27 @@ def gate(candidate: VersionCard, current: VersionCard, *, perplexity_tolerance: 
          evidence_tolerance: float = 0.05) -> GateResult:
     """Whether ``candidate`` may serve: its perplexity and its RAG evidence score no more than the
     tolerances (relative) worse than ``current``'s. Speed and memory are reported, not gated: a
-    slower version is the canary's business."""
+    slower version is the canary's business.
+
+    The rule, score by score: ``candidate_score <= current_score * (1 + tolerance)``, the product
+    computed in floating point, so a score exactly on that limit passes (16.8 against 16.0 at 5%).
+    A candidate score that is nan or infinite (an evaluation that diverged) fails. A current score
+    of 0 allows nothing above 0.
+
+    Raises:
+        ValueError: a tolerance that is negative or not a finite number, or a current score that is
+            nan, infinite or negative (production's card is broken: there is nothing to compare with).
+    """
+    scores = (("perplexity", current.perplexity, candidate.perplexity, perplexity_tolerance),
+              ("RAG evidence NLL", current.evidence_nll, candidate.evidence_nll, evidence_tolerance))
+    for what, theirs, _, tolerance in scores:
+        if not (math.isfinite(tolerance) and tolerance >= 0):
+            raise ValueError(f"the {what} tolerance must be a finite fraction >= 0 (0.05 is 5%), got {tolerance!r}")
+        if not (math.isfinite(theirs) and theirs >= 0):
+            raise ValueError(f"{current.name}'s {what} is {theirs!r}: the current version's scores must be finite "
+                             "and >= 0 to compare a candidate with; measure it again")
     reasons = []
-    for what, theirs, ours, tolerance in (("perplexity", current.perplexity, candidate.perplexity, perplexity_tolerance),
-                                          ("RAG evidence NLL", current.evidence_nll, candidate.evidence_nll,
-                                           evidence_tolerance)):
+    for what, theirs, ours, tolerance in scores:
         limit = theirs * (1 + tolerance)
         ok = math.isfinite(ours) and ours <= limit
         reasons.append(f"{what} {ours:.3f} against {theirs:.3f} for {current.name} "
