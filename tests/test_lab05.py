@@ -78,7 +78,7 @@ def test_task1_ignoring_the_byte_counts_and_validation_are_named():
 
 def test_task1_integer_arithmetic_passes():
     def integer(num_params, num_devices, stage, *, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
-        if stage not in range(4) or type(num_devices) is not int or num_devices < 1 or num_params < 0:
+        if stage not in range(4) or type(num_devices) is not int or num_devices < 1 or not num_params >= 0:
             raise ValueError("invalid")
         sharded = {0: 0, 1: optimizer_bytes, 2: grad_bytes + optimizer_bytes,
                    3: param_bytes + grad_bytes + optimizer_bytes}[stage]
@@ -86,6 +86,35 @@ def test_task1_integer_arithmetic_passes():
 
     check("lab05.zero_memory", integer)
     check("lab05.zero_memory_edges", integer)
+
+
+def test_task1_stage_is_compared_by_value_and_a_nan_is_invalid(solution):
+    """The text: 1.0 and True are stage 1 and False stage 0; 1.5 and nan raise, and so does a num_params of nan."""
+    from infra_lib.training.zero import zero_memory_per_device as reference
+
+    mine = solution["zero_memory_per_device"]
+    for fn in (mine, reference):
+        assert fn(1e9, 8, 1.0) == fn(1e9, 8, True) == fn(1e9, 8, 1) and fn(1e9, 8, False) == fn(1e9, 8, 0)
+        for bad in ((1e9, 8, 1.5), (1e9, 8, float("nan")), (float("nan"), 8, 1)):
+            with pytest.raises(ValueError):
+                fn(*bad)
+    check("lab05.zero_memory_edges", mine)
+
+    def strict_stage(num_params, num_devices, stage, **bytes_per):
+        if type(stage) is not int:
+            raise ValueError(f"stage must be an int, got {stage!r}")
+        return mine(num_params, num_devices, stage, **bytes_per)
+
+    text = _fails("lab05.zero_memory_edges", strict_stage)
+    assert "raised an exception on a valid input" in text and "compared by value" in text
+
+    def nan_params_pass(num_params, num_devices, stage, **bytes_per):
+        if num_params != num_params:  # nan: computed through, as `num_params < 0` lets it
+            return float("nan")
+        return mine(num_params, num_devices, stage, **bytes_per)
+
+    text = _fails("lab05.zero_memory_edges", nan_params_pass)
+    assert "should raise ValueError" in text and "num_params=nan" in text and "negative or nan" in text
 
 
 # --- task 2: shard_bounds -------------------------------------------------------------------------
@@ -244,6 +273,65 @@ def test_task3_a_loop_that_never_ends_is_stopped_and_named():
         time.sleep(0.05)
 
 
+def test_task3_a_rank_that_skips_the_exchange_of_an_empty_chunk_is_told_the_number_of_exchanges():
+    """With fewer elements than ranks some chunks are empty; leaving their exchange out shifts every later message,
+    which surfaces as a size mismatch. The message must name the count of exchanges, not the chunk indices."""
+    def skips(both: bool):
+        def ring_all_reduce(tensor, comm):
+            world, rank = comm.world_size, comm.rank
+            flat = tensor.reshape(-1)
+            chunks = list(torch.tensor_split(flat, world))
+            right, left = (rank + 1) % world, (rank - 1) % world
+
+            def empty(send, receive):
+                sizes = (chunks[send].numel(), chunks[receive].numel())
+                return sizes == (0, 0) if both else sizes[0] == 0
+
+            for step in range(world - 1):
+                send, receive = (rank - step) % world, (rank - step - 1) % world
+                if empty(send, receive):
+                    continue
+                incoming = torch.empty_like(chunks[receive])
+                comm.exchange(chunks[send], right, incoming, left)
+                chunks[receive] += incoming
+            for step in range(world - 1):
+                send, receive = (rank + 1 - step) % world, (rank - step) % world
+                if not empty(send, receive):
+                    comm.exchange(chunks[send], right, chunks[receive], left)
+            if flat.data_ptr() != tensor.data_ptr():
+                tensor.copy_(flat.view_as(tensor))
+            return tensor
+
+        return ring_all_reduce
+
+    for both in (False, True):
+        check("lab05.ring_sum", skips(both))  # sizes W divides: no empty chunk, nothing to skip
+        for check_id in ("lab05.ring_any_tensor", "lab05.ring_edges"):
+            text = _fails(check_id, skips(both))
+            assert "left out the exchange of an empty chunk" in text and "the number of exchanges is not" in text
+            assert "exactly 2 (W - 1) =" in text and "check which chunk index" not in text
+
+
+def test_task3_a_wrong_chunk_index_still_points_at_the_indices():
+    def wrong_receive(tensor, comm):
+        world, rank = comm.world_size, comm.rank
+        flat = tensor.reshape(-1)
+        chunks = list(torch.tensor_split(flat, world))
+        right, left = (rank + 1) % world, (rank - 1) % world
+        for step in range(world - 1):
+            send, receive = (rank - step) % world, (rank - step + 1) % world  # the right neighbour's chunk
+            incoming = torch.empty_like(chunks[receive])
+            comm.exchange(chunks[send], right, incoming, left)
+            chunks[receive] += incoming
+        for step in range(world - 1):
+            send, receive = (rank + 1 - step) % world, (rank - step) % world
+            comm.exchange(chunks[send], right, chunks[receive], left)
+        return tensor
+
+    text = _fails("lab05.ring_any_tensor", wrong_receive)
+    assert "left out the exchange" not in text
+
+
 def test_task3_a_rank_that_raises_is_named():
     def rank1_fails(tensor, comm):
         if comm.rank == 1:
@@ -360,6 +448,26 @@ def test_task4_a_gradient_at_a_masked_entry_is_caught_even_when_tiny(solution):
 
     text = _fails("lab05.softmax_backward", leaky)
     assert "exactly 0 (a masked entry)" in text and "attention weights" in text
+
+
+def test_task4_a_fully_masked_row_has_zero_probabilities_and_a_zero_gradient(solution):
+    """The text: a row masked everywhere arrives as all-zero probabilities, and its gradient is exactly 0; a backward
+    that renormalises by the row's sum turns it into nan, and the hidden check says where."""
+    from grading.registry import get_check
+
+    registered = get_check("lab05.softmax_backward_edges")
+    assert any(case["mask"] == "padded" for case in registered.inputs(0))
+    probs = torch.tensor([[0.0, 0.0, 0.0], [0.25, 0.75, 0.0]])
+    grad = torch.tensor([[1.0, -2.0, 3.0], [0.5, 1.0, 2.0]])
+    assert torch.equal(solution["softmax_backward"](probs, grad)[0], torch.zeros(3))
+    check("lab05.softmax_backward_edges", solution["softmax_backward"])
+
+    def renormalises(probs, grad):
+        return probs * (grad - (grad * probs).sum(-1, keepdim=True) / probs.sum(-1, keepdim=True))
+
+    check("lab05.softmax_backward", renormalises)  # no fully masked row there: the same numbers
+    text = _fails("lab05.softmax_backward_edges", renormalises)
+    assert "exactly 0 (a masked entry)" in text and "fully masked" in text
 
 
 def _rms_mistake(kind):

@@ -90,6 +90,11 @@ def _zero_edge_cases(rng: random.Random) -> list[dict]:
         _zero_case(rng.choice([175e9, 530e9]), 1, 1),
         _zero_case(1e9, 8, 4), _zero_case(1e9, 8, -1), _zero_case(1e9, 0, 1), _zero_case(1e9, -4, 2),
         _zero_case(1e9, 2.5, 1), _zero_case(-1, 8, 1),
+        # A stage is compared by value, as Python compares numbers: 1.0 and True are stage 1, False stage 0;
+        # 1.5 and nan are no stage. A num_params of nan is not a count.
+        _zero_case(rng.choice([1e9, 2e9]), 8, 1.0), _zero_case(rng.choice([1e9, 2e9]), 8, True),
+        _zero_case(rng.choice([1e9, 2e9]), 4, False), _zero_case(1e9, 8, 1.5), _zero_case(1e9, 8, math.nan),
+        _zero_case(math.nan, 8, 1),
     ]
 
 
@@ -158,11 +163,14 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
                 continue
             got_text = f"it raised {value}" if got_kind == "raised" else f"it returned {value!r}"
             return Mismatch(f"zero_memory_per_device should raise {error} on an invalid input",
-                            f"on {where}: {got_text}; raise ValueError for a stage outside 0..3, num_devices that "
-                            "is not a positive int, or a negative num_params")
+                            f"on {where}: {got_text}; raise ValueError for a stage that is not 0, 1, 2 or 3 by "
+                            "value (1.5 and nan are none of them), num_devices that is not a positive int, or a "
+                            "num_params that is negative or nan")
         if got_kind == "raised":
+            note = ("; a stage is compared by value, as `stage in (0, 1, 2, 3)` compares it: 1.0 and True are "
+                    "stage 1, False stage 0" if type(case["stage"]) is not int else "")
             return Mismatch("zero_memory_per_device raised an exception on a valid input",
-                            f"on {where}: expected {want:g} bytes, your code raised {value}")
+                            f"on {where}: expected {want:g} bytes, your code raised {value}{note}")
         if got_kind != "value" or not is_number(value):
             return Mismatch("zero_memory_per_device must return a number of bytes (an int or a float)",
                             f"on {where}: got {value!r:.80}")
@@ -185,8 +193,10 @@ register(Check(check_id="lab05.zero_memory_edges", task=_TASKS[1],
                reference=reference(_ZERO, "zero_memory_per_device"), make_inputs=_zero_edge_cases,
                drive=_drive_zero, compare=_compare_zero,
                hint=_ZERO_HINT + " Other byte counts (optimizer_bytes=0 for plain SGD), no parameters, one device, "
-                                 "and invalid arguments (a stage outside 0 to 3, a num_devices that is not a "
-                                 "positive int, a negative num_params), which raise ValueError."))
+                                 "stages given as 1.0, True or False (compared by value: stages 1, 1 and 0), and "
+                                 "invalid arguments (a stage that is none of 0 to 3, 1.5 and nan included, a "
+                                 "num_devices that is not a positive int, a num_params that is negative or nan), "
+                                 "which raise ValueError."))
 
 
 # --- task 2: shard_bounds ------------------------------------------------------------------------
@@ -379,6 +389,7 @@ class _CountingComm:
         self.last: tuple | None = None  # (to, source) of the latest exchange
         self.done = False
         self.thread: threading.Thread | None = None
+        self.sizes: list[str] = []  # "sent/received" elements, exchange by exchange
 
     @property
     def bytes_sent(self) -> int:
@@ -387,6 +398,7 @@ class _CountingComm:
     def exchange(self, send, to, recv, source) -> None:
         """Send ``send`` to rank ``to`` and receive into ``recv`` from rank ``source``, both at once."""
         self.messages += 1
+        self.sizes.append(f"{_numel(send)}/{_numel(recv)}")
         self.peers.add((to, source))
         self.waiting, self.last = True, (to, source)
         self._comm.exchange(send, to, recv, source)
@@ -430,13 +442,68 @@ def _run_ring_case(ring, case: dict) -> list:
                           f"(its exchange number {comms[r].messages})" for r in waiting)
         text = (f"TimeoutError: {_ranks(waiting)} waiting in exchange after {RANK_TIMEOUT_S:g} s for a message no "
                 f"rank sent: {calls}")
-        return ["raised", text]
+        return ["raised", text[:400] + _sends_line(comms)]
     except RuntimeError as exc:  # a rank raised: the group names it
         if isinstance(exc.__cause__, (NotImplementedError, MemoryError)):
             raise exc.__cause__ from None
-        return ["raised", f"{exc}"[:400]]
+        return ["raised", f"{exc}"[:400] + _sends_line(comms)]
     finally:  # a rank waiting in exchange ends with its receive's own time-out; one running its own code may not
         _stop_threads([c.thread for c in comms.values() if not c.done and not c.waiting])
+
+
+_SENDS = "\n  elements each rank sent/received, exchange by exchange: "
+
+
+def _numel(tensor) -> int:
+    try:
+        return int(tensor.numel())
+    except Exception:  # not a tensor: the exchange itself reports it
+        return -1
+
+
+def _sends_line(comms: dict) -> str:
+    """Every rank's exchanges so far, as the sizes it sent and received into: the comparison reads the order."""
+    return _SENDS + "; ".join(f"rank {r} [{' '.join(c.sizes[:16])}]" for r, c in sorted(comms.items()))
+
+
+def _ring_order(numel: int, world: int, rank: int) -> list[str]:
+    """"sent/received" elements at each of a ring rank's 2 (W - 1) exchanges (chunks from an even split)."""
+    sizes = [numel // world + (c < numel % world) for c in range(world)]
+    scatter = [(sizes[(rank - step) % world], sizes[(rank - step - 1) % world]) for step in range(world - 1)]
+    gather = [(sizes[(rank + 1 - step) % world], sizes[(rank - step) % world]) for step in range(world - 1)]
+    return [f"{a}/{b}" for a, b in scatter + gather]
+
+
+def _skipped_empty(done: list[str], order: list[str]) -> bool:
+    """Whether ``done`` follows the ring's ``order`` with some exchanges of an empty chunk left out."""
+    i, skipped = 0, False
+    for exchange in done:
+        while i < len(order) and order[i] != exchange and "0" in order[i].split("/"):
+            i, skipped = i + 1, True
+        if i == len(order) or order[i] != exchange:
+            return False
+        i += 1
+    return skipped
+
+
+def _skipped_note(text: str, case: dict) -> str:
+    """The note for a rank that left out the exchange of an empty chunk: the count of exchanges is wrong."""
+    import re
+
+    if _SENDS not in text:
+        return ""
+    numel, world = math.prod(case["shape"]), case["world"]
+    for rank, listed in re.findall(r"rank (\d+) \[([-\d/ ]*)\]", text.split(_SENDS, 1)[1]):
+        done = listed.split()
+        order = _ring_order(numel, world, int(rank))
+        if _skipped_empty(done, order):
+            return (f"\n  rank {rank} left out the exchange of an empty chunk: its exchanges sent/received "
+                    f"[{' '.join(done)}] elements where the ring's are [{' '.join(order)}]. The chunk indices are "
+                    "right; the number of exchanges is not. "
+                    f"Every rank calls exchange exactly 2 (W - 1) = {2 * (world - 1)} times, also when the chunk it "
+                    "sends or receives is empty: an empty tensor is still a message, its neighbour's receive is "
+                    "waiting for it, and one left out shifts every later message by one")
+    return ""
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -483,6 +550,9 @@ def _tolerance(dtype: str) -> tuple[float, float]:
 
 def _raised_note(text: str, case: dict) -> str:
     numel, world = math.prod(case["shape"]), case["world"]
+    skipped = _skipped_note(text, case)
+    if skipped:
+        return skipped
     if "waiting in exchange" in text:
         return ("\n  a rank waits in exchange for a message that no rank sent it. Every rank must call exchange the "
                 "same number of times (2 (W - 1)), each time sending to its right neighbour (rank + 1) % W and "
@@ -700,10 +770,11 @@ _RING_CHECKS = (
       "2 (W - 1) / W of the tensor's bytes whatever W is. Up to 8 ranks, float64 tensors.")),
     ("lab05.ring_any_tensor", _ring_any_cases, _compare_ring_sum,
      _RING_HINT + " Sizes W does not divide (chunks differ by one element), fewer elements than ranks (empty "
-                  "chunks), 2-D, non-contiguous (flattening one gives a copy, not a view: the sum must still reach "
+                  "chunks, still exchanged: every rank makes 2 (W - 1) exchanges whatever the sizes), 2-D, non-contiguous (flattening one gives a copy, not a view: the sum must still reach "
                   "the tensor) and float64 tensors (received data keeps the tensor's dtype)."),
     ("lab05.ring_edges", _ring_edge_cases, _compare_ring_sum,
-     _RING_HINT + " One rank, empty tensors, int64, strided and permuted views, 5 ranks."),
+     _RING_HINT + " One rank, empty tensors, fewer elements than ranks (an empty chunk is exchanged like any "
+                  "other: 2 (W - 1) exchanges per rank), int64, strided and permuted views, 5 ranks."),
 )
 for _check_id, _make, _compare, _hint in _RING_CHECKS:
     register(Check(check_id=_check_id, task=_TASKS[3], reference=reference(_COLLECTIVES, "ring_all_reduce"),
@@ -864,6 +935,8 @@ def _softmax_edges(rng: random.Random) -> list[dict]:
             _softmax_case(rng, "a one-element tensor", [1]),
             _softmax_case(rng, "a causal mask with fewer queries than keys", [2, t, t + 3], mask="causal"),
             _softmax_case(rng, "rows masked everywhere but the diagonal", [3, 6, 6], mask="diagonal"),
+            _softmax_case(rng, "fully masked (padding) rows, all-zero probabilities, among causal rows", [2, 6, 6],
+                          mask="padded"),
             _softmax_case(rng, "probabilities from logits of the order of 1e4", [5, 9], scale=1e4),
             _softmax_case(rng, "causal float64 attention weights", [1, 3, 6, 6], dtype="float64", mask="causal"),
             _softmax_case(rng, "a transposed (non-contiguous) tensor", [7, 4], layout="transposed"),
@@ -879,9 +952,12 @@ def _softmax_inputs(case: dict):
         scores = scores.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, strided
     if case["mask"] != "none":
         t, s = case["shape"][-2:]
-        keep = torch.ones(t, s, dtype=torch.bool).tril(s - t) if case["mask"] == "causal" else torch.eye(t, s) > 0
+        keep = torch.eye(t, s) > 0 if case["mask"] == "diagonal" else torch.ones(t, s, dtype=torch.bool).tril(s - t)
+        if case["mask"] == "padded":
+            keep[::3] = False  # every third query row masked everywhere: padding
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(getattr(torch, case["dtype"]))
+    # A fully masked row has no probabilities (softmax gives nan): like attention kernels, it holds zeros.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0).to(getattr(torch, case["dtype"]))
     grad = _randn(case["seed"] + 1, case["shape"], case["dtype"])
     if case["layout"] == "transposed":
         grad = grad.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -980,7 +1056,8 @@ register(Check(check_id="lab05.softmax_backward_edges", task=_TASKS[4],
                reference=reference(_AUTOGRAD, "softmax_backward"), make_inputs=_softmax_edges, drive=_drive_softmax,
                compare=_compare_softmax,
                hint=_SOFTMAX_HINT + " Single-element rows, rectangular causal masks, rows masked everywhere but the "
-                                    "diagonal (probability 1), probabilities from logits of the order of 1e4, float64 "
+                                    "diagonal (probability 1), fully masked rows (all probabilities 0, so the whole "
+                                    "row's gradient is 0), probabilities from logits of the order of 1e4, float64 "
                                     "and non-contiguous tensors."))
 
 
