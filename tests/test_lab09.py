@@ -30,11 +30,16 @@ _fails = check_fails
 
 # --- tasks 1 and 2: quantisation ----------------------------------------------------------------------
 
-def _quantize(*, scale_of=lambda groups: groups.abs().amax(-1) / 127, rounding=torch.round, validate=True):
+def _quantize(*, scale_of=lambda groups: groups.abs().amax(-1) / 127, rounding=torch.round, validate=True,
+              refuse_non_finite=True, refuse_bool=True):
     def quantize(w, group_size):
         if validate and (not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point()
-                         or w.shape[1] % group_size):
+                         or type(group_size) not in (int, bool) or group_size < 1 or w.shape[1] % group_size):
             raise ValueError("invalid weight or group size")
+        if refuse_non_finite and isinstance(w, torch.Tensor) and not torch.isfinite(w).all():
+            raise ValueError("w holds nan or inf")
+        if refuse_bool and isinstance(group_size, bool):
+            raise ValueError("a bool is no group size")
         groups = w.float().reshape(w.shape[0], -1, group_size)
         scales = scale_of(groups)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -46,7 +51,8 @@ def _quantize(*, scale_of=lambda groups: groups.abs().amax(-1) / 127, rounding=t
 
 def test_task1_half_up_rounding_and_multiplying_by_the_inverse_scale_pass():
     def half_up(w, group_size):
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or w.shape[1] % group_size:
+        if (type(group_size) is not int or group_size < 1 or not isinstance(w, torch.Tensor) or w.dim() != 2
+                or not w.is_floating_point() or w.shape[1] % group_size or not torch.isfinite(w).all()):
             raise ValueError("invalid")
         groups = w.float().reshape(w.shape[0], -1, group_size)
         amax = groups.abs().amax(-1)
@@ -79,6 +85,16 @@ def test_task1_invalid_weights_must_raise_value_error():
     assert "should raise ValueError on an invalid input" in text and "group_size=48" in text
 
 
+@pytest.mark.parametrize("refuse_non_finite, refuse_bool, named", [
+    (False, True, "] = nan), group_size=16: it returned a result"),
+    (True, False, "group_size=True: it returned a result"),
+])
+def test_task1_non_finite_weights_and_a_bool_group_size_must_raise(refuse_non_finite, refuse_bool, named):
+    """The task states both: a weight holding nan or inf, and group_size=True, raise ValueError."""
+    text = _fails("lab09.quantize_int8_edges", _quantize(refuse_non_finite=refuse_non_finite, refuse_bool=refuse_bool))
+    assert "should raise ValueError on an invalid input" in text and named in text
+
+
 def test_task2_tiled_scales_and_division_are_named():
     text = _fails("lab09.dequantize_int8", lambda q, s, g: q.float() * s.repeat(1, g))
     assert "tiled" in text and "repeat_interleave" in text
@@ -86,6 +102,17 @@ def test_task2_tiled_scales_and_division_are_named():
     assert "you divided by the scale" in text
     text = _fails("lab09.dequantize_roundtrip", lambda q, s, g: q.float() * s.repeat_interleave(g, 1))
     assert "should raise ValueError" in text  # scales of the wrong shape: a broadcast error, not a ValueError
+
+
+def test_task2_a_q_that_is_not_int8_must_raise():
+    def any_dtype(q, scales, group_size):
+        if scales.shape != (q.shape[0], q.shape[1] // group_size) or q.shape[1] % group_size:
+            raise ValueError("scales do not fit q")
+        return q.float() * scales.repeat_interleave(group_size, 1)
+
+    check("lab09.dequantize_int8", any_dtype)
+    text = _fails("lab09.dequantize_roundtrip", any_dtype)
+    assert "should raise ValueError on an invalid input" in text and "(torch.int32)" in text
 
 
 # --- task 3 ------------------------------------------------------------------------------------------
@@ -97,7 +124,7 @@ def test_task3_gamma_terms_and_a_equal_to_one_are_named():
     assert "ZeroDivisionError" in text and "E = gamma + 1" in text
 
     def summed(a, g):
-        if not 0 <= a <= 1:
+        if not 0 <= a <= 1 or g < 0:
             raise ValueError(a)
         return float(sum(a ** i for i in range(g + 1)))
 
@@ -105,18 +132,33 @@ def test_task3_gamma_terms_and_a_equal_to_one_are_named():
     check("lab09.expected_tokens_edges", summed)
 
 
+def test_task3_a_negative_gamma_must_raise():
+    def closed_form(a, g):
+        if not 0 <= a <= 1:
+            raise ValueError(a)
+        return float(g + 1) if a == 1 else (1 - a ** (g + 1)) / (1 - a)
+
+    check("lab09.expected_tokens", closed_form)
+    text = _fails("lab09.expected_tokens_edges", closed_form)
+    assert "should raise ValueError on an invalid input" in text and "gamma=-" in text
+
+
 # --- task 4: the acceptance rule ------------------------------------------------------------------------
 
-def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=True, upfront=False):
-    """A rule with one deliberate change from the correct one."""
+def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=True, upfront=False, uniform="own"):
+    """A rule with one deliberate change from the correct one. ``uniform``: "own" (a draw per judged token
+    from the generator), "shared" (one draw for the whole step) or "python" (Python's random module)."""
+    import random
 
     def rule(p, q, draft_tokens, generator=None):
         uniforms = torch.rand(len(draft_tokens), generator=generator) if upfront else None
+        shared = float(torch.rand((), generator=generator))
         accepted, replacement = [], None
         for i, x in enumerate(draft_tokens):
-            u = float(uniforms[i]) if upfront else float(torch.rand((), generator=generator))
+            u = {"own": lambda: float(uniforms[i]) if upfront else float(torch.rand((), generator=generator)),
+                 "shared": lambda: shared, "python": random.random}[uniform]()
             ratio = float(p[i, x]) / float(q[i, x])
-            if {"ratio": u < ratio, "reversed": u > ratio}[accept]:
+            if {"ratio": u < ratio, "reversed": u > ratio, "swapped": u * ratio < 1}[accept]:  # swapped: u < q / p
                 accepted.append(x)
                 continue
             residual = torch.clamp(p[i] - q[i], min=0)
@@ -139,8 +181,31 @@ def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=T
 def test_task4_a_correct_rule_with_its_own_random_draws_passes_every_check(solution):
     rule = _rule(upfront=True)  # the same rule, consuming the generator in another order
     for check_id in ("lab09.accept_greedy", "lab09.accept_distribution", "lab09.accept_distribution_more",
-                     "lab09.speculative_greedy"):
+                     "lab09.accept_own_generator", "lab09.speculative_greedy"):
         check(check_id, rule)
+
+
+def test_task4_a_rule_drawing_from_the_global_generator_fails():
+    """It passes every check of what comes out, yet a seeded speculative run is not reproducible."""
+    from infra_lib.serving.speculative import accept_or_resample
+
+    def global_draws(p, q, draft_tokens, generator=None):
+        return accept_or_resample(p, q, draft_tokens, None)
+
+    check("lab09.accept_distribution", global_draws)
+    text = _fails("lab09.accept_own_generator", global_draws)
+    assert "drew from torch's global random generator" in text and "not reproducible" in text
+
+
+def test_task4_a_rule_drawing_from_pythons_random_fails():
+    text = _fails("lab09.accept_own_generator", _rule(uniform="python"))
+    assert "the same generator seed gave different steps in two runs" in text
+
+
+def test_task4_the_swapped_ratio_is_named():
+    """Keeping a draft token with probability min(1, q/p) is named, not left as a bare chi-square table."""
+    text = _fails("lab09.accept_distribution", _rule(accept="swapped"))
+    assert "min(1, q(x) / p(x)), the ratio upside down" in text and "chi-square p-value" in text
 
 
 def test_task4_resampling_from_p_is_caught_statistically_and_named():
@@ -230,3 +295,62 @@ def test_under_the_grader_honest_answers_record_data_and_the_reference_is_a_shor
     check("lab09.quantize_int8", lambda w, g: quantize_symmetric(w, 8, g))
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     assert [row["kind"] for row in rows] == [None, None, "reference shortcut", "reference shortcut"]
+
+
+# --- rules each task states, each held by a check --------------------------------------------------------
+
+def test_task1_a_group_size_that_is_no_positive_int_must_raise():
+    def quantize(w, group_size):  # checks everything but the group size's type and sign
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or not torch.isfinite(w).all():
+            raise ValueError("invalid weight")
+        if isinstance(group_size, bool) or w.shape[1] % group_size:
+            raise ValueError("invalid group size")
+        return _quantize(validate=False)(w, int(group_size))
+
+    text = _fails("lab09.quantize_int8_edges", quantize)
+    assert "group_size=0: your code raised ZeroDivisionError" in text or "group_size=0: it raised" in text
+
+
+def test_task2_a_group_size_that_does_not_divide_the_row_must_raise():
+    def dequantize(q, scales, group_size):
+        if q.dtype != torch.int8 or scales.shape != (q.shape[0], q.shape[1] // group_size):
+            raise ValueError("scales do not fit q")
+        return (q.float()[:, :scales.shape[1] * group_size] * scales.repeat_interleave(group_size, 1))
+
+    text = _fails("lab09.dequantize_roundtrip", dequantize)
+    assert "should raise ValueError on an invalid input" in text and "group_size=48" in text
+
+
+def test_task3_an_int_result_is_not_a_float():
+    def exact(a, g):
+        if not 0 <= a <= 1 or g < 0:
+            raise ValueError(a)
+        return g + 1 if a == 1 else (1 - a ** (g + 1)) / (1 - a)  # the int g + 1 at a = 1
+
+    text = _fails("lab09.expected_tokens_edges", exact)
+    assert "must return a float" in text and "got the int" in text
+
+
+def test_task4_tensors_for_token_ids_are_named():
+    def tensors(p, q, draft_tokens, generator=None):
+        accepted, token = _rule()(p, q, draft_tokens, generator)
+        return accepted, torch.tensor(token)
+
+    text = _fails("lab09.accept_greedy", tensors)
+    assert "returned next_token as a Tensor" in text and "a Python int is needed" in text
+
+
+def test_task4_changing_p_in_place_is_named():
+    def in_place(p, q, draft_tokens, generator=None):
+        result = _rule()(p, q, draft_tokens, generator)
+        p.mul_(0.5)
+        return result
+
+    text = _fails("lab09.accept_greedy", in_place)
+    assert "changed its inputs in place" in text and "p differed after the call" in text
+
+
+def test_task4_one_uniform_draw_for_every_draft_token_is_caught():
+    """Each judged token needs a draw of its own: sharing one couples the acceptances."""
+    text = _fails("lab09.accept_distribution", _rule(uniform="shared"))
+    assert "one uniform draw decided every draft token of a step" in text and "chi-square p-value" in text

@@ -37,6 +37,50 @@ _TASKS = {1: "lab09 task 1: quantize_int8_groupwise", 2: "lab09 task 2: dequanti
 
 # --- calling the implementation -------------------------------------------------------------------
 
+def _reference_under_contract(module: str, name: str, refuse):
+    """The reference ``module.name`` behind the lab's own input rules: ``refuse(*args)`` returns what is
+    wrong with the arguments ("" when nothing is), and the call raises ValueError with it. The lab states
+    rules for inputs (a bool group size, a weight holding nan, an int32 q, a negative gamma) that the
+    library function leaves to its callers."""
+    load_library = reference(module, name)
+
+    def load():
+        function = load_library()
+
+        def under_contract(*args):
+            problem = refuse(*args)
+            if problem:
+                raise ValueError(problem)
+            return function(*args)
+
+        return under_contract
+
+    load.target = load_library.target  # what grading.hidden_reference hides from a sandboxed kernel
+    return load
+
+
+def _refuse_weight(w, group_size) -> str:
+    import torch
+
+    if isinstance(group_size, bool):
+        return f"group_size must be a positive int, not the bool {group_size}"
+    if isinstance(w, torch.Tensor) and w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        return "w holds nan or inf: its group's scale would not be a number"
+    return ""
+
+
+def _refuse_quantized(q, scales, group_size) -> str:
+    import torch
+
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        return f"q must be a torch.int8 tensor, got {q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}"
+    return ""
+
+
+def _refuse_gamma(acceptance, gamma) -> str:
+    return f"gamma must be an int >= 0, got {gamma}" if gamma < 0 else ""
+
+
 def _expect_raise(name: str, got_kind: str, got_value, want_error: str, where: str) -> Mismatch | None:
     error = want_error.split(":")[0]
     if got_kind == "raised" and str(got_value).split(":")[0] == error:
@@ -59,6 +103,9 @@ def _weight(case: dict):
     for row, group in case.get("zero_groups", []):
         g = case["group"]
         w[row, group * g:(group + 1) * g] = 0.0
+    if case.get("non_finite"):  # one weight that is not a number
+        row, col = case["non_finite_at"]
+        w[row, col] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[case["non_finite"]]
     w = w.to(getattr(torch, case.get("dtype", "float32")))
     if case.get("layout") == "1d":
         return w.flatten()
@@ -79,7 +126,9 @@ def _describe_weight(case: dict) -> str:
         extra += f", outlier input channels {case['outlier_columns']} (x{case['outlier_factor']:g})"
     if case.get("zero_groups"):
         extra += f", all-zero groups (row, group) {case['zero_groups']}"
-    return f"w of shape {shape} ({kind}, std {case['std']:g}{extra}), group_size={case['group']}"
+    if case.get("non_finite"):
+        extra += f", w{case['non_finite_at']} = {case['non_finite']}"
+    return f"w of shape {shape} ({kind}, std {case['std']:g}{extra}), group_size={case['group']!r}"
 
 
 def _weight_case(rng: random.Random, rows: int, cols: int, group: int, **extra) -> dict:
@@ -117,6 +166,10 @@ def _quantize_edge_cases(rng: random.Random) -> list[dict]:
         _weight_case(rng, 4, 64, 16, layout="1d"),
         _weight_case(rng, 4, 64, 16, layout="3d"),
         _weight_case(rng, 4, 64, 16, layout="int"),
+        *(_weight_case(rng, 4, 64, 16, non_finite=kind, non_finite_at=[rng.randrange(4), rng.randrange(64)])
+          for kind in ("nan", "inf", "-inf")),
+        _weight_case(rng, 4, 64, True),  # a bool is no group size, though Python counts True as 1
+        *(_weight_case(rng, 4, 64, group) for group in (0, -16, 16.0)),  # not a positive int
     ]
 
 
@@ -292,15 +345,20 @@ _QUANTIZE_HINT = ("each run of group_size consecutive weights in a row is a grou
                   "toward zero, and kept inside that range (chapter 09, section “5 · Weight-only quantisation”). q is "
                   "int8 with w's shape and scales is float32 with one entry per group, computed in float32 whatever "
                   "w's dtype; an all-zero group has scale 0 and q 0, never nan, and ValueError is raised for a weight "
-                  "that is not a 2-D floating-point tensor or a group_size that does not divide the row.")
+                  "that is not a 2-D floating-point tensor or holds nan or inf, and for a group_size that is not a "
+                  "positive int (a bool is not one) dividing the row.")
+
+_QUANTIZE_REFERENCE = _reference_under_contract(_QUANT, "quantize_int8_groupwise", _refuse_weight)
 
 for check_id, make, note in (
         ("lab09.quantize_int8", _quantize_cases, ""),
         ("lab09.quantize_int8_edges", _quantize_edge_cases,
-         " Group size 1, whole rows of zeros, float64/float16/bfloat16 weights, and invalid arguments."),
+         (" Group size 1, whole rows of zeros, float64/float16/bfloat16 weights, and invalid arguments: 1-D, "
+          "3-D and integer weights, a weight holding nan, inf or -inf, a group_size that does not divide the row, "
+          "and the bool True as group_size.")),
         ("lab09.quantize_int8_llm_rows", _quantize_llm_cases,
          " Rows as long as SmolLM2's projections, small weights with outlier input channels.")):
-    register(Check(check_id=check_id, task=_TASKS[1], reference=reference(_QUANT, "quantize_int8_groupwise"),
+    register(Check(check_id=check_id, task=_TASKS[1], reference=_QUANTIZE_REFERENCE,
                    make_inputs=make, drive=_drive_quantize, compare=_compare_quantize, hint=_QUANTIZE_HINT + note))
 
 
@@ -330,6 +388,8 @@ def _dequantize_inputs(case: dict):
             scales[row, group] = 0.0
     if case.get("bad_scales"):
         scales = torch.cat([scales, scales[:, :1]], dim=1)
+    if case.get("q_dtype"):
+        q = q.to(getattr(torch, case["q_dtype"]))
     return q, scales
 
 
@@ -349,6 +409,9 @@ def _dequantize_roundtrip_cases(rng: random.Random) -> list[dict]:
         {**_weight_case(rng, 6, 128, 1), "from_weight": True},
         {**_weight_case(rng, 4, 96, 32, zero_groups=[[0, 1], [3, 0]]), "from_weight": True},
         {"seed": rng.randrange(10**6), "shape": [4, 64], "group": 16, "std": 1.0, "bad_scales": True},
+        *({"seed": rng.randrange(10**6), "shape": [4, 32], "group": 8, "std": 1.0, "q_dtype": dtype}
+          for dtype in ("int32", "float32")),
+        {"seed": rng.randrange(10**6), "shape": [4, 64], "group": 48, "std": 1.0},  # 48 does not divide 64
     ]
 
 
@@ -357,8 +420,8 @@ def _describe_dequantize(case: dict) -> str:
     n_scales = cols // case["group"] + (1 if case.get("bad_scales") else 0)
     source = (f"from a quantised weight ({_describe_weight(case)})" if case.get("from_weight")
               else "random int8 values and scales")
-    return (f"q of shape [{rows}, {cols}] with scales of shape [{rows}, {n_scales}], group_size={case['group']}, "
-            f"{source}")
+    return (f"q of shape [{rows}, {cols}] (torch.{case.get('q_dtype', 'int8')}) with scales of shape [{rows}, "
+            f"{n_scales}], group_size={case['group']}, {source}")
 
 
 def _drive_dequantize(dequantize, cases: list[dict]) -> list:
@@ -421,16 +484,19 @@ def _compare_dequantize(got, expected, cases):
 _DEQUANTIZE_HINT = ("the way back undoes task 1's division: each int8 value goes back through the scale of its own "
                     "group, the group_size consecutive values of its row that the scale covers (not every n-th value "
                     "of the row), so every weight returns within half a step of the original. The result is float32 "
-                    "with q's shape; ValueError is raised when scales does not hold one scale per group of each row.")
+                    "with q's shape; ValueError is raised when q is not int8 or scales does not hold one scale per "
+                    "group of each row.")
+
+_DEQUANTIZE_REFERENCE = _reference_under_contract(_QUANT, "dequantize_int8_groupwise", _refuse_quantized)
 
 register(Check(check_id="lab09.dequantize_int8", task=_TASKS[2],
-               reference=reference(_QUANT, "dequantize_int8_groupwise"), make_inputs=_dequantize_cases,
+               reference=_DEQUANTIZE_REFERENCE, make_inputs=_dequantize_cases,
                drive=_drive_dequantize, compare=_compare_dequantize, hint=_DEQUANTIZE_HINT))
 register(Check(check_id="lab09.dequantize_roundtrip", task=_TASKS[2],
-               reference=reference(_QUANT, "dequantize_int8_groupwise"), make_inputs=_dequantize_roundtrip_cases,
+               reference=_DEQUANTIZE_REFERENCE, make_inputs=_dequantize_roundtrip_cases,
                drive=_drive_dequantize, compare=_compare_dequantize,
-               hint=_DEQUANTIZE_HINT + " Quantised weights with long rows, group size 1, zero groups, and scales of "
-                                       "the wrong shape."))
+               hint=_DEQUANTIZE_HINT + " Quantised weights with long rows, group size 1, zero groups, scales of "
+                                       "the wrong shape, and a q of dtype int32 or float32."))
 
 
 # --- task 3: expected_tokens_per_step --------------------------------------------------------------
@@ -440,8 +506,9 @@ def _expected_cases(rng: random.Random) -> list[list]:
 
 
 def _expected_edge_cases(rng: random.Random) -> list[list]:
-    return [[0.0, rng.randint(1, 8)], [1.0, rng.randint(1, 8)], [1, 4], [round(rng.uniform(0.1, 0.9), 3), 0],
-            [0.999999, rng.randint(2, 6)], [1.5, 3], [-0.1, 2], [round(rng.uniform(0.5, 0.99), 4), 16]]
+    return [[0.0, rng.randint(1, 8)], [0, rng.randint(1, 8)], [1.0, rng.randint(1, 8)], [1, 4], [round(rng.uniform(0.1, 0.9), 3), 0],
+            [0.999999, rng.randint(2, 6)], [1.5, 3], [-0.1, 2], [round(rng.uniform(0.5, 0.99), 4), 16],
+            [round(rng.uniform(0.1, 0.9), 3), -rng.randint(1, 3)], [1.0, -1]]
 
 
 def _drive_expected(fn, cases: list[list]) -> list:
@@ -486,6 +553,9 @@ def _compare_expected(got, expected, cases):
                     if a == 1 else "")
             return Mismatch(f"expected_tokens_per_step raised {str(value).split(':')[0]} on a valid input",
                             f"on {where}: expected {want!r}, your code raised {value}{note}")
+        if is_number(value) and type(value) is not float and math.isclose(value, want, rel_tol=1e-7):
+            return Mismatch("expected_tokens_per_step must return a float",
+                            f"on {where}: got the {type(value).__name__} {value!r}; the value is right")
         if not is_number(value) or math.isnan(value) or not math.isclose(value, want, rel_tol=1e-7):
             note = _expected_note(a, gamma, value) if is_number(value) else ""
             return Mismatch("expected_tokens_per_step returned the wrong number",
@@ -497,14 +567,17 @@ _EXPECTED_HINT = ("a step yields its accepted draft tokens plus one token of the
                   "counts only when every draft token up to it was accepted, so the chances shrink geometrically and "
                   "there is one more term than there are draft tokens (chapter 09, section “2 · The acceptance "
                   "rule”). At acceptance 1 every draft token and the target's token come out, with no division by "
-                  "zero; the result is a float, and an acceptance outside [0, 1] raises ValueError.")
+                  "zero; the result is a float, and an acceptance outside [0, 1] or a negative gamma raises ValueError.")
 
-register(Check(check_id="lab09.expected_tokens", task=_TASKS[3], reference=reference(_SPEC, "expected_tokens_per_step"),
+_EXPECTED_REFERENCE = _reference_under_contract(_SPEC, "expected_tokens_per_step", _refuse_gamma)
+
+register(Check(check_id="lab09.expected_tokens", task=_TASKS[3], reference=_EXPECTED_REFERENCE,
                make_inputs=_expected_cases, drive=_drive_expected, compare=_compare_expected, hint=_EXPECTED_HINT))
 register(Check(check_id="lab09.expected_tokens_edges", task=_TASKS[3],
-               reference=reference(_SPEC, "expected_tokens_per_step"), make_inputs=_expected_edge_cases,
+               reference=_EXPECTED_REFERENCE, make_inputs=_expected_edge_cases,
                drive=_drive_expected, compare=_compare_expected,
-               hint=_EXPECTED_HINT + " a = 0, a = 1 (also the int 1), gamma = 0, a very close to 1, a outside [0, 1]."))
+               hint=_EXPECTED_HINT + " a = 0, a = 1 (also the int 1), gamma = 0, a very close to 1, a outside [0, 1], "
+                                      "a negative gamma."))
 
 
 # --- task 4: the acceptance rule, plugged into speculative decoding --------------------------------
@@ -580,13 +653,31 @@ def _drive_greedy(rule, cases: list[dict]) -> list:
     results = []
     for case in cases:
         p, q = _one_hot(case["target"], case["vocab"]), _one_hot(case["draft"], case["vocab"])
+        p_given, q_given = p.clone(), q.clone()
         generator = torch.Generator().manual_seed(case["seed"]) if case["seed"] is not None else None
         item = outcome(rule, p, q, list(case["draft"]), generator)
         if item[0] == "value":
             accepted, token, problem = _as_step(item[1], case["vocab"])
-            item = ["value", {"problem": problem} if problem else {"accepted": accepted, "next": token}]
+            problem = problem or _not_python_ints(item[1])
+            item = ["value", {"problem": problem} if problem else {
+                "accepted": accepted, "next": token,
+                "changed": [name for name, now, given in (("p", p, p_given), ("q", q, q_given))
+                            if not torch.equal(now, given)]}]
         results.append(item)
     return results
+
+
+def _not_python_ints(result) -> str:
+    """What is not as the task states in a well-formed step: a list of Python ints and a Python int."""
+    accepted, token = result
+    if type(accepted) is not list:
+        return f"returned accepted as a {type(accepted).__name__}: a list is needed"
+    wrong = next((t for t in accepted if type(t) is not int), None)
+    if wrong is not None:
+        return f"returned an accepted token as a {type(wrong).__name__} ({str(wrong)[:40]}): Python ints are needed"
+    if type(token) is not int:
+        return f"returned next_token as a {type(token).__name__} ({str(token)[:40]}): a Python int is needed"
+    return ""
 
 
 def _describe_greedy(case: dict) -> str:
@@ -643,6 +734,10 @@ def _compare_greedy(got, expected, cases):
         if value.get("problem"):
             return Mismatch("accept_or_resample must return (accepted, next_token): a list of accepted draft token "
                             "ids and one token id", f"on {where}: your function {value['problem']}")
+        if value.get("changed"):
+            return Mismatch("accept_or_resample changed its inputs in place",
+                            f"on {where}: {' and '.join(value['changed'])} differed after the call; the loop reads "
+                            "them again, so the rule must leave them as it got them")
         if value != want:
             return Mismatch("accept_or_resample gave the wrong step on one-hot (greedy) distributions",
                             f"on {where}: expected accepted={want['accepted']}, next_token={want['next']}; got "
@@ -707,13 +802,23 @@ def _distribution_cases(rng: random.Random) -> list[dict]:
             weights[i] = 2.0 ** (-rank)
         far_q.append([round(x, 6) for x in _normalised(weights)])
     zero_p = [_row(rng, vocab, zeros=2) for _ in range(4)]
-    return [
+    cases = [
         _distribution_case(rng, "a draft close to the target, gamma=2", close_p,
                            [_towards(rng, row, 0.7) for row in close_p[:2]]),
         _distribution_case(rng, "a draft that prefers the target's least likely tokens, gamma=1", far_p, far_q),
         _distribution_case(rng, "a draft with mass on tokens the target never picks (p = 0), gamma=3", zero_p,
                            [_row(rng, vocab) for _ in range(3)]),
     ]
+    half_q, half_p = [], []
+    for _ in range(2):  # the draft proposes half the tokens, each twice as often as the target: p / q = 1/2
+        proposed = set(rng.sample(range(vocab), vocab // 2))
+        weights = _normalised([rng.uniform(0.5, 1.0) if i in proposed else 0.0 for i in range(vocab)])
+        others = _normalised([0.0 if i in proposed else rng.uniform(0.5, 1.0) for i in range(vocab)])
+        half_q.append([round(w, 6) for w in weights])
+        half_p.append([round(w / 2 + o / 2, 6) for w, o in zip(weights, others)])
+    half_p.append(_row(rng, vocab))
+    return cases + [_distribution_case(rng, "a draft that proposes half the tokens, each twice as often as the "
+                                            "target wants it, gamma=2", half_p, half_q)]
 
 
 def _distribution_more_cases(rng: random.Random) -> list[dict]:
@@ -800,8 +905,9 @@ def _rule_model(p, q, accept: str = "ratio", resample: str = "residual", bonus: 
     betas, emitted, first_resample = [], [], None
     for i in range(gamma):
         ratio = torch.where(q[i] > 0, torch.clamp(p[i] / torch.where(q[i] > 0, q[i], 1.0), max=1.0), 0.0)
+        swapped = torch.where(p[i] > 0, torch.clamp(q[i] / torch.where(p[i] > 0, p[i], 1.0), max=1.0), 1.0)
         keep = {"ratio": ratio, "reversed": torch.where(q[i] > 0, 1 - ratio, 0.0), "always": torch.ones_like(ratio),
-                "p": p[i], "deterministic": (p[i] >= q[i]).double()}[accept]
+                "p": p[i], "deterministic": (p[i] >= q[i]).double(), "swapped": swapped}[accept]
         accepted = q[i] * keep
         beta = float(accepted.sum())
         residual = _residual(p[i], q[i])
@@ -824,6 +930,26 @@ def _rule_model(p, q, accept: str = "ratio", resample: str = "residual", bonus: 
             "resampled_first": first_resample}
 
 
+def _shared_draw_lengths(p, q):
+    """The distribution of accepted draft tokens per step when one uniform u decides every draft token
+    of a step: at least k are kept when u is below each of the first k ratios min(1, p/q), drafts
+    drawn independently from their rows of q."""
+    import itertools
+
+    import torch
+
+    gamma = q.shape[0]
+    options = []  # per position: (probability the draft proposes x, x's acceptance ratio)
+    for i in range(gamma):
+        ratio = torch.clamp(p[i] / torch.where(q[i] > 0, q[i], 1.0), max=1.0)
+        options.append([(float(q[i, x]), float(ratio[x])) for x in range(q.shape[1]) if float(q[i, x]) > 0])
+    reach = [1.0]  # reach[k]: the chance that at least k draft tokens are kept
+    for k in range(1, gamma + 1):
+        reach.append(sum(math.prod(chance for chance, _ in combo) * min(ratio for _, ratio in combo)
+                         for combo in itertools.product(*options[:k])))
+    return torch.tensor([reach[k] - reach[k + 1] for k in range(gamma)] + [reach[gamma]], dtype=torch.float64)
+
+
 # (the change from the correct rule, what the learner did and what to do instead)
 _MISTAKES = (
     ({"resample": "p"}, ("at a rejection you drew the replacement from p: draw it from max(0, p - q), normalised. "
@@ -836,6 +962,10 @@ _MISTAKES = (
     ({"accept": "reversed"}, ("you keep a draft token when u > p(x) / q(x) (or reject it when u < p(x) / q(x)): "
                               "keep it when u < p(x) / q(x), so that a token the target likes at least as much as "
                               "the draft is always kept")),
+    ({"accept": "swapped"}, ("you keep a draft token with probability min(1, q(x) / p(x)), the ratio upside down: "
+                             "keep it with probability min(1, p(x) / q(x)), so that a token the target wants at least "
+                             "as much as the draft is always kept, and one the draft over-proposes is kept only in "
+                             "the proportion p(x) / q(x)")),
     ({"accept": "always"}, ("every draft token is accepted, whatever the target thinks: keep draft token x with "
                             "probability min(1, p(x) / q(x))")),
     ({"accept": "p"}, ("you keep a draft token with probability p(x): the acceptance probability is "
@@ -948,15 +1078,29 @@ def _distribution_problem(case: dict, record: dict) -> Mismatch | None:
     value, name, counts, probs = _worst(record, model)
     if value >= _FAIL_P:
         return None
+    fitting = []
     for change, message in _MISTAKES:
         mistake = _rule_model(p, q, **change)
         if all(float(torch.as_tensor(a).sub(torch.as_tensor(b)).abs().max()) < 1e-12
                for (_, _, a), (_, _, b) in zip(_statistics(record, model), _statistics(record, mistake))):
             continue  # this mistake changes nothing on this case
         if _worst(record, mistake)[0] > _FITS_P:
-            return Mismatch(f"what your rule emits is not distributed as the target's p: {message}",
-                            f"on {where}: {_statistic_text(name, gamma)} (chi-square p-value {value:.2g})\n"
-                            + _detail_table(name, counts, probs, p, q))
+            fitting.append(message)
+    if fitting:
+        named = fitting[0] if len(fitting) == 1 else (
+            "on this case it fits more than one known mistake: "
+            + "; or ".join(f"({i}) {message}" for i, message in enumerate(fitting, start=1)))
+        return Mismatch(f"what your rule emits is not distributed as the target's p: {named}",
+                        f"on {where}: {_statistic_text(name, gamma)} (chi-square p-value {value:.2g})\n"
+                        + _detail_table(name, counts, probs, p, q))
+    if (gamma > 1 and chi_square_p_value(record["lengths"], model["lengths"]) < _FAIL_P
+            and chi_square_p_value(record["lengths"], _shared_draw_lengths(p, q)) > _FITS_P):
+        return Mismatch("what your rule emits is not distributed as the target's p: one uniform draw decided every "
+                        "draft token of a step; each judged token needs a uniform draw of its own, independent of the "
+                        "others, or the acceptances of one step stop being independent",
+                        f"on {where}: the number of draft tokens accepted per step fits a draw shared by the step "
+                        f"(chi-square p-value {chi_square_p_value(record['lengths'], model['lengths']):.2g} against "
+                        "independent draws)\n" + _detail_table("lengths", record["lengths"], model["lengths"], p, q))
     steps = record["steps"]
     if name == "lengths" and record["lengths"][gamma] == 0 and float(model["lengths"][gamma]) * steps > 30:
         return Mismatch("no step accepted all its draft tokens: when every draft token is accepted, return them all "
@@ -1034,6 +1178,93 @@ register(Check(check_id="lab09.accept_distribution_more", task=_TASKS[4],
                drive=_drive_distribution, compare=_compare_distribution,
                hint=_DISTRIBUTION_HINT + " One-hot drafts under a sampling target, a draft row equal to the "
                                          "target's, tokens the draft never proposes, gamma = 4."))
+
+
+# every draw from the generator: the same seed gives the same steps, whatever the global generator holds
+
+_REPEATS = 200  # steps per run: a rule that draws anything from elsewhere changes some of them
+
+
+def _generator_cases(rng: random.Random) -> list[dict]:
+    vocab = rng.randint(6, 8)
+    cases = []
+    for gamma in (1, 3):
+        p = [_row(rng, vocab) for _ in range(gamma + 1)]
+        cases.append({"label": f"a draft close to the target, gamma={gamma}, vocabulary of {vocab} tokens",
+                      "p": p, "q": [_towards(rng, row, 0.6) for row in p[:gamma]], "seed": rng.randrange(10**6),
+                      "global_seeds": rng.sample(range(10**6), 2)})
+    return cases
+
+
+def _drive_generator(rule, cases: list[dict]) -> list[dict]:
+    """Per case, two runs of the same steps with a generator seeded alike, torch's global generator
+    seeded differently before each: what each run returned, and whether it left the global state as it
+    found it. The kernel's own global state is restored afterwards."""
+    import torch
+
+    results = []
+    for case in cases:
+        p, q = torch.tensor(case["p"]), torch.tensor(case["q"])
+        gamma, vocab = q.shape[0], p.shape[1]
+        draft_gen = torch.Generator().manual_seed(case["seed"])
+        drafts = torch.stack([torch.multinomial(q[i], _REPEATS, replacement=True, generator=draft_gen)
+                              for i in range(gamma)], dim=1).tolist()
+        runs = []
+        with torch.random.fork_rng(devices=[]):
+            for global_seed in case["global_seeds"]:
+                torch.manual_seed(global_seed)
+                before = torch.get_rng_state()
+                generator = torch.Generator().manual_seed(case["seed"] + 1)
+                steps, problem = [], ""
+                for draft in drafts:
+                    item = outcome(rule, p.clone(), q.clone(), list(draft), generator)
+                    if item[0] == "raised":
+                        problem = f"raised {item[1]}"
+                        break
+                    accepted, token, problem = _as_step(item[1], vocab)
+                    if problem:
+                        break
+                    steps.append([accepted, token])
+                runs.append({"steps": steps, "problem": problem,
+                             "global_untouched": bool(torch.equal(before, torch.get_rng_state()))})
+        results.append({"runs": runs})
+    return results
+
+
+def _compare_generator(got, expected, cases):
+    if type(got) is not list or len(got) != len(expected):
+        return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
+    for case, g in zip(cases, got):
+        where = (f"{case['label']}, {_REPEATS} steps with a generator seeded alike, torch's global generator "
+                 f"seeded {case['global_seeds'][0]} before the first run and {case['global_seeds'][1]} before "
+                 "the second")
+        if type(g) is not dict or len(g.get("runs", [])) != 2:
+            return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
+        first, second = g["runs"]
+        for run in (first, second):
+            if run["problem"]:
+                return Mismatch(f"accept_or_resample {run['problem'].split(':')[0]}",
+                                f"on {where}: your function {run['problem']}")
+        if not (first["global_untouched"] and second["global_untouched"]):
+            return Mismatch("your rule drew from torch's global random generator although it was given a generator",
+                            f"on {where}: torch's global generator state changed while your rule ran; a speculative "
+                            "run seeded through its generator is then not reproducible")
+        if first["steps"] != second["steps"]:
+            step = next(i for i, (a, b) in enumerate(zip(first["steps"], second["steps"])) if a != b)
+            return Mismatch("the same generator seed gave different steps in two runs",
+                            f"on {where}: step {step} returned {first['steps'][step]} in the first run and "
+                            f"{second['steps'][step]} in the second; every random draw must come from the generator "
+                            "passed in")
+    return None
+
+
+register(Check(check_id="lab09.accept_own_generator", task=_TASKS[4],
+               reference=reference(_SPEC, "accept_or_resample"), make_inputs=_generator_cases,
+               drive=_drive_generator, compare=_compare_generator,
+               hint=("a seeded run must be reproducible: every random draw of the rule, the uniform test of each "
+                     "draft token, the replacement and the bonus, comes from the generator passed in, so that the "
+                     "same generator seed gives the same steps whatever state torch's global generator (or any "
+                     "other source of randomness) is in, and the global generator is left as it was.")))
 
 
 # the rule inside speculative_decode, greedy on a small random model
