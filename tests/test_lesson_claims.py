@@ -100,3 +100,12 @@ def test_chapter_14_readings_of_the_census_hold_on_this_code():
     text = lesson_text("14")
     assert "about a fifth of `infra_lib`'s lines" in text and "less than a fifth" not in text
     assert "The device layer is one module" not in text
+
+
+def test_chapter_16_checks_or_dates_what_it_says_of_the_instructors_speed():
+    """Section 4's claim that the instructor's answers clear half the course's speed is checked by
+    section 3's cell on every run, and the one figure it quotes names its run."""
+    text, code = lesson_text("16"), lesson_text("16", "code")
+    assert "about 15%" not in text and "0.85" not in text and "15% slower" not in text
+    assert "the cell under it checks that it clears half" in text and "in the full run of 2026-12-06 on 2 cores" in text
+    assert "step_ratio >= 0.5" in code and "section 4 says they clear" in code
