@@ -470,6 +470,28 @@ def test_task4_a_fully_masked_row_has_zero_probabilities_and_a_zero_gradient(sol
     assert "exactly 0 (a masked entry)" in text and "fully masked" in text
 
 
+def test_tasks4_and_5_a_backward_through_torch_autograd_is_refused(solution):
+    def softmax_by_autograd(probs, grad):
+        scores = probs.clamp_min(1e-300).log().detach().requires_grad_(True)
+        (torch.softmax(scores, -1) * grad).sum().backward()
+        return torch.where(probs == 0, 0.0, scores.grad).to(probs.dtype)
+
+    def rms_by_autograd(x, weight, grad_out, eps):
+        from torch.autograd import grad  # imported by name: refused all the same
+
+        x, weight = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        return tuple(t.detach() for t in grad(y, (x, weight), grad_out))
+
+    for check_id, fn in (("lab05.softmax_backward", softmax_by_autograd), ("lab05.rms_norm_backward", rms_by_autograd)):
+        text = _fails(check_id, fn)
+        assert "ask for the backward formula itself" in text
+    x = torch.ones(2, requires_grad=True)  # torch's autograd works again after the checks
+    (x * 3).sum().backward()
+    assert x.grad.tolist() == [3.0, 3.0]
+    check("lab05.rms_norm_backward", solution["rms_norm_backward"])
+
+
 def _rms_mistake(kind):
     def rms_norm_backward(x, weight, grad_out, eps):
         mean_square = x.pow(2).mean(-1, keepdim=True)
@@ -542,6 +564,16 @@ def test_task6_an_update_that_is_not_in_place_and_torch_optim_are_refused():
     p.grad = torch.ones(2)
     torch.optim.AdamW([p], lr=0.1).step()
     assert p.detach().tolist() != [0.0, 0.0]
+
+
+def test_task6_an_update_that_returns_the_parameter_is_told_it_returns_none(solution):
+    def returns(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        solution["adamw_update"](param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay)
+        return param
+
+    text = _fails("lab05.adamw_update", returns)
+    assert "returns None" in text and "returned a Tensor" in text
+    check("lab05.adamw_update", solution["adamw_update"])
 
 
 def test_task6_the_reference_update_is_torchs_adamw():

@@ -77,6 +77,28 @@ def test_task4_nearest_rank_and_unchecked_p_are_caught():
     assert "should raise ValueError" in text or "interpolate" in text
 
 
+def test_task4_sorting_the_callers_list_in_place_is_caught(solution):
+    def in_place(values, p):
+        values.sort()  # the caller's list, reordered
+        return solution["percentile"](values, p)
+
+    text = _fails("lab10.percentile", in_place)
+    assert "changed the list it was given" in text and "sort a copy" in text
+    check("lab10.percentile", solution["percentile"])
+    check("lab10.percentile_edges", solution["percentile"])
+
+
+def test_task5_an_empty_run_gives_nan_for_every_key(solution):
+    def refuses_empty(timings, p=99.0):
+        if not timings:
+            raise ValueError("no requests")
+        return solution["latency_percentiles"](timings, p)
+
+    assert all(math.isnan(v) for v in solution["latency_percentiles"]([], 99).values())
+    check("lab10.latency_percentiles_traces", solution["latency_percentiles"])
+    assert "raised an exception on a valid input" in _fails("lab10.latency_percentiles_traces", refuses_empty)
+
+
 def test_task5_per_request_mean_itl_instead_of_pooled_gaps_is_caught(solution):
     percentile, ttft, tpot, itl, e2el = (solution[name] for name in ("percentile", "ttft", "tpot", "itl", "e2el"))
 

@@ -89,7 +89,7 @@ def _zero_edge_cases(rng: random.Random) -> list[dict]:
         _zero_case(1e12, 4096, rng.choice([1, 2])),
         _zero_case(rng.choice([175e9, 530e9]), 1, 1),
         _zero_case(1e9, 8, 4), _zero_case(1e9, 8, -1), _zero_case(1e9, 0, 1), _zero_case(1e9, -4, 2),
-        _zero_case(1e9, 2.5, 1), _zero_case(-1, 8, 1),
+        _zero_case(1e9, 2.5, 1), _zero_case(1e9, 8.0, 1), _zero_case(-1, 8, 1),
         # A stage is compared by value, as Python compares numbers: 1.0 and True are stage 1, False stage 0;
         # 1.5 and nan are no stage. A num_params of nan is not a count.
         _zero_case(rng.choice([1e9, 2e9]), 8, 1.0), _zero_case(rng.choice([1e9, 2e9]), 8, True),
@@ -976,7 +976,8 @@ def _drive_softmax(fn, cases: list[dict]) -> list:
         return {"result": _record(result),
                 "changed": not (torch_equal(probs, before[0]) and torch_equal(grad, before[1]))}
 
-    return [outcome(run, case) for case in cases]
+    with _NoTorchAutograd():
+        return [outcome(run, case) for case in cases]
 
 
 def torch_equal(a, b) -> bool:
@@ -1101,6 +1102,45 @@ def _describe_rms(case: dict) -> str:
     return f"{case['label']}: x of shape {case['shape']}, {case['dtype']}, eps={case['eps']:g}"
 
 
+class _Refused:
+    """For the length of a drive, some of torch's functions refuse to run (``targets``: (module, name) pairs),
+    raising ``MESSAGE``; they are restored afterwards."""
+
+    MESSAGE = ""
+
+    def targets(self) -> list[tuple]:
+        raise NotImplementedError
+
+    def __enter__(self):
+        def refuse(*args, **kwargs):
+            raise RuntimeError(self.MESSAGE)
+
+        self.saved = [(module, name, getattr(module, name)) for module, name in self.targets() if hasattr(module, name)]
+        for owner, name, _ in self.saved:
+            setattr(owner, name, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+        return False
+
+
+class _NoTorchAutograd(_Refused):
+    """Tasks 4 and 5 ask for the formulas themselves: ``Tensor.backward``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` all reach the engine through one function, replaced here (also where an answer
+    imported ``grad`` by name)."""
+
+    MESSAGE = ("lab05 tasks 4 and 5 ask for the backward formula itself, in tensor ops: torch.autograd "
+               "(requires_grad, .backward(), torch.autograd.grad) is not part of an answer")
+
+    def targets(self) -> list[tuple]:
+        import torch.autograd
+        import torch.autograd.graph
+
+        return [(torch.autograd, "_engine_run_backward"), (torch.autograd.graph, "_engine_run_backward")]
+
+
 def _drive_rms(fn, cases: list[dict]) -> list:
     def run(case):
         x, weight, grad, eps = _rms_inputs(case)
@@ -1111,7 +1151,8 @@ def _drive_rms(fn, cases: list[dict]) -> list:
             return {"pair": False, "type": type(result).__name__, "changed": changed}
         return {"pair": True, "grad_x": _record(result[0]), "grad_weight": _record(result[1]), "changed": changed}
 
-    return [outcome(run, case) for case in cases]
+    with _NoTorchAutograd():
+        return [outcome(run, case) for case in cases]
 
 
 def _rms_formula(x, weight, grad, inv_rms):
@@ -1239,34 +1280,20 @@ def _adamw_grads(case: dict):
             for i in range(case["steps"])]
 
 
-class _NoTorchAdam:
+class _NoTorchAdam(_Refused):
     """For the length of a drive, torch's own Adam and AdamW refuse to run: the task is the update itself."""
 
     MESSAGE = ("lab05 task 6 asks for the update itself: torch.optim.AdamW is what it is compared with, not part "
                "of an answer")
 
-    def __enter__(self):
+    def targets(self) -> list[tuple]:
         import importlib
-
-        import torch
-
-        def refuse(*args, **kwargs):
-            raise RuntimeError(self.MESSAGE)
 
         adam, adamw = (importlib.import_module(f"torch.optim.{name}") for name in ("adam", "adamw"))
         # The module-level functions that Adam.step and AdamW.step call (the classes' own step is
         # re-wrapped by torch when an optimizer is made, so it is left alone).
-        self.saved = [(module, name, getattr(module, name)) for module, names in
-                      ((adam, ("adam", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")), (adamw, ("adamw",)))
-                      for name in names if hasattr(module, name)]
-        for owner, name, _ in self.saved:
-            setattr(owner, name, refuse)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in self.saved:
-            setattr(owner, name, original)
-        return False
+        return [(adam, name) for name in ("adam", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")] + \
+            [(adamw, "adamw")]
 
 
 def _drive_adamw(fn, cases: list[dict]) -> list:
@@ -1275,10 +1302,11 @@ def _drive_adamw(fn, cases: list[dict]) -> list:
         rows = []
         for i, grad in enumerate(_adamw_grads(case)):
             before = grad.clone()
-            fn(param, grad, exp_avg, exp_avg_sq, case["start"] + i, case["lr"], case["beta1"], case["beta2"],
-               case["eps"], case["weight_decay"])
+            returned = fn(param, grad, exp_avg, exp_avg_sq, case["start"] + i, case["lr"], case["beta1"],
+                          case["beta2"], case["eps"], case["weight_decay"])
             rows.append({"param": _record(param), "exp_avg": _record(exp_avg), "exp_avg_sq": _record(exp_avg_sq),
-                         "grad_changed": not torch_equal(grad, before)})
+                         "grad_changed": not torch_equal(grad, before),
+                         "returned": None if returned is None else type(returned).__name__})
         return rows
 
     with _NoTorchAdam():
@@ -1363,6 +1391,10 @@ def _compare_adamw(got, expected, cases: list[dict]) -> Mismatch | None:
             if row["grad_changed"]:
                 return Mismatch("adamw_update changed grad", f"on {at}: grad holds other values after the call; "
                                 "it is read only")
+            if row.get("returned") is not None:
+                return Mismatch("adamw_update returned a value: it works in place and returns None",
+                                f"on {at}: it returned a {row['returned']}; the caller reads param, exp_avg and "
+                                "exp_avg_sq themselves, as torch.optim's step leaves them")
     return None
 
 

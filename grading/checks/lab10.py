@@ -356,7 +356,12 @@ def _percentile_edges(rng: random.Random) -> list[list]:
 
 
 def _drive_percentile(fn, cases: list[list]) -> list:
-    return [outcome(fn, list(values), p) for values, p in cases]
+    def run(values, p):
+        given = list(values)
+        result = fn(given, p)
+        return {"reordered": given} if given != list(values) else result  # the caller's list, changed
+
+    return [outcome(run, values, p) for values, p in cases]
 
 
 def _describe_values(case: list) -> str:
@@ -367,9 +372,13 @@ def _describe_values(case: list) -> str:
 
 
 def _percentile_problem(case: list, got, want):
+    values, p = case
+    if type(got) is dict and "reordered" in got:
+        return ("percentile changed the list it was given",
+                f"the caller's list reads {got['reordered']!r:.120} after the call: sort a copy (sorted(values)), "
+                "not the caller's list in place (list.sort)")
     if _same(got, want):
         return None
-    values, p = case
     note = ""
     if math.isnan(want):
         note = "; with no values there is no percentile: return float('nan')"
@@ -444,7 +453,8 @@ def _trace_runs(rng: random.Random) -> list[dict]:
     return [{"timings": _trace(rng, faults[0]), "p": 99}, {"timings": _trace(rng, faults[1]), "p": 99.9},
             {"timings": _synthetic_run(rng, 40), "p": 50},
             {"timings": [_synthetic(rng, 0, failed="rejected") for _ in range(3)], "p": 99},  # nothing succeeded
-            {"timings": [_synthetic(rng, 1) for _ in range(4)], "p": 99}]  # single tokens: no TPOT, no gap
+            {"timings": [_synthetic(rng, 1) for _ in range(4)], "p": 99},  # single tokens: no TPOT, no gap
+            {"timings": [], "p": 99}]  # an empty run: every key nan
 
 
 def _drive_runs(fn, cases: list[dict]) -> list:
