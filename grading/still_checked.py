@@ -59,7 +59,8 @@ _TEXTS: dict[str, str | None] = {
     # lab 05
     "lab05.zero_memory": "other byte counts (plain SGD keeps no optimizer state), no parameters, and invalid "
                          "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
-                         "parameters) that must raise ValueError",
+                         "parameters) that must raise ValueError, stages given as 1.0, True or False, and a stage of 1.5 "
+                         "or nan or a nan num_params (ValueError too)",
     "lab05.shard_bounds": "empty tensors, fewer elements than ranks, a single rank, and a billion elements",
     "lab05.ring_sum": "up to 8 ranks and tensors of thousands of elements",
     "lab05.ring_traffic": "up to 8 ranks, 2-D tensors and float64 elements: one chunk per message, whatever W and the "
@@ -67,7 +68,7 @@ _TEXTS: dict[str, str | None] = {
     "lab05.ring_any_tensor": "a single rank, empty tensors, int64 tensors, strided and permuted views, and 5 ranks",
     "lab05.softmax_backward": "single-element rows, causal masks with fewer queries than keys, rows masked "
                               "everywhere but the diagonal, probabilities from logits of the order of 10^4, and "
-                              "non-contiguous tensors",
+                              "non-contiguous tensors, and fully masked rows (all zeros)",
     "lab05.rms_norm_backward": "d = 1, four leading dims, tiny activations with eps of the order of mean(x^2), large "
                                "activations, a weight with zeros, and a large eps",
     "lab05.adamw_update": "no weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming at step "
@@ -117,12 +118,13 @@ _TEXTS: dict[str, str | None] = {
     "lab10.itl": _SIMULATED_TRACES,
     "lab10.percentile": "about a thousand values, ties, integers, p = 99.9, empty lists and invalid p",
     "lab10.latency_percentiles": "whole traces of the simulated engine, p = 99.9 and 50, a run where nothing "
-                                 "succeeded, and one of single-token answers",
+                                 "succeeded, one of single-token answers, and an empty run",
     "lab10.goodput": "latencies exactly at their limits, single tokens, a failed fast request, a success without a "
                      "chunk, no requests, a duration of zero or below, and a trace of the simulated engine",
     "lab10.diagnose_scenarios": "windows on and just past each rule's threshold, windows where two rules hold at "
                                 "once, and more seeds of every scenario",
-    "lab10.passes_gate": "scores exactly on their limits, nan and infinite scores, and tolerances of 0 and 1",
+    "lab10.passes_gate": "scores exactly on their limits (16.8 against 16.0 at 5%), nan, infinite and zero scores, "
+                         "tolerances of 0 and 1, and invalid tolerances and current scores",
     "lab10.canary_verdict": "windows exactly on each limit, failed requests that timed out, a single slow outlier, no "
                             "production requests, policies other than the default, and whole simulated rollouts of "
                             "every behaviour",
