@@ -1,8 +1,10 @@
 """Why did P99 latency jump? Name the fault from metrics, starting with busy versus idle.
 
-The first split is the one a profiler timeline gives at a glance: was the engine **busy**
-(time inside steps, the device computing) or **idle** (gaps between steps, the device waiting)
-while the latency grew?
+The first split is the one a step timeline gives at a glance: was the engine **busy** (time
+inside steps: the model's kernels and the host work around them, scheduling, Python, sampling,
+launches) or **idle** (gaps between steps, nothing to run) while the latency grew? This is busy
+at step level; a profiler's kernel timeline is finer and can show a host-bound GPU step busy at
+step level while the device waits between its kernels.
 
     idle, and clients wait for a first token far longer than the engine takes to give one
         -> the time is spent outside the engine: a slow dependency in front of it (gateway,
