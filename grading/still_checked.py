@@ -130,17 +130,20 @@ _TEXTS: dict[str, str | None] = {
                             "every behaviour",
     # lab 12
     "lab12.chunk_text": "texts exactly one window long or ending exactly on a window, one character, a step of one "
-                        "character, non-ASCII and empty texts, invalid sizes, and documents of the shipped corpus",
-    "lab12.top_k_cosine": "a 1-D query, k above the number of rows, an all-zero row, k = 0 (ValueError) and a "
-                          "single row",
+                        "character, non-ASCII and empty texts, invalid sizes (with an empty text too), and documents of "
+                        "the shipped corpus",
+    "lab12.top_k_cosine": "a 1-D query, k above the number of rows, an all-zero row, zero queries (in a batch "
+                          "and as one 1-D query), k = 0 (ValueError) and a single row",
     "lab12.recall_at_k": "k beyond every list, a query that retrieved nothing, and invalid inputs",
     "lab12.pipeline": None,
     # lab 13
-    "lab13.next_node": "a router that names a node the graph lacks, a node with no outgoing edge, and a mapped "
-                       "router exactly at its limit",
+    "lab13.next_node": "a router that names a node the graph lacks or an answer its mapping lacks, a node "
+                       "with no outgoing edge, whether each error names the bad value, and a mapped router "
+                       "exactly at its limit",
     "lab13.call_with_retry": "two retried error types, a fatal error after a retry, a single attempt, and a long run "
-                             "of failures against the backoff cap",
-    "lab13.run_graph": "a loop that outlasts max_steps, and a node whose retries run out",
+                             "of failures against the backoff cap, and a predicate retry_on that runs out of attempts",
+    "lab13.run_graph": "a loop that outlasts max_steps, runs that need exactly max_steps steps and one step "
+                        "more, and a node whose retries run out",
     "lab13.run_graph_resume": "a crash at every step of a graph with a flaky node, resumed from SQLite checkpoints "
                               "by a new checkpointer",
     # lab 15
