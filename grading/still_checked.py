@@ -23,7 +23,8 @@ _TEXTS: dict[str, str | None] = {
     # lab 01
     "lab01.gemm_flops": "shapes whose count does not fit in 32 bits, a single row (a decode GEMV), a reduction of "
                         "length one, and an empty dimension",
-    "lab01.time_op_warmup": "an operation that only queues its work, as a GPU launch does, timed with a sync function",
+    "lab01.time_op_warmup": "an operation that only queues its work, as a GPU launch does, timed with a sync function, "
+                            "over an even number of timed calls",
     "lab01.dominant_op_real": "made-up profiles where a wrapper's total time nearly equals its child's, and GPU "
                               "profiles where the kernels' device time, not the CPU's launch time, decides",
     "lab01.achieved_tflops": "a measured time of zero or below, which must raise ValueError",
@@ -51,11 +52,12 @@ _TEXTS: dict[str, str | None] = {
     "lab04.fuse_silu": "every spelling of x * sigmoid(x) (function or method, torch.mul, either order), several in one "
                        "graph, inside longer products and on a Linear's output",
     "lab04.fuse_silu_no_match": "more look-alikes that must stay as they are: x + sigmoid(x), sigmoid(x) * "
-                                "sigmoid(x), x * tanh(x), a sigmoid used twice, mixed with real matches",
-    "lab04.fuse_add_relu": "every spelling of relu(a + b) (torch.add, a.add(b), F.relu, .relu()), with a number or a "
-                           "Linear's output as an operand",
+                                "sigmoid(x), x * tanh(x), a sigmoid used twice, a sigmoid or mul whose operand is passed "
+                                "as a keyword, mixed with real matches",
+    "lab04.fuse_add_relu": "every spelling of relu(a + b) (torch.add, a.add(b), F.relu, F.relu(a + b, "
+                           "inplace=True), .relu()), with a number or a Linear's output as an operand",
     "lab04.fuse_add_relu_no_match": "more look-alikes that must stay as they are: relu(a - b), relu(a * b), "
-                                    "sigmoid(a + b), relu(a) + b, mixed with real matches",
+                                    "sigmoid(a + b), relu(a) + b, torch.relu(input=a + b), mixed with real matches",
     # lab 05
     "lab05.zero_memory": "other byte counts (plain SGD keeps no optimizer state), no parameters, and invalid "
                          "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
@@ -82,7 +84,8 @@ _TEXTS: dict[str, str | None] = {
     "lab06.cached_attention_decode": _CACHED_ATTENTION,
     "lab06.cached_attention_in_model": "the real SmolLM2-135M-Instruct model answering a question through your "
                                        "attention",
-    "lab06.greedy_decode": "a stop token that ends the answer early, with no model call after the last token",
+    "lab06.greedy_decode": "a stop token that ends the answer early, with no model call after the last token, on a "
+                           "model whose two highest logits tie at every step",
     # lab 07
     "lab07.allocate": "random sequences of calls on pools of 1 to 14 blocks",
     "lab07.free_lru": "random sequences of allocate and free on pools of 1 to 14 blocks, double frees included",
@@ -101,15 +104,18 @@ _TEXTS: dict[str, str | None] = {
     "lab08.engine_tiny_model": "prefix caching and whole prompts (chunked prefill off) on the real engine",
     # lab 09
     "lab09.quantize_int8": "group size 1, whole rows of zeros, float64, float16 and bfloat16 weights, invalid "
-                           "arguments that must raise ValueError, and rows as long as SmolLM2's projections with "
+                           "arguments that must raise ValueError (weights holding nan or ±inf, a group_size that is "
+                           "a bool, zero, negative or a float), and rows as long as SmolLM2's projections with "
                            "outlier input channels",
     "lab09.dequantize_int8": "a round trip through quantisation with long rows, group size 1 and all-zero groups, and "
-                             "scales of the wrong shape, which must raise ValueError",
+                             "scales of the wrong shape, a group size that does not divide the row, or a q that is not "
+                             "int8, which must raise ValueError",
     "lab09.expected_tokens": "the edges: acceptance rates of 0 and 1 (the int 1 too), gamma = 0, a rate very close "
-                             "to 1, and rates outside [0, 1]",
+                             "to 1, rates outside [0, 1], a negative gamma, and a result that must be a float",
     "lab09.accept_greedy": None,
     "lab09.accept_distribution": "one-hot drafts under a sampling target, a draft row equal to the target's, tokens "
-                                 "the draft never proposes, and gamma = 4",
+                                 "the draft never proposes, gamma = 4, and whether a run seeded through your "
+                                 "generator is reproducible whatever torch's global generator holds",
     "lab09.speculative_greedy": "gamma from 1 to 8, a one-token prompt, and a step cut short by max_new_tokens",
     # lab 10
     "lab10.ttft": _SIMULATED_TRACES,
