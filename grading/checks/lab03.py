@@ -9,9 +9,16 @@ kernel's memory; in the interpreter ``count_traffic`` also counts the bytes move
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import random
 import re
-from dataclasses import replace
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from grading.check import TRAFFIC
 from grading.checks.common import array_mismatch, reference
@@ -31,6 +38,39 @@ _SIGNATURES = {
     "rmsnorm_kernel": ["out_ptr", "x_ptr", "w_ptr", "n_cols", "x_row_stride", "out_row_stride", "eps", "BLOCK"],
 }
 _SIDES = {"before": "before the start of", "after": "past the end of", "between": "in the gaps between the rows of"}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``numpy.isclose``'s test, element by element: |yours - reference| <= atol + rtol × |reference|.
+
+    ``atol`` and ``rtol`` apply when both sides ran in Triton's interpreter, ``gpu_atol`` and
+    ``gpu_rtol`` when either ran compiled: GPU maths differs in the last bits, and a float32
+    ``tl.dot`` rounds its inputs to TF32 there.
+    """
+
+    atol: float
+    rtol: float
+    gpu_atol: float
+    gpu_rtol: float
+
+    def for_sides(self, g: dict, e: dict) -> tuple[float, float]:
+        """(atol, rtol) for a learner's result ``g`` against the reference's ``e``."""
+        if g.get("interpreted") is True and e.get("interpreted") is True:
+            return self.atol, self.rtol
+        return self.gpu_atol, self.gpu_rtol
+
+    @classmethod
+    def from_atols(cls, atol: float, gpu_atol: float) -> "Tolerance":
+        """Two absolute tolerances, each with the relative one max(atol, 1e-4) (what lab 15 passes)."""
+        return cls(atol, max(atol, 1e-4), gpu_atol, max(gpu_atol, 1e-4))
+
+
+# Each kernel's value tolerances: what the lab's text states for each task (tests/test_lab03_rules.py
+# reads them back from the text), and what every value comparison of that kernel uses.
+TOLERANCES = {"softmax_kernel": Tolerance(atol=1e-6, rtol=1e-4, gpu_atol=1e-5, gpu_rtol=1e-4),
+              "matmul_kernel": Tolerance(atol=1e-4, rtol=1e-4, gpu_atol=3e-2, gpu_rtol=3e-2),
+              "rmsnorm_kernel": Tolerance(atol=1e-5, rtol=1e-4, gpu_atol=1e-4, gpu_rtol=1e-4)}
 
 
 # --- launching a learner's kernel -----------------------------------------------------------------
@@ -67,13 +107,19 @@ def _guarded_launch(kernel, grid, args, meta) -> list[dict]:
 
 def _driver(name: str, setup, count_traffic: bool = False):
     """A drive: for each case, ``setup(case) -> (out, grid, args, meta)``, one guarded launch, and
-    {"out": values, "violations": [...], "interpreted": bool} (+ the traffic, when counted)."""
+    {"out": values, "violations": [...], "interpreted": bool} (+ the traffic, when counted).
+
+    Where Triton compiles, a kernel that a module defines (the reference) is driven in Triton's
+    interpreter in a child Python when the bytes are to be counted: a sandboxed learner's kernel
+    always runs interpreted, with its bytes counted, and they are judged against the reference's."""
 
     def drive(kernel, cases):
         from infra_lib.kernels.traffic import count_traffic as counting
         from infra_lib.kernels.triton_env import interpreter_active
 
         _require_kernel(kernel, name)
+        if count_traffic and not interpreter_active() and _import_path(kernel):
+            return _drive_interpreted(name, setup, _import_path(kernel), cases)
         results = []
         for case in cases:
             out, grid, args, meta = setup(case)
@@ -90,6 +136,63 @@ def _driver(name: str, setup, count_traffic: bool = False):
         return results
 
     return drive
+
+
+def _import_path(kernel) -> str | None:
+    """"module:name" of a module's kernel; None for one defined elsewhere (a notebook's: a learner's)."""
+    function = getattr(kernel, "fn", None)
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    name = getattr(function, "__name__", "")
+    if module is None or module.__name__ == "__main__" or getattr(module, name, None) is not kernel:
+        return None
+    return f"{module.__name__}:{name}"
+
+
+_CHILD = "import sys; from grading.checks import lab03; lab03._drive_request(sys.argv[1])"
+_CHILD_TIMEOUT_S = 600
+
+
+def _drive_interpreted(name: str, setup, kernel_path: str, cases) -> list[dict]:
+    """The drive of ``kernel_path`` in a fresh Python that sees no GPU, so that Triton interprets it and
+    its bytes are counted, as a sandboxed kernel's are.
+
+    Raises:
+        RuntimeError: the child failed (the grader then reports the reference's failure, not the learner's).
+    """
+    from infra_lib.kernels.triton_env import INTERPRET_ENV
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, INTERPRET_ENV: "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    with tempfile.TemporaryDirectory(prefix="lab03-traffic-") as folder:
+        request = Path(folder) / "request.json"
+        request.write_text(json.dumps({"name": name, "setup": setup.__name__, "kernel": kernel_path,
+                                       "cases": cases}))
+        try:
+            done = subprocess.run([sys.executable, "-c", _CHILD, str(request)], env=env, cwd=root,
+                                  capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"counting the bytes of {kernel_path} in Triton's interpreter took over "
+                               f"{_CHILD_TIMEOUT_S} s") from exc
+        if done.returncode != 0:
+            raise RuntimeError(f"counting the bytes of {kernel_path} in Triton's interpreter (Triton compiles here, "
+                               f"so a child Python counts them) failed: {done.stderr.strip()[-800:]}")
+        return json.loads((Path(folder) / "result.json").read_text())
+
+
+def _drive_request(path: str) -> None:
+    """In the child of ``_drive_interpreted``: drive the request at ``path``, write result.json beside it."""
+    from infra_lib.kernels.triton_env import interpreter_active, load_triton
+
+    load_triton()
+    if not interpreter_active():
+        raise RuntimeError("Triton still compiles in the child: its bytes cannot be counted")
+    request = json.loads(Path(path).read_text())
+    module, name = request["kernel"].split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    setup = {f.__name__: f for f in (_softmax_setup, _matmul_setup, _rmsnorm_setup)}[request["setup"]]
+    results = _driver(request["name"], setup, count_traffic=True)(kernel, request["cases"])
+    Path(path).with_name("result.json").write_text(json.dumps(results))
 
 
 # --- comparing ------------------------------------------------------------------------------------
@@ -126,7 +229,8 @@ def _bounds_problem(name: str, violations: list, where: str) -> Mismatch | None:
     return Mismatch(what, f"on {where}: {details}", hint=_mask_hint(violations[0]))
 
 
-def _values_problem(name: str, g: dict, e: dict, where: str, atol: float, nan_hint: str) -> Mismatch | None:
+def _values_problem(name: str, g: dict, e: dict, where: str, tolerance: Tolerance,
+                    nan_hint: str) -> Mismatch | None:
     import numpy as np
 
     loads = [v for v in g["violations"] if v["kind"] == "load"]
@@ -143,18 +247,17 @@ def _values_problem(name: str, g: dict, e: dict, where: str, atol: float, nan_hi
         bad = int((np.isfinite(expected) & ~np.isfinite(got)).sum())
         return Mismatch(f"{name} returned NaN or inf where the result is finite{note}",
                         f"on {where}: {bad} of {got.size} elements", hint=store_hint or nan_hint)
+    atol, rtol = tolerance.for_sides(g, e)
     problem = array_mismatch(g["out"], e["out"], f"{name}'s output differs from the reference{note}", where,
-                             atol=atol, rtol=max(atol, 1e-4))
+                             atol=atol, rtol=rtol)
     return replace(problem, hint=store_hint) if problem and store_hint else problem
 
 
-def _compare_values(name: str, describe, atol: float, gpu_atol: float, nan_hint: str = ""):
-    """``gpu_atol`` applies when either side ran compiled: GPU maths differs in the last bits, and
-    tl.dot rounds float32 inputs to tf32 there. ``nan_hint`` is the hint for NaN or inf where the
-    result is finite (empty: the check's own)."""
+def _compare_values(name: str, describe, tolerance: Tolerance, nan_hint: str = ""):
+    """Each case's output within ``tolerance`` of the reference's. ``nan_hint`` is the hint for NaN or
+    inf where the result is finite (empty: the check's own)."""
     def compare(got, expected, cases):
         for case, g, e in zip(cases, got, expected):
-            tolerance = atol if g["interpreted"] is True and e["interpreted"] is True else gpu_atol
             problem = _values_problem(name, g, e, describe(case), tolerance, nan_hint)
             if problem:
                 return problem
@@ -185,11 +288,13 @@ def _excess(g: dict, e: dict, by_argument: str) -> list[tuple[str, int, int]]:
             if n > expected.get(argument, 0)]
 
 
-def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: float, nan_hint: str = "",
-                     excess_hints: dict | None = None):
+def _compare_traffic(name: str, describe, budget: str, atol: Tolerance | float, gpu_atol: float | None = None,
+                     nan_hint: str = "", excess_hints: dict | None = None):
     """Values, then bounds, then bytes; an excess names the argument(s) read or written more than the reference
-    does, with ``excess_hints[argument]`` as the hint (which axis usually overruns; absent: the check's own)."""
-    values, bounds = _compare_values(name, describe, atol, gpu_atol, nan_hint), _compare_bounds(name, describe)
+    does, with ``excess_hints[argument]`` as the hint (which axis usually overruns; absent: the check's own).
+    ``atol`` is the kernel's ``Tolerance``, or its interpreted atol with ``gpu_atol`` the compiled one."""
+    tolerance = atol if isinstance(atol, Tolerance) else Tolerance.from_atols(atol, gpu_atol)
+    values, bounds = _compare_values(name, describe, tolerance, nan_hint), _compare_bounds(name, describe)
 
     def compare(got, expected, cases):
         problem = values(got, expected, cases)
@@ -202,6 +307,12 @@ def _compare_traffic(name: str, describe, budget: str, atol: float, gpu_atol: fl
             if "bytes_loaded" not in g:
                 return Mismatch(f"{name}'s traffic was not counted: Triton runs compiled here",
                                 "start Jupyter with TRITON_INTERPRET=1 to count bytes in the interpreter")
+            if "bytes_loaded" not in e:
+                return Mismatch(f"{name}'s bytes were counted but the reference's were not, so there is no budget "
+                                "to hold them to: the grader ran the reference compiled (not a fault of your "
+                                "kernel; grade with TRITON_INTERPRET=1 set)",
+                                f"on {describe(case)}: counted {g['bytes_loaded']:,} bytes loaded and "
+                                f"{g['bytes_stored']:,} stored")
             for key, by_argument, verb, way in (("bytes_loaded", "loaded_from", "loads", "from"),
                                                 ("bytes_stored", "stored_to", "stores", "to")):
                 if g[key] <= e[key]:
@@ -325,7 +436,8 @@ _SOFTMAX_NAN_HINT = ("a NaN or inf where every probability is finite comes from 
 register(Check(
     check_id="lab03.softmax_odd_shapes", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_shapes, drive=_driver("softmax_kernel", _softmax_setup),
-    compare=_compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT), hint=_SOFTMAX_HINT,
+    compare=_compare_values("softmax_kernel", _describe_softmax, TOLERANCES["softmax_kernel"], _SOFTMAX_NAN_HINT),
+    hint=_SOFTMAX_HINT,
 ))
 
 _MINUS_INF_HINT = ("a -inf logit is a key that must not be attended at all: exp of -inf after the shift is exactly 0, "
@@ -340,7 +452,8 @@ def _compare_softmax_extremes(got, expected, cases) -> Mismatch | None:
     those cases are too close together to underflow)."""
     import numpy as np
 
-    problem = _compare_values("softmax_kernel", _describe_softmax, 1e-6, 1e-5, _SOFTMAX_NAN_HINT)(got, expected, cases)
+    problem = _compare_values("softmax_kernel", _describe_softmax, TOLERANCES["softmax_kernel"],
+                              _SOFTMAX_NAN_HINT)(got, expected, cases)
     if problem:
         return problem
     for case, g, e in zip(cases, got, expected):
@@ -380,8 +493,8 @@ register(Check(
     check_id="lab03.softmax_reads_once", task="lab03 task 1: softmax_kernel", reference=_SOFTMAX,
     make_inputs=_softmax_traffic_cases, drive=_driver("softmax_kernel", _softmax_setup, count_traffic=True),
     compare=_compare_traffic("softmax_kernel", _describe_softmax,
-                             "each element of x read once, each element of out written once", 1e-6, 1e-5,
-                             _SOFTMAX_NAN_HINT),
+                             "each element of x read once, each element of out written once",
+                             TOLERANCES["softmax_kernel"], nan_hint=_SOFTMAX_NAN_HINT),
     hint="the fused kernel's promise is one trip to memory per element: once loaded, the row stays in registers "
     "until the result is stored, and nothing in between is written out or read again. Lanes past n_cols count as "
     "traffic too unless masked off. Budget: each element of x read once, each element of out written once "
@@ -458,7 +571,7 @@ for check_id, cases, extra in (
     register(Check(
         check_id=check_id, task="lab03 task 2: matmul_kernel", reference=_MATMUL, make_inputs=cases,
         drive=_driver("matmul_kernel", _matmul_setup),
-        compare=_compare_values("matmul_kernel", _describe_matmul, 1e-4, 3e-2),
+        compare=_compare_values("matmul_kernel", _describe_matmul, TOLERANCES["matmul_kernel"]),
         hint=_MATMUL_HINT + extra,
     ))
 
@@ -488,8 +601,8 @@ register(Check(
     check_id="lab03.matmul_traffic", task="lab03 task 2: matmul_kernel", reference=_MATMUL,
     make_inputs=_matmul_edge_cases, drive=_driver("matmul_kernel", _matmul_setup, count_traffic=True),
     compare=_compare_traffic("matmul_kernel", _describe_matmul,
-                             "each program reads only the parts of its tiles inside A and B", 1e-4, 3e-2,
-                             excess_hints=_MATMUL_EXCESS_HINTS),
+                             "each program reads only the parts of its tiles inside A and B",
+                             TOLERANCES["matmul_kernel"], excess_hints=_MATMUL_EXCESS_HINTS),
     hint="a lane that reads outside A or B costs memory traffic even when its product never reaches C: the tile "
     "loads must stay inside their matrices along every dimension, rows of A past M and columns of B past N "
     "included, not only along K. Budget: each program reads only the parts of its tiles inside A and B.",
@@ -535,7 +648,7 @@ _RMSNORM = reference("infra_lib.kernels.rmsnorm", "rmsnorm_kernel")
 register(Check(
     check_id="lab03.rmsnorm_odd_shapes", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
     make_inputs=_rmsnorm_shapes, drive=_driver("rmsnorm_kernel", _rmsnorm_setup),
-    compare=_compare_values("rmsnorm_kernel", _describe_rmsnorm, 1e-5, 1e-4),
+    compare=_compare_values("rmsnorm_kernel", _describe_rmsnorm, TOLERANCES["rmsnorm_kernel"]),
     hint="the mean square is over the n_cols real elements only: padded lanes must add nothing to the sum of "
     "squares, and the divisor is n_cols, not BLOCK. eps belongs inside the square root, added to the mean square "
     "(it reaches 0.5 here, so its place shows), and each row of x and of out starts at its own row stride "
@@ -554,8 +667,8 @@ register(Check(
     check_id="lab03.rmsnorm_in_bounds", task="lab03 task 3: rmsnorm_kernel", reference=_RMSNORM,
     make_inputs=_rmsnorm_bounds_cases, drive=_driver("rmsnorm_kernel", _rmsnorm_setup, count_traffic=True),
     compare=_compare_traffic("rmsnorm_kernel", _describe_rmsnorm,
-                             "each program reads its row of x and the n_cols weights once", 1e-5, 1e-4,
-                             excess_hints=_RMSNORM_EXCESS_HINTS),
+                             "each program reads its row of x and the n_cols weights once",
+                             TOLERANCES["rmsnorm_kernel"], excess_hints=_RMSNORM_EXCESS_HINTS),
     hint="the weight vector has only n_cols elements, like a row, so its load overruns just as the row's does: the "
     "row of x, the weights and the store all need their lanes past n_cols switched off. A lane past n_cols must not "
     "be read even when its result is never stored; here rows are strided, with gaps that the checker watches. "
