@@ -5,6 +5,7 @@ part's checks, with the hint written for that mistake."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -74,6 +75,32 @@ def test_asking_for_the_whole_prompts_blocks_before_cutting_loses_part_2_only():
                               "        if not self.can_admit(seq, n):\n            break\n        n = min(n, budget)\n"
                               "        if not self.can_admit(seq, n):"))
     _only_part_fails(check_then_cut, 2, lab08._HINT["cut_first"], "a prompt whose chunk fits was not admitted")
+
+
+def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_only():
+    """Rule 2's "never skip ahead": a step that sets aside a waiting head that cannot come in (a whole
+    prompt past the budget left, or blocks not found), admits the ones behind it and puts the skipped
+    ones back at the front in order loses part 2 only; each message shows a sequence admitted past the
+    one the reference holds back."""
+    skip_ahead = _answer(
+        ("    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n",
+         "    skipped = []\n    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n"),
+        ("            break  # the whole prompt or nothing\n",
+         "            skipped.append(self.waiting.popleft())  # try the one behind it\n            continue\n"),
+        ("        if not self.can_admit(seq, n):\n            break\n",
+         "        if not self.can_admit(seq, n):\n            skipped.append(self.waiting.popleft())\n"
+         "            continue\n"),
+        ("    return finish_plan(self, out)",
+         "    self.waiting.extendleft(reversed(skipped))\n    return finish_plan(self, out)"))
+    failed = _failures(skip_ahead)
+    assert set(failed) == {2}, {p: [m.splitlines()[:2] for m in ms] for p, ms in failed.items()}
+    for message in failed[2]:
+        if "  a sequence was admitted out of arrival order" in message:
+            continue
+        assert "  a sequence was admitted that the reference holds back" in message, message
+        held = int(re.search(r"seq (\d+) waits", message).group(1))
+        admitted = re.search(r"yours: .*admitted \[([\d, ]*)\]", message).group(1)
+        assert max(int(i) for i in admitted.split(", ")) > held, message  # one behind it came in
 
 
 def test_leaving_out_the_zero_hits_loses_the_records_part_only():
