@@ -79,6 +79,22 @@ def test_expected_tokens_and_predicted_speedup():
         expected_tokens_per_step(1.5, 2)
 
 
+def test_expected_tokens_refuses_a_negative_gamma_and_returns_a_python_float():
+    with pytest.raises(ValueError, match="gamma must be an int >= 0, got -1"):
+        expected_tokens_per_step(0.5, -1)
+    with pytest.raises(ValueError, match="got -2"):
+        expected_tokens_per_step(1.0, -2)  # a = 1 has no division to fail on: the rule itself must refuse
+    with pytest.raises(ValueError, match="gamma must be"):
+        predicted_speedup(0.8, -1, 0.1)
+    for a, gamma, want in ((0, 3, 1.0), (1, 4, 5.0), (0.0, 0, 1.0), (0.5, 0, 1.0), (0.5, 2, 1.75)):
+        got = expected_tokens_per_step(a, gamma)
+        assert type(got) is float and got == pytest.approx(want), (a, gamma, got)
+    assert type(expected_tokens_per_step(torch.tensor(0.5).item(), 2)) is float
+    import numpy as np
+
+    assert type(expected_tokens_per_step(np.float64(0.8), 4)) is float  # not numpy's float64
+
+
 # --- the whole loop on tiny random models --------------------------------------------------------
 
 def test_sampled_speculative_output_matches_the_target_distribution():
@@ -217,6 +233,50 @@ def test_int8_functions_and_int4_packing():
     for bad in ((w, 48), (w.int(), 64), (w[0], 64)):
         with pytest.raises(ValueError):
             quantize_int8_groupwise(*bad)
+
+
+@pytest.mark.parametrize("group", [True, False, 0, -16, 16.0, "16"])
+def test_a_group_size_that_is_no_positive_int_is_refused(group):
+    """A bool is refused although Python counts True as 1 (a group of one divides every row)."""
+    w = torch.randn(4, 64)
+    for quantize in (quantize_int8_groupwise, lambda w, g: quantize_symmetric(w, 4, g),
+                     lambda w, g: QuantLinear(w, None, 8, g)):
+        with pytest.raises(ValueError, match=f"group_size must be a positive int, got {group!r}"):
+            quantize(w, group)
+    q, scales = quantize_int8_groupwise(w, 16)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        dequantize_int8_groupwise(q, scales, group)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_weight_holding_nan_or_inf_is_refused_with_where(value, dtype):
+    w = torch.randn(4, 64, dtype=dtype)
+    w[2, 37] = value
+    with pytest.raises(ValueError, match=rf"1 of the weight's values are nan or inf, the first w\[2, 37\] = {value}"):
+        quantize_int8_groupwise(w, 16)
+    with pytest.raises(ValueError, match="nan or inf"):
+        QuantLinear(w, None, 4, 32)
+    w[2, 37] = 0.0
+    q, scales = quantize_int8_groupwise(w, 16)  # finite again: quantised as usual
+    assert bool(torch.isfinite(scales).all())
+
+
+def test_dequantize_refuses_a_q_that_is_not_int8_and_a_group_size_that_does_not_divide_the_row():
+    w = torch.randn(4, 64)
+    q, scales = quantize_int8_groupwise(w, 16)
+    for bad_q in (q.int(), q.float(), q.to(torch.int16), q.to(torch.uint8), q.tolist()):
+        with pytest.raises(ValueError, match="q must be a torch.int8 tensor"):
+            dequantize_int8_groupwise(bad_q, scales, 16)
+        with pytest.raises(ValueError, match="q must be a torch.int8 tensor"):
+            dequantize_symmetric(bad_q, scales, 16)
+    with pytest.raises(ValueError, match="q must be a torch.int8 tensor"):
+        dequantize_symmetric(q[0], scales, 16)  # 1-D
+    with pytest.raises(ValueError, match="group_size 48 does not divide the row length 64"):
+        dequantize_int8_groupwise(q, scales[:, :1], 48)  # 64 // 48 = 1 scale per row would otherwise fit
+    with pytest.raises(ValueError, match=r"scales must hold one scale per group, \[4, 4\]"):
+        dequantize_int8_groupwise(q, torch.cat([scales, scales[:, :1]], dim=1), 16)
+    torch.testing.assert_close(dequantize_int8_groupwise(q, scales, 16), w, atol=float(scales.max()) / 2, rtol=0)
 
 
 def test_quant_linear_output_error_follows_from_the_weight_bound():

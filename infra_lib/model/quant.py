@@ -30,12 +30,27 @@ from torch import nn
 QMAX = {8: 127, 4: 7}
 
 
+def _check_group_size(group_size: int, row_length: int) -> None:
+    """A group size is a positive int (not a bool, although Python counts True as 1) dividing the row."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r} ({type(group_size).__name__}); "
+                         f"pass a whole number of values per scale, such as 64")
+    if row_length % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the row length {row_length}; pick a divisor of "
+                         f"{row_length}")
+
+
 def _check_weight(w: torch.Tensor, group_size: int) -> None:
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"expected a floating-point weight [out, in], got "
                          f"{type(w).__name__ if not isinstance(w, torch.Tensor) else f'{w.dtype} {list(w.shape)}'}")
-    if not isinstance(group_size, int) or group_size < 1 or w.shape[1] % group_size:
-        raise ValueError(f"group_size must be a positive divisor of the row length {w.shape[1]}, got {group_size!r}")
+    _check_group_size(group_size, w.shape[1])
+    finite = torch.isfinite(w)
+    if not bool(finite.all()):
+        row, col = (int(i) for i in (~finite).nonzero()[0])
+        raise ValueError(f"{int((~finite).sum())} of the weight's values are nan or inf, the first w[{row}, {col}] = "
+                         f"{float(w[row, col])}: its group's scale would not be a number; find where the weight "
+                         f"overflowed or was corrupted before quantising it")
 
 
 def quantize_symmetric(w: torch.Tensor, bits: int = 8, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +59,10 @@ def quantize_symmetric(w: torch.Tensor, bits: int = 8, group_size: int = 64) -> 
     Returns:
         q: int8 ``[out, in]`` with values in [-qmax, qmax] (qmax = 127 for 8 bits, 7 for 4).
         scales: float32 ``[out, in // group_size]``; a group of zeros gets scale 0.
+
+    Raises:
+        ValueError: ``w`` is not a 2-D floating-point tensor or holds nan or inf, or ``group_size`` is
+            not a positive int (a bool is not one) dividing the row length.
     """
     if bits not in QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
@@ -57,11 +76,21 @@ def quantize_symmetric(w: torch.Tensor, bits: int = 8, group_size: int = 64) -> 
 
 
 def dequantize_symmetric(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """float32 ``[out, in]`` from int8 values ``q`` ``[out, in]`` and ``scales`` ``[out, in // group_size]``."""
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-    if q.dim() != 2 or scales.shape != (q.shape[0], q.shape[1] // group_size) or q.shape[1] % group_size:
-        raise ValueError(f"q {list(q.shape)} and scales {list(scales.shape)} do not fit group_size {group_size}")
+    """float32 ``[out, in]`` from int8 values ``q`` ``[out, in]`` and ``scales`` ``[out, in // group_size]``.
+
+    Raises:
+        ValueError: ``q`` is not a 2-D int8 tensor, ``group_size`` is not a positive int dividing the row
+            length, or ``scales`` does not hold one scale per group.
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2:
+        got = f"{q.dtype} {list(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be a torch.int8 tensor [out, in], got {got}; pass the q that quantisation "
+                         f"returned (an int4 weight unpacked with unpack_int4)")
+    _check_group_size(group_size, q.shape[1])
+    if not isinstance(scales, torch.Tensor) or scales.shape != (q.shape[0], q.shape[1] // group_size):
+        got = list(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise ValueError(f"scales must hold one scale per group, [{q.shape[0]}, {q.shape[1] // group_size}] for q "
+                         f"{list(q.shape)} and group_size {group_size}, got {got}")
     groups = q.float().reshape(q.shape[0], -1, group_size)
     return (groups * scales[..., None]).reshape(q.shape)
 

@@ -71,12 +71,18 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int]
 
 
 def expected_tokens_per_step(acceptance: float, gamma: int) -> float:
-    """E = (1 - a^(γ+1)) / (1 - a): tokens one target pass yields on average (γ + 1 when a = 1)."""
+    """E = (1 - a^(γ+1)) / (1 - a): tokens one target pass yields on average (γ + 1 when a = 1), a float.
+
+    Raises:
+        ValueError: ``acceptance`` lies outside [0, 1] (the ints 0 and 1 are inside) or ``gamma`` is negative.
+    """
     if not 0 <= acceptance <= 1:
-        raise ValueError(f"acceptance must lie in [0, 1], got {acceptance}")
+        raise ValueError(f"acceptance must lie in [0, 1], got {acceptance}; pass the chance a draft token is kept")
+    if gamma < 0:
+        raise ValueError(f"gamma must be an int >= 0, got {gamma}; pass the number of draft tokens per step")
     if acceptance == 1:
-        return gamma + 1.0
-    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+        return float(gamma + 1)
+    return float((1 - acceptance ** (gamma + 1)) / (1 - acceptance))
 
 
 def predicted_speedup(acceptance: float, gamma: int, cost_ratio: float) -> float:
