@@ -5,6 +5,8 @@ way and rejects a rule whose output is not distributed as the target."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,3 +356,31 @@ def test_task4_one_uniform_draw_for_every_draft_token_is_caught():
     """Each judged token needs a draw of its own: sharing one couples the acceptances."""
     text = _fails("lab09.accept_distribution", _rule(uniform="shared"))
     assert "one uniform draw decided every draft token of a step" in text and "chi-square p-value" in text
+
+
+def test_the_checks_compare_with_the_library_functions_themselves_and_the_sandbox_hides_their_rules(tmp_path):
+    """The library holds the lab's input rules, so each check's reference is the library function with
+    nothing around it; the sandbox's stub of the quantisation module covers the rules' helpers too."""
+    import importlib
+
+    from grading.hidden_reference import STUB_MESSAGE, hidden_files, targets
+    from grading.registry import shortcut_functions
+    from infra_lib.model import quant
+
+    for check_id, registered in all_checks().items():
+        if check_id.startswith("lab09."):
+            module, name = registered.reference.target.split(":")
+            assert registered.reference() is getattr(importlib.import_module(module), name), check_id
+    hidden = set(targets("lab09_spec_quant"))
+    for name in ("quantize_int8_groupwise", "dequantize_int8_groupwise", "_check_weight", "_check_group_size"):
+        assert f"infra_lib.model.quant:{name}" in hidden, name
+    assert "infra_lib.serving.speculative:expected_tokens_per_step" in hidden
+    called = {(f.__module__, f.__name__) for f in shortcut_functions("lab09")}  # what the call monitor flags
+    assert {("infra_lib.model.quant", "_check_weight"), ("infra_lib.model.quant", "_check_group_size")} <= called
+    stub = hidden_files("lab09_spec_quant", tmp_path)[Path(quant.__file__).resolve()]
+    namespace: dict = {"__name__": "stubbed_quant"}
+    exec(compile(stub.read_text(), "quant.py", "exec"), namespace)
+    for name, args in (("_check_weight", (torch.randn(2, 8), 4)), ("_check_group_size", (4, 8))):
+        message = STUB_MESSAGE.format(name=f"infra_lib.model.quant.{name}", lab="lab09_spec_quant")
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            namespace[name](*args)
