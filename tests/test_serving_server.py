@@ -318,13 +318,21 @@ def test_gauges_fall_back_to_idle_when_a_stream_is_aborted_with_no_request_after
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        contents = 0
+        assert r.status_code == 200, r.read()
+        contents, lines = 0, []
         for line in r.iter_lines():
+            lines.append(line)
             contents += '"content"' in line
             if contents == 2:
                 break
+        assert contents == 2, f"the stream ended before its second token: {lines}"
+        # mid-stream the gauges show the request (read until a scrape lands after a step: bounded)
+        deadline = time.monotonic() + 10
+        while gauges()[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         running, _, usage = gauges()
-        assert running == 1 and usage > 0, "mid-stream the gauges show the request"
+        finished = [e.data for e in engine.engine.events.events(kind="finished")][-1:]
+        assert running == 1 and usage > 0, f"mid-stream the gauges show the request: {running=}, {usage=}, {finished=}"
         arrived = len(engine.engine.events.events(kind="arrived"))
     # the connection is closed: poll /metrics only (a bounded wait; no request reaches the engine)
     deadline = time.monotonic() + 20
