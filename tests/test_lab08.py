@@ -81,7 +81,7 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
     """Rule 2's "never skip ahead": a step that sets aside a waiting head that cannot come in (a whole
     prompt past the budget left, or blocks not found), admits the ones behind it and puts the skipped
     ones back at the front in order loses part 2 only; each message shows a sequence admitted past the
-    one the reference holds back."""
+    one the reference holds back, both named, with the first come, first served hint."""
     skip_ahead = _answer(
         ("    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n",
          "    skipped = []\n    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n"),
@@ -95,12 +95,16 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
     failed = _failures(skip_ahead)
     assert set(failed) == {2}, {p: [m.splitlines()[:2] for m in ms] for p, ms in failed.items()}
     for message in failed[2]:
-        if "  a sequence was admitted out of arrival order" in message:
-            continue
-        assert "  a sequence was admitted that the reference holds back" in message, message
-        held = int(re.search(r"seq (\d+) waits", message).group(1))
-        admitted = re.search(r"yours: .*admitted \[([\d, ]*)\]", message).group(1)
-        assert max(int(i) for i in admitted.split(", ")) > held, message  # one behind it came in
+        what = "  a sequence was admitted ahead of one that arrived before it and could not come in"
+        assert what in message, message
+        assert f"hint: {lab08._HINT['fcfs']}" in message, message
+        named = re.search(r"seq (\d+) was admitted ahead of seq (\d+), which the reference holds back \(.*: "
+                          r"seq (\d+) waits\)", message)
+        assert named, message
+        admitted, held, waits = map(int, named.groups())
+        assert held == waits < admitted, message  # the one behind came in, the one that arrived first waits
+        assert re.search(r"expected: .*waiting \[%d\b" % held, message), message  # the reference's waiting head
+        assert re.search(r"yours: .*admitted \[[^\]]*\b%d\b" % admitted, message), message
 
 
 def test_leaving_out_the_zero_hits_loses_the_records_part_only():

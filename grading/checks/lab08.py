@@ -344,6 +344,11 @@ def _part2(g: dict, e: dict) -> tuple[str, str, str] | None:
         head = e["start"]["head"]
         if len(g["admitted"]) > len(e["admitted"]) and g["admitted"][:len(e["admitted"])] == e["admitted"]:
             reason = next((r for r in e.get("reasons", []) if "waits" in r), "")
+            first, held = g["admitted"][len(e["admitted"])], (e.get("waiting") or [None])[0]
+            if held is not None and first != held:  # the head could not come in, and one behind it did
+                return ("a sequence was admitted ahead of one that arrived before it and could not come in",
+                        f"seq {first} was admitted ahead of seq {held}, which the reference holds back"
+                        + (f" ({reason})" if reason else ""), _HINT["fcfs"])
             hint = next((h for mark, h in _HINT["held_back"].items() if reason.startswith(mark)), _HINT["fcfs"])
             return "a sequence was admitted that the reference holds back", reason, hint
         if g["admitted"] and (not e["admitted"] or g["admitted"][0] != e["admitted"][0]):
