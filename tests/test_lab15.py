@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 import torch  # noqa: E402
 
 from conftest import REPO, answer_cells  # noqa: E402
-from grading.check import INTERACTIVE_SEED, TRAFFIC, drive, judge  # noqa: E402
+from grading.check import INTERACTIVE_SEED, TRAFFIC, Outcome, drive, judge  # noqa: E402
 from grading.checks import lab15  # noqa: E402
 from grading.registry import all_checks, get_check  # noqa: E402
 from infra_lib.kernels.triton_env import interpreter_active, load_triton  # noqa: E402
@@ -338,6 +338,38 @@ def test_the_lab_states_the_tolerances_the_checks_use():
         tolerance = lab15.TOLERANCES[kernel] if kernel else lab15.MODEL_LOGITS
         assert tuple(map(float, found[0])) == (tolerance.atol, tolerance.rtol, tolerance.gpu_atol, tolerance.rtol), (
             grade_id, found[0], tolerance)
+
+
+TRAFFIC_CHECKS = {"lab15.softmax_two_passes": "online_softmax_kernel", "lab15.flash_traffic": "flash_attention_kernel",
+                  "lab15.paged_in_place": "paged_decode_kernel", "lab15.gemv_q4_reads_packed": "q4_gemv_kernel"}
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_each_traffic_check_holds_the_stated_tolerances_against_a_compiled_reference():
+    """A sandboxed learner's kernel runs interpreted; a grader where Triton compiles has a compiled reference
+    (its bytes counted in the interpreter all the same). An output off by just under the stated compiled atol
+    + rtol x |reference| passes each traffic check, its bytes within the budget, and one off by just over
+    fails it: the same numbers as the value checks, never a looser relative part."""
+    import numpy as np
+
+    for check_id, name in TRAFFIC_CHECKS.items():
+        registered = get_check(check_id)
+        inputs, expected = _reference(check_id)
+        reference = [{**r, "interpreted": False} for r in expected.data]
+        tolerance = lab15.TOLERANCES[name]
+        last = len(reference) - 1
+        for factor, passes in ((0.9, True), (1.1, False)):
+            shifted = []
+            for i, r in enumerate(expected.data):
+                out = np.asarray(r["out"], dtype=np.float64)
+                moved = out + factor * (tolerance.gpu_atol + tolerance.rtol * np.abs(out))
+                shifted.append({**r, "out": moved.tolist() if i == last else r["out"]})
+            result = judge(registered, Outcome(data=shifted), Outcome(data=reference), inputs)
+            assert result.passed is passes, (check_id, factor, result.what, result.detail)
+            if not passes:
+                assert result.what.startswith(f"{name}'s `") and "differs from the reference" in result.what, (
+                    check_id, result.what)
 
 
 def test_the_answers_the_text_forbids_are_refused_before_they_run():
