@@ -139,3 +139,19 @@ def test_roofline_probe_benchmark_writes_json(tmp_path):
         assert p["fraction_of_roof"] > 0
         assert p["attainable_gflops"] == pytest.approx(min(peak, p["intensity"] * bandwidth))
         assert p["fraction_of_roof"] == pytest.approx(p["achieved_gflops"] / p["attainable_gflops"])
+
+
+def test_bf16_matrix_instructions_reads_the_flags_linux_lists(tmp_path):
+    from infra_lib.hardware.probes import bf16_matrix_instructions
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
+                   "processor\t: 1\nflags\t\t: fpu\n")
+    assert bf16_matrix_instructions(str(x86)) == ["AVX512-BF16", "AMX"]
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("flags\t\t: fpu sse2 avx2 fma\n")
+    assert bf16_matrix_instructions(str(avx2)) == []
+    arm = tmp_path / "arm"
+    arm.write_text("Features\t: fp asimd bf16 i8mm\n")
+    assert bf16_matrix_instructions(str(arm)) == ["Arm BF16"]
+    assert bf16_matrix_instructions(str(tmp_path / "missing")) == []

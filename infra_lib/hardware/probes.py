@@ -27,6 +27,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+BF16_MATRIX_FLAGS = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX", "bf16": "Arm BF16"}
+
+
+def bf16_matrix_instructions(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's instructions that multiply bf16 matrices natively, from the flags Linux lists (x86:
+    AVX512-BF16, AMX; Arm: BF16); empty where it has none or the OS does not say. Without them a
+    CPU converts bf16 to fp32 around every product, and bf16 is often slower than fp32 there."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        line = ""
+    flags = set(line.partition(":")[2].split())
+    return [name for flag, name in BF16_MATRIX_FLAGS.items() if flag in flags]
+
+
 def machine_info(device: torch.device | str = "cpu") -> dict:
     """Facts a benchmark result must carry to be comparable with another run."""
     return {
