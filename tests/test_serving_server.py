@@ -319,17 +319,15 @@ def test_gauges_fall_back_to_idle_when_a_stream_is_aborted_with_no_request_after
             "stream": True}
     with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
+        # The line iterator stays referenced: a `for` that breaks out of `r.iter_lines()` lets the
+        # generator be closed at once, and closing it closes the connection (an abort, mid-test).
+        lines_read = r.iter_lines()
         contents, lines = 0, []
-        for line in r.iter_lines():
+        while contents < 2:
+            line = next(lines_read, None)
+            assert line is not None, f"the stream ended before its second token: {lines}"
             lines.append(line)
             contents += '"content"' in line
-            if contents == 2:
-                break
-        assert contents == 2, f"the stream ended before its second token: {lines}"
-        # mid-stream the gauges show the request (read until a scrape lands after a step: bounded)
-        deadline = time.monotonic() + 10
-        while gauges()[0] != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
         running, _, usage = gauges()
         finished = [e.data for e in engine.engine.events.events(kind="finished")][-1:]
         assert running == 1 and usage > 0, f"mid-stream the gauges show the request: {running=}, {usage=}, {finished=}"
