@@ -5,16 +5,24 @@ The grader runs the learner's kernel through a kernelspec whose command is
 resource limits, moves the process into an empty network namespace where the OS allows,
 writes which limits it could apply to a status file, then replaces itself with the kernel.
 The kernel talks to the grader over Unix sockets (IPC transport), so it needs no network.
+
+Where bubblewrap cannot run and the grader runs as root (a Gradescope bundle built to grade without
+bubblewrap), the launcher can also run the kernel as an unprivileged user (``Limits.kernel_user``,
+``--user``): the files only root may read (the answer key, locked by :mod:`grading.gradescope`), the
+grader's processes and the course's own files are then out of the kernel's reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import json
 import os
+import pwd
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +48,9 @@ class Limits:
         isolate_network: run the kernel without network access (where the OS allows).
         bwrap: run the kernel inside bubblewrap (:mod:`grading.bwrap`): a read-only view of only
             what the lab needs, one writable scratch folder, no network, its own process IDs.
+        kernel_user: without bubblewrap, the user the kernel runs as ("" for the grader's own);
+            the grader must run as root. Such a kernel always starts cold, through the launcher
+            (a kernel forked from the template would keep the template's user).
     """
 
     cell_timeout: float = 120.0
@@ -51,11 +62,15 @@ class Limits:
     output_kb: int = 1024
     isolate_network: bool = True
     bwrap: bool = False
+    kernel_user: str = ""
 
     def __post_init__(self):
         for name, value in asdict(self).items():
-            if name not in ("isolate_network", "bwrap") and not value > 0:
+            if name not in ("isolate_network", "bwrap", "kernel_user") and not value > 0:
                 raise ValueError(f"limit {name} must be > 0, got {value!r}")
+        if self.kernel_user and self.bwrap:
+            raise ValueError("kernel_user is for a kernel without bubblewrap; bubblewrap's view already keeps "
+                             "the grader's files out of reach")
 
 
 def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm: bool = False,
@@ -68,6 +83,7 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     outside bubblewrap (it writes the status file where the kernel cannot, and puts the kernel in
     a process-count cgroup where the OS lets it), then executes ``bwrap``, which runs the kernel.
     ``hide``: with ``limits.bwrap``, files of the kernel's view replaced (real path -> file shown).
+    With ``limits.kernel_user`` the launcher runs the kernel as that user, and ``warm`` is ignored.
     """
     spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
@@ -84,9 +100,11 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     else:
         if limits.isolate_network:
             argv.append("--no-network")
+        if limits.kernel_user:
+            argv += ["--user", limits.kernel_user]
         argv += ["--"] + kernel
     spec = {"argv": argv, "display_name": "Python 3 (graded, sandboxed)", "language": "python"}
-    if warm:
+    if warm and not limits.kernel_user:
         from grading.warm import PROVISIONER
 
         spec["metadata"] = {"kernel_provisioner": {"provisioner_name": PROVISIONER}}
@@ -198,6 +216,63 @@ def bwrap_status() -> dict[str, str]:
             "processes ids": "bubblewrap: a PID namespace of its own (it sees and signals only its own processes)"}
 
 
+def _connection_file_index(command: list[str]) -> int | None:
+    """Where the kernel command names its connection file (the argument after ``-f``), if it does."""
+    flag = command.index("-f", 1) if "-f" in command[1:] else None
+    return flag + 1 if flag is not None and flag + 1 < len(command) else None
+
+
+def _user(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise ValueError(f"no user named {name!r} to run the kernel as") from None
+
+
+def prepare_for_user(name: str, command: list[str]) -> tuple[list[str], str]:
+    """Prepare the kernel's folder (this process's working directory) and ``command`` for a kernel
+    run as the user ``name``, while this process is still root; (the command to execute, what holds).
+
+    The folder becomes writable to that user without being listed (mode 1733, sticky like /tmp):
+    the kernel creates its sockets and records there, and cannot remove or rewrite what the grader
+    wrote. The connection file, which the kernel manager wrote for root alone, is copied there for
+    the user (ipykernel writes it back). HOME becomes a folder of the user's own inside it.
+    """
+    user = _user(name)
+    if os.geteuid() != 0:
+        raise PermissionError(f"only root can run the kernel as {name!r} (the launcher runs as uid {os.geteuid()})")
+    folder = Path.cwd()
+    os.chmod(folder, 0o1733)
+    command = list(command)
+    index = _connection_file_index(command)
+    if index is not None:
+        copy = folder / Path(command[index]).name
+        if copy != Path(command[index]):
+            shutil.copyfile(command[index], copy)
+        os.chown(copy, user.pw_uid, user.pw_gid)
+        os.chmod(copy, 0o600)
+        command[index] = str(copy)
+    home = folder / f"home-{name}"  # the kernel's own, for the caches and settings programs keep there
+    home.mkdir(mode=0o700, exist_ok=True)
+    os.chown(home, user.pw_uid, user.pw_gid)
+    os.environ.update(HOME=str(home), USER=name, LOGNAME=name)
+    return command, (f"the kernel ran as {name} (uid {user.pw_uid}), not as the grader's root: files only root "
+                     f"may read (the answer key) and the grader's processes were out of its reach")
+
+
+def drop_privileges(name: str) -> None:
+    """Become the user ``name`` for good: no groups, its group and user ids (real, effective and
+    saved), and no way back (no_new_privs: a setuid program runs without its privileges)."""
+    user = _user(name)
+    os.setgroups([])
+    os.setgid(user.pw_gid)
+    os.setuid(user.pw_uid)  # from root: real, effective and saved ids alike
+    if os.getuid() != user.pw_uid or os.geteuid() != user.pw_uid or os.getgroups():
+        raise PermissionError(f"could not become {name!r}")
+    if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise PermissionError(f"could not forbid {name!r} new privileges")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m grading.sandbox")
     parser.add_argument("--status", required=True)
@@ -206,6 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-network", action="store_true")
     parser.add_argument("--max-processes", type=int, default=0, help="a pids cgroup for the kernel (0: none)")
     parser.add_argument("--bwrap", action="store_true", help="the command is bubblewrap's (it isolates the network)")
+    parser.add_argument("--user", default="", help="run the command as this user (the launcher must run as root)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser
 
@@ -229,7 +305,17 @@ def main(argv: list[str] | None = None) -> None:
         status["processes"], status["cgroup"] = limit_processes(args.max_processes)
     if args.bwrap:
         status.update(bwrap_status())
-    Path(args.status).write_text(json.dumps(status), encoding="utf-8")
+    if args.user:
+        command, status["user"] = prepare_for_user(args.user, command)
+    Path(args.status).write_text(json.dumps(status), encoding="utf-8")  # still root: the kernel cannot rewrite it
+    if args.user:
+        try:
+            drop_privileges(args.user)
+        except OSError as exc:  # start no kernel, and say why where this process still can
+            status["user"] = f"NOT dropped: {exc}; the kernel was not started"
+            with contextlib.suppress(OSError):
+                Path(args.status).write_text(json.dumps(status), encoding="utf-8")
+            raise
     os.execv(command[0], command)
 
 

@@ -5,19 +5,46 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
-from grading.gradescope import PYTHON_ENV, ROOT_ENV, VISIBILITIES, build_bundle, gradescope_tests
+from grading.gradescope import (ALLOW_UNSANDBOXED, KERNEL_USER, MISCONFIGURED, PYTHON_ENV, ROOT_ENV, VISIBILITIES,
+                                build_bundle, gradescope_tests, submission_results)
 
 LAB = "lab01_gemm"
 WRONG_TASK1 = "def gemm_flops(m, n, k):\n    return m * n * k\n"
 HOSTILE = REPO / "tests" / "adversarial" / "answer_key_reader.ipynb"
+# What bubblewrap says in a container that may not create namespaces (Docker's default profile).
+NO_NAMESPACES = "bwrap: Creating new namespace failed: Operation not permitted"
+# Task 1's answer reads the answer key where Gradescope keeps it (beside the interpreter's
+# environment, /autograder/source/.venv) and pastes the key's answer; where the key cannot be read it
+# answers wrongly on purpose, so that the task's score says which happened.
+KEY_READER_OR_WRONG = """import json
+import sys
+import tempfile
+from pathlib import Path
+
+_key = Path(sys.prefix).parent / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
+try:
+    _cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"])
+              for c in json.loads(_key.read_text())["cells"]}
+    _folder = Path(tempfile.mkdtemp())
+    (_folder / "_key_task1.py").write_text("import statistics, time\\n" + _cells["task1_gemm_flops"])
+    sys.path.insert(0, str(_folder))
+    from _key_task1 import *
+except PermissionError:
+    def gemm_flops(m, n, k):
+        return m * n * k
+"""
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +91,60 @@ def test_bundle_leaves_out_checkpoints_caches_and_other_labs(tmp_path):
         build_bundle("lab42", tmp_path / "out", course=course)
 
 
-def test_hidden_checks_are_their_own_tests_shown_after_publishing():
+def _task(visible_passed: bool, hidden_passed: list[bool], points: float = 3.0):
+    from grading.grader import CheckResult, TestResult
+
+    checks = [CheckResult("lab01.gemm_flops", False, visible_passed, f"visible {visible_passed}",
+                          "passed" if visible_passed else "wrong result")]
+    checks += [CheckResult(f"lab01.hidden_{i}", True, ok, f"hidden {i} {ok}", "passed" if ok else "time-out")
+               for i, ok in enumerate(hidden_passed)]
+    passed = all(c.passed for c in checks)
+    return TestResult("test_task1_gemm_flops", points if passed else 0.0, points, checks)
+
+
+def test_hidden_checks_points_are_held_apart_until_grades_are_published():
+    """A task of 3 points with one visible and two hidden checks: a visible test worth 1 and a test
+    shown after publishing worth 2. The visible test is the same whatever the hidden checks did, and
+    each pair adds up to the course grader's all-or-nothing score."""
+    from grading.grader import GradeReport
+
+    cases = {"all pass": (True, [True, True]), "hidden fails": (True, [True, False]),
+             "visible fails": (False, [True, True]), "both fail": (False, [False, True])}
+    pairs = {}
+    for name, (visible, hidden) in cases.items():
+        test = _task(visible, hidden)
+        pairs[name] = gradescope_tests(GradeReport(LAB, "x.ipynb", 0, [test]))
+        shown, held = pairs[name]
+        assert shown["score"] + held["score"] == test.score, name
+        assert (shown["name"], shown["max_score"], shown["visibility"]) == ("test_task1_gemm_flops", 1.0, "visible")
+        assert (held["name"], held["max_score"], held["visibility"]) == \
+            ("test_task1_gemm_flops (hidden checks)", 2.0, "after_published")
+        assert "hidden_" not in shown["output"] and "2 hidden check(s)" in shown["output"], shown["output"]
+    assert pairs["all pass"][0] == pairs["hidden fails"][0], "the visible test must not tell a hidden failure"
+    assert pairs["visible fails"][0] == pairs["both fail"][0]
+    assert [t["score"] for t in pairs["all pass"]] == [1.0, 2.0]
+    hidden_fails = pairs["hidden fails"][1]
+    assert (hidden_fails["score"], hidden_fails["status"], hidden_fails["tags"]) == (-1.0, "failed", ["time-out"])
+    assert "takes back the 1 point(s) of the visible test" in hidden_fails["output"]
+    assert "hidden 1 False" in hidden_fails["output"]
+    visible_fails = pairs["visible fails"]
+    assert [t["score"] for t in visible_fails] == [0.0, 0.0] and visible_fails[1]["status"] == "passed"
+    assert "whatever the hidden checks gave" in visible_fails[1]["output"]
+
+
+def test_results_score_is_the_sum_of_the_tests_and_the_summary_gives_the_visible_share_only():
     from grading.grader import CheckResult, GradeReport, TestResult
 
-    visible_ok = CheckResult("lab01.gemm_flops", False, True, "lab01.gemm_flops passed")
-    hidden_bad = CheckResult("lab01.gemm_flops_shapes", True, False, "lab01.gemm_flops_shapes failed", "wrong result")
-    report = GradeReport(LAB, "x.ipynb", 0, [TestResult("test_task1_gemm_flops", 0.0, 2.0, [visible_ok, hidden_bad])])
-    shown, hidden = gradescope_tests(report)
-    assert (shown["name"], shown["score"], shown["max_score"], shown["status"], shown["visibility"]) == \
-        ("test_task1_gemm_flops", 0.0, 2.0, "failed", "visible")
-    assert "gemm_flops_shapes" not in shown["output"] and "a hidden one did not" in shown["output"]
-    assert (hidden["name"], hidden["max_score"], hidden["status"], hidden["visibility"], hidden["tags"]) == \
-        ("test_task1_gemm_flops (hidden checks)", 0.0, "failed", "after_published", ["wrong result"])
-    assert hidden["output"] == "lab01.gemm_flops_shapes failed"
+    visible_only = TestResult("test_task2_time_op", 3.0, 3.0, [CheckResult("lab01.time_op_warmup", False, True, "ok")])
+    for hidden in ([True, True], [True, False]):
+        report = GradeReport(LAB, "x.ipynb", 0, [_task(True, hidden, points=2.0), visible_only])
+        results = submission_results(report)
+        assert results["score"] == sum(t["score"] for t in results["tests"]) == report.score
+        assert results["max_score"] == sum(t["max_score"] for t in results["tests"]) == report.max_score == 5.0
+        assert [t["max_score"] for t in results["tests"]] == [0.67, 1.33, 3.0]
+        # the visible share (1 check of 3 in task 1, all of task 2): the same line either way
+        assert results["output"] == ("lab01_gemm: 3.67/3.67 from the visible checks; 1.33 more point(s) rest on "
+                                     "hidden checks, whose results show once grades are published")
 
 
 def test_bundle_scripts_parse_and_setup_installs_the_pinned_course(bundle, tmp_path):
@@ -99,9 +167,13 @@ def _unzip(bundle: Path, source: Path) -> None:
             os.chmod(source / info.filename, _mode(info))
 
 
-def _autograder(bundle: Path, root: Path, files: dict[str, bytes]) -> subprocess.Popen:
-    """Start the bundle's run_autograder on ``root`` (an emulated /autograder) with these submitted files."""
-    _unzip(bundle, root / "source")
+def _autograder(bundle: Path, root: Path, files: dict[str, bytes], *, unzip: bool = True,
+                python: str | None = sys.executable, path: Path | None = None) -> subprocess.Popen:
+    """Start the bundle's run_autograder on ``root`` (an emulated /autograder) with these submitted files.
+    ``python``: the interpreter (None: the bundle's own source/.venv, as on Gradescope); ``path``: a
+    folder put first on PATH."""
+    if unzip:
+        _unzip(bundle, root / "source")
     (root / "submission").mkdir(parents=True)
     for name, data in files.items():
         (root / "submission" / name).write_bytes(data)
@@ -109,15 +181,15 @@ def _autograder(bundle: Path, root: Path, files: dict[str, bytes]) -> subprocess
     from grading import warm
 
     env = {k: v for k, v in os.environ.items() if k not in (warm.SOCKET_ENV, warm.TOKEN_ENV, "PYTHONPATH")}
-    env.update({ROOT_ENV: str(root), PYTHON_ENV: sys.executable})
+    env.update({ROOT_ENV: str(root), **({PYTHON_ENV: python} if python else {})})
+    if path is not None:
+        env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     return subprocess.Popen([str(root / "source" / "run_autograder")], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _results(process: subprocess.Popen, root: Path) -> dict:
-    log = process.communicate(timeout=600)[0]
-    assert process.returncode == 0, log
-    return json.loads((root / "results" / "results.json").read_text())
+    return _run(process, root)[0]
 
 
 def _notebook(tmp_path: Path, answers: dict[str, str]) -> bytes:
@@ -155,14 +227,16 @@ def test_run_autograder_grades_in_the_sandbox_and_always_writes_results(bundle, 
     wrong = {t["name"]: t for t in results["wrong"]["tests"]}
     assert wrong["test_task1_gemm_flops"]["status"] == "failed" and wrong["test_task1_gemm_flops"]["tags"] == ["wrong result"]
     assert wrong["test_task1_gemm_flops (hidden checks)"]["visibility"] == "after_published"
-    assert wrong["test_task2_time_op"]["score"] == 3
+    assert wrong["test_task2_time_op"]["score"] + wrong["test_task2_time_op (hidden checks)"]["score"] == 3
     for test in results["honest"]["tests"]:
         assert test["visibility"] in VISIBILITIES
-        if test["name"].endswith("(hidden checks)"):  # shown once grades are published; the points are the cell's
-            assert test["visibility"] == "after_published" and test["max_score"] == 0, test
+        if test["name"].endswith("(hidden checks)"):  # shown once grades are published, with the hidden share
+            assert test["visibility"] == "after_published" and test["max_score"] > 0, test
         else:
             assert test["visibility"] == "visible" and test["max_score"] > 0, test
-    assert sum(t["score"] for t in results["honest"]["tests"]) == 10
+    assert sum(t["score"] for t in results["honest"]["tests"]) == results["honest"]["score"] == 10
+    # the visible tests carry the visible checks' share (one visible check of two, two, three, two)
+    assert sum(t["max_score"] for t in results["honest"]["tests"] if t["visibility"] == "visible") == 4.5
 
     assert "the submission is empty" in results["empty"]["output"]
     assert "2 notebooks (copy.ipynb, lab01_gemm.ipynb)" in results["two"]["output"]
@@ -192,3 +266,157 @@ def test_cli_builds_the_bundle_and_refuses_an_unknown_lab(tmp_path):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "lab42_missing" in refused.stderr
     assert "lab01_gemm" in refused.stderr  # names the labs there are
+
+
+def _no_namespaces(folder: Path) -> Path:
+    """A folder holding a ``bwrap`` that fails as bubblewrap does in a container without namespaces."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stub = folder / "bwrap"
+    stub.write_text(f"#!/bin/sh\necho '{NO_NAMESPACES}' >&2\nexit 1\n")
+    stub.chmod(0o755)
+    return folder
+
+
+def _run(process: subprocess.Popen, root: Path) -> tuple[dict, str]:
+    log = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, log
+    return json.loads((root / "results" / "results.json").read_text()), log
+
+
+def test_run_autograder_refuses_where_bubblewrap_cannot_run(bundle, tmp_path):
+    """The default bundle where bubblewrap cannot create namespaces: an honest notebook is not graded,
+    every test scores 0, the learner reads only that the autograder is misconfigured, and the
+    instructor's log says why and what to do. No kernel is started."""
+    root = tmp_path / "autograder"
+    honest = _notebook(tmp_path, answer_cells(SOLUTION01))
+    results, log = _run(_autograder(bundle, root, {f"{LAB}.ipynb": honest}, path=_no_namespaces(tmp_path / "stub")),
+                        root)
+    assert results["score"] == 0 and results["max_score"] == 10
+    assert results["tests"] and all(t["score"] == 0 and t["status"] == "failed" for t in results["tests"])
+    assert {t["output"] for t in results["tests"]} == {results["output"]} == {MISCONFIGURED}
+    for learner_text in (results["output"], json.dumps(results["tests"])):
+        assert "bubblewrap" not in learner_text and "solutions" not in learner_text
+    assert "REFUSED: nothing was graded" in log and NO_NAMESPACES in log and ALLOW_UNSANDBOXED in log, log
+    assert "protections" not in results.get("extra_data", {}), "a refusal runs nothing"
+
+
+def test_an_opted_out_bundle_records_it_and_its_build_warns(tmp_path):
+    cli = [sys.executable, "-m", "grading.cli", "gradescope", LAB, "--out"]
+    built = subprocess.run([*cli, str(tmp_path / "out"), ALLOW_UNSANDBOXED], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert built.stderr.startswith("warning: this bundle grades even where bubblewrap cannot run")
+    assert f"as the user {KERNEL_USER}" in built.stderr
+    with zipfile.ZipFile(tmp_path / "out" / "autograder.zip") as archive:
+        script = archive.read("run_autograder").decode()
+    assert f"grading.gradescope run --lab {LAB} {ALLOW_UNSANDBOXED} ||" in script
+    plain = build_bundle(LAB, tmp_path / "plain")
+    with zipfile.ZipFile(plain) as archive:
+        assert ALLOW_UNSANDBOXED not in archive.read("run_autograder").decode()
+
+
+def test_opted_out_grading_refuses_when_it_cannot_keep_the_key_from_the_kernel(tmp_path, monkeypatch, capsys):
+    """Allowed to grade without bubblewrap, the grader still refuses where the kernel's user does not
+    exist, and refuses a result whose kernel did not say it ran as that user."""
+    from grading import bwrap, gradescope
+
+    root = tmp_path / "autograder"
+    (root / "source" / "solutions" / LAB).mkdir(parents=True)
+    shutil.copy(SOLUTION01, root / "source" / "solutions" / LAB / f"{LAB}.ipynb")
+    (root / "submission").mkdir()
+    shutil.copy(SOLUTION01, root / "submission" / f"{LAB}.ipynb")
+    monkeypatch.setattr(bwrap, "availability", lambda: (False, f"bwrap cannot create namespaces ({NO_NAMESPACES})"))
+
+    monkeypatch.setattr(gradescope, "KERNEL_USER", "no-such-user-here")
+    results = gradescope.grade_submission(root, LAB, allow_unsandboxed=True)
+    assert results["score"] == 0 and results["output"] == MISCONFIGURED
+    assert "there is no user 'no-such-user-here'" in capsys.readouterr().out
+
+    # and a result is trusted only when the kernel's launcher said it ran as that user
+    assert gradescope.kernel_user_problem({"network": "isolated"}, KERNEL_USER).endswith("result is not trusted")
+    assert gradescope.kernel_user_problem({"user": "NOT dropped: EPERM"}, KERNEL_USER)
+    assert not gradescope.kernel_user_problem({"user": f"the kernel ran as {KERNEL_USER} (uid 65534), ..."})
+
+
+@pytest.fixture
+def open_tmp():
+    """A folder under /tmp that every user may enter (pytest's own are root's alone), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="autograder-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _runs_as(user: str, python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "pass"], user=user, cwd="/", capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def _bundle_venv(source: Path, python: str, user: str | None = None) -> Path:
+    """``source/.venv``, where Gradescope's setup.sh puts it, made from ``python`` (or, where ``user``
+    cannot run that one, from the system's interpreter of the same version) and seeing this
+    environment's packages. The course's environment here may live under root's home, which no other
+    user may enter; on Gradescope it is made from the system's python3.11."""
+    if user is not None and not _runs_as(user, python):
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        python = shutil.which(version, path="/usr/local/bin:/usr/bin") or ""
+        assert python and _runs_as(user, python), f"no {version} here that {user} can run"
+    venv = source / ".venv"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    (site_packages,) = venv.glob("lib/python3.*/site-packages")
+    packages = sysconfig.get_paths()["purelib"]
+    (site_packages / "course-environment.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
+    return venv / "bin" / "python"
+
+
+def test_bubblewrap_hides_the_answer_key_in_the_gradescope_layout(bundle, open_tmp):
+    """On Gradescope the environment sits inside the bundle (/autograder/source/.venv) beside
+    solutions/: the kernel's view holds the environment and the course's code, and no answer key,
+    submission or results."""
+    root = open_tmp / "autograder"
+    _unzip(bundle, root / "source")
+    for folder in ("submission", "results"):
+        (root / folder).mkdir()
+    python = _bundle_venv(root / "source", sys.executable)
+    scratch = open_tmp / "kernel"
+    prefix = subprocess.run(
+        [str(python), "-c", "import json, sys; from grading import bwrap; "
+                            "print(json.dumps([sys.prefix, bwrap.kernel_prefix(sys.argv[1])]))", str(scratch)],
+        cwd=root / "source", env={**os.environ, "PYTHONPATH": str(root / "source")},
+        capture_output=True, text=True, check=True)
+    prefix_of_venv, command = json.loads(prefix.stdout)
+    assert prefix_of_venv == str(root / "source" / ".venv")
+    key = root / "source" / "solutions" / LAB / f"{LAB}.ipynb"
+    assert key.is_file()
+    seen = subprocess.run([*command, "/bin/sh", "-c", f'ls -A "{root}" "{root}/source"; cat "{key}" >/dev/null'],
+                          capture_output=True, text=True)
+    assert seen.returncode != 0 and "No such file or directory" in seen.stderr, seen
+    assert seen.stdout.split("\n\n") == [f"{root}:\nsource", f"{root}/source:\n.venv\ngrading\ninfra_lib\n"], seen.stdout
+
+
+@pytest.mark.slow
+def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(open_tmp, tmp_path):
+    """Built with --allow-unsandboxed, where bubblewrap cannot run: the honest answers score, and the
+    answer that reads the key from where Gradescope keeps it meets a permission error (its wrong
+    fallback loses task 1: 8 of 10, where the key read would have given 10)."""
+    bundle = build_bundle(LAB, tmp_path / "bundle", allow_unsandboxed=True)
+    root = open_tmp / "autograder"
+    _unzip(bundle, root / "source")
+    _bundle_venv(root / "source", sys.executable, user=KERNEL_USER)
+    answers = {**answer_cells(SOLUTION01), "task1_gemm_flops": KEY_READER_OR_WRONG}
+    run = _autograder(bundle, root, {f"{LAB}.ipynb": _notebook(tmp_path, answers)}, unzip=False, python=None,
+                      path=_no_namespaces(tmp_path / "stub"))
+    results, log = _run(run, root)
+
+    assert "REFUSED" not in log, log
+    assert (results["score"], results["max_score"]) == (8, 10), results["output"]
+    tests = {t["name"]: t for t in results["tests"]}
+    assert tests["test_task1_gemm_flops"]["tags"] == ["wrong result"], tests["test_task1_gemm_flops"]
+    assert sum(t["score"] for t in results["tests"]) == 8
+    extra = results["extra_data"]
+    assert extra["course"] == str(root / "source"), "graded with the repository's code"
+    assert extra["protections"]["user"].startswith(f"the kernel ran as {KERNEL_USER} "), extra["protections"]
+    assert extra["protections"]["sandbox"].startswith("NOT used") and NO_NAMESPACES in extra["protections"]["sandbox"]
+    key = root / "source" / "solutions" / LAB / f"{LAB}.ipynb"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and stat.S_IMODE(key.parent.parent.stat().st_mode) == 0o700
