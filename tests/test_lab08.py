@@ -119,18 +119,37 @@ def test_a_schedule_that_admits_nothing_cannot_pass_the_records_part():
     assert "could not be judged" in message and "fix part 2 (admission) first" in message
 
 
-def test_the_course_planning_equals_the_reference_scheduler():
-    """The planning that drives the simulated runs is the course's own code (the reference's may not run
-    while a learner's code is watched): it must plan every step as the reference does."""
+def test_the_recorded_reference_steps_replay_the_reference_schedulers_own_run():
+    """The simulated runs follow the reference's steps, recorded where the inputs are made and carried out
+    in the kernel with the scheduler's own actions (the checks hold no planning of their own): a forced run
+    must plan, step by step, exactly what the reference scheduler plans when it runs the workload alone."""
     for check_id in SIMULATED:
         registered = all_checks()[check_id]
         for seed in range(3):
             inputs = registered.inputs(seed)
-            steps = lab08._drive_forced(lab08._course_schedule, inputs)
-            reference = lab08._drive_forced(Scheduler.schedule, inputs)
-            strip = [[{k: v for k, v in s.items() if k != "reasons"} for s in run["steps"]] for run in steps]
-            assert strip == [[{k: v for k, v in s.items() if k != "reasons"} for s in run["steps"]]
-                             for run in reference], (check_id, seed)
+            forced = lab08._drive_forced(Scheduler.schedule, inputs)
+            for run, got in zip(inputs, forced):
+                alone: list[dict] = []
+
+                class Alone(Scheduler):
+                    def schedule(self):
+                        out = super().schedule()
+                        alone.append({**out.as_dict(), "running": [s.seq_id for s in self.running],
+                                      "waiting": [s.seq_id for s in self.waiting]})
+                        return out
+
+                lab08._simulate(run, Alone(lab08._config(run["config"])))
+                assert len(got["steps"]) == len(alone) == len(run["reference_steps"]), (check_id, seed)
+                for k, (step, plain) in enumerate(zip(got["steps"], alone)):
+                    assert {key: step[key] for key in plain} == plain, (check_id, seed, k)
+
+
+def test_a_run_that_leaves_the_reference_steps_says_so():
+    registered = all_checks()["lab08.decode_first"]
+    inputs = registered.inputs(0)
+    inputs[0]["reference_steps"] = inputs[0]["reference_steps"][:3]
+    with pytest.raises(RuntimeError, match="past the reference's 3 steps"):
+        lab08._drive_forced(Scheduler.schedule, inputs)
 
 
 def test_each_part_judges_steps_it_owns_on_every_seed():
@@ -162,7 +181,7 @@ def test_a_step_that_raises_is_reported_at_that_step_and_the_run_goes_on():
     message = str(pytest.raises(AssertionError, check, "lab08.decode_first", flaky).value)
     assert "your schedule raised KeyError at step 2" in message and "oops" in message
     calls["n"] = 0
-    runs = lab08._drive_forced(flaky, lab08._decode_first_runs(random.Random(0)))
+    runs = lab08._drive_forced(flaky, lab08._with_reference_steps(lab08._decode_first_runs)(random.Random(0)))
     assert len(runs[0]["steps"]) > 3 and runs[0]["steps"][2]["error"].startswith("KeyError")
 
 

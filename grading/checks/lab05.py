@@ -1155,26 +1155,23 @@ def _drive_rms(fn, cases: list[dict]) -> list:
         return [outcome(run, case) for case in cases]
 
 
-def _rms_formula(x, weight, grad, inv_rms):
-    normed = x * inv_rms
-    grad_normed = grad * weight
-    grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-    return grad_x, (grad * normed).reshape(-1, x.shape[-1]).sum(0), normed, grad_normed
-
-
 def _rms_variants(case: dict) -> tuple[dict, dict]:
     """Classic mistakes on the case's inputs, in float64: (for grad_x, for grad_weight), message -> result."""
     x, weight, grad, eps = (t.double() if hasattr(t, "double") else t for t in _rms_inputs(case))
     mean_square = x.pow(2).mean(-1, keepdim=True)
     inv_rms = (mean_square + eps).rsqrt()
-    _, _, normed, grad_normed = _rms_formula(x, weight, grad, inv_rms)
-    outside = 1 / (mean_square.sqrt() + eps)
+    normed, grad_normed = x * inv_rms, grad * weight
+    # eps outside the root, 1 / (sqrt(mean(x^2)) + eps), is the reference's rsqrt(mean(x^2) + eps) with this
+    # per-row eps in place of the scalar (the checks compare with the library's backward, never a copy of it)
+    from infra_lib.training.autograd import rms_norm_backward
+
+    outside = rms_norm_backward(x, weight, grad, (mean_square.sqrt() + eps) ** 2 - mean_square)
     for_x = {
         "that treats the rms as a constant: it depends on every x_j of the row, so the gradient also has the "
         "term through the mean, - x̂_i · mean_j(g_j w_j x̂_j) / rms": inv_rms * grad_normed,
         "the mean's 1/d is missing from the term through the rms": inv_rms * (grad_normed - normed * (
             grad_normed * normed).sum(-1, keepdim=True)),
-        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": _rms_formula(x, weight, grad, outside)[0],
+        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": outside[0],
         "the gradient reaches x̂ through the weight first: use grad_out * weight, not grad_out": inv_rms * (
             grad - normed * (grad * normed).mean(-1, keepdim=True)),
     }
@@ -1182,7 +1179,7 @@ def _rms_variants(case: dict) -> tuple[dict, dict]:
     for_weight = {
         "grad_weight must be summed over every leading dim (the weight is shared by every row): it is [d]":
             grad * normed,
-        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": _rms_formula(x, weight, grad, outside)[1],
+        "eps belongs inside the square root: rms = sqrt(mean(x^2) + eps)": outside[1],
         "grad_weight is Σ grad_out · x̂ (the normalised x), not Σ grad_out": grad.reshape(-1, x.shape[-1]).sum(0),
     }
     if lead > 1:

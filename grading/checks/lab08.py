@@ -115,8 +115,8 @@ def _engine_stopped(exc: RuntimeError, too_long: str) -> str:
 # --- one step at a time, from the reference's state ---------------------------------------------------
 #
 # The simulated checks do not let the learner's plans steer the run. Before every step the scheduler is
-# copied; the learner's schedule plans the step on the copy, and the course's own planning (below, the
-# rules of the lab's text) plans it on the original, which the engine then runs. So every step of the
+# copied; the learner's schedule plans the step on the copy, and the original carries out the step the
+# reference planned at that point of the same run, which the engine then runs. So every step of the
 # learner's is judged from the state the reference would be in, one slip changes one step's plan and
 # not every step after it, and each part judges only what its behaviour decides:
 #
@@ -125,47 +125,90 @@ def _engine_stopped(exc: RuntimeError, too_long: str) -> str:
 #           agree and the plan keeps the limits, without preemption);
 #   part 3  the steps where blocks run out: who is preempted, in what order, and what else the step plans;
 #   part 5  the step's records: the step index, and the prefix-cache hit of every admission, 0 included.
+#
+# The reference's steps are recorded where the inputs are made (in the grader's process when the kernel
+# is sandboxed, where the reference is a stub), as the actions each step took in order: a preemption, a
+# reservation for a running sequence, an admission. The learner's kernel only carries them out with the
+# scheduler's own actions, so it needs no planning of the course's: nothing in it decides a step.
 
-def _course_schedule(self):
-    """The course's planning for one step: the lab's rules, written once more here (the reference's
-    ``Scheduler.schedule`` may not run while a learner's code is watched)."""
+def _simulate(run: dict, scheduler) -> None:
+    """Serve the run's workload on the simulated runner with ``scheduler``."""
+    from infra_lib.serving import LLMEngine, SimulatedRunner, StepCostModel, random_workload, replay
+
+    w = run["workload"]
+    requests = random_workload(w["n"], w["seed"], rate=w["rate"] if w["rate"] else float("inf"),
+                               prompt_len=tuple(w["prompt_len"]), output_len=tuple(w["output_len"]),
+                               shared_prefix_len=w.get("shared_prefix_len", 0))
+    engine = LLMEngine(SimulatedRunner(StepCostModel(*_UNIT_COST)), scheduler.config, scheduler=scheduler)
+    replay(engine, requests, max_steps=run["max_steps"])
+
+
+def _reference_steps(run: dict) -> list[list[tuple[str, int, int]]]:
+    """Each step of the reference scheduler's run of ``run``, as its actions in order: ``("preempt", seq
+    id, 0)``, ``("reserve", seq id, tokens)`` for a running sequence, ``("admit", seq id, tokens)``."""
+    from infra_lib.serving.scheduler import Scheduler
+
+    steps: list[list[tuple[str, int, int]]] = []
+
+    class Recorded(Scheduler):
+        def schedule(self):
+            steps.append([])
+            return super().schedule()
+
+        def preempt(self, seq):
+            steps[-1].append(("preempt", seq.seq_id, 0))
+            super().preempt(seq)
+
+        def reserve(self, seq, num_tokens):
+            steps[-1].append(("reserve", seq.seq_id, num_tokens))
+            super().reserve(seq, num_tokens)
+
+        def admit(self, seq, num_tokens):
+            steps[-1].append(("admit", seq.seq_id, num_tokens))
+            super().admit(seq, num_tokens)
+
+    _simulate(run, Recorded(_config(run["config"])))
+    return steps
+
+
+def _with_reference_steps(make):
+    """``make``'s runs, each with the reference's steps on it (``"reference_steps"``)."""
+
+    def make_inputs(rng: random.Random) -> list[dict]:
+        runs = make(rng)
+        for run in runs:
+            run["reference_steps"] = _reference_steps(run)
+        return runs
+
+    return make_inputs
+
+
+def _carry_out(scheduler, actions: list) -> object:
+    """One recorded step of the reference's, carried out on ``scheduler`` with its own actions; the plan."""
     from infra_lib.serving.scheduler_output import SchedulerOutput
-    from infra_lib.serving.sequence import SequenceStatus
 
-    budget = self.config.max_num_batched_tokens
-    out = SchedulerOutput(self.num_steps, budget)
-    for seq in list(self.running):
-        if seq.status is not SequenceStatus.RUNNING or budget == 0:
-            break
-        n = min(seq.num_uncomputed_tokens, budget)
-        while not self.can_reserve(seq, n):
-            victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim.seq_id)
-            if victim is seq:
-                break
-        if seq.status is not SequenceStatus.RUNNING:
-            break
-        self.reserve(seq, n)
-        out.add(seq, n)
-        budget -= n
-    while self.waiting and not out.preempted and budget and len(self.running) < self.config.max_num_seqs:
-        seq = self.waiting[0]
-        cached = self.cached_tokens(seq)
-        n = seq.num_tokens - cached
-        if n > budget and not self.config.enable_chunked_prefill:
-            break
-        n = min(n, budget)
-        if not self.can_admit(seq, n):
-            break
-        self.admit(seq, n)
-        out.admitted.append(seq.seq_id)
-        out.num_cached_tokens[seq.seq_id] = cached
-        out.add(seq, n)
-        budget -= n
-    self.num_steps += 1
-    self._scheduled = {s.seq_id: s.num_tokens for s in out.scheduled}
-    out.num_running, out.num_waiting, out.num_free_blocks = len(self.running), len(self.waiting), self.pool.num_free
+    out = SchedulerOutput(scheduler.num_steps, scheduler.config.max_num_batched_tokens)
+    for action, seq_id, num_tokens in actions:
+        queue = scheduler.waiting if action == "admit" else scheduler.running
+        seq = next((s for s in queue if s.seq_id == seq_id), None)
+        if seq is None:
+            raise RuntimeError(f"step {out.step} of the reference's run {action}s seq {seq_id}, which is not "
+                               f"{'waiting' if action == 'admit' else 'running'}: the run left the reference's")
+        if action == "preempt":
+            scheduler.preempt(seq)
+            out.preempted.append(seq_id)
+            continue
+        if action == "admit":
+            out.num_cached_tokens[seq_id] = scheduler.cached_tokens(seq)
+            scheduler.admit(seq, num_tokens)
+            out.admitted.append(seq_id)
+        else:
+            scheduler.reserve(seq, num_tokens)
+        out.add(seq, num_tokens)
+    scheduler.num_steps += 1
+    scheduler._scheduled = {s.seq_id: s.num_tokens for s in out.scheduled}
+    out.num_running, out.num_waiting = len(scheduler.running), len(scheduler.waiting)
+    out.num_free_blocks = scheduler.pool.num_free
     return out
 
 
@@ -209,7 +252,6 @@ def _plan_on_a_copy(schedule, scheduler) -> dict:
 
 
 def _drive_forced(schedule, runs):
-    from infra_lib.serving import LLMEngine, SimulatedRunner, StepCostModel, random_workload, replay
     from infra_lib.serving.scheduler import Scheduler
 
     if not callable(schedule):
@@ -217,19 +259,16 @@ def _drive_forced(schedule, runs):
     results = []
     for run in runs:
         steps: list[dict] = []
+        reference = run["reference_steps"]
 
         class Forced(Scheduler):
             def schedule(self):
                 steps.append(_plan_on_a_copy(schedule, self))
-                return _course_schedule(self)
+                if self.num_steps >= len(reference):
+                    raise RuntimeError(f"the run went on past the reference's {len(reference)} steps")
+                return _carry_out(self, reference[self.num_steps])
 
-        config = _config(run["config"])
-        w = run["workload"]
-        requests = random_workload(w["n"], w["seed"], rate=w["rate"] if w["rate"] else float("inf"),
-                                   prompt_len=tuple(w["prompt_len"]), output_len=tuple(w["output_len"]),
-                                   shared_prefix_len=w.get("shared_prefix_len", 0))
-        engine = LLMEngine(SimulatedRunner(StepCostModel(*_UNIT_COST)), config, scheduler=Forced(config))
-        replay(engine, requests, max_steps=run["max_steps"])
+        _simulate(run, Forced(_config(run["config"])))
         results.append({"steps": steps})
     return results
 
@@ -698,7 +737,7 @@ for check_id, part, make, note in (
         check_id=check_id,
         task=_TASKS[1],
         reference=_reference,
-        make_inputs=make,
+        make_inputs=_with_reference_steps(make),
         drive=_drive_forced,
         compare=_judge_for(part),
         hint=_HINTS[check_id] + note,
