@@ -4,10 +4,11 @@ style not, short answers not compared, hostile sources neither crash it nor slow
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
-from conftest import REPO, write_learner_notebook
+from conftest import REPO, answer_cells, write_learner_notebook
 from grading.similarity import class_matches, flags, grams, report, score, tokens
 from infra_lib.timing import time_op
 
@@ -135,3 +136,292 @@ def test_names_comments_layout_and_constants_do_not_change_an_answers_structure(
                                     "a = 1\n" * 100_000], ids=["syntax error", "parentheses", "nesting", "long"])
 def test_a_hostile_answer_is_left_out_not_a_crash(source):
     assert tokens(source) is None
+
+
+# --- lab 08: dressed copies of real answers --------------------------------------------------------------
+#
+# Alice and Frank answer lab 08's schedule honestly, each in a style of their own (both pass every check).
+# Bob, Carol and Dave copy Alice's and dress it: renamed helper parameters, reordered helper definitions, a
+# helper inlined into its caller. Erin pastes the course's Scheduler.schedule and make_room with names,
+# comments and the reason strings changed. Measured on these answers with the earlier measure (names
+# numbered across the whole cell): Bob 0.50, Carol 0.73, Bob's and Carol's dressing at once 0.49, Dave
+# 0.12 against Alice; Erin 0.17 against the reference and 0.18 against the solution. With this one:
+# Bob, Carol and both at once 1.00, Dave 0.86, Erin 0.93 and 0.82; the honest answers at most 0.61.
+
+LAB08 = REPO / "labs" / "lab08_scheduler" / "lab08_scheduler.ipynb"
+HEAD = answer_cells(REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb")["schedule"].split(
+    "    ### BEGIN SOLUTION")[0]
+
+ALICE = HEAD + '''    budget = _serve_running(self, out, budget)
+    if not out.preempted:
+        _serve_waiting(self, out, budget)
+    return finish_plan(self, out)
+
+
+def _serve_running(sched, out, budget):
+    """Oldest first; returns the budget left."""
+    i = 0
+    while i < len(sched.running) and budget > 0:
+        seq = sched.running[i]
+        want = min(seq.num_uncomputed_tokens, budget)
+        if not _free_blocks_for(sched, seq, want, out):
+            break
+        sched.reserve(seq, want)
+        out.add(seq, want)
+        budget -= want
+        i += 1
+    return budget
+
+
+def _free_blocks_for(sched, seq, want, out):
+    """Preempt the newest running sequences until seq fits; False when seq itself had to go."""
+    while not sched.can_reserve(seq, want):
+        newest = sched.running[-1]
+        sched.preempt(newest)
+        out.preempted.append(newest.seq_id)
+        if newest is seq:
+            return False
+    return True
+
+
+def _serve_waiting(sched, out, budget):
+    chunked = sched.config.enable_chunked_prefill
+    while sched.waiting:
+        if budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
+            return
+        head = sched.waiting[0]
+        hit = sched.cached_tokens(head)
+        todo = head.num_tokens - hit
+        if todo > budget:
+            if not chunked:
+                return
+            todo = budget
+        if not sched.can_admit(head, todo):
+            return
+        sched.admit(head, todo)
+        out.admitted.append(head.seq_id)
+        out.num_cached_tokens[head.seq_id] = hit
+        out.add(head, todo)
+        budget -= todo
+'''
+
+# bob: alice's, the helpers' parameters (and their uses) renamed
+_schedule, _sep, _helpers = ALICE.partition("\n\n\ndef _serve_running")
+for _old, _new in (("sched", "s"), ("out", "plan"), ("budget", "left"), ("seq", "item"), ("want", "k")):
+    _helpers = re.sub(rf"\b{_old}\b", _new, _helpers)
+BOB = _schedule + _sep + _helpers
+
+
+def _split(source):
+    """The top-level function definitions after the answer's schedule, by name."""
+    head, _, rest = source.partition("\n\n\ndef _")
+    parts = ("def _" + rest).split("\n\n\n")
+    return head, {p.split("(")[0][4:]: p for p in parts}
+
+
+# carol: alice's, her helpers defined in another order
+_head, _parts = _split(ALICE)
+CAROL = _head + "\n\n\n" + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running")) + "\n"
+
+# bob and carol at once: what the issue's note describes
+_head, _parts = _split(BOB)
+BOB_CAROL = _head + "\n\n\n" + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running")) + "\n"
+
+# dave: alice's, with _free_blocks_for inlined into _serve_running and _serve_waiting into schedule
+DAVE = HEAD + '''    budget = _serve_running(self, out, budget)
+    chunked = self.config.enable_chunked_prefill
+    while self.waiting and not out.preempted:
+        if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            break
+        head = self.waiting[0]
+        hit = self.cached_tokens(head)
+        todo = head.num_tokens - hit
+        if todo > budget:
+            if not chunked:
+                break
+            todo = budget
+        if not self.can_admit(head, todo):
+            break
+        self.admit(head, todo)
+        out.admitted.append(head.seq_id)
+        out.num_cached_tokens[head.seq_id] = hit
+        out.add(head, todo)
+        budget -= todo
+    return finish_plan(self, out)
+
+
+def _serve_running(sched, out, budget):
+    i = 0
+    while i < len(sched.running) and budget > 0:
+        seq = sched.running[i]
+        want = min(seq.num_uncomputed_tokens, budget)
+        gone = False
+        while not sched.can_reserve(seq, want):
+            newest = sched.running[-1]
+            sched.preempt(newest)
+            out.preempted.append(newest.seq_id)
+            if newest is seq:
+                gone = True
+                break
+        if gone:
+            break
+        sched.reserve(seq, want)
+        out.add(seq, want)
+        budget -= want
+        i += 1
+    return budget
+'''
+
+# erin: the course's Scheduler.schedule and make_room pasted, renamed, comments and constants changed
+ERIN = HEAD + '''    # walk the running queue first
+    for s in list(self.running):
+        if s.status is not SequenceStatus.RUNNING:
+            break
+        if budget == 0:
+            out.reasons.append(f"no budget left for {s.seq_id}")
+            break
+        take = min(s.num_uncomputed_tokens, budget)
+        if not _room(self, s, take, out):
+            break
+        self.reserve(s, take)
+        out.add(s, take)
+        budget -= take
+    # then the queue of new requests
+    while self.waiting and not out.preempted:
+        s = self.waiting[0]
+        if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            out.reasons.append(f"{'no budget' if budget == 0 else 'seq limit'}: {s.seq_id} stays")
+            break
+        hit = self.cached_tokens(s)
+        take = s.num_tokens - hit
+        if take > budget and not self.config.enable_chunked_prefill:
+            out.reasons.append(f"whole prompt {take} does not fit {budget}")
+            break
+        take = min(take, budget)
+        if not self.can_admit(s, take):
+            out.reasons.append(f"no blocks for {s.seq_id}")
+            break
+        self.admit(s, take)
+        out.admitted.append(s.seq_id)
+        out.num_cached_tokens[s.seq_id] = hit
+        out.add(s, take)
+        budget -= take
+    if out.preempted and self.waiting:
+        out.reasons.append("nobody admitted after a preemption")
+    return finish_plan(self, out)
+
+
+def _room(sched, s, take, out):
+    # evict from the back until s fits
+    while not sched.can_reserve(s, take):
+        last = sched.running[-1]
+        sched.preempt(last)
+        out.preempted.append(last.seq_id)
+        out.reasons.append(f"preempted {last.seq_id} for {s.seq_id}")
+        if last is s:
+            return False
+    return True
+'''
+
+# frank: an honest answer of his own, in one function
+FRANK = HEAD + '''    for seq in list(self.running):
+        if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+            break
+        k = min(budget, seq.num_uncomputed_tokens)
+        gone = False
+        while not gone and not self.can_reserve(seq, k):
+            last = self.running.pop()
+            self.running.append(last)
+            self.preempt(last)
+            out.preempted.append(last.seq_id)
+            gone = last is seq
+        if gone:
+            break
+        self.reserve(seq, k)
+        out.add(seq, k)
+        budget -= k
+    queue = [] if out.preempted else list(self.waiting)
+    for seq in queue:
+        if not budget or len(self.running) == self.config.max_num_seqs:
+            break
+        hit = self.cached_tokens(seq)
+        need = seq.num_tokens - hit
+        if need > budget and not self.config.enable_chunked_prefill:
+            break
+        take = need if need <= budget else budget
+        if not self.can_admit(seq, take):
+            break
+        self.admit(seq, take)
+        out.admitted.append(seq.seq_id)
+        out.num_cached_tokens[seq.seq_id] = hit
+        out.add(seq, take)
+        budget -= take
+    return finish_plan(self, out)
+'''
+
+SCHEDULERS = {"alice": ALICE, "bob": BOB, "carol": CAROL, "dave": DAVE, "erin": ERIN, "frank": FRANK}
+REFERENCE = "reference infra_lib.serving.scheduler.Scheduler.schedule"
+
+
+@pytest.fixture(scope="module")
+def lab08_matches(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lab08")
+    notebooks = {learner: write_learner_notebook(folder / f"{learner}.ipynb", {"schedule": answer}, base=LAB08)
+                 for learner, answer in SCHEDULERS.items()}
+    return class_matches(notebooks, "lab08_scheduler", REPO / "solutions")
+
+
+def test_the_lab08_answers_are_real_answers():
+    from grading import check
+    from infra_lib.serving.scheduler_output import SchedulerOutput
+    from infra_lib.serving.sequence import SequenceStatus
+
+    for answer in (ALICE, DAVE, FRANK):
+        namespace = {"SchedulerOutput": SchedulerOutput, "SequenceStatus": SequenceStatus}
+        exec(answer, namespace)
+        check("lab08.preemption", namespace["schedule"])
+
+
+@pytest.mark.parametrize("copier, dressing", [("bob", "renamed helper parameters"),
+                                              ("carol", "reordered helper definitions"),
+                                              ("dave", "a helper inlined into its caller")])
+def test_a_copy_is_flagged_however_it_is_dressed(lab08_matches, copier, dressing):
+    found = {(m.learner, m.other): m for m in lab08_matches if m.answer == "schedule"}
+    assert (copier, "alice") in found and ("alice", copier) in found, dressing
+    match = found[(copier, "alice")]
+    assert match.score >= 0.8 and match.pair == f"{copier}:schedule ~ alice:schedule", match
+
+
+def test_renamed_and_reordered_at_once_is_still_the_same_answer():
+    from grading.similarity import best_pair, fingerprint
+
+    base = grams(HEAD + "    raise NotImplementedError\n")
+    assert best_pair(fingerprint(BOB_CAROL, base, entries=True), fingerprint(ALICE, base, entries=True))[0] == 1.0
+
+
+def test_a_pasted_reference_with_comments_and_constants_changed_is_flagged(lab08_matches):
+    found = {m.other: m for m in lab08_matches if m.learner == "erin"}
+    assert REFERENCE in found and found[REFERENCE].score >= 0.9, found
+    assert found[REFERENCE].pair == "erin:schedule ~ reference:Scheduler.schedule"
+    assert "the course's solution" in found
+
+
+def test_two_honest_independent_answers_are_not_flagged(lab08_matches):
+    for honest in ("alice", "frank"):
+        others = {m.other for m in lab08_matches if m.learner == honest}
+        assert others <= {"bob", "carol", "dave"}, (honest, others)  # only the copies of alice's
+    assert not any("frank" in (m.learner, m.other) for m in lab08_matches)
+    text = report(lab08_matches, "lab08_scheduler", len(SCHEDULERS))
+    assert "| bob | schedule | alice |" in text and "bob:schedule ~ alice:schedule" in text
+
+
+def test_a_helper_is_judged_with_the_function_that_calls_it():
+    """Alice's preemption helper alone is the one obvious loop (0.93 of it stands in the reference's
+    make_room); her answer as a whole, helpers included, is her own."""
+    from grading.similarity import best_pair, fingerprint, reference_prints
+
+    base = grams(HEAD + "    raise NotImplementedError\n")
+    room = reference_prints("lab08_scheduler")["reference infra_lib.serving.scheduler.Scheduler.make_room"]
+    assert best_pair(fingerprint(ALICE, base), room, base)[1] == "_free_blocks_for"
+    whole = best_pair(fingerprint(ALICE, base, entries=True), room, base)
+    assert whole[1] == "schedule" and whole[0] < 0.8
