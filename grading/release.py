@@ -3,6 +3,7 @@ and the learner edition: the course as a class receives it, without the answers.
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import os
@@ -25,6 +26,17 @@ END_REGION = "END SOLUTION"
 # Tracked folders the learner edition leaves out: the answer key (replaced by the labs' tests
 # only), the course's own suite (it checks the course against the answer key) and the CI that runs it.
 LEFT_OUT = ("solutions/", "tests/", ".ci/")
+# Shipped folders whose code is not compared with the answers: the library, whose reference code the
+# lessons and the labs' own stack need. An answer pasted from it is the similarity report's to find
+# (grading.similarity compares every answer with the lab's reference functions).
+LIBRARY = ("infra_lib/",)
+# Course-side code the edition still ships although it holds a task's answer, with the reason; the scan
+# names anything else it finds, and refuses.
+STILL_SHIPPED: dict[tuple[str, str], str] = {
+    ("grading/checks/lab04.py", "lab04_compile:task1_op_histogram"):
+        "tasks 2 and 3's driver describes the learner's own pass output by task 1's rule, in the kernel, where "
+        "the sandbox stubs the reference op_histogram",
+}
 TESTS_ONLY_NOTE = "TESTS_ONLY.md"  # in an edition's solutions/: its notebooks hold tests, not answers
 EDITION_NOTE = "EDITION.md"
 __all__ = ["CONFIG", "ReleaseError", "generate", "generate_all", "lab_ids", "learner_edition"]
@@ -219,6 +231,67 @@ def answer_leaks(folder: Path, regions: list[str]) -> list[str]:
     return leaks
 
 
+def solution_prints(source_dir: Path = DEFAULT_SOURCE) -> list[tuple[str, frozenset, dict]]:
+    """("lab:grade_id", its stub's grams, the fingerprint of its entry functions) for each answer cell of
+    the instructor notebooks (:mod:`grading.similarity`)."""
+    from grading.notebook import clear_solutions, is_solution_cell
+    from grading.similarity import fingerprint, grams
+
+    found = []
+    for lab_id in lab_ids(source_dir):
+        for cell in read_notebook(Path(source_dir) / lab_id / f"{lab_id}.ipynb").cells:
+            if is_solution_cell(cell):
+                base = grams(clear_solutions(cell.source)) or frozenset()
+                prints = fingerprint(cell.source, base, entries=True)
+                if prints:
+                    found.append((f"{lab_id}:{grade_id(cell)}", base, prints))
+    return found
+
+
+def _code(path: Path) -> list[str]:
+    """A Python file's text; a notebook's code cells as one source (its magics and shell lines blanked),
+    or cell by cell when that does not parse."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".py":
+        return [text]
+    try:
+        cells = [cell for cell in json.loads(text).get("cells", []) if cell.get("cell_type") == "code"]
+    except (json.JSONDecodeError, AttributeError):
+        return []
+    sources = ["\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                         for line in "".join(cell.get("source", "")).splitlines()) for cell in cells]
+    whole = "\n\n".join(sources)
+    try:
+        ast.parse(whole)
+        return [whole]
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return sources
+
+
+def equivalent_code(folder: Path, solutions: list[tuple[str, frozenset, dict]]) -> list[tuple[str, str, str]]:
+    """The functions of the files under ``folder`` (.py files and notebooks' code, :data:`LIBRARY` left out)
+    that hold a solution cell's code: (file, "lab:grade_id", "unit ~ unit score") for each, where the
+    share of the solution's grams (its stub's removed) found in the function reaches the similarity
+    report's threshold. Names, comments, constants, the order of functions and helpers split out or
+    pasted in do not hide one."""
+    from grading.similarity import THRESHOLD, best_pair, fingerprint, found_in
+
+    found = []
+    for path in sorted(p for p in Path(folder).rglob("*") if p.suffix in (".py", ".ipynb") and p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name.startswith(LIBRARY):
+            continue
+        for source in _code(path):
+            prints = fingerprint(source)
+            if not prints:
+                continue
+            for label, base, solution in solutions:
+                best = best_pair(solution, prints, base, measure=found_in)
+                if best is not None and best[0] >= THRESHOLD:
+                    found.append((name, label, f"{best[2]} ~ {best[1]} {best[0]:.2f}"))
+    return found
+
+
 def _prepare(out_dir: Path, files: list[str], force: bool) -> None:
     """Make ``out_dir`` an empty folder, refusing to touch the course itself or, without ``force``, anything in it."""
     root = REPO_ROOT.resolve()
@@ -250,11 +323,17 @@ def learner_edition(out_dir: Path, force: bool = False) -> Path:
     ``tests/`` and ``.ci/`` are left out whole (:data:`LEFT_OUT`): the suite grades the solutions,
     builds its adversarial corpus from them and compares the labs with what nbgrader generates from
     them, so it cannot run without the answers. Before returning, every file of the edition is
-    scanned (:func:`answer_leaks`); untracked files (``.venv``, ``build/``, ``grades/``) never go in.
+    scanned for an answer's lines (:func:`answer_leaks`), and every function of its Python files and
+    notebooks for an answer's structure (:func:`equivalent_code`, the similarity report's measure):
+    the grader's course-side code included, so that no check module ships a task solved again. The
+    library (:data:`LIBRARY`) is not scanned: the lessons need its reference code, and the defence
+    there is the similarity report, which compares every answer with the lab's reference functions.
+    Untracked files (``.venv``, ``build/``, ``grades/``) never go in.
 
     Raises:
         ReleaseError: ``out_dir`` is not empty (and not ``force``) or holds the course itself, the
-            course is not a git checkout, ``labs/`` lacks a stub, or a file of the edition holds an answer.
+            course is not a git checkout, ``labs/`` lacks a stub, or a file of the edition holds an answer
+            (its lines, or code equivalent to it outside :data:`LIBRARY` and :data:`STILL_SHIPPED`).
     """
     out_dir = Path(out_dir).resolve()
     files = tracked_files()
@@ -279,4 +358,10 @@ def learner_edition(out_dir: Path, force: bool = False) -> Path:
     if leaks:
         raise ReleaseError(f"the edition in {out_dir} holds solution code in {', '.join(leaks)}; leave them out "
                            f"(grading.release.LEFT_OUT) and build it again")
+    equivalent = [f"{name}: {unit} is {label}'s answer" for name, label, unit in equivalent_code(out_dir, solution_prints())
+                  if (name, label) not in STILL_SHIPPED]
+    if equivalent:
+        raise ReleaseError(f"the edition in {out_dir} holds code equivalent to an answer: {'; '.join(equivalent)}; "
+                           f"take it out of the course-side code (the checks can drive the library's reference) "
+                           f"and build it again")
     return out_dir

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from conftest import REPO, SOLUTION01, SOLUTIONS, answer_cells, write_learner_notebook
@@ -119,6 +120,48 @@ def test_no_file_of_the_edition_holds_solution_code(edition):
         for lab, lines in regions:
             region = "\n" + "\n".join(lines) + "\n"
             assert region not in text, f"{name} holds {lab}'s answer starting {lines[0]!r}"
+
+
+def test_no_function_of_the_edition_is_equivalent_to_an_answer(edition):
+    """Every function of the edition's Python files and notebooks outside the library, the check modules'
+    included, against every answer cell by the similarity report's measure: none holds an answer but the
+    one the edition declares it still ships."""
+    from grading.release import STILL_SHIPPED, equivalent_code, solution_prints
+
+    solutions = solution_prints()
+    assert len(solutions) > 40, "every lab's answer cells are scanned for"
+    found = {(name, label) for name, label, _ in equivalent_code(edition, solutions)}
+    assert found == set(STILL_SHIPPED), found
+
+
+def _dressed(source: str) -> str:
+    """An answer's code with its names, comments and layout changed, as a copy would be."""
+    for old, new in (("budget", "room"), ("victim", "last"), ("cached", "hit"), ("seq", "item"), ("out", "plan"),
+                     ("n", "take")):
+        source = re.sub(rf"\b{old}\b", new, source)
+    return "\n".join(line.split("  #")[0] + ("  # one more step" if "while" in line else "")
+                     for line in source.splitlines())
+
+
+def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_notebook(tmp_path):
+    from grading.release import equivalent_code, solution_prints
+
+    region = answer_cells(REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb")["schedule"]
+    region = region.split("### BEGIN SOLUTION\n")[1].split("    ### END SOLUTION")[0]
+    copy = _dressed("class Planner:\n    def plan_step(self):\n        budget = self.config.max_num_batched_tokens\n"
+                    "        out = SchedulerOutput(self.num_steps, budget)\n"
+                    + "\n".join("    " + line for line in region.splitlines()) + "\n")
+    (tmp_path / "grading" / "checks").mkdir(parents=True)
+    (tmp_path / "grading" / "checks" / "helpers.py").write_text("import math\n\n\n" + copy)
+    (tmp_path / "infra_lib").mkdir()
+    (tmp_path / "infra_lib" / "scheduler.py").write_text(copy)  # the library's reference code is not scanned
+    (tmp_path / "grading" / "checks" / "lab08.py").write_text((REPO / "grading" / "checks" / "lab08.py").read_text())
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%matplotlib inline\n" + copy)])
+    nbformat.write(notebook, tmp_path / "lesson.ipynb")
+    found = {(name, label): unit for name, label, unit in equivalent_code(tmp_path, solution_prints())}
+    assert set(found) == {("grading/checks/helpers.py", "lab08_scheduler:schedule"),
+                          ("lesson.ipynb", "lab08_scheduler:schedule")}, found
+    assert found[("grading/checks/helpers.py", "lab08_scheduler:schedule")].startswith("Planner.plan_step ~ schedule")
 
 
 def test_the_edition_is_the_tracked_course_less_its_answer_key_and_suite(edition):
