@@ -4,13 +4,16 @@ A submissions folder holds either one sub-folder per learner (with the lab's not
 a single .ipynb, inside) or one ``<learner>.ipynb`` per learner; a learner's folder with no
 notebook, or a learner on the roster with nothing submitted, is "not submitted". Each learner
 gets ``OUT/<learner>/results.json`` and ``feedback.md`` (earlier gradings move to
-``OUT/<learner>/history/``); ``OUT/scores.csv`` has one row per learner: score, status
-(graded, unreadable, earlier release, flagged, not submitted, failed), whether it came from
-the cache, the seed, the grading time, when and against which course version.
-``OUT/similarity.md`` lists answers close to the solution, the reference or each other
-(:mod:`grading.similarity`; the ``flags`` column repeats them per learner). A re-run skips
-learners whose submission, the lab (:func:`grading.lab_version.lab_version`: its notebook,
-checks and the modules they run) and the limits are unchanged, unless a seed is given.
+``OUT/<learner>/history/``); ``OUT/scores.csv`` has one row per learner: score, status (one of
+:data:`grading.grader.STATUSES`), whether it came from the cache, the seed, the grading time,
+when and against which course version, the flags and a note. The flags are what the instructor
+should look at, each starting with its status's name: a protection that did not hold, what the
+learner's code reached for while it ran (blocked or reached), an answer the static scan refused
+or a check caught, and answers close to the solution, the reference or each other ("copy: ",
+from :mod:`grading.similarity`, which also writes ``OUT/similarity.md``). A flag never changes a
+score. A re-run skips learners whose submission, the lab's tests, the course's code
+(:func:`grading.lab_version.lab_version_parts`) and the limits are unchanged, unless a seed is
+given; a re-grade's note says which of them changed.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grading.grader import STATUSES
+from grading.gradebook import read_roster_file
 from grading.sandbox import Limits
 
 CACHE_FILE = "cache-key"
-
-
-STATUSES = ("graded", "unreadable", "earlier release", "flagged", "not submitted", "failed")
+FLAG_SEPARATOR = " | "  # between the flags of one row (a similarity flag holds "; " itself)
+# What each part of the cache key covers, in a re-grade's note.
+KEY_PARTS = {"submission": "the submission", "tests": "the lab's tests", "course": "the course's code",
+             "limits": "the limits"}
+__all__ = ["STATUSES", "BatchRow", "changed_parts", "find_submissions", "read_roster", "grade_batch", "write_csv"]
 
 
 @dataclass
@@ -43,7 +50,7 @@ class BatchRow:
     seconds: float  # the grading's own time (kept when the row comes from the cache)
     tests: dict[str, float]
     note: str = ""
-    flags: str = ""  # close matches (grading.similarity), for the instructor to look at
+    flags: str = ""  # what the instructor should look at (FLAG_SEPARATOR between them); never in the score
     cached: bool = False  # the row is an earlier grading of the same submission and lab
     seed: int | None = None
     graded_at: str = ""
@@ -73,28 +80,55 @@ def find_submissions(folder: Path, lab_id: str) -> dict[str, Path | None]:
 
 
 def read_roster(path: Path) -> list[str]:
-    """Learner ids, one per line (or the first column of a CSV; a header "learner" or "id" is
-    skipped; blank lines and lines starting with # too)."""
-    learners = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        name = line.split(",")[0].strip()
-        if name and not name.startswith("#") and name.lower() not in ("learner", "id", "student"):
-            learners.append(name)
-    return list(dict.fromkeys(learners))
+    """The class's learner ids, in the roster's order (:func:`grading.gradebook.read_roster_file`)."""
+    return list(read_roster_file(path))
 
 
-def _cache_key(notebook: Path, version: str, limits: Limits) -> str:
-    digest = hashlib.sha256(version.encode())
-    digest.update(json.dumps(asdict(limits), sort_keys=True).encode())
+def _cache_key(notebook: Path, parts: dict[str, str], limits: Limits) -> str:
+    """The key of one learner's grading, as JSON: a digest per part (``KEY_PARTS``), so that a
+    re-grade can say which changed. ``parts``: :func:`grading.lab_version.lab_version_parts`."""
     try:
-        digest.update(notebook.read_bytes())
+        submission = hashlib.sha256(notebook.read_bytes()).hexdigest()
     except OSError as exc:
-        digest.update(str(exc).encode())
-    return digest.hexdigest()
+        submission = hashlib.sha256(str(exc).encode()).hexdigest()
+    limits_digest = hashlib.sha256(json.dumps(asdict(limits), sort_keys=True).encode()).hexdigest()
+    return json.dumps({"submission": submission, **{part: parts[part] for part in ("tests", "course")},
+                       "limits": limits_digest}, sort_keys=True)
+
+
+def changed_parts(old: str, new: str) -> list[str]:
+    """What differs between two cache keys, in words (``KEY_PARTS``); [] when they are equal, or
+    when the old one cannot say (then ``["the earlier grading's record"]``)."""
+    try:
+        before, after = json.loads(old), json.loads(new)
+        if not isinstance(before, dict):
+            raise ValueError
+    except ValueError:
+        return ["the earlier grading's record"]
+    return [words for part, words in KEY_PARTS.items() if before.get(part) != after.get(part)]
+
+
+def _regrade_note(previous: tuple[float, str] | None, score: float, old_key: str, key: str, seed: int | None) -> str:
+    """Why a learner with an earlier grading was graded again, and the score before if it moved."""
+    if previous is None:
+        return ""
+    if seed is not None:
+        why = f"seed {seed} as asked"
+    elif not old_key:
+        why = "the earlier grading failed or kept no key"
+    else:
+        why = " and ".join(changed_parts(old_key, key)) + " changed"
+    if previous[0] != score:
+        return f"re-graded: {previous[0]:g} before ({previous[1] or 'earlier'}, kept in history/); {why}"
+    return f"re-graded, same score: {why}"
+
+
+def _flag_text(flags) -> str:
+    return FLAG_SEPARATOR.join(str(flag) for flag in flags) if isinstance(flags, list) else ""
 
 
 def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_dir: str,
-               limits: Limits, seed: int | None, key: str) -> dict:
+               limits: Limits, seed: int | None, key: str, watched: dict[str, str] | None = None) -> dict:
     """Worker: grade one learner and write their reports; never raises."""
     from grading.grader import grade_notebook
     from grading.report import gradescope_results, keep_history, write_reports
@@ -103,7 +137,12 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
     target = Path(out_dir)
     previous = _previous(target)
     try:
-        report = grade_notebook(notebook, lab_id=lab_id, source_dir=source_dir, seed=seed, limits=limits)
+        old_key = (target / CACHE_FILE).read_text(encoding="utf-8")
+    except OSError:
+        old_key = ""
+    try:
+        report = grade_notebook(notebook, lab_id=lab_id, source_dir=source_dir, seed=seed, limits=limits,
+                                watched=watched)
         write_reports(report, target)
         results = gradescope_results(report)
         status, note, seconds = report.status, report.unreadable, report.seconds
@@ -117,13 +156,13 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
         (target / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         (target / "feedback.md").write_text(f"# Feedback: {lab_id}\n\n{results['output']}\n", encoding="utf-8")
         status, note, seconds = "failed", results["output"], time.monotonic() - started
-    if previous and status != "failed" and previous[0] != results["score"]:
-        note = "; ".join(filter(None, [note, f"re-graded: {previous[0]:g} before ({previous[1] or 'earlier'}, "
-                                             "kept in history/), the submission or the lab changed"]))
+    if status != "failed":
+        note = "; ".join(filter(None, [note, _regrade_note(previous, results["score"], old_key, key, seed)]))
     (target / CACHE_FILE).write_text(key if status != "failed" else "", encoding="utf-8")
     extra = results.get("extra_data", {})
     return asdict(BatchRow(learner, results["score"], results["max_score"], status, seconds,
-                           {t["name"]: t["score"] for t in results["tests"]}, note, seed=extra.get("seed"),
+                           {t["name"]: t["score"] for t in results["tests"]}, note, _flag_text(extra.get("flags")),
+                           seed=extra.get("seed"),
                            graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
                            measures=dict(extra.get("measures", {}))))
 
@@ -148,7 +187,8 @@ def _cached(learner: str, target: Path, key: str) -> BatchRow | None:
     status = extra.get("status", "graded")
     note = extra.get("unreadable", "") if status == "unreadable" else ""
     return BatchRow(learner, results["score"], results["max_score"], status, float(results.get("execution_time", 0)),
-                    {t["name"]: t["score"] for t in results["tests"]}, note, cached=True, seed=extra.get("seed"),
+                    {t["name"]: t["score"] for t in results["tests"]}, note, _flag_text(extra.get("flags")),
+                    cached=True, seed=extra.get("seed"),
                     graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
                     measures=dict(extra.get("measures", {})) if isinstance(extra.get("measures"), dict) else {})
 
@@ -164,23 +204,26 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     """
     from tqdm import tqdm
 
-    from grading.lab_version import lab_version
+    from grading.lab_version import lab_version_parts
 
     submitted = find_submissions(submissions, lab_id)
     found = {learner: path for learner, path in submitted.items() if path is not None}
     missing = [learner for learner in [*submitted, *(roster or [])] if learner not in found]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    version = lab_version(lab_id, source_dir)
+    parts = lab_version_parts(lab_id, source_dir)
+    # Where only a cheat would look: the class's own submissions and grades (grading.tamper.watch).
+    watched = {str(submissions): "classmates' submissions", str(out_dir): "the class's grades"}
     rows: dict[str, BatchRow] = {}
     todo = []
     for learner, notebook in found.items():
-        key = _cache_key(notebook, version, limits)
+        key = _cache_key(notebook, parts, limits)
         cached = None if seed is not None else _cached(learner, out_dir / learner, key)
         if cached is not None:
             rows[learner] = cached
         else:
-            todo.append((learner, str(notebook), lab_id, str(source_dir), str(out_dir / learner), limits, seed, key))
+            todo.append((learner, str(notebook), lab_id, str(source_dir), str(out_dir / learner), limits, seed, key,
+                         watched))
     workers = max(1, min(workers or max(1, (os.cpu_count() or 2) // 2), len(todo) or 1))
     bar = tqdm(total=len(found), initial=len(rows), desc=f"grading {lab_id}", unit="notebook",
                disable=not progress, file=sys.stderr)
@@ -216,9 +259,10 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
                                  "no notebook in the submissions folder")
     ordered = [rows[learner] for learner in dict.fromkeys([*(roster or []), *submitted])]  # the roster's order
     for row in ordered:
-        row.flags = flagged.get(row.learner, "")
-        if row.flags and row.status == "graded":
-            row.status = "flagged"  # a signal for the instructor; the score stands
+        if flagged.get(row.learner):
+            row.flags = FLAG_SEPARATOR.join(filter(None, [row.flags, f"copy: {flagged[row.learner]}"]))
+            if row.status == "graded":
+                row.status = "flagged"  # a signal for the instructor; the score stands
     write_csv(ordered, out_dir / "scores.csv")
     return ordered
 

@@ -184,22 +184,29 @@ def _cmd_grade_batch(args) -> int:
           f"scores in {out_dir / 'scores.csv'}")
     flagged = [r.learner for r in rows if r.flags]
     if flagged:
-        print(f"similar answers ({len(flagged)} learners: {', '.join(flagged)}): see {out_dir / 'similarity.md'}")
+        print(f"flags to look at ({len(flagged)} learners: {', '.join(flagged)}): the flags column of "
+              f"{out_dir / 'scores.csv'}; similar answers in {out_dir / 'similarity.md'}")
     return EXIT_OK
 
 
 def _cmd_gradebook(args) -> int:
+    import csv
+
     from grading.gradebook import build_gradebook
 
     try:
-        book, written = build_gradebook(Path(args.grades), Path(args.out) if args.out else None)
-    except (FileNotFoundError, ValueError) as exc:
+        book, written = build_gradebook(Path(args.grades), Path(args.out) if args.out else None, args.roster)
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, csv.Error) as exc:
         return _refuse("gradebook", str(exc))
     for problem in book.skipped:
         print(f"skipped {problem}", file=sys.stderr)
     missing = sum(row["status"] == "not submitted" for row in book.rows)
+    flagged = sum(bool(row["flags"]) for row in book.rows)
     print(f"{len(book.learners)} learners x {len(book.labs)} labs ({', '.join(book.labs)}); "
-          f"{missing} not submitted")
+          f"{missing} not submitted; {flagged} with flags to look at (gradebook.csv's flags column)")
+    if args.roster:
+        with_ids = sum(bool(ids) for ids in book.ids.values())
+        print(f"roster {args.roster}: {len(book.ids)} learners, {with_ids} with Canvas or SIS ids")
     print(f"wrote {', '.join(str(p) for p in written)} (canvas.csv: import it in Canvas's gradebook)")
     return EXIT_OK
 
@@ -398,8 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="instructor notebooks (default solutions/)")
     grade.add_argument("--seed", type=int, help="grade-time seed (default: random); with --submissions, every "
                                                 "learner is graded again with it (no cache)")
-    grade.add_argument("--roster", type=Path, help="with --submissions: the class's learner ids, one per line; "
-                                                  "those who submitted nothing are listed as not submitted")
+    grade.add_argument("--roster", type=Path, help="with --submissions: the class's learner ids, one per line (or "
+                                                  "a CSV with a learner column first); those who submitted "
+                                                  "nothing are listed as not submitted")
     _add_limit_options(grade)
     grade.set_defaults(func=_cmd_grade)
 
@@ -407,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     gradebook.add_argument("grades", nargs="?", default=str(GRADES),
                            help="the folder of per-lab grading outputs, <grades>/<lab>/scores.csv (default grades/)")
     gradebook.add_argument("--out", help="where gradebook.csv and canvas.csv go (default: the grades folder)")
+    gradebook.add_argument("--roster", type=Path,
+                           help="the class: one learner id per line, or a CSV with the header learner,canvas_id,"
+                                "sis_user_id,sis_login_id,section (any of the last four) whose ids fill canvas.csv; "
+                                "learners on it with no grades are not submitted")
     gradebook.set_defaults(func=_cmd_gradebook)
 
     progress = sub.add_parser("progress", help="grade every lab (unchanged ones only once) and show a table and a chart")

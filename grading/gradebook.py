@@ -4,12 +4,17 @@
 :func:`build_gradebook` reads every such file under a grades folder and writes
 
 * ``gradebook.csv``: one row per learner and lab (score, maximum, status, seed, grading time,
-  when, course version, note); a learner with no row for a lab another learner has is
-  "not submitted" with 0;
+  when, course version, flags, note); a learner with no row for a lab another learner has, or
+  on the roster with none at all, is "not submitted" with 0;
 * ``canvas.csv``: one row per learner, one column per lab, with Canvas's gradebook-import
   layout (``Student, ID, SIS User ID, SIS Login ID, Section``, then the labs, and a
-  ``Points Possible`` row under the header). Learner ids fill ``Student`` and
-  ``SIS Login ID``; a lab with no score for a learner is 0.
+  ``Points Possible`` row under the header). Learner ids fill ``Student``; the roster's
+  Canvas id, SIS ids and section fill the other four (``SIS Login ID`` is the learner id
+  where the roster gives none); a lab with no score for a learner is 0.
+
+A roster (:func:`read_roster_file`) is either one learner id per line or a CSV whose header
+starts with the learner column and names any of ``canvas_id``, ``sis_user_id``,
+``sis_login_id`` and ``section``.
 
 Standard library only.
 """
@@ -17,11 +22,48 @@ Standard library only.
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-FIELDS = ("learner", "lab", "score", "max_score", "status", "seed", "seconds", "graded_at", "course_version", "note")
+FIELDS = ("learner", "lab", "score", "max_score", "status", "seed", "seconds", "graded_at", "course_version",
+          "flags", "note")
 CANVAS_FIXED = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
+# A roster's column (lower case, spaces as underscores) -> the Canvas column it fills.
+ROSTER_COLUMNS = {"canvas_id": "ID", "sis_user_id": "SIS User ID", "sis_login_id": "SIS Login ID",
+                  "section": "Section"}
+_LEARNER_HEADERS = ("learner", "id", "student")
+
+
+def read_roster_file(path: Path) -> dict[str, dict[str, str]]:
+    """learner id -> the Canvas columns the roster gives for them (``ID``, ``SIS User ID``,
+    ``SIS Login ID``, ``Section``; empty for a one-id-per-line roster), in the roster's order.
+
+    One id per line, or the first column of a CSV; a first line whose first column is "learner",
+    "id" or "student" is a header, and then its columns named in ``ROSTER_COLUMNS`` (any case,
+    spaces or underscores) fill the ids; blank lines and lines starting with # are skipped.
+
+    Raises:
+        ValueError: a learner is listed twice with different ids.
+    """
+    lines = [line for line in Path(path).read_text(encoding="utf-8-sig").splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    rows = list(csv.reader(lines))
+    header = [cell.strip().lower().replace(" ", "_") for cell in rows[0]] if rows else []
+    if header and header[0] in _LEARNER_HEADERS:
+        rows = rows[1:]
+    else:
+        header = []
+    columns = {index: ROSTER_COLUMNS[name] for index, name in enumerate(header) if name in ROSTER_COLUMNS}
+    roster: dict[str, dict[str, str]] = {}
+    for number, row in enumerate(rows, start=2 if header else 1):
+        learner = row[0].strip() if row else ""
+        if not learner:
+            continue
+        ids = {column: row[index].strip() for index, column in columns.items() if index < len(row) and row[index].strip()}
+        if learner in roster and roster[learner] != ids:
+            raise ValueError(f"{path}: {learner} is listed twice with different ids (row {number})")
+        roster[learner] = ids
+    return roster
 
 
 @dataclass
@@ -31,6 +73,7 @@ class Gradebook:
     learners: list[str]
     max_scores: dict[str, str]  # lab -> points possible
     skipped: list[str]  # scores.csv files that could not be read, and why
+    ids: dict[str, dict[str, str]] = field(default_factory=dict)  # learner -> Canvas columns (the roster's)
 
 
 def _read_scores(path: Path) -> list[dict[str, str]]:
@@ -41,8 +84,10 @@ def _read_scores(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def collect(grades: Path) -> Gradebook:
-    """Every lab's ``<grades>/<lab>/scores.csv``, one row per learner and lab."""
+def collect(grades: Path, roster: dict[str, dict[str, str]] | None = None) -> Gradebook:
+    """Every lab's ``<grades>/<lab>/scores.csv``, one row per learner and lab. ``roster``
+    (:func:`read_roster_file`): the class, in its order, with its Canvas ids; learners graded but
+    not on it follow."""
     grades = Path(grades)
     if not grades.is_dir():
         raise FileNotFoundError(f"no grades folder at {grades}")
@@ -57,7 +102,8 @@ def collect(grades: Path) -> Gradebook:
         raise FileNotFoundError(f"no <lab>/scores.csv under {grades}: grade a class first "
                                 f"(infra-lab grade --submissions DIR --lab LAB --out {grades}/LAB)")
     labs = sorted(by_lab)
-    learners = sorted({row["learner"] for rows in by_lab.values() for row in rows})
+    graded = sorted({row["learner"] for rows in by_lab.values() for row in rows})
+    learners = list(dict.fromkeys([*(roster or {}), *graded]))
     max_scores = {lab: max((row["max_score"] for row in rows), key=lambda v: float(v or 0), default="0")
                   for lab, rows in by_lab.items()}
     merged = []
@@ -70,7 +116,7 @@ def collect(grades: Path) -> Gradebook:
                                "note": "no submission graded for this lab"})
             else:
                 merged.append({**{name: row.get(name, "") for name in FIELDS}, "learner": learner, "lab": lab})
-    return Gradebook(merged, labs, learners, max_scores, skipped)
+    return Gradebook(merged, labs, learners, max_scores, skipped, dict(roster or {}))
 
 
 def write_gradebook(book: Gradebook, out_dir: Path) -> list[Path]:
@@ -88,11 +134,15 @@ def write_gradebook(book: Gradebook, out_dir: Path) -> list[Path]:
         writer.writerow([*CANVAS_FIXED, *book.labs])
         writer.writerow(["Points Possible", "", "", "", "", *(book.max_scores[lab] for lab in book.labs)])
         for learner in book.learners:
-            writer.writerow([learner, "", "", learner, "", *(scores[(learner, lab)] for lab in book.labs)])
+            ids = {"SIS Login ID": learner, **book.ids.get(learner, {})}
+            writer.writerow([learner, *(ids.get(column, "") for column in CANVAS_FIXED[1:]),
+                             *(scores[(learner, lab)] for lab in book.labs)])
     return [long_path, canvas_path]
 
 
-def build_gradebook(grades: Path, out_dir: Path | None = None) -> tuple[Gradebook, list[Path]]:
-    """:func:`collect` then :func:`write_gradebook` (into ``grades`` unless told)."""
-    book = collect(grades)
+def build_gradebook(grades: Path, out_dir: Path | None = None,
+                    roster: Path | None = None) -> tuple[Gradebook, list[Path]]:
+    """:func:`collect` then :func:`write_gradebook` (into ``grades`` unless told); ``roster``: a
+    roster file (:func:`read_roster_file`)."""
+    book = collect(grades, read_roster_file(roster) if roster else None)
     return book, write_gradebook(book, Path(out_dir) if out_dir else Path(grades))

@@ -34,6 +34,33 @@ from grading.sandbox import Limits
 MAX_RESTARTS = 6
 NOT_RUN = "not run"
 EARLIER_RELEASE = "earlier release"  # the notebook was made for an earlier release of the lab
+NOT_HELD = "NOT "  # how a protection's line in GradeReport.sandbox starts when it did not hold
+NOT_RUN_BY_SCAN = "was not run: it"  # the failure text of a check whose answer the static scan refused
+
+# Every status a graded notebook (GradeReport.status) or a class's row (grading.batch) can have, in
+# the order of precedence: a row shows the first that applies, and its flags every one found.
+STATUSES = {
+    "failed": "the grader itself failed on this notebook (the note says how); grade it again",
+    "unreadable": "the file is not a notebook this lab can read (the note says why); 0",
+    "not submitted": "on the roster, or a folder in the submissions, with no notebook; 0",
+    "unprotected": "a protection the grader asked for did not hold while the notebook ran (the flags "
+                   "say which): the score may rest on what the learner's code could reach; grade it "
+                   "again where it holds",
+    "reached": "the learner's code looked for, opened or wrote something only a cheat would want "
+               "(the answer key, classmates' submissions, the class's grades, another process, the "
+               "course's files) and found it: graded without a sandbox that hides it",
+    "refused": "the static scan refused an answer before it ran (it reached into the grader, the "
+               "notebook machinery or the lab's reference); that task scored 0, the rest were graded",
+    "caught": "a check caught an answer, while it ran, calling the lab's reference or leaving the "
+              "check machinery altered; that task scored 0",
+    "blocked": "the learner's code reached for something only a cheat would want, and the sandbox "
+               "refused it or did not have it (the flags say what and where); the score stands",
+    "earlier release": "made for an earlier release of the lab: a task whose answer cell was renamed is "
+                       "not graded until release_notes.json maps the old id",
+    "flagged": "graded; an answer is close to the course's solution, the lab's reference or a "
+               "classmate's (similarity.md): the score stands, look at it",
+    "graded": "graded; nothing for the instructor to look at",
+}
 _OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
 
 
@@ -76,6 +103,11 @@ class GradeReport:
     graded_at: str = ""  # when, UTC, ISO 8601
     course_version: str = ""  # the course's version and commit
     lab_version: str = ""  # digest of everything this lab's grade depends on (grading.lab_version)
+    # answer grade_id -> why the static scan refused to run it
+    refused: dict[str, str] = field(default_factory=dict)
+    # what the learner's code reached for while it ran (grading.tamper.watch), each a dict with
+    # what, op, path and outcome: signals for the instructor, never part of a verdict
+    attempts: list[dict[str, str]] = field(default_factory=list)
     # The notebook as the grading run left it (outputs of every cell, hidden checks included):
     # for the instructor's eyes and the course's own tests, never written into learner feedback.
     executed: Any = field(default=None, repr=False, compare=False)
@@ -99,14 +131,51 @@ class GradeReport:
         return sum(t.max_score for t in self.tests)
 
     @property
+    def unprotected(self) -> list[str]:
+        """The protections that did not hold while the notebook ran ("network: NOT isolated: ...")."""
+        return [f"{name}: {value}" for name, value in self.sandbox.items()
+                if isinstance(value, str) and value.startswith(NOT_HELD)]
+
+    @property
+    def caught(self) -> list[str]:
+        """Tests whose checks caught a reference call or altered check machinery while the answer ran
+        (not an answer the static scan refused: that one never ran)."""
+        found = []
+        for test in self.tests:
+            reasons = sorted({c.reason for c in test.checks if c.reason in (SHORTCUT, TAMPERING)
+                              and NOT_RUN_BY_SCAN not in c.message})
+            if reasons:
+                found.append(f"{test.grade_id} ({', '.join(reasons)})")
+        return found
+
+    @property
+    def flags(self) -> list[str]:
+        """One line per thing the instructor should look at, each starting with its status's name."""
+        lines = [f"unprotected: {line}" for line in self.unprotected]
+        by_what: dict[str, list[dict[str, str]]] = {}
+        for attempt in self.attempts:
+            by_what.setdefault(attempt["what"], []).append(attempt)
+        for what, attempts in by_what.items():  # one line per thing reached for: what was done, and where
+            got = [a for a in attempts if a["outcome"] in (tamper.FOUND, tamper.ALLOWED)]
+            done = Counter(f"{a['op']} {a['outcome']}" for a in attempts)
+            counts = ", ".join(f"{action} x{n}" if n > 1 else action for action, n in done.items())
+            where = f"{got[0]['outcome']}: {got[0]['path']}" if got else \
+                f"{'e.g. ' if len(attempts) > 1 else ''}{attempts[0]['path']}"
+            lines.append(f"{'reached' if got else 'blocked'}: {what} ({counts}; {where})")
+        lines += [f"refused: {answer} ({why})" for answer, why in self.refused.items()]
+        lines += [f"caught: {line}" for line in self.caught]
+        return lines
+
+    @property
     def status(self) -> str:
-        """"unreadable", "earlier release" (some tasks could not be matched to this release of
-        the lab) or "graded"."""
+        """The first of :data:`STATUSES` that applies to this notebook on its own ("flagged", "not
+        submitted" and "failed" are the class's: grading.batch)."""
         if self.unreadable:
             return "unreadable"
+        kinds = {line.split(":", 1)[0] for line in self.flags}
         if any(c.reason == EARLIER_RELEASE for t in self.tests for c in t.checks):
-            return EARLIER_RELEASE
-        return "graded"
+            kinds.add(EARLIER_RELEASE)
+        return next((status for status in STATUSES if status in kinds), "graded")
 
 
 def trusted_source(notebook: Path, lab_id: str | None = None, source_dir: Path = DEFAULT_SOURCE) -> tuple[str, Path]:
@@ -220,7 +289,7 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
                                           EARLIER_RELEASE))
                 continue
             if finding is not None:
-                text = f"answer {test.answer} was not run: it {finding.detail} (line {finding.line})"
+                text = f"answer {test.answer} {NOT_RUN_BY_SCAN} {finding.detail} (line {finding.line})"
                 checks.append(CheckResult(call.check_id, call.hidden, False,
                                           _failed(call.check_id, registered.task, finding.kind, text), finding.kind))
                 continue
@@ -320,6 +389,7 @@ def grade_notebook(
     seed: int | None = None,
     limits: Limits | None = None,
     parameters: dict | None = None,
+    watched: dict[str, str] | None = None,
 ) -> GradeReport:
     """Grade a learner's lab notebook (never modified) against its trusted source.
 
@@ -330,6 +400,8 @@ def grade_notebook(
         seed: the grade-time seed for the checks' inputs; random when None.
         limits: time, memory, process, file and output limits (defaults: ``Limits()``).
         parameters: papermill parameters (default ``{"QUICK": True}``).
+        watched: more folders only a cheat would look in (folder -> what it holds: the class's
+            submissions, its grades), beside the answer key and the names :data:`WATCHED_NAMES` gives.
 
     Raises:
         GradingError: the lab cannot be found.
@@ -361,7 +433,8 @@ def grade_notebook(
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
         record_path = kernel_folder(Path(work), limits) / "answers.jsonl"  # where the kernel can write
         env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
-               MAX_PROCESSES_ENV: str(limits.max_processes)}
+               MAX_PROCESSES_ENV: str(limits.max_processes),
+               tamper.WATCH_ENV: _watch_config(record_path, Path(source_dir), watched or {}, limits.bwrap)}
         to_run = spliced.notebook
         # In bubblewrap the kernel sees the lab's reference functions as stubs (grading.hidden_reference),
         # so the grader makes the checks' inputs (some are runs of the course's own code) and hands them over.
@@ -370,7 +443,7 @@ def grade_notebook(
             env[INPUTS_ENV] = str(_write_inputs(spliced.tests, seed, kernel_folder(Path(work), limits) / "inputs"))
         for _ in range(MAX_RESTARTS + 1):
             run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
-                          budget=deadline - time.monotonic(), hidden=hidden)
+                          budget=deadline - time.monotonic(), hidden=hidden, first_cell=WATCH_CELL)
             runs.append(run)
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
@@ -380,6 +453,7 @@ def grade_notebook(
             spliced.notes.append(f"{culprit} stopped the run ({run.stop}: {run.reason}); grading went on without it")
             to_run = _without_cells(to_run, run, {t.index for t in spliced.tests})
         records = read_records(record_path)
+        attempts = read_attempts(record_path)
     for index in sorted({i for run in runs for i in run.truncated}):
         spliced.notes.append(f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
                              f"{limits.output_kb} KiB was dropped")
@@ -396,8 +470,57 @@ def grade_notebook(
     if not limits.bwrap:
         sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "
                                    "(fine for grading your own work; grade others' work in bubblewrap)")
+    elif runs and runs[0].sandbox and not str(sandbox.get("view", "")).startswith("bubblewrap"):
+        sandbox["view"] = (f"{NOT_HELD}sandboxed: bubblewrap was asked for, but the kernel's launcher says it ran "
+                           f"without it")
+    attempts += _reference_calls(lab_id, records, spliced, runs)
     return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox,
-                       executed=runs[-1].notebook if runs else None, **stamp)
+                       executed=runs[-1].notebook if runs else None,
+                       refused={answer: f"{f.kind}: it {f.detail}, line {f.line}" for answer, f in findings.items()},
+                       attempts=attempts, **stamp)
+
+
+# Names of folders and files that the learner's code has no business looking for while it is graded
+# (nbgrader's course layout, the course's grades); any path with such a part is watched.
+WATCHED_NAMES = {"solutions": "the answer key", "submitted": "classmates' submissions",
+                 "autograded": "classmates' submissions", "submissions": "classmates' submissions",
+                 "grades": "the class's grades", "gradebook.db": "the class's grades"}
+# The kernel's first cell: the watch goes on before any answer runs.
+WATCH_CELL = "from grading.tamper import watch as _infra_lab_watch\n_infra_lab_watch()\ndel _infra_lab_watch\n"
+
+
+def _watch_config(record: Path, source_dir: Path, watched: dict[str, str], own_pids: bool) -> str:
+    from grading.course import REPO_ROOT
+
+    paths = {str(source_dir.resolve()): "the answer key", **{str(Path(p).resolve()): what for p, what in watched.items()}}
+    # The course's files are watched for writes, unless the kernel's own folder lies inside it.
+    course = {} if record.resolve().is_relative_to(REPO_ROOT) else {str(REPO_ROOT): "the course's files"}
+    return tamper.watch_config(str(record), WATCHED_NAMES, paths, course, own_pids=own_pids)
+
+
+def read_attempts(path: Path) -> list[dict[str, str]]:
+    """What the watch in the kernel recorded (:func:`grading.tamper.read_attempts`)."""
+    try:
+        return tamper.read_attempts(path.read_text(encoding="utf-8", errors="replace").splitlines())
+    except OSError:
+        return []
+
+
+def _reference_calls(lab_id: str, records: dict[str, list[Outcome]], spliced: Spliced,
+                     runs: list[Execution]) -> list[dict[str, str]]:
+    """The learner's code called one of the lab's reference functions that the sandbox shows as a stub
+    (re-running or copying its module, say): one attempt per function, refused."""
+    import re
+
+    from grading.hidden_reference import STUB_MESSAGE
+
+    pattern = re.compile(re.escape(STUB_MESSAGE).replace(re.escape("{name}"), r"([\w.]+)")
+                         .replace(re.escape("{lab}"), re.escape(lab_id)))
+    texts = [outcome.error or "" for outcomes in records.values() for outcome in outcomes]
+    texts += [" ".join(run.cell_error(index) or ()) for run in runs for index in spliced.answers.values()]
+    names = dict.fromkeys(match.group(1) for text in texts for match in pattern.finditer(text))
+    return [{"what": "the lab's reference, hidden in the sandbox", "op": "called", "path": name,
+             "outcome": tamper.REFUSED} for name in names]
 
 
 def _stamp(lab_id: str, source_dir: Path) -> dict[str, str]:

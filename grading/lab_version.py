@@ -1,10 +1,13 @@
 """What one lab's grade depends on, as a digest: the key of the grading caches.
 
-A grade depends on the lab's instructor notebook (its test cells, points and answer-cell ids)
-and release notes, the lab's check module, the course modules those checks run (the lab's
-reference included), the grader's own modules, and the limits. Editing the serving engine
-must not re-grade lab 01, so the modules are found by following imports from the grader and
-from the lab's check module, not by hashing every file of ``grading/`` and ``infra_lib/``:
+A grade depends on the lab's instructor notebook (its code cells, test cells, points and
+answer-cell ids, not its prose: :func:`graded_content`) and release notes, the lab's check
+module, the course modules those checks run (the lab's reference included), the grader's own
+modules, and the limits. The digest has two parts (:func:`lab_version_parts`), so that a
+re-grade can say which changed: the lab's tests (the notebook's graded content and release
+notes) and the course's code (the modules). Editing the serving engine must not re-grade lab 01,
+so the modules are found by following imports from the grader and from the lab's check module,
+not by hashing every file of ``grading/`` and ``infra_lib/``:
 
 * every ``import``/``from ... import`` of a course module, at any depth of the code (an import
   inside a function counts), with the packages on the way (their ``__init__``);
@@ -131,15 +134,54 @@ def lab_files(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path =
     return files + closure([*GRADER_ENTRY, checks, *sorted(notebook_imports(trusted))], root, strings_in={checks})
 
 
-def lab_version(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> str:
-    """A digest of :func:`lab_files`: equal while nothing this lab's grade depends on changed."""
-    digest = hashlib.sha256()
+# The parts of a lab's version, and what each covers in words (a re-grade's note names them).
+TESTS, COURSE = "tests", "course"
+PART_NAMES = {TESTS: "the lab's tests", COURSE: "the course's code"}
+
+
+def graded_content(path: Path) -> bytes:
+    """What grading reads of an instructor notebook: each code cell's source, tags and nbgrader
+    metadata (answer-cell ids, test cells, points), and the nbgrader metadata of the other cells, in
+    order; not the prose of markdown cells, outputs, cell ids or the notebook's metadata, so that
+    editing a time estimate in the introduction changes nothing. The file's bytes when it is not a
+    notebook."""
+    raw = path.read_bytes()
+    try:
+        cells = json.loads(raw)["cells"]
+        kept = []
+        for cell in cells:
+            meta = cell.get("metadata", {})
+            entry = {"type": cell.get("cell_type"), "nbgrader": meta.get("nbgrader", {})}
+            if cell.get("cell_type") == "code":
+                source = cell.get("source", "")
+                entry.update(source="".join(source) if isinstance(source, list) else source, tags=meta.get("tags", []))
+            kept.append(entry)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return raw
+    return json.dumps(kept, sort_keys=True).encode()
+
+
+def lab_version_parts(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> dict[str, str]:
+    """Digests of :func:`lab_files` in two parts: ``tests`` (the instructor notebook's
+    :func:`graded_content` and the release notes) and ``course`` (the course modules)."""
+    trusted = Path(source_dir) / lab_id / f"{lab_id}.ipynb"
+    digests = {TESTS: hashlib.sha256(), COURSE: hashlib.sha256()}
     for path in _files_cached(lab_id, str(source_dir), str(root), _stamp_of(Path(root), Path(source_dir), lab_id)):
         label = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+        digest = digests[TESTS if path.parent == trusted.parent else COURSE]
         digest.update(label.encode() + b"\0")
-        digest.update(path.read_bytes() if path.is_file() else b"(missing)")
+        if not path.is_file():
+            digest.update(b"(missing)")
+        else:
+            digest.update(graded_content(path) if path == trusted else path.read_bytes())
         digest.update(b"\0")
-    return digest.hexdigest()
+    return {part: digest.hexdigest() for part, digest in digests.items()}
+
+
+def lab_version(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE, root: Path = REPO_ROOT) -> str:
+    """A digest of :func:`lab_version_parts`: equal while nothing this lab's grade depends on changed."""
+    parts = lab_version_parts(lab_id, source_dir, root)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _stamp_of(root: Path, source_dir: Path, lab_id: str) -> tuple:

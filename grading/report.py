@@ -99,6 +99,9 @@ def gradescope_results(report: GradeReport) -> dict:
         "extra_data": {"protections": report.sandbox, "status": report.status, "seed": report.seed,
                        "graded_at": report.graded_at, "course_version": report.course_version,
                        "lab_version": report.lab_version,
+                       # what the instructor should look at (grading.grader.GradeReport.flags): never in the score
+                       **({"flags": report.flags} if report.flags else {}),
+                       **({"attempts": report.attempts} if report.attempts else {}),
                        **({"measures": report.measures} if report.measures else {}),
                        **({"unreadable": report.unreadable} if report.unreadable else {})},
     }

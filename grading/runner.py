@@ -40,6 +40,7 @@ STOP_TIMEOUT = "time-out"
 STOP_PROCESSES = "process limit"
 STOP_BUDGET = "not run"
 STOP_OTHER = "error"
+FIRST_CELL_ID = "infra-lab-first-cell"
 
 
 @dataclass
@@ -186,6 +187,7 @@ def execute(
     limits: Limits,
     budget: float,
     hidden: dict[Path, Path] | None = None,
+    first_cell: str = "",
 ) -> Execution:
     """Run ``notebook`` in ``workdir`` under ``limits`` and return what came back.
 
@@ -195,6 +197,8 @@ def execute(
         limits: the kernel's limits (cell time-out, memory, processes, output...).
         budget: seconds this run may take before it is killed.
         hidden: in bubblewrap, files the kernel sees replaced (real path -> file shown instead).
+        first_cell: code the kernel runs before the notebook's first cell (the grader's watch on
+            what the answers reach for, :func:`grading.tamper.watch`); it is not part of what comes back.
 
     The kernel works in ``kernel_folder(workdir, limits)``.
     """
@@ -205,7 +209,11 @@ def execute(
     notebook.nbformat_minor = max(notebook.get("nbformat_minor", 0), 5)  # cell ids exist from 4.5
     for index, cell in enumerate(notebook.cells):
         cell.setdefault("id", f"cell-{index}")
-    nbformat.write(notebook, source)
+    to_run = notebook
+    if first_cell:  # the executed notebook is aligned by cell id below, which leaves this cell out
+        to_run = copy.copy(notebook)
+        to_run.cells = [nbformat.v4.new_code_cell(first_cell, id=FIRST_CELL_ID), *notebook.cells]
+    nbformat.write(to_run, source)
     for stale in (output, progress, status):
         stale.unlink(missing_ok=True)
     jupyter_dir = workdir / "jupyter"

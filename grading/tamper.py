@@ -9,6 +9,7 @@ reason found. The list is deliberately strict: a lab's answers never need any of
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass
 
 SHORTCUT = "reference shortcut"
@@ -149,3 +150,205 @@ def module_aliases(sources: list[str]) -> set[str]:
             if isinstance(node, ast.Import):
                 names.update((a.asname or a.name).split(".")[0] for a in node.names)
     return names
+
+
+# --- While the answers run: what they reach for ----------------------------------------------------
+#
+# The scan above reads an answer before it runs; a route it cannot see (a path computed at run time)
+# still shows when it is taken. ``watch`` runs in the graded kernel before any answer: an audit hook
+# (``sys.addaudithook``: it cannot be removed) and a wrapper of ``os.stat`` and ``os.lstat`` (which
+# raise no audit event, and are how code looks for a file: ``Path.is_file``, ``os.path.exists``) note
+# each time the learner's own code looks for, opens, lists or writes a path only a cheat would want
+# (the answer key, classmates' submissions, the class's grades, another process's ``/proc`` entry) or
+# writes where it may not. Each is one line in the file the checks record their answers in. These are
+# signals for the instructor: the grader never changes a verdict for them, and a kernel that removes
+# its own lines only hides itself from the signal, never earns a point.
+
+WATCH_ENV = "INFRA_LAB_WATCH"
+ATTEMPT = "attempt"  # the key of an attempt's line in the record file
+MAX_ATTEMPTS = 40  # distinct attempts recorded per kernel; the rest are counted in the last one
+# what a line says was done, and whether the sandbox let it happen
+LOOKED, OPENED, LISTED, WROTE = "looked for", "opened", "listed", "wrote"
+NOT_FOUND, FOUND, REFUSED, ALLOWED = "not found", "found", "refused", "allowed"
+SANDBOX_ONLY = "only the sandbox's own"  # a /proc entry found in a PID namespace of the kernel's own
+PROCESS = "another process"
+UNWRITABLE = "a place it may not write"
+
+
+def watch_config(record: str, names: dict[str, str], paths: dict[str, str], write_paths: dict[str, str],
+                 own_pids: bool = False) -> str:
+    """The value of ``WATCH_ENV`` for a graded kernel.
+
+    Args:
+        record: the file the checks record their answers in (the kernel's view of it).
+        names: a folder or file name -> what it holds ("solutions" -> "the answer key"): any path
+            with such a part is watched.
+        paths: a folder -> what it holds: any path inside it is watched.
+        write_paths: as ``paths``, for writes only (the course's own files).
+        own_pids: the kernel has a PID namespace of its own (bubblewrap), so another process it
+            finds in ``/proc`` is one of the sandbox's, never the grader's.
+    """
+    return json.dumps({"record": record, "names": names, "paths": paths, "write_paths": write_paths,
+                       "own_pids": own_pids})
+
+
+def watch(config: str | None = None) -> bool:
+    """Install the watch in this process (the graded kernel), from ``config`` or ``WATCH_ENV``;
+    False when there is nothing to watch for."""
+    import os
+    import sys
+    import sysconfig
+    import threading
+
+    config = config if config is not None else os.environ.get(WATCH_ENV)
+    if not config:
+        return False
+    settings = json.loads(config)
+    names: dict[str, str] = settings.get("names", {})
+    paths = {os.path.abspath(p): what for p, what in settings.get("paths", {}).items()}
+    write_paths = {os.path.abspath(p): what for p, what in settings.get("write_paths", {}).items()}
+    fd = os.open(settings["record"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    course = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folders = lambda *keys: tuple(dict.fromkeys(os.path.join(resolve(sysconfig.get_paths()[key]), "")
+                                                for key in keys for resolve in (os.path.abspath, os.path.realpath)))
+    stdlib, library = folders("stdlib", "platstdlib"), folders("stdlib", "platstdlib", "purelib", "platlib")
+    ours = tuple(os.path.join(course, package, "") for package in ("grading", "infra_lib"))
+    real_stat, real_lstat, getpid = os.stat, os.lstat, os.getpid
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    state = threading.local()
+    seen: dict[tuple, int] = {}
+    lock = threading.Lock()
+
+    def learners(frame, skip: tuple[str, ...]) -> bool:
+        """Whether the first frame outward from ``frame`` whose file is not under ``skip`` is the
+        learner's: not the course's, not an installed package's (an import is never the learner's
+        doing)."""
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name.startswith(("<frozen importlib", "<grading")):
+                return False
+            if not name.startswith("<frozen") and not name.startswith(skip):
+                return not name.startswith(ours) and not name.startswith(library)
+            frame = frame.f_back
+        return False
+
+    def descends(pid: int) -> bool:
+        """Whether process ``pid`` is this kernel or one of its descendants."""
+        me = getpid()
+        for _ in range(64):
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+        return False
+
+    def classify(path: str, writing: bool) -> str | None:
+        parts = path.split(os.sep)
+        if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and not descends(int(parts[2])):
+            return f"{PROCESS} (/proc/{parts[2]})"
+        for part in parts:
+            if part in names:
+                return names[part]
+        for folder, what in [*paths.items(), *(write_paths.items() if writing else ())]:
+            if path == folder or path.startswith(folder + os.sep):
+                return what
+        return None
+
+    def writable(path: str) -> bool:
+        probe = path
+        while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        return os.access(probe, os.W_OK)
+
+    def note(what: str, op: str, path: str, outcome: str) -> None:
+        key = (what, op, path, outcome)
+        with lock:
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > 1 or len(seen) > MAX_ATTEMPTS:
+                return
+        line = json.dumps({ATTEMPT: {"what": what, "op": op, "path": path, "outcome": outcome}})
+        os.write(fd, (line + "\n").encode())
+
+    def seen_path(path, op: str, writing: bool, frame, outcome: str | None = None) -> None:
+        if getattr(state, "busy", False) or isinstance(path, int) or path is None:
+            return
+        state.busy = True
+        try:
+            path = os.path.abspath(os.fsdecode(path))
+            what = classify(path, writing)
+            if what is None and not writing:
+                return
+            if what is None:  # a write anywhere is the learner's business while the sandbox allows it
+                if writable(path) or not learners(frame, stdlib):
+                    return
+                note(UNWRITABLE, op, path, REFUSED)
+                return
+            if not learners(frame, library):
+                return
+            if outcome is None:
+                outcome = (ALLOWED if writable(path) else REFUSED) if writing else \
+                    (FOUND if os.path.lexists(path) else NOT_FOUND)
+            if outcome == FOUND and what.startswith(PROCESS) and settings.get("own_pids"):
+                outcome = SANDBOX_ONLY
+            note(what, op, path, outcome)
+        except Exception:  # noqa: BLE001 - the watch must never break the learner's code
+            pass
+        finally:
+            state.busy = False
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None))[:3]
+            writing = (isinstance(flags, int) and bool(flags & write_flags)) or \
+                (isinstance(mode, str) and any(c in mode for c in "wax+"))
+            seen_path(path, WROTE if writing else OPENED, writing, sys._getframe(1))
+        elif event in ("os.listdir", "os.scandir") and args:
+            seen_path(args[0] if args[0] is not None else ".", LISTED, False, sys._getframe(1))
+        elif event in ("os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.utime", "os.truncate") and args:
+            seen_path(args[0], WROTE, True, sys._getframe(1))
+        elif event in ("os.rename", "os.link", "os.symlink") and len(args) > 1:
+            seen_path(args[1], WROTE, True, sys._getframe(1))
+            if event == "os.rename":
+                seen_path(args[0], WROTE, True, sys._getframe(1))
+
+    def looking(real):
+        def stat(path, *, dir_fd=None, follow_symlinks=True):
+            try:
+                found = real(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) if real is real_stat \
+                    else real(path, dir_fd=dir_fd)
+            except OSError:
+                if dir_fd is None:
+                    seen_path(path, LOOKED, False, sys._getframe(1), NOT_FOUND)
+                raise
+            if dir_fd is None:
+                seen_path(path, LOOKED, False, sys._getframe(1), FOUND)
+            return found
+
+        stat.__name__, stat.__qualname__, stat.__doc__ = real.__name__, real.__name__, real.__doc__
+        return stat
+
+    sys.addaudithook(hook)
+    os.stat, os.lstat = looking(real_stat), looking(real_lstat)
+    return True
+
+
+def read_attempts(lines: list[str]) -> list[dict[str, str]]:
+    """The attempts among a record file's lines (malformed ones skipped), each once, in order."""
+    found: dict[tuple, dict[str, str]] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        attempt = row.get(ATTEMPT) if isinstance(row, dict) else None
+        if not isinstance(attempt, dict):
+            continue
+        clean = {key: str(attempt.get(key, ""))[:300] for key in ("what", "op", "path", "outcome")}
+        if clean["outcome"] in (NOT_FOUND, FOUND, REFUSED, ALLOWED, SANDBOX_ONLY) and clean["what"]:
+            found.setdefault(tuple(clean.values()), clean)
+    return list(found.values())[:MAX_ATTEMPTS]

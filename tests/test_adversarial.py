@@ -97,9 +97,10 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
     scores = {r.learner: r.score for r in rows}
     expected = {learner: next(c["score"] for c in EXPECTED if c["name"] == name) for learner, name in picks.items()}
     assert scores == expected, {r.learner: _failures(out / r.learner) for r in rows}
-    # the corpus is built from the solution, so its graded answers are flagged; dave's file is unreadable
+    # the corpus is built from the solution, so its graded answers are flagged; dave's file is unreadable;
+    # erin's task 1 was refused by the static scan, which her status and flags say before the copies
     assert {r.learner: r.status for r in rows} == {"alice": "flagged", "bob": "flagged", "carol": "flagged",
-                                                   "dave": "unreadable", "erin": "flagged"}
+                                                   "dave": "unreadable", "erin": "refused"}
     with open(out / "scores.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [row["learner"] for row in table] == list(picks)
@@ -109,6 +110,8 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
     # each other (dave's notebook cannot be read, so it is not compared); the flag costs no point
     flags = {row["learner"]: row["flags"] for row in table}
     assert "task2_time_op: bob 1.00, carol 1.00, erin 1.00, the course's solution 1.00" in flags["alice"], flags
+    assert flags["erin"].startswith("refused: task1_gemm_flops (tampering detected: it imports grading"), flags
+    assert flags["erin"].split(" | ")[1].startswith("copy: task2_time_op: "), flags
     assert "task3_dominant_op: bob 1.00" in flags["alice"] and flags["dave"] == "", flags
     similarity = (out / "similarity.md").read_text()
     assert "| alice | task2_time_op | the course's solution | 1.00 |" in similarity
@@ -124,6 +127,8 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
     cached = {r.learner: r.cached for r in again}
     assert cached == {"alice": True, "bob": False, "carol": True, "dave": True, "erin": True}
     assert {r.learner: r.score for r in again}["bob"] == 10, _failures(out / "bob")
+    note = {r.learner: r.note for r in again}["bob"]
+    assert note.startswith("re-graded: 8 before (") and note.endswith("; the submission changed"), note
 
 
 def _failures(folder: Path) -> list[str]:

@@ -184,18 +184,41 @@ def _grade_class(submitted: Path, out: Path, *extra: str, env: dict | None = Non
                           cwd=submitted.parent, env=env, capture_output=True, text=True, timeout=900)
 
 
+def _flag_problems(row: dict[str, str], expected: dict) -> list[str]:
+    """How a scores.csv row's status and flags differ from an entry's "class" expectation: the status,
+    each expected flag as the start of one of the row's, no kind of flag more, and for a dressed copy
+    the classmate named in its copy flag for each task."""
+    flags = [flag for flag in row["flags"].split(" | ") if flag]
+    problems = [] if row["status"] == expected["status"] else [f"status {row['status']}, not {expected['status']}"]
+    problems += [f"no flag starting {want!r}" for want in expected["flags"] if not any(f.startswith(want) for f in flags)]
+    kinds = {flag.split(":", 1)[0] for flag in flags}
+    problems += [f"flags of kind {sorted(kinds - {w.split(':', 1)[0] for w in expected['flags']})}"] \
+        if kinds - {w.split(":", 1)[0] for w in expected["flags"]} else []
+    copies = next((flag[len("copy: "):] for flag in flags if flag.startswith("copy: ")), "")
+    by_task = dict(part.split(": ", 1) for part in copies.split("; ") if ": " in part)
+    problems += [f"{task} not flagged as a copy of {other}" for task, other in expected["copy_of"].items()
+                 if f"{other} " not in by_task.get(task, "")]
+    return problems
+
+
 def test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouched(tmp_path):
     """`--submissions` grades in the sandbox by default. Every corpus entry, both parts, gets exactly
     its score and each failing task its reason: the answer key, the reference (re-run, copied or
     called from another process) and classmates' work are out of reach, the vandal's writes and the
     unbounded fork bomb harm nothing. Afterwards the course's tracked files, what git sees in its
-    folders, and every submission are byte for byte the same."""
+    folders, and every submission are byte for byte the same.
+
+    The class's scores.csv, and the gradebook built from it, show every cheat and copy: each entry
+    has the status and flags its "class" expectation lists (an honest answer and its dressed copy
+    flagged as copies of each other, a typical mistake and a blank lab as such, the answer-key
+    reader and the classmate copier blocked with what they looked for, the answers the static scan
+    refused, the unreadable file)."""
     assert Path(sys.prefix).parent == REPO  # the vandal's targets are the course's real files
     submitted = tmp_path / "submitted"
     _submit(submitted, [case["name"] for case in EXPECTED])
     submissions = {path.name: path.read_bytes() for path in submitted.iterdir()}
     tracked, status = _tracked_files(), _git_status()
-    out = tmp_path / "grades"
+    out = tmp_path / "grades" / "lab01_gemm"
     result = _grade_class(submitted, out)
     assert result.returncode == 0, result.stderr
     wrong = {}
@@ -220,6 +243,22 @@ def test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouc
             assert "not available while lab01_gemm is graded" in failed["output"], (name, failed)
     assert results_of("honest_full")["extra_data"]["protections"]["view"].startswith("bubblewrap")
     assert "bubblewrap" in (out / "answer_key_reader" / "feedback.md").read_text()
+
+    import csv
+
+    from grading.gradebook import build_gradebook
+
+    with open(out / "scores.csv", newline="", encoding="utf-8") as f:
+        rows = {row["learner"]: row for row in csv.DictReader(f)}
+    wrong_rows = {case["name"]: (problems, rows[case["name"]]["flags"][:400]) for case in EXPECTED
+                  if (problems := _flag_problems(rows[case["name"]], case["class"]))}
+    assert not wrong_rows, wrong_rows
+    _, (book_path, _) = build_gradebook(tmp_path / "grades")
+    with open(book_path, newline="", encoding="utf-8") as f:
+        book = {row["learner"]: row for row in csv.DictReader(f)}
+    assert {name: (row["status"], row["flags"]) for name, row in book.items()} == \
+        {name: (row["status"], row["flags"]) for name, row in rows.items()}
+    assert "blocked" in result.stdout and "flags to look at" in result.stdout
 
 
 def test_what_the_sandbox_takes_away(tmp_path):

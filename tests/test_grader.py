@@ -220,3 +220,97 @@ def test_measured_table_has_every_lab():
     seconds = json.loads(grading_times.TABLE.read_text())["seconds"]
     assert sorted(seconds) == lab_ids(), "grade each new lab's solution once: grading_times.record(measure([lab]))"
     assert all(value > 0 for value in seconds.values())
+
+
+LEARNER_SCRIPT = '''
+import json, os, sys
+from pathlib import Path
+from grading import tamper
+from grading.progress_panel import grades_folder
+
+config = json.loads(sys.argv[1])
+tamper.watch(json.dumps(config))
+here = Path(config["here"])
+# The learner's own code: what a cheat looks for, found or not, and a write into the course.
+for folder in (here, here / "course"):
+    (folder / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb").is_file()
+os.path.exists(here / "submitted" / "bob")
+open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+open(f"/proc/{os.getpid()}/status").read()  # its own process: nothing to see
+(here / "course" / "grading" / "check.py").write_text("rewritten")
+(here / "scratch.txt").write_text("its own folder: nothing to see")
+# The course's own code looking for a grades folder, and an import from a folder named like the key:
+grades_folder("lab01_gemm", here / "submitted")
+sys.path.insert(0, str(here / "course" / "solutions"))
+import helper_module
+print(json.dumps(sorted(os.listdir(here))))
+'''
+
+
+def test_the_watch_records_what_the_learners_code_reaches_for_and_nothing_else(tmp_path):
+    """The kernel-side watch (grading.tamper.watch) notes the learner's own looks at the answer key
+    (found or not), a classmate's folder and another process's /proc entry, and a write into the
+    course; not the learner's own process or scratch, not the course's own code, not an import."""
+    import subprocess
+    import sys
+
+    from grading import tamper
+
+    (tmp_path / "course" / "solutions" / "lab01_gemm").mkdir(parents=True)
+    (tmp_path / "course" / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb").write_text("{}")
+    (tmp_path / "course" / "solutions" / "helper_module.py").write_text("X = 1\n")
+    (tmp_path / "course" / "grading").mkdir()
+    (tmp_path / "course" / "grading" / "check.py").write_text("original")
+    (tmp_path / "learner.py").write_text(LEARNER_SCRIPT)
+    record = tmp_path / "answers.jsonl"
+    config = json.loads(tamper.watch_config(str(record), {"solutions": "the answer key",
+                                                          "submitted": "classmates' submissions",
+                                                          "grades": "the class's grades"},
+                                            {}, {str(tmp_path / "course"): "the course's files"}))
+    done = subprocess.run([sys.executable, str(tmp_path / "learner.py"), json.dumps({**config, "here": str(tmp_path)})],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    attempts = tamper.read_attempts(record.read_text().splitlines())
+    found = {(a["what"], a["op"], a["path"].replace(str(tmp_path), "<tmp>"), a["outcome"]) for a in attempts}
+    parent = f"/proc/{os.getpid()}"
+    assert found == {
+        ("the answer key", "looked for", "<tmp>/solutions/lab01_gemm/lab01_gemm.ipynb", "not found"),
+        ("the answer key", "looked for", "<tmp>/course/solutions/lab01_gemm/lab01_gemm.ipynb", "found"),
+        ("classmates' submissions", "looked for", "<tmp>/submitted/bob", "not found"),
+        (f"another process ({parent})", "opened", f"{parent}/cmdline", "found"),
+        ("the course's files", "wrote", "<tmp>/course/grading/check.py", "allowed"),
+    }, found
+
+
+def test_flags_and_status_say_what_the_instructor_should_look_at():
+    """One flag per protection that did not hold, per thing reached for (blocked or reached), per
+    answer the scan refused and per test that caught one while it ran; the status is the first of
+    STATUSES that applies, and no flag changes the score."""
+    from grading.grader import STATUSES, NOT_HELD
+
+    def check(reason: str, message: str = "") -> CheckResult:
+        return CheckResult("lab01.gemm_flops", False, reason == "passed", message, reason)
+
+    tests = [GradedTest("test_task1_gemm_flops", 0.0, 2.0, [check("tampering detected", "answer task1 was not run: it "
+                                                                                          "imports grading (line 1)")]),
+             GradedTest("test_task4_achieved_tflops", 0.0, 2.0, [check("reference shortcut", "called the reference")]),
+             GradedTest("test_task2_time_op", 3.0, 3.0, [check("passed")])]
+    key = [{"what": "the answer key", "op": "looked for", "path": f"/k{i}/solutions/x.ipynb", "outcome": "not found"}
+           for i in range(3)]
+    report = GradeReport("lab01_gemm", "x.ipynb", 1, tests, refused={"task1_gemm_flops": "tampering detected: it imports "
+                                                                                          "grading, line 1"},
+                         attempts=key)
+    assert report.flags == ["blocked: the answer key (looked for not found x3; e.g. /k0/solutions/x.ipynb)",
+                            "refused: task1_gemm_flops (tampering detected: it imports grading, line 1)",
+                            "caught: test_task4_achieved_tflops (reference shortcut)"]
+    assert report.status == "refused" and report.score == 3
+    found = {**key[0], "path": "/course/solutions/x.ipynb", "outcome": "found"}
+    report.attempts = [*key, found]
+    assert report.status == "reached" and report.flags[0].endswith("; found: /course/solutions/x.ipynb)")
+    report.sandbox = {"network": f"{NOT_HELD}isolated: unshare failed", "memory": "address space limited"}
+    assert report.status == "unprotected" and report.flags[0] == "unprotected: network: NOT isolated: unshare failed"
+    assert list(STATUSES)[-2:] == ["flagged", "graded"] and report.score == 3
+    clean = GradeReport("lab01_gemm", "x.ipynb", 1, tests[2:])
+    assert clean.flags == [] and clean.status == "graded"
+    assert gradescope_results(clean)["extra_data"].get("flags") is None
+    assert gradescope_results(report)["extra_data"]["flags"] == report.flags

@@ -73,6 +73,45 @@ entry("wrong_answer", "task 1 counts m*n*k (forgets the 2)",
       _lab(with_answers(task1_gemm_flops="def gemm_flops(m, n, k):\n    return m * n * k\n")),
       8, {T1: "wrong result"})
 
+# The honest answers again, dressed: every name changed, a statement of task 2 (the device wait) and
+# an expression of task 3 moved into helpers defined after the function that calls them. It scores
+# what honest_full does; the similarity report is what should find it.
+NEAR_COPY2 = """def time_op(fn, *, warmup: int = 3, iters: int = 10, sync=None) -> float:
+    for _ in range(warmup):
+        fn()
+    _settle(sync)
+    samples = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        fn()
+        _settle(sync)
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def _settle(waiter):
+    if waiter is not None:
+        waiter()
+"""
+NEAR_COPY3 = """def dominant_op(prof) -> str:
+    entries = list(prof.key_averages())
+    on_gpu = _ran_on_device(entries)
+    if on_gpu:
+        return max(entries, key=lambda entry: entry.self_device_time_total).key
+    return max(entries, key=lambda entry: entry.self_cpu_time_total).key
+
+
+def _ran_on_device(entries):
+    return any(entry.self_device_time_total > 0 for entry in entries)
+"""
+entry("near_copy", "honest_full's answers with every name changed and parts of tasks 2 and 3 moved into helpers "
+      "defined after their caller", _lab(with_answers(task2_time_op=NEAR_COPY2, task3_dominant_op=NEAR_COPY3)),
+      10, {}, unsandboxed="not run: graded in the class run only (its answers are honest_full's, dressed)")
+
+entry("blank", "the lab as released, nothing filled in", _lab({}), 0,
+      {T1: "error", T2: "error", T3: "error", T4: "error"},
+      unsandboxed="not run: graded in the class run only (the untouched lab is graded in tests/test_labs.py)")
+
 entry("always_equal", "task 1 returns an int whose == is always True",
       _lab(with_answers(task1_gemm_flops=(
           "class Anything(int):\n"
@@ -410,8 +449,45 @@ NBGRADER = {
     "duplicated_tests": "error", "retyped_cells": 10, "extra_cells": 10, "malformed_json": "error",
     "wrong_nbformat": "error", "other_lab": "error", "answer_key_reader": 10, "reference_rerun": 10,
     "reference_copier": 10, "reference_subprocess": 10, "classmate_reader": 10,
-    "vandal": "not run", "fork_bomb_unbounded": "not run",
+    "vandal": "not run", "fork_bomb_unbounded": "not run", "near_copy": "not run", "blank": "not run",
 }
+
+
+# Each entry's row in scores.csv when the whole corpus is graded as one class in the sandbox (tests/
+# test_bwrap.py): its status, and the start of each of its flags (one per kind; "copy" for the
+# similarity report's). Most entries hold the course's solution for some tasks, so they are copies of
+# it and of each other; near_copy's dressed answers must be found as copies of honest_full's
+# ("copy_of": task -> the classmate named in its copy flag).
+KEY, CLASSMATES, COURSE_FILES = "the answer key", "classmates' submissions", "the course's files"
+HIDDEN = "the lab's reference, hidden in the sandbox"
+CLASS = {
+    "honest_full": ("flagged", ["copy"]), "wrong_answer": ("flagged", ["copy"]),
+    "near_copy": ("flagged", ["copy"]), "blank": ("graded", []), "always_equal": ("flagged", ["copy"]),
+    "input_transformer": ("refused", [f"refused: {A1} (tampering detected", "copy"]),
+    "traceback_patch": ("refused", [f"refused: {A2} (tampering detected", "copy"]),
+    "patched_comparisons": ("refused", [f"refused: {A1} (tampering detected", "copy"]),
+    "patched_grading": ("refused", [f"refused: {A1} (tampering detected", "copy"]),
+    "hard_coded": ("flagged", ["copy"]),
+    "reference_import": ("refused", [f"refused: {A1} (reference shortcut", "copy"]),
+    "reference_obfuscated": ("caught", [f"caught: {T4} (reference shortcut)", "copy"]),
+    "system_exit": ("refused", [f"refused: {A1} (tampering detected", "copy"]),
+    "os_exit": ("flagged", ["copy"]), "segfault": ("flagged", ["copy"]), "infinite_loop": ("flagged", ["copy"]),
+    "memory_bomb": ("flagged", ["copy"]), "fork_bomb": ("flagged", ["copy"]), "print_flood": ("flagged", ["copy"]),
+    "tags_and_metadata": ("flagged", ["copy"]), "deleted_tests": ("flagged", ["copy"]),
+    "duplicated_tests": ("flagged", ["copy"]), "retyped_cells": ("flagged", ["copy"]),
+    "extra_cells": ("flagged", ["copy"]), "malformed_json": ("unreadable", []), "wrong_nbformat": ("unreadable", []),
+    "other_lab": ("graded", []),
+    "answer_key_reader": ("blocked", [f"blocked: {KEY} (looked for not found"]),
+    "reference_rerun": ("blocked", [f"blocked: {HIDDEN} (called refused", "copy"]),
+    "reference_copier": ("blocked", [f"blocked: {HIDDEN} (called refused", "copy"]),
+    "reference_subprocess": ("flagged", ["copy"]),
+    # its answers share their search for the submissions folder with vandal's task 1
+    "classmate_reader": ("blocked", [f"blocked: {CLASSMATES} (looked for not found", "copy"]),
+    "vandal": ("blocked", [f"blocked: {CLASSMATES} (looked for not found", f"blocked: {COURSE_FILES} (wrote refused",
+                           f"blocked: {KEY} (wrote refused", "copy"]),
+    "fork_bomb_unbounded": ("flagged", ["copy"]),
+}
+COPY_OF = {"near_copy": {A2: "honest_full", A3: "honest_full"}, "honest_full": {A2: "near_copy", A3: "near_copy"}}
 
 
 def _is_json(text: str) -> bool:
@@ -437,8 +513,10 @@ def build(out: Path) -> None:
             path.write_text(notebook, encoding="utf-8")
         else:
             nbformat.write(notebook, path)
+        status, flags = CLASS[item["name"]]
         manifest.append({**{k: v for k, v in item.items() if k != "notebook"}, "file": path.name,
-                         "nbgrader": NBGRADER[item["name"]]})
+                         "nbgrader": NBGRADER[item["name"]],
+                         "class": {"status": status, "flags": flags, "copy_of": COPY_OF.get(item["name"], {})}})
     (out / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
 
