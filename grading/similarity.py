@@ -30,6 +30,7 @@ one obvious answer, and is not compared.
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import importlib
 import inspect
@@ -179,11 +180,77 @@ def _unit_tokens(unit: ast.AST | list[ast.stmt], imported: dict[str, str], helpe
     return _Unit(tuple(out), frozenset(calls))
 
 
+def _expression_helpers(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """Module-level functions whose whole body is ``return <expression>``, with plain parameters only."""
+    found = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.decorator_list:
+            continue
+        body = node.body[1:] if node.body and _is_docstring(node.body[0]) else node.body
+        a = node.args
+        if (len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None
+                and not (a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults)):
+            found[node.name] = node
+    return found
+
+
+class _Inline(ast.NodeTransformer):
+    """Replaces each call of an expression helper (positional arguments, one per parameter) by the
+    helper's expression with its parameters replaced by the arguments: the code as it reads once the
+    helper is pasted into its caller."""
+
+    def __init__(self, helpers: dict[str, ast.FunctionDef]):
+        self.helpers = helpers
+        self.inlined: set[str] = set()
+        self.depth = 0
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        helper = self.helpers.get(node.func.id) if isinstance(node.func, ast.Name) else None
+        params = [a.arg for a in helper.args.args] if helper else []
+        if (helper is None or node.keywords or len(node.args) != len(params) or self.depth > 8
+                or any(isinstance(arg, ast.Starred) for arg in node.args)):
+            return node
+        body = helper.body[-1].value
+        values = dict(zip(params, node.args))
+
+        class Substitute(ast.NodeTransformer):
+            def visit_Name(self, name: ast.Name) -> ast.AST:
+                return copy.deepcopy(values[name.id]) if name.id in values else name
+
+        expression = Substitute().visit(copy.deepcopy(body))
+        self.inlined.add(helper.name)
+        self.depth += 1
+        try:
+            return self.visit(expression)  # a helper that calls another is inlined in turn
+        finally:
+            self.depth -= 1
+
+
+def _inline_expression_helpers(tree: ast.Module) -> set[str]:
+    """Inline every call of an expression helper in ``tree``'s other functions (in place); returns the
+    helpers no longer named anywhere but in their own definition (they leave the units)."""
+    helpers = _expression_helpers(tree)
+    if not helpers:
+        return set()
+    inline = _Inline(helpers)
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name in helpers):
+            inline.visit(node)
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return {name for name in inline.inlined if name not in named}
+
+
 def _units(source: str) -> dict[str, _Unit] | None:
     """The source's units, tokenised; None when it does not parse or nests too deeply to read."""
     tree = _parse(source)
     if tree is None:
         return None
+    try:
+        pasted = _inline_expression_helpers(tree)
+    except RecursionError:
+        return None
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.FunctionDef) and node.name in pasted)]
     nodes = _unit_nodes(tree)
     helpers = {unit.rsplit(".", 1)[-1] for unit in nodes if unit != MODULE}
     imported = _imported(tree)

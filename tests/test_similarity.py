@@ -425,3 +425,26 @@ def test_a_helper_is_judged_with_the_function_that_calls_it():
     assert best_pair(fingerprint(ALICE, base), room, base)[1] == "_free_blocks_for"
     whole = best_pair(fingerprint(ALICE, base, entries=True), room, base)
     assert whole[1] == "schedule" and whole[0] < 0.8
+
+
+def test_an_expression_helper_called_in_an_assignment_is_the_code_it_replaced():
+    """A one-expression helper defined after its caller and called in an assignment reads, once pasted
+    back, as the line it replaced: lab 01's dominant_op split that way is the same answer."""
+    from grading.similarity import best_pair, fingerprint
+
+    inline = ("def dominant_op(prof):\n"
+              "    rows = list(prof.key_averages())\n"
+              "    on_device = any(row.self_device_time_total > 0 for row in rows)\n"
+              "    if on_device:\n"
+              "        return max(rows, key=lambda row: row.self_device_time_total).key\n"
+              "    return max(rows, key=lambda row: row.self_cpu_time_total).key\n")
+    split = ("def dominant_op(prof):\n"
+             "    entries = list(prof.key_averages())\n"
+             "    on_gpu = _ran_on_device(entries)\n"
+             "    if on_gpu:\n"
+             "        return max(entries, key=lambda entry: entry.self_device_time_total).key\n"
+             "    return max(entries, key=lambda entry: entry.self_cpu_time_total).key\n\n\n"
+             "def _ran_on_device(entries):\n"
+             "    return any(entry.self_device_time_total > 0 for entry in entries)\n")
+    found = best_pair(fingerprint(inline, entries=True), fingerprint(split, entries=True))
+    assert found == (1.0, "dominant_op", "dominant_op")
