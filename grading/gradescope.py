@@ -328,7 +328,7 @@ def _refused(lab_id: str, source_dir: Path, text: str) -> dict:
     """results.json when grading is refused: ``text`` to the instructor (standard output), every test 0,
     and to the learner only that the autograder is misconfigured."""
     print(text)
-    return {**problem_results(lab_id, source_dir, MISCONFIGURED), "extra_data": {"status": "not graded"}}
+    return {**problem_results(lab_id, source_dir, MISCONFIGURED), "extra_data": {"status": "failed"}}
 
 
 def lock_answer_key(folder: Path) -> list[Path]:

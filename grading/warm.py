@@ -512,6 +512,8 @@ def _valid(request: dict) -> None:
             raise ValueError("a runner's arguments, paths and environment are strings")
     else:
         options, _ = _kernel_command(request["cmd"])
+        if options is not None and options.get("user"):  # a fork would keep the template's user (root)
+            raise ValueError("a kernel run as another user starts cold, through grading.sandbox, never from the template")
         if options is not None and options["bwrap"]:
             from grading import bwrap
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -237,3 +238,13 @@ def test_the_watchdog_counts_a_process_tree_from_one_scan():
             proc.kill()
         shell.kill()
         shell.wait()
+
+
+def test_the_template_refuses_to_fork_a_kernel_meant_to_run_as_another_user():
+    """A forked kernel keeps the template's user (root where Gradescope grades): a kernel for another
+    user must start cold, through the launcher, which drops privileges before the kernel runs."""
+    cmd = [sys.executable, "-m", "grading.sandbox", "--status", "/s", "--memory-mb", "1", "--file-size-mb", "1",
+           "--user", "nobody", "--", sys.executable, "-m", "ipykernel_launcher", "-f", "/c.json"]
+    with pytest.raises(ValueError, match="starts cold"):
+        warm._valid({"cmd": cmd})
+    warm._valid({"cmd": [a for a in cmd if a not in ("--user", "nobody")]})  # the same kernel as root forks
