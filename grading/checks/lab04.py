@@ -2,9 +2,10 @@
 
 Each check builds small ``torch.fx`` graphs from seeded choices of code blocks (the pattern
 in its several spellings, look-alikes that must not match, and neutral filler), hands a
-freshly traced GraphModule to the learner's function, and returns plain data: the node
-histogram after the pass, whether the graph lints, whether its code was regenerated, and
-the module's output on seeded inputs.
+freshly traced GraphModule to the learner's function, and returns plain data: the kinds of
+node the graph holds after the pass (named as torch.fx names their targets, not by task 1's
+rule, which the checks never re-implement), whether the graph lints, whether its code was
+regenerated, and the module's output on seeded inputs.
 """
 
 from __future__ import annotations
@@ -137,20 +138,20 @@ def _inputs(graph: dict):
     return [torch.randn(graph["rows"], graph["width"], generator=generator) for _ in range(2)]
 
 
-def _histogram(gm) -> dict[str, int]:
-    """The checks' own node histogram (the same rule as the lab's task 1)."""
-    counts: dict[str, int] = {}
+def _node_kinds(gm) -> dict[str, int]:
+    """How many nodes of each kind the graph holds, as torch.fx names what a node calls (its qualified
+    target: "_operator.mul", "torch.sigmoid", "Tensor.sigmoid" for a method, the module's class path for a
+    submodule call) or, for any other node, its op. The checks compare these between the learner's pass
+    and the reference's; the lab's own short names (task 1) are the learner's to write."""
+    from torch.fx.passes.tools_common import CALLABLE_NODE_OPS, get_node_target
+
+    submodules = dict(gm.named_modules())
+    kinds: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function":
-            name = getattr(node.target, "__name__", str(node.target))
-        elif node.op == "call_method":
-            name = str(node.target)
-        elif node.op == "call_module":
-            name = type(gm.get_submodule(node.target)).__name__
-        else:
-            name = node.op
-        counts[name] = counts.get(name, 0) + 1
-    return counts
+        kind = node.op if node.op not in CALLABLE_NODE_OPS else get_node_target(submodules, node)
+        kind = f"Tensor.{kind}" if node.op == "call_method" else kind
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def _graph(rng: random.Random, blocks: list[str], fillers: int) -> dict:
@@ -241,7 +242,7 @@ def _drive_pass(graph_pass, graphs: list[dict]) -> list[dict]:
         if not isinstance(returned, torch.fx.GraphModule):
             results.append({"returned": type(returned).__name__})
             continue
-        entry = {"returned": "GraphModule", "same_module": returned is given, "histogram": _histogram(returned),
+        entry = {"returned": "GraphModule", "same_module": returned is given, "histogram": _node_kinds(returned),
                  "fused_calls": _fused_calls(returned), "lint": "", "stale": False, "error": "", "output": []}
         try:
             returned.graph.lint()
@@ -310,16 +311,23 @@ def _pass_compare(name: str, fused: str, pattern: str):
             if g["error"]:
                 return Mismatch(f"the module returned by {name} raises when called", f"on {where}: {g['error']}")
             if g["histogram"] != e["histogram"]:
-                got_fused, want_fused = g["histogram"].get(fused, 0), e["histogram"].get(fused, 0)
+                got_fused, want_fused = (sum(call[0] == fused for call in x["fused_calls"]) for x in (g, e))
+                other = [kind for kind in g["histogram"] if kind.endswith(f".{fused}") and kind not in e["histogram"]]
+                hint = ""
                 if got_fused < want_fused:
                     what = f"{name} left {pattern} unfused"
                 elif got_fused > want_fused:
                     what = f"{name} replaced nodes it must leave alone"
+                elif other:
+                    wanted = [kind for kind in e["histogram"] if kind.endswith(f".{fused}")]
+                    what = (f"the {fused} nodes {name} inserted call {other[0]}, not the pattern's "
+                            f"{wanted[0] if wanted else fused}")
                 else:
                     what = (f"the graph after {name} holds the wrong nodes (left-over dead nodes? "
                             "call gm.graph.eliminate_dead_code())")
+                    hint = _LEFTOVER_HINT
                 return Mismatch(what, f"on {where}:\nexpected nodes {e['histogram']},\ngot            "
-                                      f"{g['histogram']}", hint="" if got_fused != want_fused else _LEFTOVER_HINT)
+                                      f"{g['histogram']}", hint=hint)
             if g["fused_calls"] != e["fused_calls"]:
                 got_call, want_call = next((a, b) for a, b in zip(g["fused_calls"], e["fused_calls"]) if a != b)
                 return Mismatch(f"a {got_call[0]} node {name} inserted takes other arguments than the pattern's",
