@@ -243,36 +243,67 @@ def test_a_checkpoints_next_node_field_is_not_the_reference_function():
 # --- each task scored on its own ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_course_versions_equal_the_reference_on_task_1_and_2_inputs(seed):
-    """The checks of tasks 3 and 4 run the learner's run_graph on the course's next_node and call_with_retry:
-    separate code from the reference (which the call monitor guards), so it must not drift from it."""
+def test_the_stand_ins_solve_neither_task_1_nor_task_2(seed):
+    """The checks of tasks 3 and 4 run the learner's run_graph on the course's stand-ins for next_node and
+    call_with_retry. They answer only from a run's spec and its recorded retries: on task 1's and task 2's own
+    checks, with nothing of the learner's to fall back on, they answer nothing, so the kernel holds no answer."""
     from grading.check import drive
-    from grading.checks.lab13 import course_call_with_retry, course_next_node
+    from grading.checks.lab13 import _StandIns
     from grading.registry import get_check
 
-    for course, name in ((course_next_node, "next_node"), (course_call_with_retry, "call_with_retry")):
+    stand_ins = _StandIns({})
+    for name in ("next_node", "call_with_retry"):
         for check_id in CHECKS[name]:
             registered = get_check(check_id)
             inputs = registered.inputs(seed)
-            assert drive(registered, course, inputs) == drive(registered, registered.reference(), inputs), check_id
+            got = drive(registered, getattr(stand_ins, name), inputs)
+            assert got != drive(registered, registered.reference(), inputs), check_id
+            answered = [r for r in got.data if "value" in str(r.get("outcome", r.get("result")))]
+            assert not answered and "RuntimeError" in str(got.data), (check_id, answered)
 
 
-def test_the_course_next_node_equals_the_reference_on_every_call_the_runner_checks_make(solution, monkeypatch):
+def test_the_stand_ins_equal_the_reference_on_every_call_the_runner_checks_make(solution, monkeypatch):
+    """Every next_node call of the instructor's runner gets the reference's answer from the spec, every
+    call_with_retry runs the node as the reference's retries did, and none needs the learner's own."""
     from grading.checks import lab13
     from infra_lib.apps.agents.runner import next_node as reference
 
-    calls = []
+    calls, retried = [], []
+    stand_in_next, stand_in_retry = lab13._StandIns.next_node, lab13._StandIns.call_with_retry
 
-    def compared(graph, current, state):
-        ours = lab13._outcome(lab13.course_next_node, graph, current, state)
+    def compared(self, graph, current, state):
+        ours = lab13._outcome(stand_in_next, self, graph, current, state)
         assert ours[:2] == lab13._outcome(reference, graph, current, state)[:2], (current, state)
         calls.append(current)
-        return lab13.course_next_node(graph, current, state)
+        return stand_in_next(self, graph, current, state)
 
-    monkeypatch.setitem(lab13._COURSE, "next_node", compared)
+    def watched(self, fn, state, policy, sleep=time.sleep):
+        waits = []
+        try:
+            return stand_in_retry(self, fn, state, policy, lambda s: (waits.append(s), sleep(s)))
+        finally:
+            retried.extend(waits)
+
+    def never(self, name, *args, **kwargs):
+        raise AssertionError(f"the stand-in for {name} could not answer a call of the instructor's runner")
+
+    monkeypatch.setattr(lab13._StandIns, "next_node", compared)
+    monkeypatch.setattr(lab13._StandIns, "call_with_retry", watched)
+    monkeypatch.setattr(lab13._StandIns, "_own", never)
     for check_id in CHECKS["run_graph"]:
         check(check_id, solution["run_graph"])
-    assert len(calls) > 100
+    assert len(calls) > 100 and retried, (len(calls), retried)
+
+
+def test_a_call_the_stand_ins_cannot_answer_goes_to_the_learners_own_and_is_named(tmp_path):
+    """A runner that wraps each node in a function of its own hands call_with_retry a function the check did
+    not make: the learner's own call_with_retry answers it, and a mistake there is named with its task."""
+    wrapped = {"task3_run_graph": [("update = call_with_retry(spec.fn,", "update = call_with_retry(lambda s, f=spec.fn: f(s),")]}
+    waits_twice = {"task2_call_with_retry": [("sleep(min(", "sleep(2 * min(")]}
+    namespace = _namespace(tmp_path, waits_twice, wrapped)
+    text = check_fails("lab13.run_graph", namespace["run_graph"])
+    assert "your run_graph ran your own call_with_retry" in text and "(lab13 task 2: call_with_retry)" in text, text
+    check("lab13.run_graph", _namespace(tmp_path, wrapped)["run_graph"])  # a right one passes
 
 
 def test_the_runner_checks_give_the_course_versions_to_helpers_of_the_answer_cell_too(tmp_path):
@@ -382,14 +413,24 @@ def test_a_runner_that_changes_the_callers_dict_is_caught(solution):
     assert "run_graph changed the state dict it was given" in text and f"hint: {_RUN_MISSED['input']}" in text
 
 
-def test_the_course_runner_equals_the_reference_on_every_runner_check():
-    """Task 4's checks crash the course's runner (course_run_graph) in place of the learner's: it must not drift."""
+def test_the_recorded_first_run_is_the_reference_runners_crash_run(monkeypatch):
+    """Task 4's checks write the reference's recorded first run into the thread instead of running a runner of
+    the course's in the kernel: every record equals what a live run of the reference's crash leaves."""
     from grading.check import drive
-    from grading.checks.lab13 import course_run_graph
+    from grading.checks import lab13
     from grading.registry import get_check
+    from infra_lib.apps.agents.runner import run_graph
+
+    def live(case, checkpointer, events, sleeps):
+        graph = lab13.build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
+        return lab13._outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=checkpointer,
+                              thread_id="t", max_steps=case["max_steps"], sleep=sleeps.append)
 
     for seed in range(3):
-        for check_id in CHECKS["run_graph"]:
+        for check_id in ("lab13.run_graph_resume", "lab13.run_graph_resume_sqlite"):
             registered = get_check(check_id)
             inputs = registered.inputs(seed)
-            assert drive(registered, course_run_graph, inputs) == drive(registered, registered.reference(), inputs)
+            replayed = drive(registered, registered.reference(), inputs)
+            with monkeypatch.context() as patch:
+                patch.setattr(lab13, "_replay_first_run", live)
+                assert drive(registered, registered.reference(), inputs) == replayed, (check_id, seed)

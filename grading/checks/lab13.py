@@ -8,14 +8,19 @@ or multiply a counter and append their name to a log (a reducer), plain edges, c
 whose routers compare the counter with a limit (some through a mapping), and loops that end once
 the counter passes a limit. Flaky functions fail a planned number of times with planned exception
 types; ``sleep`` is replaced by a recorder, so the backoff sequence is compared exactly and no
-check waits. A crash is a planned exception at step k, in a run of the course's own runner
-(``course_run_graph``), which leaves the checkpoints a correct runner leaves; the learner's run_graph
-then resumes the thread and must end in the same state as an uninterrupted run, re-running only the
-node that crashed. So task 4 judges the resume alone, and a checkpoint mistake costs task 3 only.
+check waits. A crash is a planned exception at step k of a run of the reference runner, recorded where the
+inputs are made (in the grader's process when the kernel is sandboxed): its checkpoints, node calls
+and waits are what a correct runner leaves. The learner's kernel only writes those checkpoints into
+the thread, and the learner's run_graph then resumes it and must end in the same state as an
+uninterrupted run, re-running only the node that crashed. So task 4 judges the resume alone, and a
+checkpoint mistake costs task 3 only.
 
 Each task is scored on its own: while a check of task 3 or 4 runs, the learner's notebook sees the
-course's ``next_node`` and ``call_with_retry`` under those names, so a slip in task 1 or 2 costs only
-that task. A failure's hint is chosen by the mistake the comparison found.
+course's stand-ins for ``next_node`` and ``call_with_retry`` under those names, so a slip in task 1
+or 2 costs only that task. The stand-ins answer from the check's own plain data, never by the
+tasks' rules: the next node from the graph's spec, and a node's attempts and waits from the
+reference's retries of that node, recorded with the inputs. A failure's hint is chosen by the
+mistake the comparison found.
 """
 
 from __future__ import annotations
@@ -133,10 +138,14 @@ def build_graph(spec: dict, events: list | None = None, crash_at_call: int | Non
                 return {"log": [name]}
             return {"x": _apply(node_spec, state["x"]), "log": [name]}
 
+        # what the checks' stand-in for call_with_retry needs to find this node's recorded retries
+        node.course_node, node.pending_failures = name, lambda: len(flaky.get(name) or ())
         return node
 
     for name, node_spec in spec["nodes"].items():
-        graph.add_node(name, make_node(name, node_spec), retry=_policy_object(node_spec.get("retry")))
+        node = make_node(name, node_spec)
+        node.course_policy = _policy_object(node_spec.get("retry"))
+        graph.add_node(name, node, retry=node.course_policy)
     graph.add_edge(START, spec["entry"])
     resolve = lambda target: END if target == "END" else target  # noqa: E731
     for name, target in spec["edges"].items():
@@ -538,102 +547,157 @@ def _end():
     return END
 
 
-# --- tasks 3 and 4: run_graph on the course's next_node and call_with_retry ----------------------------
+# --- tasks 3 and 4: run_graph on the course's stand-ins for next_node and call_with_retry ----------------
 #
-# run_graph calls next_node (task 1) and call_with_retry (task 2). While a check of task 3 or 4 runs,
-# the learner's notebook sees the course's versions under those two names, its helpers included, so a
-# slip in task 1 or 2 costs only that task. A run_graph that reaches its own versions some other way
-# (another name, a default argument) still runs them: a failure then names them and their tasks.
+# run_graph calls next_node (task 1) and call_with_retry (task 2). While a check of task 3 or 4 runs, the
+# learner's notebook sees the course's stand-ins under those two names, its helpers included, so a slip in
+# task 1 or 2 costs only that task. The stand-ins solve neither task: the next node comes from the spec the
+# check built the graph from, and a node's attempts and waits from the reference's own retries of that node,
+# recorded where the inputs are made ("retry_plans"). A call they cannot answer that way (a graph or a node
+# function the check did not make, a policy that is not the node's own) goes to the learner's own function,
+# and so does a run_graph that reaches its own versions some other way (another name, a default argument):
+# a failure then names them and their tasks.
 
-def course_next_node(graph, current: str, state: dict) -> str:
-    """Task 1 as the course answers it: the node after ``current``, or ValueError for a malformed edge."""
-    from infra_lib.apps.agents import END
-
-    if current not in graph.branches:
-        if current not in graph.edges:
-            raise ValueError(f"node {current!r} is a dead end: it has no outgoing edge")
-        return graph.edges[current]
-    router, mapping = graph.branches[current]
-    choice = router(state)
-    try:
-        target = choice if mapping is None else mapping[choice]
-    except (KeyError, TypeError):
-        raise ValueError(f"the router of {current!r} answered {choice!r}, which its mapping lacks") from None
-    if not isinstance(target, str) or (target != END and target not in graph.nodes):
-        raise ValueError(f"the router of {current!r} chose {target!r}, which is neither a node nor END")
-    return target
-
-
-def course_call_with_retry(fn, state: dict, policy, sleep=time.sleep):
-    """Task 2 as the course answers it: ``fn(state)``, tried again with capped exponential backoff."""
-    attempts = 1 if policy is None else policy.max_attempts
-    for attempt in range(attempts):
-        try:
-            return fn(state)
-        except Exception as error:
-            if attempt == attempts - 1 or not policy.should_retry(error):
-                raise
-            sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
-    raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def course_run_graph(graph, state: dict, *, checkpointer, thread_id: str, max_steps: int = 25,
-                     sleep=time.sleep) -> dict:
-    """Task 3 as the course answers it, on the two functions above. Task 4's checks crash this runner, so that the
-    checkpoints the learner's run_graph resumes from are right whatever its own would be: task 4 judges the resume
-    alone, and a checkpoint mistake costs task 3 only."""
-    import copy
-    import itertools
-
-    from infra_lib.apps.agents import END, Checkpoint, GraphRecursionError, merge_update
-
-    latest = checkpointer.latest(thread_id)
-    state, node, taken = ((latest.state, latest.next_node, latest.step) if latest is not None
-                          else (merge_update({}, state, graph.reducers), graph.entry, 0))
-    for step in itertools.count(taken + 1):  # the number of the step about to run
-        if node == END:
-            return state
-        if step > max_steps:
-            raise GraphRecursionError(f"max_steps={max_steps} steps taken before END (next node {node!r})")
-        called = graph.nodes[node]
-        update = course_call_with_retry(called.fn, copy.deepcopy(state), called.retry, sleep)
-        state = merge_update(state, update, graph.reducers)
-        following = course_next_node(graph, node, state)
-        checkpointer.put(thread_id, Checkpoint(step=step, node=node, next_node=following, state=state))
-        node = following
-    raise AssertionError("unreachable: the loop returns or raises")
-
-
-_COURSE = {"next_node": course_next_node, "call_with_retry": course_call_with_retry}
+_SIBLINGS = ("next_node", "call_with_retry")
 _SIBLING_TASKS = {"next_node": _TASKS[1], "call_with_retry": _TASKS[2]}
 
 
+def _retry_plans(case: dict) -> dict[str, list[list[float]]]:
+    """For each flaky node of the case, the waits between the attempts of one call of it under its policy, by the
+    number of planned failures left: the reference's call_with_retry on the node's planned errors."""
+    from infra_lib.apps.agents.retry import call_with_retry
+
+    plans = {}
+    for name, planned in (case.get("flaky") or {}).items():
+        policy, plans[name] = _policy_object(case["spec"]["nodes"][name].get("retry")), []
+        for left in range(len(planned) + 1):
+            errors, waits = list(planned[len(planned) - left:]), []
+
+            def attempt(state: dict, errors=errors) -> dict:
+                if errors:
+                    raise _ERRORS[errors.pop(0)]("planned")
+                return {}
+
+            with contextlib.suppress(Exception):
+                call_with_retry(attempt, {}, policy, sleep=waits.append)
+            plans[name].append([round(float(w), 9) for w in waits])
+    return plans
+
+
+def _first_run(case: dict) -> dict:
+    """The first run of a resume case, as the reference runner makes it (crashing as planned): its outcome,
+    node calls, waits and checkpoints, for the kernel to write into the thread."""
+    from infra_lib.apps.agents import MemoryCheckpointer
+    from infra_lib.apps.agents.runner import run_graph
+
+    events, sleeps, checkpointer, given = [], [], MemoryCheckpointer(), {"x": case["x"], "log": []}
+    graph = build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
+    got = _outcome(run_graph, graph, given, checkpointer=checkpointer, thread_id="t", max_steps=case["max_steps"],
+                   sleep=sleeps.append)
+    return {"outcome": [got[0], _plain_state(got[1])[1]] if got[0] == "value" else got, "events": events,
+            "sleeps": sleeps, "checkpoints": _history(checkpointer, "t")}
+
+
+def _with_recorded_runs(make):
+    """``make``'s cases, each with what the kernel replays instead of solving a task: the retries of its flaky
+    nodes, and a resume case's first run."""
+
+    def make_inputs(rng: random.Random) -> list[dict]:
+        cases = make(rng)
+        for case in cases:
+            if _is_resume_case(case):
+                case["first_run"] = _first_run(case)
+            elif case.get("flaky"):
+                case["retry_plans"] = _retry_plans(case)
+        return cases
+
+    return make_inputs
+
+
+def _replay_first_run(case: dict, checkpointer, events: list, sleeps: list) -> list:
+    """Write the recorded first run's checkpoints into the thread; its outcome, as ``_outcome`` gives one."""
+    from infra_lib.apps.agents import END, Checkpoint
+
+    run = case["first_run"]
+    for step, node, following, state in run["checkpoints"]:
+        checkpointer.put("t", Checkpoint(step=step, node=node, next_node=END if following == "END" else following,
+                                         state={"x": state["x"], "log": list(state["log"])}))
+    events.extend(run["events"])
+    sleeps.extend(run["sleeps"])
+    return list(run["outcome"])
+
+
+class _StandIns:
+    """next_node and call_with_retry for one drive of the learner's run_graph (see above)."""
+
+    def __init__(self, own: dict):
+        self.own = own  # the learner's own functions, by name
+        self.specs: dict[int, tuple] = {}  # id(graph) -> (graph, the spec it was built from)
+        self.plans: dict[str, list] = {}
+
+    def learn(self, graph, case: dict) -> None:
+        self.specs[id(graph)] = (graph, case["spec"])
+        self.plans = case.get("retry_plans") or {}
+
+    def _own(self, name: str, *args, **kwargs):
+        if name not in self.own:
+            raise RuntimeError(f"the check cannot answer this {name} call for the course, and your notebook defines "
+                               f"no {name} of its own ({_SIBLING_TASKS[name]})")
+        return self.own[name](*args, **kwargs)
+
+    def next_node(self, graph, current, state):
+        from infra_lib.apps.agents import END
+
+        spec = self.specs.get(id(graph), (None, None))[1]
+        if spec is None or not isinstance(current, str) or current not in {**spec["edges"], **spec["branches"]}:
+            return self._own("next_node", graph, current, state)
+        branch = spec["branches"].get(current)
+        target = spec["edges"][current] if branch is None else (
+            branch["below"] if state["x"] < branch["limit"] else branch["above"])  # what the spec's router answers
+        return END if target == "END" else target
+
+    def call_with_retry(self, fn, state, policy, sleep=time.sleep):
+        name = getattr(fn, "course_node", None)
+        if name is None or policy not in (None, fn.course_policy):
+            return self._own("call_with_retry", fn, state, policy, sleep)
+        left = fn.pending_failures()
+        recorded = self.plans.get(name, [[]])
+        if left >= len(recorded):
+            return self._own("call_with_retry", fn, state, policy, sleep)
+        for wait in recorded[left] if policy is not None else ():
+            with contextlib.suppress(Exception):  # a planned failure the reference waited after
+                return fn(state)
+            sleep(wait)
+        return fn(state)
+
+
 @contextlib.contextmanager
-def _course_siblings(run_graph) -> Iterator[set]:
+def _course_siblings(run_graph) -> Iterator[tuple[set, _StandIns]]:
     """While the block runs, next_node and call_with_retry in the namespace ``run_graph`` was defined in are
-    the course's versions (the learner's come back after it). Yields a set that collects the names of the
-    learner's own versions that ran all the same, reached some other way than by those names."""
+    the course's stand-ins (the learner's come back after it). Yields a set that collects the names of the
+    learner's own versions that ran all the same, and the stand-ins, to learn each case's graph."""
     ran: set[str] = set()
     namespace = run_graph.__globals__ if isinstance(run_graph, types.FunctionType) else None
     if namespace is None:
-        yield ran
+        yield ran, _StandIns({})
         return
-    saved = {name: namespace[name] for name in _COURSE if name in namespace}
+    saved = {name: namespace[name] for name in _SIBLINGS if name in namespace}
+    stand_ins = _StandIns(saved)
     previous = sys.gettrace()
 
     def watch(frame, event, arg):  # called for each new frame; passes it on to a tracer already there
-        if frame.f_code.co_name in _COURSE and frame.f_globals is namespace:
+        if frame.f_code.co_name in _SIBLINGS and frame.f_globals is namespace:
             ran.add(frame.f_code.co_name)
         return previous(frame, event, arg) if previous is not None else None
 
-    namespace.update(_COURSE)
+    namespace.update({name: getattr(stand_ins, name) for name in _SIBLINGS})
     sys.settrace(watch)
     try:
-        yield ran
+        yield ran, stand_ins
     finally:
         if sys.gettrace() is watch:
             sys.settrace(previous)
-        for name in _COURSE:
+        for name in _SIBLINGS:
             namespace.pop(name, None)
         namespace.update(saved)
 
@@ -641,11 +705,11 @@ def _course_siblings(run_graph) -> Iterator[set]:
 def _drive_run(run_graph, cases: list[dict]) -> list:
     learner = run_graph is not _ref("runner", "run_graph")  # the reference runs on its own next_node and retry
     results = []
-    with _course_siblings(run_graph) if learner else contextlib.nullcontext(set()) as ran:
+    with _course_siblings(run_graph) if learner else contextlib.nullcontext((set(), None)) as (ran, stand_ins):
         for case in cases:
             ran.clear()
             with tempfile.TemporaryDirectory() as folder:
-                record = _run_case(run_graph, case, Path(folder) / "checkpoints.sqlite")
+                record = _run_case(run_graph, case, Path(folder) / "checkpoints.sqlite", stand_ins)
             if ran:
                 record["own_siblings"] = sorted(ran)
             results.append(record)
@@ -653,16 +717,17 @@ def _drive_run(run_graph, cases: list[dict]) -> list:
 
 
 def _is_resume_case(case: dict) -> bool:
-    """Task 4's cases: the course's runner makes the thread's checkpoints, the runner under test resumes it."""
+    """Task 4's cases: the reference's recorded run makes the thread's checkpoints, the runner under test resumes it."""
     return case.get("crash_at") is not None or bool(case.get("rerun_finished"))
 
 
-def _run_case(run_graph, case: dict, database: Path) -> dict:
-    """Run the case's graph (crashing as planned), then again on the same thread when it crashed.
+def _run_case(run_graph, case: dict, database: Path, stand_ins: _StandIns | None = None) -> dict:
+    """Run the case's graph, or in a resume case write the reference's first run (crashed as planned) into the
+    thread and run the graph again on it.
 
-    In a resume case the first run is the course's (``course_run_graph``), so that the checkpoints
-    ``run_graph`` resumes from are right whatever it would have saved itself: the resume alone is judged.
-    The second run is given another input state, which a resume ignores.
+    In a resume case the first run is the reference's, recorded with the inputs (``_first_run``), so that the
+    checkpoints ``run_graph`` resumes from are right whatever it would have saved itself: the resume alone is
+    judged. The second run is given another input state, which a resume ignores.
     """
     from infra_lib.apps.agents import MemoryCheckpointer, SqliteCheckpointer
 
@@ -670,15 +735,19 @@ def _run_case(run_graph, case: dict, database: Path) -> dict:
     # With SQLite the second run gets a new checkpointer on the same file, as a restarted process would.
     new_checkpointer = (lambda: SqliteCheckpointer(database)) if case.get("sqlite") else None
     checkpointer = new_checkpointer() if new_checkpointer else MemoryCheckpointer()
-    crash, resume = case.get("crash_at"), _is_resume_case(case)
+    resume = _is_resume_case(case)
 
-    def run(runner, graph, saver, given: dict) -> list:
-        return _outcome(runner, graph, given, checkpointer=saver, thread_id="t", max_steps=case["max_steps"],
+    def run(graph, saver, given: dict) -> list:
+        if stand_ins is not None:
+            stand_ins.learn(graph, case)
+        return _outcome(run_graph, graph, given, checkpointer=saver, thread_id="t", max_steps=case["max_steps"],
                         sleep=lambda s: sleeps.append(s))
 
     given = {"x": case["x"], "log": []}
-    first = run(course_run_graph if resume else run_graph,
-                build_graph(case["spec"], events, crash_at_call=crash, flaky=case.get("flaky")), checkpointer, given)
+    if resume:
+        first = _replay_first_run(case, checkpointer, events, sleeps)
+    else:
+        first = run(build_graph(case["spec"], events, flaky=case.get("flaky")), checkpointer, given)
     record = {"first": _plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events),
               "input_after": _plain_state(given)[1]}
     if resume:
@@ -688,7 +757,7 @@ def _run_case(run_graph, case: dict, database: Path) -> dict:
         # A thread with a checkpoint ignores its input: this one would show if it were used.
         given = RESUME_INPUT if checkpointer.latest("t") is not None else {"x": case["x"], "log": []}
         given = {"x": given["x"], "log": list(given["log"])}
-        second = run(run_graph, build_graph(case["spec"], events), checkpointer, given)  # no crash: resume
+        second = run(build_graph(case["spec"], events), checkpointer, given)  # no crash: resume
         record["resumed"] = _plain_state(second[1]) if second[0] == "value" else second[:2]
         record["resumed_events"] = list(events)
         record["input_after"] = _plain_state(given)[1]
@@ -930,14 +999,14 @@ _RUN_HINT = ("one step runs one node on a deep copy of the state under that node
              "GraphRecursionError. A node whose retries run out ends the run with its exception; otherwise the final "
              "state is returned.")
 register(Check(check_id="lab13.run_graph", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
-               make_inputs=_run_cases, drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
+               make_inputs=_with_recorded_runs(_run_cases), drive=_drive_run, compare=_compare_run, hint=_RUN_HINT))
 register(Check(check_id="lab13.run_graph_resume", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
-               make_inputs=_resume_cases, drive=_drive_run, compare=_compare_run, hint=_RESUME_HINT))
+               make_inputs=_with_recorded_runs(_resume_cases), drive=_drive_run, compare=_compare_run, hint=_RESUME_HINT))
 register(Check(check_id="lab13.run_graph_resume_sqlite", task=_TASKS[4], reference=lambda: _ref("runner", "run_graph"),
-               make_inputs=_sqlite_resume_cases, drive=_drive_run, compare=_compare_run,
+               make_inputs=_with_recorded_runs(_sqlite_resume_cases), drive=_drive_run, compare=_compare_run,
                hint=_RESUME_HINT + " Hidden cases: a crash at every step of a graph with a flaky node, checkpoints in "
                                    "SQLite, and the second run on a new SqliteCheckpointer over the same file."))
 register(Check(check_id="lab13.run_graph_limits", task=_TASKS[3], reference=lambda: _ref("runner", "run_graph"),
-               make_inputs=_limit_cases, drive=_drive_run, compare=_compare_run,
+               make_inputs=_with_recorded_runs(_limit_cases), drive=_drive_run, compare=_compare_run,
                hint=_RUN_HINT + " Hidden cases: a loop that never ends (max_steps), a run that needs exactly "
                                 "max_steps steps and one that needs one more, a node whose retries run out."))
