@@ -153,24 +153,97 @@ def _without_messages(traces: list) -> list:
     return [[{k: v for k, v in step.items() if k != "message"} for step in steps] for steps in traces]
 
 
-def test_the_course_methods_equal_the_reference_pool_on_every_check(solution):
-    """The methods that stand in for other tasks' are the course's own code, not the reference pool
-    (a call into it would be a shortcut): driven alone they must give the reference's traces."""
+def _unwritten(name: str):
+    def method(self, *args):
+        raise NotImplementedError(name)
+
+    return method
+
+
+class _Bare:
+    """The lab's books, and every task's method unwritten."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self.free_queue = deque(range(num_blocks))
+
+    num_free = property(_unwritten("num_free"))
+    ref_count, can_allocate, allocate = _unwritten("ref_count"), _unwritten("can_allocate"), _unwritten("allocate")
+    free, fork, prepare_write = _unwritten("free"), _unwritten("fork"), _unwritten("prepare_write")
+
+
+def test_the_stand_ins_carry_out_the_references_decisions_exactly():
+    """The methods that stand in for other tasks' carry out what the reference pool decided on the same calls:
+    given every method's decisions, a pool of stand-ins alone gives the reference's traces on every check."""
     from grading.checks import lab07
 
-    class Bare:
-        def __init__(self, num_blocks, block_size):
-            self.num_blocks, self.block_size = num_blocks, block_size
-            self.ref_counts = [0] * num_blocks
-            self.free_queue = deque(range(num_blocks))
-
-    for name, method in lab07._COURSE_METHODS.items():
-        setattr(Bare, name, method)
     for ids in TASK_CHECKS.values():
         for check_id in ids:
             registered = all_checks()[check_id]
             for seed in range(3):
-                inputs = registered.inputs(seed)
-                got, want = (registered.drive(pool, inputs)["traces"] for pool in (Bare, registered.reference()))
-                # Error messages are the course's own words, never compared: everything else must agree.
-                assert _without_messages(got) == _without_messages(want), (check_id, seed)
+                want = registered.drive(registered.reference(), registered.inputs(seed))["traces"]
+                got = []
+                for session in registered.inputs(seed):
+                    decisions: dict = {}
+                    recorder = lab07._recording_pool(decisions, task=0)  # no task's own: every method recorded
+                    replay = lab07._Replay(recorder(session["num_blocks"], session["block_size"]), session["num_blocks"])
+                    for kind, *args in session["ops"]:
+                        getattr(replay, kind)(*args)
+                    pool, isolated = lab07.pool_for_task(_Bare, 0, [[list(k), d] for k, d in decisions.items()])
+                    assert isolated
+                    replay = lab07._Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"],
+                                           books=True)
+                    for kind, *args in session["ops"]:
+                        getattr(replay, kind)(*args)
+                    got.append(replay.steps)
+                # Error messages are the reference's own words here too: everything must agree.
+                assert got == want, (check_id, seed)
+
+
+def test_the_stand_ins_hold_no_answer(solution):
+    """A check's inputs carry the reference's decisions for the other tasks' methods only, and a stand-in answers
+    nothing it was not given: a pool made of stand-ins fails every task's checks, and with another seed's
+    decisions it cannot even get through the calls it was given."""
+    from grading.checks import lab07
+
+    for task, ids in TASK_CHECKS.items():
+        for check_id in ids:
+            registered = all_checks()[check_id]
+            inputs = registered.inputs(0)
+            own = [name for name, owner in lab07._METHOD_TASK.items() if owner == task and name != "num_free"]
+            for session in inputs:
+                assert not [key for key, _ in session["decisions"] if key[0] in own], (check_id, own)
+            with pytest.raises((AssertionError, NotImplementedError)):
+                check(check_id, _Bare)
+    stale = all_checks()["lab07.random_ops"].inputs(1)[2]["decisions"]
+    pool, _ = lab07.pool_for_task(_Bare, 0, stale)
+    session = all_checks()["lab07.random_ops"].inputs(2)[2]
+    replay = lab07._Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"], books=True)
+    for kind, *args in session["ops"]:
+        getattr(replay, kind)(*args)
+    unanswered = [step for step in replay.steps if step["error"] == "RuntimeError"]
+    assert unanswered and all("books left the reference's" in step["message"] for step in unanswered)
+
+
+def test_a_call_the_reference_never_met_runs_the_learners_own_method_and_is_named(solution):
+    """A copy-on-write that gives up the writer's hold before taking the new block calls allocate from books the
+    reference never has at that point: the learner's own allocate answers it, and a mistake there is named."""
+
+    class ReleasesFirst(solution):
+        def allocate(self, n):  # task 1, wrong: blocks from the back of the queue
+            taken = [self.free_queue.pop() for _ in range(n)]
+            for block_id in taken:
+                self.ref_counts[block_id] = 1
+            return taken
+
+        def prepare_write(self, block_id):
+            if block_id not in range(self.num_blocks) or self.ref_counts[block_id] < 2 or not self.free_queue:
+                return super().prepare_write(block_id)
+            self.ref_counts[block_id] -= 1  # gives up the writer's hold, then takes the new block
+            (new_id,) = self.allocate(1)
+            return new_id, block_id
+
+    message = check_fails("lab07.copy_on_write", ReleasesFirst)
+    assert "your pool's own allocate (task 1) ran in this call" in message, message
+    assert "prepare_write handed out other blocks" in message, message

@@ -62,8 +62,12 @@ def _plain_number(value):
 class _Replay:
     """Runs abstract operations on one pool and records what every call did."""
 
-    def __init__(self, pool, num_blocks: int):
+    def __init__(self, pool, num_blocks: int, books: bool = False):
         self.pool, self.num_blocks = pool, num_blocks
+        # With the lab's books and the stand-ins in place, the state after each call is read from the books
+        # themselves: another task's num_free and ref_count are not the learner's to answer in this check.
+        self.books = books
+        self.own_calls = getattr(type(pool), OWN_CALLS, None)  # the learner's methods a stand-in handed calls to
         self.tables: list[list[int]] = []  # the block tables of the live sequences
         self.counts = [0] * num_blocks  # reference counts seen after the last call
         self.num_free = num_blocks
@@ -81,10 +85,16 @@ class _Replay:
             raise  # an unwritten stub names its task; memory is the grader's business
         except Exception as exc:  # the contract's errors, and the learner's bugs, are recorded
             error = exc
-        num_free = self.pool.num_free
-        counts = [self.pool.ref_count(b) for b in range(self.num_blocks)]
+        if self.books:
+            num_free, counts = len(self.pool.free_queue), list(self.pool.ref_counts)
+        else:
+            num_free = self.pool.num_free
+            counts = [self.pool.ref_count(b) for b in range(self.num_blocks)]
         step = {"call": text, "result": None, "error": None, "out_of_blocks": None, "message": None,
                 "num_free": _plain_number(num_free), "counts": [_plain_number(c) for c in counts]}
+        if self.own_calls:
+            step["own"] = sorted(set(self.own_calls))
+            self.own_calls.clear()
         if error is None:
             step["result"] = _shown(result, method)
             if method == "fork" and result is args[0]:
@@ -211,92 +221,113 @@ class _Replay:
 
 # --- one task at a time ------------------------------------------------------------------------------
 #
-# A task's checks call the learner's methods for that task and the course's own versions of the
-# other tasks' methods, so that a slip in one method never costs another task's points. The course's
-# versions keep the books `__init__` starts with (`ref_counts`, a list, and `free_queue`, a deque);
-# a pool that keeps them some other way is driven with all its own methods, and a failure inside
-# another task's method then names that method and its task.
+# A task's checks call the learner's methods for that task and stand-ins for the other tasks' methods, so that
+# a slip in one method never costs another task's points. The stand-ins solve no task. Where the inputs are
+# made (in the grader's process when the kernel is sandboxed, where the reference is a stub), the reference
+# pool runs the check's own calls, and each call of another task's method is recorded with the books it met
+# (every block's count and the number free) and what the reference decided: the value it returned, the error
+# it raised, or how its books changed (the counts of the blocks it was given, how many blocks it took from the
+# front of the free queue and their counts, which blocks joined its back). In the kernel a stand-in looks its call up by the learner's books and carries
+# that decision out on them: taken blocks come from the front of the learner's own free queue, so an order the
+# learner's method left there shows as other blocks handed out. A call the reference never met in those books
+# (the learner's books already differ, or its method calls another task's in a way the reference does not)
+# goes to the learner's own method, and a failure it causes names that method and its task. The stand-ins work
+# on the books the lab's __init__ starts (`ref_counts`, a list, and `free_queue`, a deque); a pool that keeps
+# them some other way is driven with all its own methods, and a failure inside another task's method then names
+# that method and its task.
 
 _METHOD_TASK = {"num_free": 1, "ref_count": 1, "can_allocate": 1, "allocate": 1, "free": 2, "fork": 3,
                 "prepare_write": 4}
 _BOOKS = {"num_blocks", "block_size", "ref_counts", "free_queue"}
+_ANSWERS = ("ref_count", "can_allocate")  # the methods whose decision is the value they return
+OWN_CALLS = "_course_stand_ins_passed_on"  # on an isolated class: the learner's methods a stand-in called
 
 
-def _course_id(pool, block_id) -> int:
-    if type(block_id) is not int or not 0 <= block_id < pool.num_blocks:
-        raise ValueError(f"block id {block_id!r} is not in 0..{pool.num_blocks - 1}")
-    return block_id
+def _decision_key(method: str, args: tuple, counts, num_free) -> tuple:
+    return method, repr(args), tuple(counts), num_free
 
 
-def _course_num_free(self) -> int:
-    return len(self.free_queue)
+def _recording_pool(decisions: dict, task: int):
+    """The reference pool, recording the decision of every call of a method that is not ``task``'s."""
+    from infra_lib.serving.block_pool import BlockPool
+
+    def recorded(method: str):
+        base = getattr(BlockPool, method)
+
+        def call(self, *args):
+            counts, free = list(self._ref_counts), self.free_block_ids()
+            key = _decision_key(method, args, counts, len(free))
+            try:
+                result = base(self, *args)
+            except Exception as error:
+                numbers = [getattr(error, name, None) for name in ("requested", "free", "total")]
+                decisions.setdefault(key, ["raise", type(error).__name__, str(error), numbers])
+                raise
+            if method in _ANSWERS:
+                decisions.setdefault(key, ["return", result])
+            else:  # the change to the books: counts, the blocks taken from the queue's front, those joining its back
+                after, now = self.free_block_ids(), self._ref_counts
+                taken = [b for b in free if b not in set(after)]
+                changes = [[b, now[b] - counts[b]] for b in range(len(now)) if now[b] != counts[b] and b not in taken]
+                decisions.setdefault(key, ["books", changes, [now[b] for b in taken],
+                                           [b for b in after if b not in set(free)]])
+            return result
+
+        return call
+
+    return type("RecordedBlockPool", (BlockPool,),
+                {m: recorded(m) for m in ("allocate", "free", "fork", "prepare_write", *_ANSWERS)
+                 if _METHOD_TASK[m] != task})
 
 
-def _course_ref_count(self, block_id: int) -> int:
-    return self.ref_counts[_course_id(self, block_id)]
-
-
-def _course_can_allocate(self, n: int) -> bool:
-    return n <= len(self.free_queue)
-
-
-def _course_allocate(self, n: int) -> list[int]:
+def _carry_out(pool, method: str, args: tuple, decision: list):
+    """The reference's decision for this call, carried out on the learner's books."""
     from infra_lib.serving.errors import OutOfBlocks
 
-    if type(n) is not int or n < 0:
-        raise ValueError(f"the number of blocks must be a non-negative integer, got {n!r}")
-    if n > len(self.free_queue):
-        raise OutOfBlocks(n, len(self.free_queue), self.num_blocks)
-    taken = [self.free_queue.popleft() for _ in range(n)]
-    for block_id in taken:
-        self.ref_counts[block_id] = 1
-    return taken
+    kind, *detail = decision
+    if kind == "raise":
+        name, message, numbers = detail
+        raise OutOfBlocks(*numbers) if name == "OutOfBlocks" else {"ValueError": ValueError}.get(name, RuntimeError)(
+            message)
+    if kind == "return":
+        return detail[0]
+    changes, taken, joined = detail
+    handed = [pool.free_queue.popleft() for _ in taken]  # the learner's own front: its order shows here
+    for block_id, count in zip(handed, taken):
+        pool.ref_counts[block_id] = count
+    for block_id, change in changes:
+        pool.ref_counts[block_id] += change
+    pool.free_queue.extend(joined)
+    if method == "allocate":
+        return handed
+    if method == "prepare_write":
+        return (handed[0], args[0]) if handed else (args[0], None)
+    return list(args[0]) if method == "fork" else None
 
 
-def _course_free(self, block_ids) -> None:
-    block_ids = [_course_id(self, b) for b in block_ids]
-    for block_id in set(block_ids):
-        if block_ids.count(block_id) > self.ref_counts[block_id]:
-            raise ValueError(f"block {block_id} cannot be freed {block_ids.count(block_id)} time(s) (a double free)")
-    for block_id in block_ids:
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self.free_queue.append(block_id)
+def _stand_in(method: str, decisions: dict, passed_on: list):
+    def call(self, *args):
+        try:
+            decision = decisions.get(_decision_key(method, args, self.ref_counts, len(self.free_queue)))
+        except TypeError:  # books the learner's own methods filled with something unhashable
+            decision = None
+        if decision is not None:
+            return _carry_out(self, method, args, decision)
+        passed_on.append(method)
+        try:
+            return getattr(super(type(self), self), method)(*args)
+        except NotImplementedError as exc:
+            raise RuntimeError(f"the pool's books left the reference's before this {method} call, so the check "
+                               f"needs your own {method} (task {_METHOD_TASK[method]}), which is not written yet: "
+                               f"{exc}") from None
 
-
-def _course_fork(self, block_ids) -> list[int]:
-    block_ids = [_course_id(self, b) for b in block_ids]
-    if any(self.ref_counts[b] == 0 for b in block_ids):
-        raise ValueError("only blocks some table holds can be shared")
-    for block_id in block_ids:
-        self.ref_counts[block_id] += 1
-    return block_ids
-
-
-def _course_prepare_write(self, block_id: int) -> tuple[int, int | None]:
-    from infra_lib.serving.errors import OutOfBlocks
-
-    block_id = _course_id(self, block_id)
-    if self.ref_counts[block_id] == 0:
-        raise ValueError(f"block {block_id} is free; a table can only write blocks it holds")
-    if self.ref_counts[block_id] == 1:
-        return block_id, None
-    if not self.free_queue:
-        raise OutOfBlocks(1, 0, self.num_blocks)
-    new_id = self.free_queue.popleft()
-    self.ref_counts[new_id] = 1
-    self.ref_counts[block_id] -= 1
-    return new_id, block_id
-
-
-_COURSE_METHODS = {"num_free": property(_course_num_free), "ref_count": _course_ref_count,
-                   "can_allocate": _course_can_allocate, "allocate": _course_allocate, "free": _course_free,
-                   "fork": _course_fork, "prepare_write": _course_prepare_write}
+    call.__name__ = method
+    return call
 
 
 def _keeps_the_starting_books(pool) -> bool:
-    """Whether a new pool keeps exactly the books the lab's ``__init__`` sets up (so that the course's
-    versions of the other tasks' methods can work on them)."""
+    """Whether a new pool keeps exactly the books the lab's ``__init__`` sets up (so that the stand-ins for
+    the other tasks' methods can work on them)."""
     from collections import deque
 
     books = getattr(pool, "__dict__", None)
@@ -305,9 +336,10 @@ def _keeps_the_starting_books(pool) -> bool:
             and list(books["free_queue"]) == list(range(pool.num_blocks)))
 
 
-def pool_for_task(pool_class, task: int):
-    """``(class, isolated)``: the learner's class with the other tasks' methods replaced by the course's,
-    when its books allow it (``isolated`` True); else the learner's class itself."""
+def pool_for_task(pool_class, task: int, decisions=()):
+    """``(class, isolated)``: the learner's class with the other tasks' methods replaced by stand-ins that carry
+    out the reference's recorded ``decisions`` ([key, decision] pairs), when its books allow it (``isolated``
+    True); else the learner's class itself."""
     if not isinstance(pool_class, type):
         return pool_class, False
     try:
@@ -318,21 +350,43 @@ def pool_for_task(pool_class, task: int):
         return pool_class, False  # the check's own construction reports it
     if not _keeps_the_starting_books(probe):
         return pool_class, False
-    others = {name: method for name, method in _COURSE_METHODS.items() if _METHOD_TASK[name] != task}
-    return type(pool_class.__name__, (pool_class,), {**others, "__module__": pool_class.__module__}), True
+    table, passed_on = {tuple(key): decision for key, decision in decisions}, []
+    others = {name: _stand_in(name, table, passed_on) for name in _METHOD_TASK
+              if _METHOD_TASK[name] != task and name != "num_free"}
+    if task != 1:
+        others["num_free"] = property(lambda self: len(self.free_queue))  # the books' own count
+    return type(pool_class.__name__, (pool_class,), {**others, OWN_CALLS: passed_on,
+                                                     "__module__": pool_class.__module__}), True
+
+
+def _with_decisions(make, task: int):
+    """``make``'s sessions, each with the reference's decisions for the other tasks' methods (``"decisions"``)."""
+
+    def make_inputs(rng: random.Random) -> list[dict]:
+        sessions = make(rng)
+        for session in sessions:
+            decisions: dict = {}
+            replay = _Replay(_recording_pool(decisions, task)(session["num_blocks"], session["block_size"]),
+                             session["num_blocks"])
+            for kind, *args in session["ops"]:
+                getattr(replay, kind)(*args)
+            session["decisions"] = [[list(key), decision] for key, decision in decisions.items()]
+        return sessions
+
+    return make_inputs
 
 
 def _drive_replays_for(task: int):
     def drive(pool_class, sessions):
         from infra_lib.serving.block_pool import BlockPool
 
-        isolated = False
-        if pool_class is not BlockPool:
-            pool_class, isolated = pool_for_task(pool_class, task)
-        traces = []
+        isolated, traces = False, []
         for session in sessions:
-            replay = _Replay(_new_pool(pool_class, session["num_blocks"], session["block_size"]),
-                             session["num_blocks"])
+            cls = pool_class
+            if pool_class is not BlockPool:
+                cls, isolated = pool_for_task(pool_class, task, session.get("decisions", ()))
+            replay = _Replay(_new_pool(cls, session["num_blocks"], session["block_size"]), session["num_blocks"],
+                             books=isolated and task != 1)
             for kind, *args in session["ops"]:
                 getattr(replay, kind)(*args)
             traces.append(replay.steps)
@@ -517,7 +571,17 @@ def _compare_replays_for(task: int):
                     detail = (f"on BlockPool({n}, {session['block_size']}), call {k + 1}: {e['call']}: {detail}\n"
                               f"  {_history(e_steps, k)}")
                     owner = _METHOD_TASK.get(e["call"].split("(")[0], task)
-                    if owner != task and not got["isolated"]:
+                    own = [name for name in (g.get("own") or []) if name in _METHOD_TASK]
+                    if own:
+                        # The learner's books had left the reference's, or its method called another task's in
+                        # a way the reference does not: the stand-ins handed those calls to its own methods.
+                        named = " and ".join(f"{name} (task {_METHOD_TASK[name]})" for name in own)
+                        what = f"{what}; your pool's own {named} ran in this call"
+                        hint = (f"this check of task {task} puts the course's stand-ins in place of other tasks' "
+                                f"methods, but in this call your pool's own {named} ran instead (a call the reference "
+                                f"pool never makes from these books), so a mistake there shows here too: get those "
+                                f"tasks' checks to pass first. {hint[:1].upper()}{hint[1:]}")
+                    elif owner != task and not got["isolated"]:
                         # Only when the pool keeps other books: the course's versions could not stand in.
                         what = f"in your {e['call'].split('(')[0]} (task {owner}): {what}"
                         hint = (f"this check of task {task} used your task {owner} method too, because your pool keeps "
@@ -704,7 +768,7 @@ for check_id, task, make, note in (
         check_id=check_id,
         task=_TASKS[task],
         reference=_POOL,
-        make_inputs=make,
+        make_inputs=_with_decisions(make, task),
         drive=_drive_replays_for(task),
         compare=_compare_replays_for(task),
         hint=_HINTS[check_id] + note,
@@ -755,32 +819,98 @@ def _parallel_samples(model, store, pool, prompt: list[int], samples: int, new_t
             "num_free_after": _plain_number(pool.num_free)}
 
 
-def _drive_in_model(pool_class, case):
-    """Greedy tokens through the learner's pool: whole requests, then forked samples of one prompt;
-    and, for comparison, the same tokens from the contiguous cache."""
-    import torch
-
-    from infra_lib.model.generation import greedy_decode
-    from infra_lib.serving import PagedKVStore, paged_greedy_decode
-    from infra_lib.serving.block_pool import BlockPool
-
-    if pool_class is not BlockPool:
-        pool_class, _ = pool_for_task(pool_class, 4)  # prepare_write is task 4's; the rest the course's
+def _prompts(case: dict) -> list[list[int]]:
     if case["model"] == "tiny":
-        from grading.checks.lab06 import tiny_model
+        return case["prompts"]
+    from infra_lib.model.loaders import load_default
 
-        model, prompts = tiny_model(case["seed"]), case["prompts"]
-    else:
-        from infra_lib.model.loaders import load_default
+    tokenizer = load_default().tokenizer
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
 
-        loaded = load_default()
-        model = loaded.model
-        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
+
+def _pool_shape(case: dict, prompts: list[list[int]]) -> tuple[int, int]:
+    """(num_blocks, block_size) of the case's pool."""
     block_size = case["block_size"]
     if any(len(p) % block_size == 0 for p in prompts):
         block_size += 1  # a part-full last prompt block, so that the samples copy it on write
     longest = max(len(p) for p in prompts) + case["new_tokens"]
-    num_blocks = case["samples"] * -(-longest // block_size) + 2
+    return case["samples"] * -(-longest // block_size) + 2, block_size
+
+
+def _serve(model, store, pool, prompts: list[list[int]], case: dict, contiguous: bool) -> list[dict]:
+    """Greedy tokens through the pool: whole requests (the small model), then forked samples of each prompt;
+    with ``contiguous``, the same tokens from the contiguous cache beside them."""
+    import torch
+
+    from infra_lib.model.generation import greedy_decode
+    from infra_lib.serving import paged_greedy_decode
+
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            result = {"prompt_length": len(prompt), "num_blocks": store.num_blocks, "block_size": store.block_size}
+            if case["model"] == "tiny":
+                decoded = paged_greedy_decode(model, store, pool, prompt, case["new_tokens"])
+                result["tokens"] = decoded.token_ids
+                result["num_free_after"] = _plain_number(pool.num_free)
+                if contiguous:
+                    result["contiguous"] = greedy_decode(model, prompt, case["new_tokens"])
+            sampled = _parallel_samples(model, store, pool, prompt, case["samples"], case["new_tokens"])
+            if contiguous:
+                sampled["contiguous"] = [[t[0]] + greedy_decode(model, prompt + [t[0]], case["new_tokens"] - 1)
+                                         for t in sampled["tokens"]]
+            result["samples"] = sampled
+            results.append(result)
+    return results
+
+
+def _with_model_decisions(make):
+    """``make``'s case with the reference's decisions for tasks 1-3's methods while the paged cache serves it
+    (``"decisions"``). Which blocks the cache asks for, shares, copies and frees depends on the lengths alone,
+    not on the tokens, so they are recorded on a model of one small layer."""
+
+    def make_inputs(rng: random.Random) -> dict:
+        import torch
+
+        from infra_lib.model.config import LlamaConfig
+        from infra_lib.model.model import Llama
+        from infra_lib.serving import PagedKVStore
+
+        case = make(rng)
+        config = LlamaConfig(vocab_size=64, hidden_size=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
+                             intermediate_size=8, max_position=4096, rope_theta=1000.0)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = Llama(config).eval()
+        prompts = [[t % config.vocab_size for t in p] for p in _prompts(case)]
+        num_blocks, block_size = _pool_shape(case, prompts)
+        decisions: dict = {}
+        pool = _recording_pool(decisions, 4)(num_blocks, block_size)
+        _serve(model, PagedKVStore.for_model(config, num_blocks, block_size), pool, prompts, case, contiguous=False)
+        case["decisions"] = [[list(key), decision] for key, decision in decisions.items()]
+        return case
+
+    return make_inputs
+
+
+def _drive_in_model(pool_class, case):
+    """Greedy tokens through the learner's pool: whole requests, then forked samples of one prompt;
+    and, for comparison, the same tokens from the contiguous cache."""
+    from infra_lib.serving import PagedKVStore
+    from infra_lib.serving.block_pool import BlockPool
+
+    if pool_class is not BlockPool:  # prepare_write is task 4's; the rest the stand-ins'
+        pool_class, _ = pool_for_task(pool_class, 4, case.get("decisions", ()))
+    if case["model"] == "tiny":
+        from grading.checks.lab06 import tiny_model
+
+        model = tiny_model(case["seed"])
+    else:
+        from infra_lib.model.loaders import load_default
+
+        model = load_default().model
+    prompts = _prompts(case)
+    num_blocks, block_size = _pool_shape(case, prompts)
     pool = _new_pool(pool_class, num_blocks, block_size)
     try:  # block 0 of a fresh pool is free (ValueError): an unwritten prepare_write names its task here
         pool.prepare_write(0)
@@ -788,22 +918,8 @@ def _drive_in_model(pool_class, case):
         raise
     except Exception:
         pass
-    store = PagedKVStore.for_model(model.config, num_blocks, block_size)
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            result = {"prompt_length": len(prompt), "num_blocks": num_blocks, "block_size": block_size}
-            if case["model"] == "tiny":
-                decoded = paged_greedy_decode(model, store, pool, prompt, case["new_tokens"])
-                result["tokens"] = decoded.token_ids
-                result["num_free_after"] = _plain_number(pool.num_free)
-                result["contiguous"] = greedy_decode(model, prompt, case["new_tokens"])
-            sampled = _parallel_samples(model, store, pool, prompt, case["samples"], case["new_tokens"])
-            sampled["contiguous"] = [[t[0]] + greedy_decode(model, prompt + [t[0]], case["new_tokens"] - 1)
-                                     for t in sampled["tokens"]]
-            result["samples"] = sampled
-            results.append(result)
-    return results
+    return _serve(model, PagedKVStore.for_model(model.config, num_blocks, block_size), pool, prompts, case,
+                  contiguous=True)
 
 
 def _compare_in_model(got, expected, case):
@@ -848,7 +964,7 @@ for check_id, make, note in (
         check_id=check_id,
         task=_TASKS[4],
         reference=_POOL,
-        make_inputs=make,
+        make_inputs=_with_model_decisions(make),
         drive=_drive_in_model,
         compare=_compare_in_model,
         hint="here a paged KV cache drives your pool, so a slip in its books shows up as other tokens: if the "
