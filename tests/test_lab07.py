@@ -1,6 +1,6 @@
 """Lab 07's checks score each task on its own: a typical mistake in one method loses exactly that
-task's checks, with the hint written for that mistake, while the other tasks' checks (which drive the
-course's own versions of the other methods) still pass."""
+task's checks, with the hint written for that mistake, while the other tasks' checks (which put stand-ins
+carrying out the reference's recorded decisions in place of the other methods) still pass."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _only_task_fails(pool_class, task: int, hint: str) -> list[str]:
     assert set(failed) == {task}, {t: [m.splitlines()[0] for m in ms] for t, ms in failed.items()}
     for message in failed[task]:
         assert f"[lab07 task {task}" in message and f"hint: {hint}" in message, message
-    if task != 4:  # the pool in the tiny model (task 4's check) drives the course's methods for tasks 1-3
+    if task != 4:  # the pool in the tiny model (task 4's check) drives the stand-ins for tasks 1-3
         check("lab07.pool_in_model", pool_class)
     return failed[task]
 
@@ -82,7 +82,7 @@ def test_a_free_that_changes_counts_before_finding_a_double_free_loses_task_2_on
 
     messages = _only_task_fails(NotAtomic, 2, _MISSED["atomic"])
     assert "free raised but changed the pool first" in messages[0]
-    check("lab07.pool_in_model", NotAtomic)  # task 4's model check uses the course's free
+    check("lab07.pool_in_model", NotAtomic)  # task 4's model check uses the stand-in for free
 
 
 def test_a_free_that_puts_blocks_at_the_front_loses_task_2_only_with_the_order_hint(solution):

@@ -582,11 +582,11 @@ def _compare_replays_for(task: int):
                                 f"pool never makes from these books), so a mistake there shows here too: get those "
                                 f"tasks' checks to pass first. {hint[:1].upper()}{hint[1:]}")
                     elif owner != task and not got["isolated"]:
-                        # Only when the pool keeps other books: the course's versions could not stand in.
+                        # Only when the pool keeps other books: the stand-ins could not work on them.
                         what = f"in your {e['call'].split('(')[0]} (task {owner}): {what}"
                         hint = (f"this check of task {task} used your task {owner} method too, because your pool keeps "
-                                "its books differently from the lab's __init__ (the checks put the course's own "
-                                "methods in place of other tasks' only on those books); fix task "
+                                "its books differently from the lab's __init__ (the checks put their stand-ins in "
+                                "place of other tasks' methods only on those books); fix task "
                                 f"{owner} first. {hint[:1].upper()}{hint[1:]}")
                     return Mismatch(what, detail, hint=hint)
                 before = g
