@@ -564,7 +564,9 @@ _SIBLING_TASKS = {"next_node": _TASKS[1], "call_with_retry": _TASKS[2]}
 
 def _retry_plans(case: dict) -> dict[str, list[list[float]]]:
     """For each flaky node of the case, the waits between the attempts of one call of it under its policy, by the
-    number of planned failures left: the reference's call_with_retry on the node's planned errors."""
+    number of planned failures left: the reference's call_with_retry on the node's planned errors. (The runner
+    checks' policies retry named error classes, so an error nobody planned is never retried: it goes out of the
+    stand-in at once, as out of the reference.)"""
     from infra_lib.apps.agents.retry import call_with_retry
 
     plans = {}
