@@ -417,3 +417,31 @@ def test_the_bonus_states_the_bytes_per_weight_its_storage_takes():
     weight = torch.randn(64, 128)
     for group, figure in zip((32, 64), stated.groups()):
         assert float(figure) == weight_bytes(QuantLinear(weight, bits=4, group_size=group)) / weight.numel()
+
+
+def test_the_reference_kernels_are_the_librarys_and_no_check_module_defines_a_kernel():
+    """The learner edition ships the check modules: none of them holds a kernel that solves a task. The
+    references live in infra_lib.kernels, where the sandbox shows the graded kernel their stubs."""
+    import ast
+
+    from grading.hidden_reference import targets
+
+    references = {check.reference.target for check_id, check in all_checks().items() if check_id.startswith("lab15.")}
+    assert references == {"infra_lib.kernels.softmax:online_softmax_kernel",
+                          "infra_lib.kernels.flash_attention:flash_attention_kernel",
+                          "infra_lib.kernels.paged_decode:paged_decode_kernel", "infra_lib.kernels.gemv_q4:q4_gemv_kernel"}
+    assert references <= set(targets("lab15"))
+    for path in sorted((REPO / "grading" / "checks").glob("*.py")):
+        jitted = [node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)]
+        assert not jitted, f"{path.name} defines the kernels {jitted}"
+
+
+@pytest.mark.parametrize("n_cols, block", [(1, 16), (37, 16), (100, 32)])
+def test_the_reference_online_softmax_walks_rows_longer_than_its_block(n_cols, block):
+    from infra_lib.kernels.softmax import online_softmax_kernel
+
+    x = torch.randn(3, n_cols + 5, generator=torch.Generator().manual_seed(n_cols))[:, :n_cols] * 30
+    out = torch.full((3, n_cols), -7.0)
+    online_softmax_kernel[(3,)](out, x, n_cols, x.stride(0), out.stride(0), BLOCK=block)
+    torch.testing.assert_close(out, torch.softmax(x, dim=1), atol=1e-6, rtol=1e-5)

@@ -58,10 +58,10 @@ _TASKS = {1: "lab15 task 1: online_softmax_kernel", 2: "lab15 task 2: flash_atte
 _LESSON = "chapter 15, section"
 
 
-_SOFTMAX_REFERENCE = reference("grading.checks.lab15_kernels", "online_softmax_kernel")
+_SOFTMAX_REFERENCE = reference("infra_lib.kernels.softmax", "online_softmax_kernel")
 _FLASH_REFERENCE = reference("infra_lib.kernels.flash_attention", "flash_attention_kernel")
 _PAGED_REFERENCE = reference("infra_lib.kernels.paged_decode", "paged_decode_kernel")
-_GEMV_REFERENCE = reference("grading.checks.lab15_kernels", "q4_gemv_kernel")
+_GEMV_REFERENCE = reference("infra_lib.kernels.gemv_q4", "q4_gemv_kernel")
 
 
 # --- launching a learner's kernel -----------------------------------------------------------------------

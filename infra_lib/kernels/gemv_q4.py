@@ -12,6 +12,9 @@ time: it loads their bytes, splits every byte into its two nibbles, scales them 
 Q4_1 minimum) in registers, and multiplies the two [k-step / 2, BLOCK_N] weight tiles by the x
 columns they pair with, accumulating in float32. Masks cover the edge tiles of n and the last
 k-step when the groups do not fill it; k itself must be a whole number of groups.
+
+``q4_gemv_kernel`` is the same kernel under a narrower signature (``QuantLinear(bits=4)`` storage only,
+one group per k-step): the one chapter 15's exercise asks for.
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ def q4_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N, K,
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def q4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[M, N] = x[M, K] @ W.T read from ``QuantLinear(bits=4)`` storage, through ``q4_kernel``: groups
+    of GROUP weights, nibbles stored as q + 8, no minimum, no bias, one group per step;
+    grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
+    q4_kernel(x_ptr, packed_ptr, scales_ptr, scales_ptr, scales_ptr, y_ptr, M, N, K, stride_xm, 1, stride_pn,
+              GROUP // 2, 1, stride_sn, 1, stride_sn, 1, stride_ym, 1, GROUP, 8, False, False, False, BLOCK_M,
+              BLOCK_N, 1, GROUP // 2)
 
 
 def _power_of_two(name: str, value, floor: int) -> int:

@@ -1,9 +1,12 @@
-"""Row-wise softmax in Triton: one fused kernel, and the unfused three-pass version it replaces.
+"""Row-wise softmax in Triton: one fused kernel, the unfused three-pass version it replaces, and
+an online version for rows longer than one block.
 
 The fused kernel gives each row to one program: it loads the row once, keeps it in registers
 while it finds the max, exponentiates and sums, and stores the result once. The three-pass
 version is what running separate kernels costs: the row max, then the exp-sum, then the
-normalisation, each reading the row again from memory.
+normalisation, each reading the row again from memory. The online kernel (chapter 15) walks a
+row block by block, keeping a running max and a running sum rescaled as the max grows, so a row
+of any length is read twice and written once.
 """
 
 from __future__ import annotations
@@ -59,6 +62,30 @@ def normalise_kernel(out_ptr, in_ptr, max_ptr, sum_ptr, n_cols, in_row_stride, o
     x = tl.load(in_ptr + row * in_row_stride + cols, mask=inside, other=-float("inf")).to(tl.float32)
     y = tl.exp(x - tl.load(max_ptr + row)) / tl.load(sum_ptr + row)
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def online_softmax_kernel(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """out[row] = softmax(in[row]) in two walks over the row's column blocks; grid (n_rows,).
+
+    The first walk keeps the running max and the running sum of exp(x - max), rescaled when the max
+    grows; the second writes exp(x - max) / sum. Bytes: the row loaded twice, stored once.
+    """
+    row = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + lanes
+        x = tl.load(in_ptr + row * in_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # only -inf so far: nothing to shift
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_max = new_max
+    for start in range(0, n_cols, BLOCK):
+        cols = start + lanes
+        x = tl.load(in_ptr + row * in_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + cols, tl.exp(x - running_max) / running_sum, mask=cols < n_cols)
 
 
 def _check_rows(x: torch.Tensor, out: torch.Tensor | None, name: str = "x") -> tuple[torch.Tensor, int]:
