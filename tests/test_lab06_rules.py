@@ -11,7 +11,9 @@ import torch
 
 from conftest import REPO, answer_cells, check_fails, solution_namespace
 from grading import check
+from grading.check import INTERACTIVE_SEED
 from grading.checks.lab06 import _NO_GRAD_HINT, _PREFILL_ONCE_HINT, _TIE_HINT
+from grading.registry import get_check
 
 SOLUTION = REPO / "solutions" / "lab06_kv_cache" / "lab06_kv_cache.ipynb"
 
@@ -73,3 +75,61 @@ def test_the_highest_id_on_a_tie_fails_the_rule_that_greedy_takes_the_lowest():
     message = check_fails("lab06.greedy_decode_stop", highest_on_tie)
     assert "greedy_decode produced different tokens where two logits tie for the highest" in message, message
     assert f"hint: {_TIE_HINT}" in message
+
+
+def test_decode_steps_in_a_fresh_cache_fail_the_rule_that_each_call_continues_the_cached_sequence():
+    fresh_cache = _greedy_decode((
+        "            logits = model(torch.tensor([[token]]), cache, last_only=True)\n",
+        "            logits = model(torch.tensor([[token]]), DenseKVCache.for_model(model.config, capacity=4), "
+        "last_only=True)\n"))
+    message = check_fails("lab06.greedy_decode", fresh_cache)
+    assert "greedy_decode fed the model a sequence that does not continue the prompt" in message, message
+    assert "model call 2 put token" in message and "at position 0, where the prompt holds" in message
+    assert "hint: each call's tokens continue the sequence its cache holds" in message
+    assert "(a fresh cache, or none, starts again at position 0)" in message
+
+
+def test_a_loop_past_max_new_tokens_is_named_where_it_left_the_greedy_answer():
+    too_long = _greedy_decode(("len(generated) == max_new_tokens:", "len(generated) == max_new_tokens + 2:"))
+    message = check_fails("lab06.greedy_decode", too_long)
+    assert "greedy_decode generated more tokens than max_new_tokens" in message, message
+    case = get_check("lab06.greedy_decode").inputs(INTERACTIVE_SEED)
+    assert f"fed back new token {case['new_tokens'] + 1}" in message
+
+
+def test_a_wrong_choice_is_named_at_the_first_token_that_differs():
+    least_likely = _greedy_decode(("token = int(logits[0, -1].argmax())", "token = int(logits[0, -1].argmin())"))
+    message = check_fails("lab06.greedy_decode", least_likely)
+    assert "greedy_decode produced different tokens\n" in message, message
+    assert "the first 0 tokens agree, then new token 1, fed back to the model in call 2" in message
+
+
+def test_the_decode_checks_run_no_model_in_the_learners_kernel(answers, monkeypatch):
+    """The stand-in model answers from the reference's greedy path recorded when the inputs are made: the learner's
+    side runs neither the decoder nor any attention (in the sandbox the reference's attention is a stub)."""
+    from grading.check import drive
+    from infra_lib.model.model import Llama
+
+    for check_id in ("lab06.greedy_decode", "lab06.greedy_decode_stop"):
+        registered = get_check(check_id)
+        inputs = registered.inputs(INTERACTIVE_SEED)
+        expected = drive(registered, registered.reference(), inputs)
+        with monkeypatch.context() as patch:
+            patch.setattr(Llama, "forward", lambda *args, **kwargs: pytest.fail("the learner's side ran the decoder"))
+            learner = drive(registered, answers["greedy_decode"], inputs)
+        assert learner.data == expected.data
+        for record, result in zip(inputs["records"], learner.data):
+            prompt_length = result["prompt_length"]
+            assert result["tokens"] == record["path"][prompt_length:prompt_length + len(result["tokens"])]
+            if record["stop_id"] is not None:
+                assert result["tokens"][-1] == record["stop_id"]
+
+
+def test_the_recorded_path_is_the_decoders_own_greedy_answer():
+    from grading.checks.lab06 import tiny_model
+    from infra_lib.model.generation import greedy_decode
+
+    case = get_check("lab06.greedy_decode").inputs(3)
+    for prompt, record in zip(case["prompts"], case["records"]):
+        assert record["path"] == prompt + greedy_decode(tiny_model(case["seed"]), prompt, case["new_tokens"] + 1)
+        assert len(record["logits"]) == len(record["path"]) - 1

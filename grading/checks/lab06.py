@@ -4,7 +4,6 @@ into a real decoder, by the tokens it generates."""
 
 from __future__ import annotations
 
-import math
 import random
 
 from grading.checks.common import array_mismatch, reference, token_difference
@@ -269,19 +268,6 @@ def tiny_model(seed: int):
     return model.eval()
 
 
-def private_attention(q, k_new, v_new, cache):
-    """The checks' own cached attention (not a lab answer), for models the learner's loop drives."""
-    import torch
-
-    keys, values = cache.append(k_new, v_new)
-    group = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    t, s = q.shape[2], keys.shape[2]
-    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    allowed = torch.arange(s).unsqueeze(0) <= torch.arange(t).unsqueeze(1) + (s - t)
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ values
-
-
 def _drive_in_model(cached_attention, case):
     """Greedy tokens of a model whose every layer uses ``cached_attention``."""
     import torch
@@ -354,72 +340,155 @@ for check_id, cases, extra in (
 
 # --- task 4: greedy_decode ---------------------------------------------------------------------
 
-class CountingModel:
-    """Wraps a model for a learner's decode loop: counts calls and tokens fed in, and runs the
-    checks' own attention, so the loop never touches the reference implementation."""
+# The loop under test drives a model that answers from a record instead of running attention. Where the inputs
+# are made (in the grader's process when the kernel is sandboxed, where the reference is a stub), the reference
+# greedy_decode runs the small model one token past the case's max_new_tokens, and every row of logits the model
+# gave it is recorded by position, with the tokens of that path (the greedy answer). In the kernel each call is
+# answered with the recorded rows of the positions it fills, a cache passed in advancing as the model's would. A
+# token that leaves that path (another token, a position the path does not reach) has no recorded answer: the
+# call raises, and the comparison names the token and where it stood.
 
-    def __init__(self, model, ties: bool = False):
-        self.model, self.config, self.ties = model, model.config, ties
-        self.calls, self.tokens_in, self.calls_with_grad = 0, 0, 0
+class LeftThePath(Exception):
+    """A decode loop fed the recording model a token off the greedy answer it was recorded on."""
+
+
+class _Recorder:
+    """The small model, each row of logits it gives recorded by position (in the process that makes inputs)."""
+
+    def __init__(self, model, ties: bool):
+        self.model, self.config, self.ties, self.rows = model, model.config, ties, {}
 
     def __call__(self, tokens, cache=None, last_only=False):
         import torch
 
-        from infra_lib.model.cache import DenseKVCache
+        start = cache.seq_len if cache is not None else 0
+        with torch.inference_mode():
+            logits = _tied(self.model(tokens, cache), self.ties)
+        for offset, row in enumerate(logits[0].tolist()):
+            self.rows[start + offset] = row
+        return logits[:, -1:] if last_only else logits
 
+
+def _tied(logits, ties: bool):
+    """With ``ties`` the two highest logits made equal at every position: greedy takes the lower id."""
+    return logits.clamp(max=logits.topk(2, dim=-1).values[..., 1:]) if ties else logits
+
+
+def _recorded(case: dict) -> dict:
+    """The case with, for each prompt, the reference's greedy path one token past ``new_tokens`` and the logits
+    the model gave it at each position but the last, and the stop token ``stop_at`` chooses."""
+    greedy_decode = reference("infra_lib.model.generation", "greedy_decode")()
+    model = tiny_model(case["seed"])
+    case["records"] = []
+    for prompt in case["prompts"]:
+        recorder = _Recorder(model, case.get("ties", False))
+        path = list(prompt) + greedy_decode(recorder, list(prompt), case["new_tokens"] + 1, None)
+        case["records"].append({"path": path, "logits": [recorder.rows[p] for p in range(len(path) - 1)],
+                                "stop_id": None if case["stop_at"] is None else path[len(prompt) + case["stop_at"] - 1]})
+    return case
+
+
+class CountingModel:
+    """The model a learner's decode loop drives: counts calls, tokens fed in and calls made with gradient
+    recording on, and answers each call from the record of the reference's greedy path (``_recorded``)."""
+
+    def __init__(self, record: dict):
+        from infra_lib.model.config import LlamaConfig
+
+        self.config = LlamaConfig(**_TINY)
+        self._path, self._rows = record["path"], record["logits"]
+        self.calls, self.tokens_in, self.calls_with_grad = 0, 0, 0
+        self.left_path: dict | None = None
+
+    def __call__(self, tokens, cache=None, last_only=False):
+        import torch
+
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1:
+            shape = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"the model takes tokens as a tensor [1, t], got {shape}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor (torch.long), got {tokens.dtype}")
         self.calls += 1
         self.calls_with_grad += int(torch.is_grad_enabled())
-        self.tokens_in += int(tokens.shape[-1]) if tokens.dim() else 1
-        if cache is None:  # no cache given: the whole sequence, through a cache of its own
-            cache = DenseKVCache.for_model(self.config, batch=tokens.shape[0], capacity=tokens.shape[1])
-        with self.model.using_attention(private_attention):
-            logits = self.model(tokens, cache, last_only=last_only)
-        if self.ties:  # the two highest logits made equal at every position: greedy takes the lower id
-            logits = logits.clamp(max=logits.topk(2, dim=-1).values[..., 1:])
-        return logits
+        self.tokens_in += int(tokens.shape[-1])
+        start = cache.seq_len if cache is not None else 0
+        fed = [int(token) for token in tokens[0].tolist()]
+        for offset, token in enumerate(fed):
+            position = start + offset
+            expected = self._path[position] if position < len(self._rows) else None
+            if token != expected:
+                self.left_path = {"call": self.calls, "position": position, "fed": token, "expected": expected}
+                raise LeftThePath(f"model call {self.calls} fed token {token} at position {position}, off the greedy "
+                                  "answer the check's model was recorded on")
+        if cache is not None:  # the positions these tokens fill, as the model's own layers would append them
+            for index in range(self.config.n_layers):
+                blank = torch.zeros(1, self.config.n_kv_heads, len(fed), self.config.head_dim)
+                cache.layer(index).append(blank, blank)
+        rows = self._rows[start:start + len(fed)]
+        rows = rows[-1:] if last_only else rows
+        return torch.tensor(rows, dtype=torch.float32).reshape(1, len(rows), self.config.vocab_size)
 
 
-def _decode_case(rng: random.Random) -> dict:
+def _draw_decode(rng: random.Random) -> dict:
     return {"seed": rng.randrange(10**6), "new_tokens": rng.randint(6, 12),
             "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in (1, rng.randint(3, 12))],
             "stop_at": None}
 
 
+def _decode_case(rng: random.Random) -> dict:
+    return _recorded(_draw_decode(rng))
+
+
 def _stop_case(rng: random.Random) -> dict:
-    case = _decode_case(rng)
+    case = _draw_decode(rng)
     case["stop_at"] = rng.randint(2, 5)  # the token generated at this step becomes the stop token
     case["ties"] = True  # and the model's two highest logits are equal at every step
-    return case
+    return _recorded(case)
 
 
 def _drive_decode(greedy_decode, case):
-    import torch
-
-    model = tiny_model(case["seed"])
-    ties = case.get("ties", False)
     results = []
-    for prompt in case["prompts"]:
-        stop_id = None
-        if case["stop_at"] is not None:  # choose a stop token the model is known to produce
-            with torch.inference_mode():
-                ids = list(prompt)
-                for _ in range(case["stop_at"]):
-                    ids.append(int(CountingModel(model, ties)(torch.tensor([ids]))[0, -1].argmax()))
-            stop_id = ids[-1]
-        counted = CountingModel(model, ties)
-        tokens = greedy_decode(counted, list(prompt), case["new_tokens"], stop_id)
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+    for prompt, record in zip(case["prompts"], case["records"]):
+        counted = CountingModel(record)
+        try:
+            tokens = greedy_decode(counted, list(prompt), case["new_tokens"], record["stop_id"])
+        except Exception:
+            if counted.left_path is None:
+                raise
+            tokens = None  # whatever the loop raised after it left the path, leaving it comes first
+        if counted.left_path is None and (not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens)):
             raise TypeError(f"greedy_decode must return a list of ints, got {tokens!r:.80}")
         results.append({"tokens": tokens, "calls": counted.calls, "tokens_in": counted.tokens_in,
-                        "calls_with_grad": counted.calls_with_grad, "stop_id": stop_id, "prompt_length": len(prompt)})
+                        "calls_with_grad": counted.calls_with_grad, "stop_id": record["stop_id"],
+                        "prompt_length": len(prompt), "left_path": counted.left_path})
     return results
+
+
+def _left_path(left: dict, expected: list[int], prompt: list[int], where: str, ties: bool) -> Mismatch:
+    """What a loop that left the recorded greedy answer fed the model, and where."""
+    at, fed, call = left["position"], left["fed"], left["call"]
+    if at < len(prompt):
+        return Mismatch("greedy_decode fed the model a sequence that does not continue the prompt",
+                        f"on {where}: model call {call} put token {fed} at position {at}, where the prompt holds "
+                        f"{prompt[at]}", hint=_CONTINUE_HINT)
+    step = at - len(prompt)
+    if left["expected"] is None:
+        return Mismatch("greedy_decode generated more tokens than max_new_tokens",
+                        f"on {where}: model call {call} fed back new token {step + 1}; expected {expected}")
+    return Mismatch("greedy_decode produced different tokens" + (" where two logits tie for the highest" if ties else ""),
+                    f"on {where}: the first {step} tokens agree, then new token {step + 1}, fed back to the model in "
+                    f"call {call}, is {fed} instead of {left['expected']} (expected {expected}); the check's model "
+                    "answers only along the greedy answer, so the loop stopped there",
+                    hint=_TIE_HINT if ties else "")
 
 
 def _compare_decode(got, expected, case):
     ties = case.get("ties", False)
-    for g, e in zip(got, expected):
+    for prompt, g, e in zip(case["prompts"], got, expected):
         where = (f"a prompt of {g['prompt_length']} tokens, max_new_tokens={case['new_tokens']}, stop_id={g['stop_id']}"
                  + (", a model whose two highest logits tie at every step" if ties else ""))
+        if g.get("left_path"):
+            return _left_path(g["left_path"], e["tokens"], prompt, where, ties)
         if g["tokens"] != e["tokens"]:
             if ties:
                 return Mismatch("greedy_decode produced different tokens where two logits tie for the highest",
@@ -455,6 +524,9 @@ _NO_GRAD_HINT = ("nothing in a decode loop is trained: with gradient recording o
                  "with it off, under torch.inference_mode().")
 
 
+_CONTINUE_HINT = ("each call's tokens continue the sequence its cache holds: their positions start at the cache's "
+                  "length, so the decode steps pass the cache the prefill filled (a fresh cache, or none, starts again "
+                  "at position 0).")
 _LAST_CALL_HINT = ("the answer is complete as soon as its last token is chosen (max_new_tokens reached, or stop_id): "
                    "the tokens were right, but your loop ran the model once more to feed that last token back, a call "
                    "whose logits nobody reads.")
