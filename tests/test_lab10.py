@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from conftest import REPO, check_fails, solution_namespace
@@ -75,6 +76,29 @@ def test_task4_nearest_rank_and_unchecked_p_are_caught():
 
     text = _fails("lab10.percentile", unchecked)
     assert "should raise ValueError" in text or "interpolate" in text
+
+
+def _contract(reading):
+    """A percentile that keeps the contract's edges (p outside [0, 100] raises, no values give nan) and reads
+    the values with ``reading(values, p)``."""
+    def percentile(values, p):
+        if not 0 <= p <= 100:
+            raise ValueError(p)
+        return float(reading(list(values), p)) if values else math.nan
+
+    return percentile
+
+
+@pytest.mark.parametrize("reading, says", [
+    (lambda xs, p: np.interp((len(xs) - 1) * p / 100, range(len(xs)), xs),
+     "you interpolated between the values in the order given: sort them first"),
+    (lambda xs, p: np.interp(min(len(xs) * p / 100, len(xs) - 1), range(len(xs)), sorted(xs)),
+     "not n * p / 100"),
+    (lambda xs, p: np.percentile(xs, p, method="weibull"), "as statistics.quantiles' default (exclusive) method does"),
+])
+def test_task4_the_usual_ranks_are_named(reading, says):
+    message = _fails("lab10.percentile", _contract(reading))
+    assert "percentile returned the wrong value" in message and says in message, message
 
 
 def test_task4_sorting_the_callers_list_in_place_is_caught(solution):

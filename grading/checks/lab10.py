@@ -383,13 +383,13 @@ def _percentile_problem(case: list, got, want):
     if math.isnan(want):
         note = "; with no values there is no percentile: return float('nan')"
     elif is_number(got) and values:
+        import numpy
+
         xs, n = sorted(values), len(values)
         rank = (n - 1) * p / 100
 
-        def interpolate(seq, r):
-            lo = min(math.floor(r), len(seq) - 1)
-            hi = min(lo + 1, len(seq) - 1)
-            return seq[lo] + (seq[hi] - seq[lo]) * (r - lo)
+        def interpolate(seq, r):  # the mistakes' readings: seq's values placed at ranks 0..n-1, read at r
+            return float(numpy.interp(r, range(len(seq)), seq))
 
         if not _same(interpolate(values, rank), want) and _same(got, interpolate(values, rank)):
             note = "; you interpolated between the values in the order given: sort them first"
@@ -1035,7 +1035,7 @@ def _drawn(rng: random.Random, want: str, label: str, candidate, production: lis
     ``also(case)`` holds), so that the label stays true for every seed."""
     while True:
         case = _canary_case(label, candidate(rng), production, **policy)
-        if _variant_canary(case) == want and (also is None or also(case)):
+        if _judged(case) == want and (also is None or also(case)):
             return case
 
 
@@ -1043,7 +1043,7 @@ def _between(rng: random.Random, requests: list[list], low: float, high: float, 
     """``requests`` moved so that the P99 of their successful ones lands a random way between ``low`` and
     ``high`` (well clear of both): every latency shifted by the same amount, or scaled by the same factor."""
     target = low + (high - low) * rng.uniform(0.2, 0.8)
-    now = _p99(requests)
+    now = _successful_p99(requests)
     return [[round(latency + target - now if shift else latency * target / now, 4), ok] for latency, ok in requests]
 
 
@@ -1056,9 +1056,11 @@ def _canary_cases(rng: random.Random) -> list[dict]:
         _drawn(rng, "rollback", "a window with 3 failed requests of 10", lambda r: _lognormal(r, 10, 0.8, errors=3),
                prod),
         _canary_case("a candidate behind a fixed delay (past the added limit, within the ratio one)",
-                     _between(rng, _lognormal(rng, 10, 0.8), _p99(prod) + 1.0, 2 * _p99(prod), shift=True), prod),
+                     _between(rng, _lognormal(rng, 10, 0.8), _successful_p99(prod) + 1.0, 2 * _successful_p99(prod),
+                              shift=True), prod),
         _canary_case("a candidate several times slower on a fast server (past the ratio limit, within the added one)",
-                     _between(rng, _lognormal(rng, 10, 0.12), 2 * _p99(fast_prod), _p99(fast_prod) + 1.0), fast_prod),
+                     _between(rng, _lognormal(rng, 10, 0.12), 2 * _successful_p99(fast_prod),
+                              _successful_p99(fast_prod) + 1.0), fast_prod),
         _drawn(rng, "advance", "a window of 20 with 3 failed requests (15%), a policy allowing 15%",
                lambda r: _lognormal(r, 20, 0.8, errors=3), prod, window=20, max_error_rate=0.15),
         _drawn(rng, "advance", "a slow candidate under a lenient policy (ratio 4, 3 s added)",
@@ -1101,44 +1103,52 @@ def _drive_canary(fn, cases: list[dict]) -> list:
                     _policy(case["policy"])) for case in cases]
 
 
-def _p99(requests: list[list], successes_only: bool = True, nearest: bool = False) -> float:
-    values = sorted(latency for latency, ok in requests if ok or not successes_only)
-    if not values:
-        return 0.0
-    if nearest:
-        return values[max(0, math.ceil(0.99 * len(values)) - 1)]
-    rank = (len(values) - 1) * 0.99
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
+def _successful_p99(requests: list[list]) -> float:
+    """The P99 latency of the successful requests, as the reference takes it (0 for none)."""
+    from infra_lib.ops.llmops import p99
+
+    return p99([latency for latency, ok in requests if ok])
 
 
 def _describe_canary(case: dict) -> str:
     c, p, pol = case["candidate"], case["production"], case["policy"]
     failed = sum(not ok for _, ok in c)
     return (f"{case['label']}: {len(c)} candidate requests ({failed} failed, P99 of the successful ones "
-            f"{_fmt(_p99(c))} s), {len(p)} production requests (P99 {_fmt(_p99(p))} s); policy max_error_rate="
+            f"{_fmt(_successful_p99(c))} s), {len(p)} production requests (P99 {_fmt(_successful_p99(p))} s); "
+            f"policy max_error_rate="
             f"{pol['max_error_rate']}, max_p99_ratio={pol['max_p99_ratio']}, max_p99_added_s={pol['max_p99_added_s']}, "
             f"min_p99_s={pol['min_p99_s']}")
 
 
-def _variant_canary(case: dict, *, at_least=False, with_failed=False, no_floor=False, rule=None, nearest=False,
-                    maximum=False) -> str:
-    """The verdict with one common mistake, for the message."""
-    c, p, pol = case["candidate"], case["production"], case["policy"]
-    errors = sum(not ok for _, ok in c) / max(1, len(c))
-    if errors >= pol["max_error_rate"] if at_least else errors > pol["max_error_rate"]:
-        return "rollback"
-    if maximum:
-        ours = max((lat for lat, ok in c if ok), default=0.0)
-    else:
-        ours = _p99(c, successes_only=not with_failed, nearest=nearest)
-    theirs = _p99(p, successes_only=not with_failed, nearest=nearest)
-    limits = {"ratio": pol["max_p99_ratio"] * theirs, "added": theirs + pol["max_p99_added_s"]}
-    limit = limits[rule] if rule else min(limits.values())
-    if (no_floor or ours > pol["min_p99_s"]) and theirs > 0 and ours > limit:
-        return "rollback"
-    return "advance"
+def _judged(case: dict, *, at_least=False, with_failed=False, no_floor=False, rule=None, nearest=False,
+            maximum=False) -> str:
+    """The reference's verdict (``RolloutPolicy.judge``) on the case, or on the case as one common mistake reads
+    it, for the message: a limit moved (``>=`` is ``>`` against the next float down, one rule alone is the other
+    at infinity, no floor is a floor at minus infinity), or the latencies the P99s are taken over changed (the
+    failed requests counted as well; a single request carrying the nearest-rank value or the maximum)."""
+    policy = dict(case["policy"])
+    if at_least:
+        policy["max_error_rate"] = math.nextafter(policy["max_error_rate"], -math.inf)
+    if no_floor:
+        policy["min_p99_s"] = -math.inf
+    if rule:
+        policy["max_p99_added_s" if rule == "ratio" else "max_p99_ratio"] = math.inf
+    candidate, production = case["candidate"], case["production"]
+    if reference_canary_verdict(_served("candidate", candidate), [], _policy(policy)) == "rollback":
+        return "rollback"  # the error rate alone: with no production latency, no latency rolls back
+
+    def latencies(requests: list[list], top=None) -> list[list]:
+        values = sorted(latency for latency, ok in requests if ok or with_failed)
+        return [[top(values), True]] if top and values else [[value, True] for value in values]
+
+    ranked = _nearest_rank if nearest else None
+    return reference_canary_verdict(_served("candidate", latencies(candidate, max if maximum else ranked)),
+                                    _served("production", latencies(production, ranked)), _policy(policy))
+
+
+def _nearest_rank(values: list[float]) -> float:
+    """The 99th percentile as the nearest rank (a common mistake's P99)."""
+    return values[max(0, math.ceil(0.99 * len(values)) - 1)]
 
 
 def _canary_problem(case: dict, got, want):
@@ -1160,7 +1170,7 @@ def _canary_problem(case: dict, got, want):
         "P99 is the 99th percentile with linear interpolation (your percentile from task 4), not the maximum":
             {"maximum": True},
     }
-    fits = [why for why, flags in mistakes.items() if _variant_canary(case, **flags) == got]
+    fits = [why for why, flags in mistakes.items() if _judged(case, **flags) == got]
     if not fits and not any(ok for _, ok in case["production"]):
         fits = ["with no successful production request there is nothing to compare a latency with: its P99 is 0, "
                 "and only the error rate can roll the candidate back"]
