@@ -489,13 +489,13 @@ WATCHED_NAMES = {"solutions": "the answer key", "submitted": "classmates' submis
 WATCH_CELL = "from grading.tamper import watch as _infra_lab_watch\n_infra_lab_watch()\ndel _infra_lab_watch\n"
 
 
-def _watch_config(record: Path, source_dir: Path, watched: dict[str, str], own_pids: bool) -> str:
+def _watch_config(record: Path, source_dir: Path, watched: dict[str, str], sandboxed: bool) -> str:
     from grading.course import REPO_ROOT
 
     paths = {str(source_dir.resolve()): "the answer key", **{str(Path(p).resolve()): what for p, what in watched.items()}}
     # The course's files are watched for writes, unless the kernel's own folder lies inside it.
     course = {} if record.resolve().is_relative_to(REPO_ROOT) else {str(REPO_ROOT): "the course's files"}
-    return tamper.watch_config(str(record), WATCHED_NAMES, paths, course, own_pids=own_pids)
+    return tamper.watch_config(str(record), WATCHED_NAMES, paths, course, sandboxed=sandboxed)
 
 
 def read_attempts(path: Path) -> list[dict[str, str]]:

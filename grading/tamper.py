@@ -170,13 +170,13 @@ MAX_ATTEMPTS = 40  # distinct attempts recorded per kernel; the rest are counted
 # what a line says was done, and whether the sandbox let it happen
 LOOKED, OPENED, LISTED, WROTE = "looked for", "opened", "listed", "wrote"
 NOT_FOUND, FOUND, REFUSED, ALLOWED = "not found", "found", "refused", "allowed"
-SANDBOX_ONLY = "only the sandbox's own"  # a /proc entry found in a PID namespace of the kernel's own
+SANDBOX_ONLY = "only the sandbox's own"  # a /proc entry of the kernel's PID namespace, a file of its private /tmp
 PROCESS = "another process"
 UNWRITABLE = "a place it may not write"
 
 
 def watch_config(record: str, names: dict[str, str], paths: dict[str, str], write_paths: dict[str, str],
-                 own_pids: bool = False) -> str:
+                 sandboxed: bool = False) -> str:
     """The value of ``WATCH_ENV`` for a graded kernel.
 
     Args:
@@ -185,11 +185,14 @@ def watch_config(record: str, names: dict[str, str], paths: dict[str, str], writ
             with such a part is watched.
         paths: a folder -> what it holds: any path inside it is watched.
         write_paths: as ``paths``, for writes only (the course's own files).
-        own_pids: the kernel has a PID namespace of its own (bubblewrap), so another process it
-            finds in ``/proc`` is one of the sandbox's, never the grader's.
+        sandboxed: the kernel runs in bubblewrap. Its PID namespace is its own, so another process
+            it finds in ``/proc`` is one of the sandbox's, never the grader's; and its only writable
+            places (its working folder and its private ``/tmp``) are its own, so a watched path it
+            finds or writes there (a course that lives under ``/tmp`` has its paths there too) is a
+            file the kernel made in its own copy, never the course's.
     """
     return json.dumps({"record": record, "names": names, "paths": paths, "write_paths": write_paths,
-                       "own_pids": own_pids})
+                       "sandboxed": sandboxed})
 
 
 def watch(config: str | None = None) -> bool:
@@ -214,6 +217,8 @@ def watch(config: str | None = None) -> bool:
     stdlib, library = folders("stdlib", "platstdlib"), folders("stdlib", "platstdlib", "purelib", "platlib")
     ours = tuple(os.path.join(course, package, "") for package in ("grading", "infra_lib"))
     real_stat, real_lstat, getpid = os.stat, os.lstat, os.getpid
+    sandboxed = bool(settings.get("sandboxed"))
+    private = tuple(os.path.join(os.path.realpath(folder), "") for folder in ("/tmp", os.getcwd()))
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     state = threading.local()
     seen: dict[tuple, int] = {}
@@ -293,7 +298,8 @@ def watch(config: str | None = None) -> bool:
             if outcome is None:
                 outcome = (ALLOWED if writable(path) else REFUSED) if writing else \
                     (FOUND if os.path.lexists(path) else NOT_FOUND)
-            if outcome == FOUND and what.startswith(PROCESS) and settings.get("own_pids"):
+            if sandboxed and outcome in (FOUND, ALLOWED) and (
+                    what.startswith(PROCESS) or (path + os.sep).startswith(private)):
                 outcome = SANDBOX_ONLY
             note(what, op, path, outcome)
         except Exception:  # noqa: BLE001 - the watch must never break the learner's code

@@ -247,10 +247,8 @@ print(json.dumps(sorted(os.listdir(here))))
 '''
 
 
-def test_the_watch_records_what_the_learners_code_reaches_for_and_nothing_else(tmp_path):
-    """The kernel-side watch (grading.tamper.watch) notes the learner's own looks at the answer key
-    (found or not), a classmate's folder and another process's /proc entry, and a write into the
-    course; not the learner's own process or scratch, not the course's own code, not an import."""
+def _watched_attempts(tmp_path: Path, sandboxed: bool) -> set[tuple[str, str, str, str]]:
+    """(what, op, path with <tmp> for tmp_path, outcome) of each attempt LEARNER_SCRIPT makes under the watch."""
     import subprocess
     import sys
 
@@ -266,13 +264,20 @@ def test_the_watch_records_what_the_learners_code_reaches_for_and_nothing_else(t
     config = json.loads(tamper.watch_config(str(record), {"solutions": "the answer key",
                                                           "submitted": "classmates' submissions",
                                                           "grades": "the class's grades"},
-                                            {}, {str(tmp_path / "course"): "the course's files"}))
+                                            {}, {str(tmp_path / "course"): "the course's files"}, sandboxed=sandboxed))
     done = subprocess.run([sys.executable, str(tmp_path / "learner.py"), json.dumps({**config, "here": str(tmp_path)})],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     attempts = tamper.read_attempts(record.read_text().splitlines())
-    found = {(a["what"], a["op"], a["path"].replace(str(tmp_path), "<tmp>"), a["outcome"]) for a in attempts}
+    return {(a["what"], a["op"], a["path"].replace(str(tmp_path), "<tmp>"), a["outcome"]) for a in attempts}
+
+
+def test_the_watch_records_what_the_learners_code_reaches_for_and_nothing_else(tmp_path):
+    """The kernel-side watch (grading.tamper.watch) notes the learner's own looks at the answer key
+    (found or not), a classmate's folder and another process's /proc entry, and a write into the
+    course; not the learner's own process or scratch, not the course's own code, not an import."""
     parent = f"/proc/{os.getpid()}"
+    found = _watched_attempts(tmp_path, sandboxed=False)
     assert found == {
         ("the answer key", "looked for", "<tmp>/solutions/lab01_gemm/lab01_gemm.ipynb", "not found"),
         ("the answer key", "looked for", "<tmp>/course/solutions/lab01_gemm/lab01_gemm.ipynb", "found"),
@@ -280,6 +285,24 @@ def test_the_watch_records_what_the_learners_code_reaches_for_and_nothing_else(t
         (f"another process ({parent})", "opened", f"{parent}/cmdline", "found"),
         ("the course's files", "wrote", "<tmp>/course/grading/check.py", "allowed"),
     }, found
+
+
+def test_in_the_sandbox_what_the_kernel_finds_in_its_private_tmp_is_its_own(tmp_path):
+    """In bubblewrap the kernel's only writable places are its own folder and its private /tmp: a
+    course that lives under /tmp (a fresh clone made by mktemp) has its paths there too, so a file
+    found or written at such a path is one the kernel made itself, never the course's. The watch says
+    "only the sandbox's own" (a blocked attempt), as it does for another process in its PID namespace."""
+    from grading import tamper
+
+    assert str(tmp_path).startswith("/tmp/")
+    parent = f"/proc/{os.getpid()}"
+    assert _watched_attempts(tmp_path, sandboxed=True) == {
+        ("the answer key", "looked for", "<tmp>/solutions/lab01_gemm/lab01_gemm.ipynb", "not found"),
+        ("the answer key", "looked for", "<tmp>/course/solutions/lab01_gemm/lab01_gemm.ipynb", tamper.SANDBOX_ONLY),
+        ("classmates' submissions", "looked for", "<tmp>/submitted/bob", "not found"),
+        (f"another process ({parent})", "opened", f"{parent}/cmdline", tamper.SANDBOX_ONLY),
+        ("the course's files", "wrote", "<tmp>/course/grading/check.py", tamper.SANDBOX_ONLY),
+    }
 
 
 def test_flags_and_status_say_what_the_instructor_should_look_at():
