@@ -483,8 +483,10 @@ CLASS = {
     "reference_subprocess": ("flagged", ["copy"]),
     # its answers share their search for the submissions folder with vandal's task 1
     "classmate_reader": ("blocked", [f"blocked: {CLASSMATES} (looked for not found", "copy"]),
+    # the answer key is not in the sandbox's view: its writes there are refused, or, for a course cloned
+    # under /tmp, land in the sandbox's private /tmp ("only the sandbox's own"); either way, blocked
     "vandal": ("blocked", [f"blocked: {CLASSMATES} (looked for not found", f"blocked: {COURSE_FILES} (wrote refused",
-                           f"blocked: {KEY} (wrote refused", "copy"]),
+                           f"blocked: {KEY} (wrote ", "copy"]),
     "fork_bomb_unbounded": ("flagged", ["copy"]),
 }
 COPY_OF = {"near_copy": {A2: "honest_full", A3: "honest_full"}, "honest_full": {A2: "near_copy", A3: "near_copy"}}
