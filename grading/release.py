@@ -37,11 +37,11 @@ LIBRARY = ("infra_lib/",)
 # course-side helpers that solved a task again scored 0.73 to 0.85 (lab 13's call_with_retry and its runner, lab
 # 04's node histogram) and are gone; nothing else reaches 0.67, and the code that solves no task (the check
 # modules' replays, drivers and comparisons, the lessons, the benchmarks) scores 0.57 or less. 0.7 sits between,
-# so a near-answer at 0.75 no longer passes. Below it the measure cannot tell an answer from honest code, and
-# some course-side answers still score there: grading/checks/lab15_kernels.py's online_softmax_kernel (lab 15
-# task 1's reference, 0.66), grading/checks/lab06.py's private_attention (a cached attention, 0.61 with its
-# caller), grading/checks/lab10.py's _p99 and _variant_canary (task 4's percentile at 99, task 9's verdict; 0.51
-# and 0.54). Those are found by reading, not by this scan.
+# so a near-answer at 0.75 no longer passes. Below it the measure cannot tell an answer from honest code: lab 15's
+# reference kernels live in infra_lib.kernels, lab 06's decode checks replay the reference's recorded greedy path,
+# and lab 10's canary messages ask the reference's judge; the highest course-side scores left are the in-model
+# greedy loops of grading/checks/lab06.py and lab15.py (0.50 and 0.52 against lab 06 task 4), fixed-length
+# loops without the task's stop rule.
 EDITION_THRESHOLD = 0.7
 TESTS_ONLY_NOTE = "TESTS_ONLY.md"  # in an edition's solutions/: its notebooks hold tests, not answers
 EDITION_NOTE = "EDITION.md"
