@@ -42,12 +42,22 @@ AGREEMENT_PROMPTS = ("What is Python?", "Name three planets.", "What is the capi
 
 
 def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> dict:
-    """Seconds for 1 and for ``new_tokens`` tokens (median of ``iters``, after ``warmup`` untimed
-    calls each), and the decode rate."""
-    one = time_op(lambda: generate_n(1), warmup=warmup, iters=iters)
-    many = time_op(lambda: generate_n(new_tokens), warmup=warmup, iters=iters)
-    return {"first_token_s": one, "total_s": many, "new_tokens": new_tokens,
-            "decode_tokens_per_s": (new_tokens - 1) / (many - one)}
+    """Seconds for 1 and for ``new_tokens`` tokens, and the decode rate from their difference.
+
+    The two calls alternate (after ``warmup`` untimed calls of each), so a change in how busy the
+    machine is falls on both alike, and each keeps its least of ``iters`` timings: other work on the
+    machine only ever adds time, and a median of three could still take one busy 1-token call against
+    quiet longer ones and make the difference negative (seen on a fast engine, whose eight tokens take
+    about as long as its prompt)."""
+    for _ in range(warmup):
+        generate_n(1), generate_n(new_tokens)
+    one, many = [], []
+    for _ in range(iters):
+        one.append(time_op(lambda: generate_n(1), warmup=0, iters=1))
+        many.append(time_op(lambda: generate_n(new_tokens), warmup=0, iters=1))
+    one_s, many_s = min(one), min(many)
+    return {"first_token_s": one_s, "total_s": many_s, "new_tokens": new_tokens,
+            "decode_tokens_per_s": (new_tokens - 1) / (many_s - one_s)}
 
 
 def _shared_prefix(reference: list[int], tokens: list[int]) -> int:
@@ -79,8 +89,8 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     # --quick: no warm-up calls of their own; the token comparison just below has already run each
     # engine's model once (first-call costs paid) before any timing starts. Three timings each even
-    # so: the rate is a difference of two times, and one busy moment in a single timing of the
-    # shorter call would make it negative.
+    # so, the least kept: the rate is a difference of two times, and one busy moment in a single
+    # timing of the shorter call would make it negative.
     new_tokens, iters, warmup = (8, 3, 0) if quick else (64, 3, 1)
     never_stop = dict(stop_ids=(), temperature=0.0)
 

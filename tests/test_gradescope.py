@@ -395,8 +395,26 @@ def test_bubblewrap_hides_the_answer_key_in_the_gradescope_layout(bundle, open_t
     assert seen.stdout.split("\n\n") == [f"{root}:\nsource", f"{root}/source:\n.venv\ngrading\ninfra_lib\n"], seen.stdout
 
 
+@pytest.fixture
+def packages_open_to_others():
+    """This environment's packages made reachable by another user for the test, as a Gradescope image's
+    are: a checkout made by ``mktemp -d`` (mode 0700) shuts them in. Each folder above them that others
+    may not enter gets the enter bit (x, not r) for the test's length, and its mode back after."""
+    changed = []
+    folder = Path(sysconfig.get_paths()["purelib"]).resolve()
+    for parent in [folder, *folder.parents]:
+        mode = stat.S_IMODE(parent.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            changed.append((parent, mode))
+            parent.chmod(mode | stat.S_IXOTH)
+    yield
+    for parent, mode in changed:
+        parent.chmod(mode)
+
+
 @pytest.mark.slow
-def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(open_tmp, tmp_path):
+def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(open_tmp, tmp_path,
+                                                                            packages_open_to_others):
     """Built with --allow-unsandboxed, where bubblewrap cannot run: the honest answers score, and the
     answer that reads the key from where Gradescope keeps it meets a permission error (its wrong
     fallback loses task 1: 8 of 10, where the key read would have given 10)."""
