@@ -413,11 +413,13 @@ def compare_class(answers: dict[str, dict[str, str]], solution: dict[str, str], 
         prints = {learner: fingerprint(cells[gid], base, entries=True) for learner, cells in answers.items()
                   if gid in cells}
         prints = {learner: p for learner, p in prints.items() if p}
-        others = {SOLUTION: fingerprint(solution.get(gid, ""), base, entries=True) or {}, **known}
+        # the stub's grams leave every side once here, not once per pair compared
+        others = {SOLUTION: fingerprint(solution.get(gid, ""), base, entries=True) or {},
+                  **{name: {unit: unit_grams - base for unit, unit_grams in p.items()} for name, p in known.items()}}
         learners = sorted(prints)
         for i, learner in enumerate(learners):
             for other, theirs in others.items():
-                add(learner, gid, other, best_pair(prints[learner], theirs, base), _short(other))
+                add(learner, gid, other, best_pair(prints[learner], theirs), _short(other))
             for peer in learners[i + 1:]:
                 found = best_pair(prints[learner], prints[peer])
                 add(learner, gid, peer, found, peer)
