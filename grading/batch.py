@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grading.grader import STATUSES
+from grading.lab_version import PART_NAMES, lab_version_parts
 from grading.gradebook import read_roster_file
 from grading.sandbox import Limits
 
 CACHE_FILE = "cache-key"
 FLAG_SEPARATOR = " | "  # between the flags of one row (a similarity flag holds "; " itself)
 # What each part of the cache key covers, in a re-grade's note.
-KEY_PARTS = {"submission": "the submission", "tests": "the lab's tests", "course": "the course's code",
-             "limits": "the limits"}
+KEY_PARTS = {"submission": "the submission", **PART_NAMES, "limits": "the limits"}
 __all__ = ["STATUSES", "BatchRow", "changed_parts", "find_submissions", "read_roster", "grade_batch", "write_csv"]
 
 
@@ -92,7 +92,7 @@ def _cache_key(notebook: Path, parts: dict[str, str], limits: Limits) -> str:
     except OSError as exc:
         submission = hashlib.sha256(str(exc).encode()).hexdigest()
     limits_digest = hashlib.sha256(json.dumps(asdict(limits), sort_keys=True).encode()).hexdigest()
-    return json.dumps({"submission": submission, **{part: parts[part] for part in ("tests", "course")},
+    return json.dumps({"submission": submission, **{part: parts[part] for part in PART_NAMES},
                        "limits": limits_digest}, sort_keys=True)
 
 
@@ -204,7 +204,6 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     """
     from tqdm import tqdm
 
-    from grading.lab_version import lab_version_parts
 
     submitted = find_submissions(submissions, lab_id)
     found = {learner: path for learner, path in submitted.items() if path is not None}
