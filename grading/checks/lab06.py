@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.common import array_mismatch, reference, token_difference
+from grading.checks.common import array_mismatch, reference
+from grading.checks.model_cases import (
+    TINY,
+    case_model,
+    case_prompts,
+    greedy_through,
+    in_model_comparison,
+    smollm2_case,
+    tiny_model,
+    tiny_model_case,
+    tiny_prompts,
+)
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 register_shortcuts("lab06", [
@@ -227,115 +238,75 @@ _ATTENTION_HINT = ("cached attention must give what attention recomputed over th
                    "tokens the cache then holds, each query head reading its group's KV head, with scaled scores and "
                    "the causal mask (chapter 06, section “4 · Inside `generate`: prefill and decode by hand”).")
 
-for check_id, cases, extra in (
-        ("lab06.cached_attention_prefill", _prefill_cases, " Prefill: the cache starts empty and t = s."),
-        ("lab06.cached_attention_decode", _decode_cases,
-         " Decode: one new token per call sees every cached key, the earlier calls' as well as its own."),
-        ("lab06.cached_attention_chunked_gqa", _chunked_gqa_cases,
-         " Several new tokens on top of a cache are the last t positions, so the mask is offset (a mask aligned to "
-         "the top-left, as scaled_dot_product_attention's is_causal is, hides keys they may see); n_kv_heads may "
-         "be 1 (MQA) or n_heads (MHA).")):
-    register(Check(
-        check_id=check_id,
-        task="lab06 task 3: cached_attention",
-        reference=reference(_ATTENTION, "cached_attention"),
-        make_inputs=cases,
-        drive=_drive_attention,
-        compare=_compare_attention,
-        hint=_ATTENTION_HINT + extra,
-    ))
+def attention_parts(make_inputs) -> dict:
+    """The fields task 3's checks on tensors share, with their own inputs."""
+    return dict(task="lab06 task 3: cached_attention", reference=reference(_ATTENTION, "cached_attention"),
+                make_inputs=make_inputs, drive=_drive_attention, compare=_compare_attention)
+
+
+register(Check(
+    check_id="lab06.cached_attention_prefill",
+    hint=_ATTENTION_HINT + " Prefill: the cache starts empty and t = s.",
+    **attention_parts(_prefill_cases),
+))
+
+register(Check(
+    check_id="lab06.cached_attention_decode",
+    hint=_ATTENTION_HINT + " Decode: one new token per call sees every cached key, the earlier calls' as well as its "
+    "own.",
+    **attention_parts(_decode_cases),
+))
+
+register(Check(
+    check_id="lab06.cached_attention_chunked_gqa",
+    hint=_ATTENTION_HINT + " Several new tokens on top of a cache are the last t positions, so the mask is offset (a "
+    "mask aligned to the top-left, as scaled_dot_product_attention's is_causal is, hides keys they may see); "
+    "n_kv_heads may be 1 (MQA) or n_heads (MHA).",
+    **attention_parts(_chunked_gqa_cases),
+))
 
 
 # --- task 3, plugged into a decoder -------------------------------------------------------------
 
-_TINY = dict(vocab_size=96, hidden_size=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
-             intermediate_size=96, max_position=64, rope_theta=1000.0)
-
-
-def tiny_model(seed: int):
-    """A small random decoder, the same for every caller with the same seed."""
-    import torch
-
-    from infra_lib.model.config import LlamaConfig
-    from infra_lib.model.model import Llama
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Llama(LlamaConfig(**_TINY))
-        for p in model.parameters():  # larger weights than nn.Linear's init: clear winners for argmax
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, std=0.35)
-    return model.eval()
-
-
 def _drive_in_model(cached_attention, case):
     """Greedy tokens of a model whose every layer uses ``cached_attention``."""
-    import torch
-
-    from infra_lib.model.cache import DenseKVCache
-
-    if case["model"] == "tiny":
-        model, prompts = tiny_model(case["seed"]), case["prompts"]
-    else:
-        from infra_lib.model.loaders import load_default
-
-        loaded = load_default()
-        model = loaded.model
-        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
-    results = []
-    with torch.inference_mode(), model.using_attention(cached_attention):
-        for prompt in prompts:
-            cache = DenseKVCache.for_model(model.config, capacity=len(prompt) + case["new_tokens"])
-            logits = model(torch.tensor([prompt]), cache, last_only=True)
-            tokens, first_logits = [], logits[0, -1, :8].double().tolist()
-            for _ in range(case["new_tokens"]):
-                tokens.append(int(logits[0, -1].argmax()))
-                logits = model(torch.tensor([[tokens[-1]]]), cache, last_only=True)
-            results.append({"tokens": tokens, "first_logits": first_logits})
-    return results
-
-
-def _tiny_model_case(rng: random.Random) -> dict:
-    return {"model": "tiny", "seed": rng.randrange(10**6), "new_tokens": 10,
-            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in (1, rng.randint(3, 12))]}
+    model = case_model(case)
+    with model.using_attention(cached_attention):
+        return greedy_through(model, case_prompts(case), case["new_tokens"])
 
 
 _QUESTIONS = ["What is the capital of France?", "What is Python?", "Name three primary colours.",
               "What is 12 times 12?", "Who wrote Romeo and Juliet?"]
 
 
-def _smollm2_case(rng: random.Random) -> dict:
-    return {"model": "smollm2", "new_tokens": 8, "prompts": [rng.choice(_QUESTIONS)]}
+def _where_in_model(case, prompt) -> str:
+    return (f"the {'SmolLM2' if case['model'] == 'smollm2' else 'small random'} model, prompt "
+            f"{prompt if isinstance(prompt, str) else f'of {len(prompt)} tokens'}")
 
 
-def _compare_in_model(got, expected, case):
-    for i, (g, e) in enumerate(zip(got, expected)):
-        prompt = case["prompts"][i]
-        where = (f"the {'SmolLM2' if case['model'] == 'smollm2' else 'small random'} model, prompt "
-                 f"{prompt if isinstance(prompt, str) else f'of {len(prompt)} tokens'}")
-        problem = array_mismatch(g["first_logits"], e["first_logits"], "the model's logits after prefill differ",
-                                 where, atol=1e-3, rtol=1e-4)
-        if problem:
-            return problem
-        if g["tokens"] != e["tokens"]:
-            return Mismatch("greedy decoding with your cached_attention produced different tokens",
-                            f"on {where}: {token_difference(g['tokens'], e['tokens'])}")
-    return None
+def in_model_parts(make_inputs) -> dict:
+    """The fields task 3's checks inside a decoder share, with their own inputs."""
+    return dict(task="lab06 task 3: cached_attention", reference=reference(_ATTENTION, "cached_attention"),
+                make_inputs=make_inputs, drive=_drive_in_model,
+                compare=in_model_comparison(_where_in_model, "the model's logits after prefill differ",
+                                            "greedy decoding with your cached_attention produced different tokens",
+                                            lambda got, expected: (1e-3, 1e-4)))
 
 
-for check_id, cases, extra in (
-        ("lab06.cached_attention_in_model", _tiny_model_case, ""),
-        ("lab06.cached_attention_smollm2", _smollm2_case, " This one runs SmolLM2-135M-Instruct itself.")):
-    register(Check(
-        check_id=check_id,
-        task="lab06 task 3: cached_attention",
-        reference=reference(_ATTENTION, "cached_attention"),
-        make_inputs=cases,
-        drive=_drive_in_model,
-        compare=_compare_in_model,
-        hint="prefill calls cached_attention with t = prompt length on an empty cache, then each decode step with "
-        "t = 1; if the tensor checks pass but this fails, look at the mask when t > 1." + extra,
-    ))
+_IN_MODEL_HINT = ("prefill calls cached_attention with t = prompt length on an empty cache, then each decode step with "
+                  "t = 1; if the tensor checks pass but this fails, look at the mask when t > 1.")
+
+register(Check(
+    check_id="lab06.cached_attention_in_model",
+    hint=_IN_MODEL_HINT,
+    **in_model_parts(lambda rng: tiny_model_case(rng, 10)),
+))
+
+register(Check(
+    check_id="lab06.cached_attention_smollm2",
+    hint=_IN_MODEL_HINT + " This one runs SmolLM2-135M-Instruct itself.",
+    **in_model_parts(lambda rng: smollm2_case(rng, 8, _QUESTIONS)),
+))
 
 
 # --- task 4: greedy_decode ---------------------------------------------------------------------
@@ -395,7 +366,7 @@ class CountingModel:
     def __init__(self, record: dict):
         from infra_lib.model.config import LlamaConfig
 
-        self.config = LlamaConfig(**_TINY)
+        self.config = LlamaConfig(**TINY)
         self._path, self._rows = record["path"], record["logits"]
         self.calls, self.tokens_in, self.calls_with_grad = 0, 0, 0
         self.left_path: dict | None = None
@@ -431,8 +402,7 @@ class CountingModel:
 
 def _draw_decode(rng: random.Random) -> dict:
     return {"seed": rng.randrange(10**6), "new_tokens": rng.randint(6, 12),
-            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in (1, rng.randint(3, 12))],
-            "stop_at": None}
+            "prompts": tiny_prompts(rng, (1, rng.randint(3, 12))), "stop_at": None}
 
 
 def _decode_case(rng: random.Random) -> dict:
@@ -531,13 +501,15 @@ _LAST_CALL_HINT = ("the answer is complete as soon as its last token is chosen (
                    "the tokens were right, but your loop ran the model once more to feed that last token back, a call "
                    "whose logits nobody reads.")
 
+def decode_parts(make_inputs) -> dict:
+    """The fields task 4's checks share, with their own inputs."""
+    return dict(task="lab06 task 4: greedy_decode", reference=reference("infra_lib.model.generation", "greedy_decode"),
+                make_inputs=make_inputs, drive=_drive_decode, compare=_compare_decode)
+
+
 register(Check(
     check_id="lab06.greedy_decode",
-    task="lab06 task 4: greedy_decode",
-    reference=reference("infra_lib.model.generation", "greedy_decode"),
-    make_inputs=_decode_case,
-    drive=_drive_decode,
-    compare=_compare_decode,
+    **decode_parts(_decode_case),
     hint="with a KV cache the model sees the prompt once (the prefill) and then only each new token, because one "
     "cache with room for the prompt and the answer already holds the keys and values of everything before it; "
     "greedy means the most likely token at the last position. Return the generated ids as a list of Python ints "
@@ -546,11 +518,7 @@ register(Check(
 
 register(Check(
     check_id="lab06.greedy_decode_stop",
-    task="lab06 task 4: greedy_decode",
-    reference=reference("infra_lib.model.generation", "greedy_decode"),
-    make_inputs=_stop_case,
-    drive=_drive_decode,
-    compare=_compare_decode,
+    **decode_parts(_stop_case),
     hint="stop_id ends the answer and is its last token; once the last token is known (stop_id, or max_new_tokens "
     "reached) the loop is over, and running the model once more to feed that token back is work the check "
     "counts as a token too many. stop_id None means never stop early.",

@@ -9,6 +9,7 @@ import os
 import random
 
 from grading.checks.common import array_mismatch, reference, token_difference
+from grading.checks.model_cases import case_model, case_prompts, smollm2_case, tiny_prompts
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 # The reference pool: an answer importing it is not run, and a call into any of its methods
@@ -781,17 +782,15 @@ _QUESTIONS = ["What is a GPU?", "Name three planets.", "Why is the sky blue?", "
 
 
 def _tiny_model_case(rng: random.Random) -> dict:
-    from grading.checks.lab06 import _TINY
-
     block_size = rng.choice([2, 3, 4])
     lengths = [rng.randint(2, 14) for _ in range(2)]
     lengths = [n + 1 if n % block_size == 0 else n for n in lengths]  # a part-full last block is shared
     return {"model": "tiny", "seed": rng.randrange(10**6), "block_size": block_size, "new_tokens": 8, "samples": 3,
-            "prompts": [[rng.randrange(_TINY["vocab_size"]) for _ in range(n)] for n in lengths]}
+            "prompts": tiny_prompts(rng, lengths)}
 
 
 def _smollm2_case(rng: random.Random) -> dict:
-    return {"model": "smollm2", "block_size": 16, "new_tokens": 5, "samples": 2, "prompts": [rng.choice(_QUESTIONS)]}
+    return smollm2_case(rng, 5, _QUESTIONS, block_size=16, samples=2)
 
 
 def _parallel_samples(model, store, pool, prompt: list[int], samples: int, new_tokens: int) -> dict:
@@ -817,15 +816,6 @@ def _parallel_samples(model, store, pool, prompt: list[int], samples: int, new_t
         sequence.release()
     return {"shared_counts": shared_counts, "tokens": tokens, "top_logits": top_logits,
             "num_free_after": _plain_number(pool.num_free)}
-
-
-def _prompts(case: dict) -> list[list[int]]:
-    if case["model"] == "tiny":
-        return case["prompts"]
-    from infra_lib.model.loaders import load_default
-
-    tokenizer = load_default().tokenizer
-    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in case["prompts"]]
 
 
 def _pool_shape(case: dict, prompts: list[list[int]]) -> tuple[int, int]:
@@ -882,7 +872,7 @@ def _with_model_decisions(make):
         with torch.random.fork_rng():
             torch.manual_seed(0)
             model = Llama(config).eval()
-        prompts = [[t % config.vocab_size for t in p] for p in _prompts(case)]
+        prompts = [[t % config.vocab_size for t in p] for p in case_prompts(case)]
         num_blocks, block_size = _pool_shape(case, prompts)
         decisions: dict = {}
         pool = _recording_pool(decisions, 4)(num_blocks, block_size)
@@ -901,15 +891,8 @@ def _drive_in_model(pool_class, case):
 
     if pool_class is not BlockPool:  # prepare_write is task 4's; the rest the stand-ins'
         pool_class, _ = pool_for_task(pool_class, 4, case.get("decisions", ()))
-    if case["model"] == "tiny":
-        from grading.checks.lab06 import tiny_model
-
-        model = tiny_model(case["seed"])
-    else:
-        from infra_lib.model.loaders import load_default
-
-        model = load_default().model
-    prompts = _prompts(case)
+    model = case_model(case)
+    prompts = case_prompts(case)
     num_blocks, block_size = _pool_shape(case, prompts)
     pool = _new_pool(pool_class, num_blocks, block_size)
     try:  # block 0 of a fresh pool is free (ValueError): an unwritten prepare_write names its task here

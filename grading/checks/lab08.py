@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+from grading.checks.model_cases import TINY, tiny_model
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 # The reference's planning and its preemption loop, as module attributes the shortcut registry can
@@ -747,9 +748,7 @@ for check_id, part, make, note in (
 # --- task 4: the real engine on a small random model ------------------------------------------------
 
 def _tiny_prompts(rng: random.Random, count: int, shared_len: int) -> list[list[int]]:
-    from grading.checks.lab06 import _TINY
-
-    vocab = _TINY["vocab_size"]
+    vocab = TINY["vocab_size"]
     shared = [rng.randrange(vocab) for _ in range(shared_len)]
     return [shared[:rng.randint(0, shared_len)] + [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
             for _ in range(count)]
@@ -785,7 +784,6 @@ def _engine_preemption_case(rng: random.Random) -> dict:
 
 
 def _drive_engine(schedule, case):
-    from grading.checks.lab06 import tiny_model
     from infra_lib.model.generation import greedy_decode
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving import LLMEngine

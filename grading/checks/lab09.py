@@ -20,6 +20,7 @@ import math
 import random
 
 from grading.checks.common import is_number, outcome, reference, token_difference, unwrap
+from grading.checks.model_cases import TINY, tiny_model
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
 _SPEC = "infra_lib.serving.speculative"
@@ -1228,9 +1229,7 @@ register(Check(check_id="lab09.accept_own_generator", task=_TASKS[4],
 # the rule inside speculative_decode, greedy on a small random model
 
 def _decoder_case(rng: random.Random) -> dict:
-    from grading.checks.lab06 import _TINY
-
-    vocab = _TINY["vocab_size"]
+    vocab = TINY["vocab_size"]
     loop = [rng.randrange(vocab) for _ in range(rng.randint(3, 5))]
     return {"seed": rng.randrange(10**6), "runs": [
         {"draft": "layer_skip", "gamma": 3, "new_tokens": 16, "prompt": [rng.randrange(vocab) for _ in range(5)]},
@@ -1239,9 +1238,7 @@ def _decoder_case(rng: random.Random) -> dict:
 
 
 def _decoder_more_case(rng: random.Random) -> dict:
-    from grading.checks.lab06 import _TINY
-
-    vocab = _TINY["vocab_size"]
+    vocab = TINY["vocab_size"]
     return {"seed": rng.randrange(10**6), "runs": [
         {"draft": "layer_skip", "gamma": 1, "new_tokens": 12, "prompt": [rng.randrange(vocab)]},
         {"draft": "layer_skip", "gamma": 6, "new_tokens": 9, "prompt": [rng.randrange(vocab) for _ in range(7)]},
@@ -1250,7 +1247,6 @@ def _decoder_more_case(rng: random.Random) -> dict:
 
 
 def _drive_decoder(rule, case: dict) -> list[dict]:
-    from grading.checks.lab06 import tiny_model
     from infra_lib.model.generation import greedy_decode
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving.speculative import (
