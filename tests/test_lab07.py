@@ -10,7 +10,9 @@ import pytest
 
 from conftest import REPO, check_fails, solution_namespace
 from grading import check
-from grading.checks.lab07 import _MISSED, pool_for_task
+from grading.checks.lab07.pool_replay import Replay
+from grading.checks.lab07.stand_ins import METHOD_TASK, pool_for_task, recording_pool
+from grading.checks.lab07.traces import MISSED
 from grading.registry import all_checks
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
@@ -65,7 +67,7 @@ def test_allocating_from_the_back_of_the_queue_loses_task_1_only_with_the_order_
 
     from infra_lib.serving.errors import OutOfBlocks
 
-    messages = _only_task_fails(FromTheBack, 1, _MISSED["order"])
+    messages = _only_task_fails(FromTheBack, 1, MISSED["order"])
     assert "allocate handed out other blocks than the reference pool" in messages[0]
 
 
@@ -80,7 +82,7 @@ def test_a_free_that_changes_counts_before_finding_a_double_free_loses_task_2_on
                 if self.ref_counts[block_id] == 0:
                     self.free_queue.append(block_id)
 
-    messages = _only_task_fails(NotAtomic, 2, _MISSED["atomic"])
+    messages = _only_task_fails(NotAtomic, 2, MISSED["atomic"])
     assert "free raised but changed the pool first" in messages[0]
     check("lab07.pool_in_model", NotAtomic)  # task 4's model check uses the stand-in for free
 
@@ -95,7 +97,7 @@ def test_a_free_that_puts_blocks_at_the_front_loses_task_2_only_with_the_order_h
                     self.free_queue.remove(block_id)
                     self.free_queue.appendleft(block_id)
 
-    _only_task_fails(MostRecentFirst, 2, _MISSED["order"])
+    _only_task_fails(MostRecentFirst, 2, MISSED["order"])
 
 
 def test_a_fork_that_returns_its_argument_loses_task_3_only_with_its_own_hint(solution):
@@ -104,7 +106,7 @@ def test_a_fork_that_returns_its_argument_loses_task_3_only_with_its_own_hint(so
             super().fork(block_ids)
             return block_ids
 
-    messages = _only_task_fails(SameList, 3, _MISSED["same_list"])
+    messages = _only_task_fails(SameList, 3, MISSED["same_list"])
     assert "fork returned the list it was given instead of a new one" in messages[0]
 
 
@@ -119,7 +121,7 @@ def test_a_copy_that_keeps_the_writers_hold_loses_task_4_only_with_the_copy_hint
             (new_id,) = self.allocate(1)
             return new_id, block_id  # the shared block keeps the writer as a holder too
 
-    messages = _only_task_fails(KeepsItsHold, 4, _MISSED["counts"]["prepare_write"])
+    messages = _only_task_fails(KeepsItsHold, 4, MISSED["counts"]["prepare_write"])
     assert "reference counts differ" in messages[0]
     assert "pool_in_model failed [lab07 task 4" in check_fails("lab07.pool_in_model", KeepsItsHold)
 
@@ -176,8 +178,6 @@ class _Bare:
 def test_the_stand_ins_carry_out_the_references_decisions_exactly():
     """The methods that stand in for other tasks' carry out what the reference pool decided on the same calls:
     given every method's decisions, a pool of stand-ins alone gives the reference's traces on every check."""
-    from grading.checks import lab07
-
     for ids in TASK_CHECKS.values():
         for check_id in ids:
             registered = all_checks()[check_id]
@@ -186,14 +186,14 @@ def test_the_stand_ins_carry_out_the_references_decisions_exactly():
                 got = []
                 for session in registered.inputs(seed):
                     decisions: dict = {}
-                    recorder = lab07._recording_pool(decisions, task=0)  # no task's own: every method recorded
-                    replay = lab07._Replay(recorder(session["num_blocks"], session["block_size"]), session["num_blocks"])
+                    recorder = recording_pool(decisions, task=0)  # no task's own: every method recorded
+                    replay = Replay(recorder(session["num_blocks"], session["block_size"]), session["num_blocks"])
                     for kind, *args in session["ops"]:
                         getattr(replay, kind)(*args)
-                    pool, isolated = lab07.pool_for_task(_Bare, 0, [[list(k), d] for k, d in decisions.items()])
+                    pool, isolated = pool_for_task(_Bare, 0, [[list(k), d] for k, d in decisions.items()])
                     assert isolated
-                    replay = lab07._Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"],
-                                           books=True)
+                    replay = Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"],
+                                    books=True)
                     for kind, *args in session["ops"]:
                         getattr(replay, kind)(*args)
                     got.append(replay.steps)
@@ -205,21 +205,19 @@ def test_the_stand_ins_hold_no_answer(solution):
     """A check's inputs carry the reference's decisions for the other tasks' methods only, and a stand-in answers
     nothing it was not given: a pool made of stand-ins fails every task's checks, and with another seed's
     decisions it cannot even get through the calls it was given."""
-    from grading.checks import lab07
-
     for task, ids in TASK_CHECKS.items():
         for check_id in ids:
             registered = all_checks()[check_id]
             inputs = registered.inputs(0)
-            own = [name for name, owner in lab07._METHOD_TASK.items() if owner == task and name != "num_free"]
+            own = [name for name, owner in METHOD_TASK.items() if owner == task and name != "num_free"]
             for session in inputs:
                 assert not [key for key, _ in session["decisions"] if key[0] in own], (check_id, own)
             with pytest.raises((AssertionError, NotImplementedError)):
                 check(check_id, _Bare)
     stale = all_checks()["lab07.random_ops"].inputs(1)[2]["decisions"]
-    pool, _ = lab07.pool_for_task(_Bare, 0, stale)
+    pool, _ = pool_for_task(_Bare, 0, stale)
     session = all_checks()["lab07.random_ops"].inputs(2)[2]
-    replay = lab07._Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"], books=True)
+    replay = Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"], books=True)
     for kind, *args in session["ops"]:
         getattr(replay, kind)(*args)
     unanswered = [step for step in replay.steps if step["error"] == "RuntimeError"]

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, check_fails, solution_namespace
 from grading import check
-from grading.checks.lab07 import _MISSED
+from grading.checks.lab07.traces import MISSED
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
 
@@ -34,7 +34,7 @@ def test_a_ref_count_that_reads_any_index_fails_the_rule_that_a_bad_id_raises(po
     message = check_fails("lab07.allocate", FromTheEnd)
     assert "[lab07 task 1" in message and "ref_count did not raise where the reference pool raises" in message, message
     assert "ref_count(-1): expected ValueError" in message
-    assert f"hint: {_MISSED['refuse']['ref_count']}" in message
+    assert f"hint: {MISSED['refuse']['ref_count']}" in message
 
 
 def test_an_allocate_that_takes_a_float_or_a_bool_fails_the_rule_that_n_is_an_int(pool):
@@ -61,7 +61,7 @@ def test_a_fork_without_the_id_check_fails_the_rule_that_an_id_outside_the_pool_
 
     message = check_fails("lab07.fork", Unchecked)
     assert "[lab07 task 3" in message and "fork raised the wrong exception" in message, message
-    assert "got IndexError" in message and f"hint: {_MISSED['exception']}" in message
+    assert "got IndexError" in message and f"hint: {MISSED['exception']}" in message
 
 
 def test_a_fork_that_counts_a_repeated_id_once_fails_the_rule_that_it_counts_twice(pool):
@@ -72,7 +72,7 @@ def test_a_fork_that_counts_a_repeated_id_once_fails_the_rule_that_it_counts_twi
 
     message = check_fails("lab07.fork", Distinct)
     assert "reference counts differ from the reference pool's" in message, message
-    assert f"hint: {_MISSED['counts']['fork']}" in message and "twice for a block listed twice" in message
+    assert f"hint: {MISSED['counts']['fork']}" in message and "twice for a block listed twice" in message
 
 
 def test_a_prepare_write_without_the_id_check_fails_the_rule_that_a_bad_id_raises(pool):
