@@ -1,6 +1,6 @@
 """The lab's reference out of the graded kernel's reach, in bubblewrap.
 
-While a lab is graded in the sandbox (:mod:`grading.bwrap`), each module that defines one of its
+While a lab is graded in the sandbox (:mod:`grading.run.bwrap`), each module that defines one of its
 reference functions or classes (what ``register_shortcuts`` names) is shown to the kernel as a
 copy in which those functions' bodies (every method, for a class) are one ``raise``; every other
 line is unchanged, line numbers included. The module's cached bytecode (``__pycache__/*.pyc``)
@@ -21,23 +21,23 @@ import importlib
 import inspect
 from pathlib import Path
 
+from grading.course import REPO_ROOT
+from grading.registry import all_checks, lab_key, resolve_target, shortcut_targets
+
 # lab -> reference names ("module:name") the kernel runs while that lab is graded, and why. (The
 # checks' inputs are made by the grader, outside the sandbox, so none is needed for them.)
 KEEP: dict[str, dict[str, str]] = {}
 
-_ROOT = Path(__file__).resolve().parents[1]
 STUB_MESSAGE = "{name} is the reference for {lab}: it is not available while {lab} is graded"
 
 
 def targets(lab: str) -> list[str]:
-    """The lab's reference objects, "module:name": what its checks compare with (a Triton kernel,
+    """The lab's reference objects, "module:name" or "module:Class.method": what its checks compare with (a Triton kernel,
     a function, a class) and what its answers must not call (``register_shortcuts``), less ``KEEP``."""
-    from grading.registry import _SHORTCUTS, _lab_key, all_checks
-
-    key = _lab_key(lab)
+    key = lab_key(lab)
     found = [getattr(check.reference, "target", None) for check_id, check in sorted(all_checks().items())
              if check_id.split(".")[0] == key]
-    found += list(_SHORTCUTS.get(key, ()))
+    found += list(shortcut_targets(key))
     kept = KEEP.get(key, {})
     return [t for t in dict.fromkeys(found) if t and t not in kept]
 
@@ -46,8 +46,7 @@ def _defining(lab: str) -> dict[Path, dict[str, set[str] | None]]:
     """Source file -> {top-level name in it: the methods to stub, or None for the object entirely}."""
     files: dict[Path, dict[str, set[str] | None]] = {}
     for target in targets(lab):
-        module_name, name = target.split(":")
-        obj = getattr(importlib.import_module(module_name), name)
+        obj = resolve_target(target)
         obj = getattr(obj, "fn", obj)  # a Triton kernel: the Python function it was made from
         obj = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
         home = importlib.import_module(obj.__module__)
@@ -56,7 +55,7 @@ def _defining(lab: str) -> dict[Path, dict[str, set[str] | None]]:
         names = files.setdefault(path, {})
         if not member or (top in names and names[top] is None):
             names[top] = None
-        else:  # one method of a class (lab 08 names the scheduler's planning, not the class)
+        else:  # one method of a class ("module:Class.method": lab 08 names the scheduler's planning)
             names.setdefault(top, set()).add(member[0])
     return files
 
@@ -97,7 +96,7 @@ def stub_source(source: str, names: dict[str, set[str] | None], lab: str, module
 
 def hidden_files(lab: str, folder: Path) -> dict[Path, Path]:
     """Write the lab's stub modules (and an empty file for cached bytecode) into ``folder``; returns
-    real path -> file to show in its place, for :func:`grading.bwrap.kernel_prefix`'s ``hide``."""
+    real path -> file to show in its place, for :func:`grading.run.bwrap.kernel_prefix`'s ``hide``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     empty = folder / "empty.pyc"
@@ -105,7 +104,7 @@ def hidden_files(lab: str, folder: Path) -> dict[Path, Path]:
     shown: dict[Path, Path] = {}
     for index, (path, names) in enumerate(sorted(_defining(lab).items())):
         stub = folder / f"{index}_{path.name}"
-        module = ".".join(path.relative_to(_ROOT).with_suffix("").parts)
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
         stub.write_text(stub_source(path.read_text(encoding="utf-8"), names, lab, module), encoding="utf-8")
         shown[path] = stub
         for cached in sorted((path.parent / "__pycache__").glob(f"{path.stem}.*.pyc")):

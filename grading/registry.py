@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,11 +72,39 @@ _SHORTCUTS: dict[str, tuple[str, ...]] = {}
 
 
 def register_shortcuts(lab: str, targets: list[str]) -> None:
-    """Name the reference functions a lab's answers must not call ("module:function")."""
+    """Name the reference objects a lab's answers must not call. A target is "module:function",
+    "module:Class" (every method the class defines) or "module:Class.method" (that method alone, where
+    the class's other methods are the stack the learner's piece runs in). Nothing is imported here:
+    a target is resolved when it is used, so registering a check module loads no torch."""
     for target in targets:
-        if ":" not in target:
-            raise ValueError(f"shortcut target {target!r} must look like 'package.module:function'")
-    _SHORTCUTS[lab] = tuple(targets)
+        module, colon, name = target.partition(":")
+        parts = name.split(".")
+        if not colon or not module or len(parts) > 2 or not all(part.isidentifier() for part in parts):
+            raise ValueError(f"shortcut target {target!r} must look like 'package.module:function' "
+                             f"or 'package.module:Class.method'")
+    _SHORTCUTS[lab_key(lab)] = tuple(targets)
+
+
+def shortcut_targets(lab: str) -> tuple[str, ...]:
+    """The targets ``register_shortcuts`` named for a lab (any form of its id), as registered."""
+    _load()
+    return _SHORTCUTS.get(lab_key(lab), ())
+
+
+def resolve_target(target: str) -> Any:
+    """The object a shortcut target names, imported: a module's function or class, or a class's own
+    method as a function (the function inside a static or class method)."""
+    module, _, name = target.partition(":")
+    owner_name, _, method = name.rpartition(".")
+    obj = importlib.import_module(module)
+    if not owner_name:
+        return getattr(obj, name)
+    owner = getattr(obj, owner_name)
+    value = inspect.getattr_static(owner, method)
+    value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    if not inspect.isfunction(value):
+        raise TypeError(f"shortcut target {target!r} names a {type(value).__name__}, not a method")
+    return value
 
 
 _ANSWER_LABS: dict[str, dict[str, str]] = {}
@@ -84,28 +113,18 @@ _ANSWER_LABS: dict[str, dict[str, str]] = {}
 def register_answer_labs(lab: str, answers: dict[str, str]) -> None:
     """Scan some of a lab's answer cells with another lab's shortcut rules: ``{answer grade_id: lab}``.
     The capstone's answer cells are labs 06-09's answers, each under the rules it was written for."""
-    _ANSWER_LABS[_lab_key(lab)] = dict(answers)
+    _ANSWER_LABS[lab_key(lab)] = dict(answers)
 
 
 def answer_lab(lab: str, answer: str) -> str:
     """The lab whose shortcut rules the static scan applies to ``answer`` of ``lab``."""
     _load()
-    return _ANSWER_LABS.get(_lab_key(lab), {}).get(answer, lab)
+    return _ANSWER_LABS.get(lab_key(lab), {}).get(answer, lab)
 
 
-def _lab_key(lab: str) -> str:
-    """Shortcuts are registered per short lab id: "lab03_triton" and "lab03" both mean "lab03"."""
+def lab_key(lab: str) -> str:
+    """The short lab id that shortcuts and check ids use: "lab03_triton" and "lab03" both mean "lab03"."""
     return lab.split("_")[0]
-
-
-def _shortcut_objects(lab: str) -> list[Any]:
-    """The lab's registered reference functions and classes, imported."""
-    _load()
-    objects = []
-    for target in _SHORTCUTS.get(_lab_key(lab), ()):
-        module, name = target.split(":")
-        objects.append(getattr(importlib.import_module(module), name))
-    return objects
 
 
 def _methods(cls: type) -> list[Any]:
@@ -121,33 +140,41 @@ def _methods(cls: type) -> list[Any]:
     return found
 
 
+def _is_method(target: str) -> bool:
+    return "." in target.partition(":")[2]
+
+
 def shortcut_functions(lab: str) -> list[Any]:
     """The reference functions of a lab, imported: calling one from an answer is a shortcut.
-    A registered class stands for every method it defines."""
+    A registered class stands for every method it defines; a registered method for itself."""
     functions = []
-    for obj in _shortcut_objects(lab):
+    for target in shortcut_targets(lab):
+        obj = resolve_target(target)
         functions.extend(_methods(obj) if isinstance(obj, type) else [obj])
     return functions
 
 
 def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
-    """(modules that define or re-export a lab's reference functions or classes, their names)."""
+    """(modules that define or re-export a lab's reference functions or classes, the names an answer
+    must not use). A method target adds its name only: the module and the class stay importable, for
+    the class's other methods are the learner's to call."""
     import pkgutil
     import sys
 
-    objects = _shortcut_objects(lab)
-    targets = _SHORTCUTS.get(_lab_key(lab), ())
+    targets = shortcut_targets(lab)
+    objects = {target: resolve_target(target) for target in targets}
     for target in targets:
         package = target.split(".")[0]
         root = importlib.import_module(package)
         for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
             if info.ispkg:
                 importlib.import_module(info.name)
-    modules = {target.split(":")[0] for target in targets}
+    top_level = [obj for target, obj in objects.items() if not _is_method(target)]
+    modules = {target.split(":")[0] for target in targets if not _is_method(target)}
     for name, module in list(sys.modules.items()):
-        if module is not None and any(getattr(module, obj.__name__, None) is obj for obj in objects):
+        if module is not None and any(getattr(module, obj.__name__, None) is obj for obj in top_level):
             modules.add(name)
-    return modules, {obj.__name__ for obj in objects}
+    return modules, {obj.__name__ for obj in objects.values()}
 
 
 def register(check: Check) -> Check:

@@ -451,3 +451,76 @@ def test_an_answer_that_raised_is_judged_without_running_the_reference(monkeypat
     check("lab01.gemm_flops", lambda m, n, k: 2 * m * n * k)
     [result] = evaluate([cell], {"lab01.gemm_flops": [Outcome(data=[2])]}, 0, {}, {})
     assert len(calls) == 2 and result.score == 0, "data is compared with the reference's"
+
+
+_METHOD_SHORTCUT = r'''
+import sys, tempfile
+from pathlib import Path
+
+from grading import tamper
+from grading.call_monitor import CallMonitor
+from grading.registry import all_checks, register_shortcuts, resolve_target, shortcut_functions, shortcut_modules
+
+register_shortcuts("lab98", ["infra_lib.ops.llmops:RolloutPolicy.judge", "infra_lib.model.config:LlamaConfig.from_hf_dict"])
+all_checks()
+assert "torch" not in sys.modules and "infra_lib.ops.llmops" not in sys.modules, "registering imported the target"
+
+from infra_lib.model.config import LlamaConfig
+from infra_lib.ops.llmops import Rollout, RolloutPolicy
+
+assert shortcut_functions("lab98") == [RolloutPolicy.judge, LlamaConfig.__dict__["from_hf_dict"].__func__]
+modules, names = shortcut_modules("lab98")
+assert names == {"judge", "from_hf_dict"}, names
+assert not {"infra_lib.ops.llmops", "infra_lib.model.config"} & modules, modules  # the classes stay importable
+called = "from infra_lib.ops.llmops import RolloutPolicy\n\ndef verdict(p, a, b):\n    return RolloutPolicy.judge(p, a, b)[0]\n"
+assert [f.kind for f in tamper.scan(called, modules, names)] == [tamper.SHORTCUT]
+helper = "from infra_lib.ops.llmops import RolloutPolicy\n\ndef share(r):\n    return r.share\n"
+assert tamper.scan(helper, modules, names) == []
+
+monitor = CallMonitor(shortcut_functions("lab98"))
+monitor.start()
+try:
+    try:
+        RolloutPolicy().judge([], [])
+    except Exception:
+        pass
+finally:
+    monitor.stop()
+assert monitor.hits == ["infra_lib.ops.llmops.RolloutPolicy.judge"], monitor.hits
+
+from grading.hidden_reference import STUB_MESSAGE, hidden_files
+
+shown = hidden_files("lab98", Path(tempfile.mkdtemp()))
+source = Path(sys.modules["infra_lib.ops.llmops"].__file__).resolve()
+stub = shown[source].read_text()
+assert STUB_MESSAGE.format(name="infra_lib.ops.llmops.RolloutPolicy.judge", lab="lab98") in stub
+assert stub.count("raise RuntimeError(") == source.read_text().count("raise RuntimeError(") + 1  # judge alone
+assert len(stub.splitlines()) == len(source.read_text().splitlines())
+for bad in ("infra_lib.ops.llmops", "infra_lib.ops.llmops:RolloutPolicy.judge.x", "infra_lib.ops.llmops:1x"):
+    try:
+        register_shortcuts("lab97", [bad])
+    except ValueError:
+        continue
+    raise AssertionError(f"{bad!r} was accepted")
+try:
+    resolve_target("infra_lib.ops.llmops:Rollout.share")
+except TypeError as error:
+    assert "property" in str(error), error
+else:
+    raise AssertionError("a property was taken for a method")
+print("ok")
+'''
+
+
+def test_a_shortcut_can_name_one_method_of_a_class_resolved_only_when_used():
+    """"module:Class.method" names that method alone (plain or class method): registering it imports
+    nothing, the call monitor and the static scan flag it and not the class's other methods, and the
+    sandbox's stub replaces its body alone."""
+    import subprocess
+    import sys
+
+    from grading.course import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-c", _METHOD_SHORTCUT], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -25,16 +25,7 @@ _DIAGNOSE = "infra_lib.ops.diagnose"
 register_shortcuts("lab10", [f"{_LATENCY}:{name}" for name in
                              ("ttft", "e2el", "tpot", "itl", "percentile", "meets_slo", "goodput", "summarize")]
                    + [f"{_DIAGNOSE}:diagnose", f"{_DIAGNOSE}:p99_latency_ms"]
-                   + ["infra_lib.ops.llmops:gate", "infra_lib.ops.llmops:p99", "grading.checks.lab10:reference_judge"])
-
-
-def __getattr__(name: str):
-    # The canary policy's verdict is a method; the shortcut registry names it through this alias.
-    if name == "reference_judge":
-        from infra_lib.ops.llmops import RolloutPolicy
-
-        return RolloutPolicy.judge
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+                   + ["infra_lib.ops.llmops:gate", "infra_lib.ops.llmops:p99", "infra_lib.ops.llmops:RolloutPolicy.judge"])
 
 FAULTS = ("healthy", "slow_dependency", "kv_pressure", "head_of_line", "overload")  # as infra_lib.ops.diagnose
 _KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
