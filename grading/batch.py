@@ -31,8 +31,8 @@ from pathlib import Path
 
 from grading.grader import STATUSES
 from grading.lab_version import PART_NAMES, lab_version_parts
-from grading.gradebook import read_roster_file
-from grading.sandbox import Limits
+from grading.roster import read_roster_file
+from grading.run.sandbox import Limits
 
 CACHE_FILE = "cache-key"
 FLAG_SEPARATOR = " | "  # between the flags of one row (a similarity flag holds "; " itself)
@@ -80,7 +80,7 @@ def find_submissions(folder: Path, lab_id: str) -> dict[str, Path | None]:
 
 
 def read_roster(path: Path) -> list[str]:
-    """The class's learner ids, in the roster's order (:func:`grading.gradebook.read_roster_file`)."""
+    """The class's learner ids, in the roster's order (:func:`grading.roster.read_roster_file`)."""
     return list(read_roster_file(path))
 
 

@@ -1,4 +1,5 @@
-"""Where the course's parts are: the repository root, and the labs its instructor notebooks define.
+"""Where the course's parts are: the repository root, its packages, and the labs its instructor
+notebooks define. Every other module imports these from here.
 
 Standard library only: the command line imports it to build its help without loading torch.
 """
@@ -8,6 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# What a graded kernel sees of the course and what a Gradescope bundle carries: the library and the
+# grader. The course's tooling (the command line, the site, releases...) stays out of both.
+GRADER_PACKAGES = ("infra_lib", "grading")
+PACKAGES = (*GRADER_PACKAGES, "course_tools")  # every package of the course, the tooling on top
 DEFAULT_SOURCE = REPO_ROOT / "solutions"  # the instructor notebooks (nbgrader's source directory)
 UNREADABLE = "unreadable notebook"  # the failure reason of every check of a notebook that cannot be read
 

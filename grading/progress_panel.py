@@ -105,7 +105,7 @@ def show_progress(output: widgets.Output, lab_id: str, grades: Path, notebook: P
 
 def grade_saved_notebook(notebook: Path, grades: Path) -> subprocess.CompletedProcess:
     """Grade the saved notebook in a separate process (``infra-lab progress NOTEBOOK``)."""
-    command = [sys.executable, "-m", "grading.cli", "progress", str(notebook), "--out", str(grades), "--no-chart"]
+    command = [sys.executable, "-m", "course_tools.cli", "progress", str(notebook), "--out", str(grades), "--no-chart"]
     return subprocess.run(command, cwd=notebook.parent, capture_output=True, text=True, timeout=GRADE_TIMEOUT_S)
 
 

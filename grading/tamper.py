@@ -211,11 +211,13 @@ def watch(config: str | None = None) -> bool:
     paths = {os.path.abspath(p): what for p, what in settings.get("paths", {}).items()}
     write_paths = {os.path.abspath(p): what for p, what in settings.get("write_paths", {}).items()}
     fd = os.open(settings["record"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    course = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from grading.course import GRADER_PACKAGES, REPO_ROOT
+
+    course = str(REPO_ROOT)
     folders = lambda *keys: tuple(dict.fromkeys(os.path.join(resolve(sysconfig.get_paths()[key]), "")
                                                 for key in keys for resolve in (os.path.abspath, os.path.realpath)))
     stdlib, library = folders("stdlib", "platstdlib"), folders("stdlib", "platstdlib", "purelib", "platlib")
-    ours = tuple(os.path.join(course, package, "") for package in ("grading", "infra_lib"))
+    ours = tuple(os.path.join(course, package, "") for package in GRADER_PACKAGES)
     real_stat, real_lstat, getpid = os.stat, os.lstat, os.getpid
     sandboxed = bool(settings.get("sandboxed"))
     private = tuple(os.path.join(os.path.realpath(folder), "") for folder in ("/tmp", os.getcwd()))

@@ -21,7 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-REPO = Path(__file__).resolve().parents[1]
+from grading.course import REPO_ROOT as REPO  # noqa: E402 (after the thread settings above)
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SOLUTIONS = sorted(p for p in (REPO / "solutions").glob("*/*.ipynb") if p.stem == p.parent.name)
 LABS = sorted(p for p in (REPO / "labs").glob("*/*.ipynb") if p.stem == p.parent.name)
@@ -66,10 +66,10 @@ def error_outputs(notebook) -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def one_template_per_worker():
-    """Each test process keeps one warm template (grading.warm) and names it in its environment:
+    """Each test process keeps one warm template (grading.run.warm) and names it in its environment:
     the commands the tests run (infra-lab grade and progress, nbgrader, batch workers) fork their
     kernels from it instead of each starting a template that imports torch again."""
-    from grading import warm
+    from grading.run import warm
 
     current = warm.template()
     if current is not None:

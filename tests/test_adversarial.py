@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from grading import warm
+from grading.run import warm
 from grading.batch import grade_batch
 from grading.grader import DEFAULT_SOURCE, grade_notebook
 from grading.report import gradescope_results, write_reports
-from grading.sandbox import Limits
+from grading.run.sandbox import Limits
 
 CORPUS = Path(__file__).resolve().parent / "adversarial"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text())
@@ -146,12 +146,12 @@ def _nbgrader_scores(names: list[str], course: Path) -> tuple[dict[str, float | 
 
     from nbgrader.api import Gradebook, MissingEntry
 
-    from grading.release import CONFIG
+    from course_tools.release import CONFIG
 
     (course / "solutions").mkdir(parents=True)
     shutil.copytree(DEFAULT_SOURCE / "lab01_gemm", course / "solutions" / "lab01_gemm")
     (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
-    # nbgrader's kernels fork from this worker's template (grading.warm), as nbgrader_config.py
+    # nbgrader's kernels fork from this worker's template (grading.run.warm), as nbgrader_config.py
     # has them fork from a template of nbgrader's own.
     env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -311,7 +311,7 @@ def test_site_formulas_render_as_mathml_in_chromium(tmp_path):
     import nbformat
     from selenium.webdriver.common.by import By
 
-    from grading.site import build_site
+    from course_tools.site.build import build_site
 
     assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), \
         "install Chromium and its driver: apt-get install -y chromium chromium-driver (make test does it as root)"

@@ -14,9 +14,10 @@ import nbformat
 import pytest
 
 from conftest import REPO
-from grading import warm
-from grading.runner import execute
-from grading.sandbox import Limits
+from grading.course import PACKAGES
+from grading.run import warm
+from grading.run.execute import execute
+from grading.run.sandbox import Limits
 
 PROBE = '''
 import json, os, socket, threading
@@ -133,7 +134,7 @@ def test_a_kernel_in_bubblewrap_sees_and_writes_only_its_scratch(tmp_path, monke
     socket_path = warm.template().socket_path
     warm_found = _probe(tmp_path / "warm", Limits(bwrap=True, max_processes=8), socket_path)
     assert "forked from the grader's template" in warm_found["sandbox"]["kernel"], warm_found["sandbox"]
-    assert "grading.runner" not in warm_found["seen"]["course modules"], warm_found["seen"]["course modules"]
+    assert "grading.run.execute" not in warm_found["seen"]["course modules"], warm_found["seen"]["course modules"]
     _assert_confined(warm_found, tmp_path / "warm")
     monkeypatch.setenv(warm.COLD_ENV, "1")
     cold_found = _probe(tmp_path / "cold", Limits(bwrap=True, max_processes=8), socket_path)
@@ -157,14 +158,14 @@ EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 
 
 def _tracked_files() -> dict[str, bytes]:
-    listed = subprocess.run(["git", "ls-files", "-z", "infra_lib", "grading", "solutions", "labs"], cwd=REPO,
+    listed = subprocess.run(["git", "ls-files", "-z", *PACKAGES, "solutions", "labs"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout.split("\0")
     return {name: (REPO / name).read_bytes() for name in listed if name and (REPO / name).is_file()}
 
 
 def _git_status() -> str:
     """What git sees changed or added in the course's own folders (a file a kernel wrote shows here)."""
-    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "infra_lib", "grading",
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *PACKAGES,
                            "solutions", "labs"], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
 
@@ -178,7 +179,7 @@ def _submit(folder: Path, names: list[str]) -> None:
 def _grade_class(submitted: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # Tight limits keep the hostile entries short (as in tests/test_adversarial.py); most of the
     # corpus's time is waiting on time-outs and sleeping processes, hence more workers than cores.
-    return subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions", str(submitted),
+    return subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "--submissions", str(submitted),
                            "--lab", "lab01_gemm", "--out", str(out), "--workers", "3", "--check-timeout", "5",
                            "--cell-timeout", "15", "--budget", "300", "--max-processes", "16", *extra],
                           cwd=submitted.parent, env=env, capture_output=True, text=True, timeout=900)
@@ -246,7 +247,7 @@ def test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouc
 
     import csv
 
-    from grading.gradebook import build_gradebook
+    from course_tools.gradebook import build_gradebook
 
     with open(out / "scores.csv", newline="", encoding="utf-8") as f:
         rows = {row["learner"]: row for row in csv.DictReader(f)}
@@ -270,7 +271,7 @@ def test_what_the_sandbox_takes_away(tmp_path):
     _submit(submitted, ["honest_full", "classmate_reader"])
     # The grader starts its own kernel template, as an instructor's run does (not this test worker's):
     # the kernels are then the grader's descendants, and /proc shows them its command line.
-    from grading import warm
+    from grading.run import warm
 
     env = {name: value for name, value in os.environ.items() if name not in (warm.SOCKET_ENV, warm.TOKEN_ENV)}
     result = _grade_class(submitted, tmp_path / "grades", "--no-sandbox", env=env)
@@ -282,7 +283,7 @@ def test_what_the_sandbox_takes_away(tmp_path):
 
 def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no bwrap on the PATH
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "grading.cli", "grade", "--submissions",
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "--submissions",
                                          str(tmp_path), "--lab", "lab99", *extra],
                                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     refused = run()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMOLLM2, wait_until_serving
-from grading import capstone
+from course_tools import capstone
 from grading.check import check
 from grading.notebook import BEGIN_SOLUTION, END_SOLUTION, grade_id, is_solution_cell, read_notebook
 from infra_lib.serving.pieces import PIECES
@@ -51,7 +51,7 @@ def solved_labs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def solved_build(solved_labs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("build") / "capstone"
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "capstone", "build", "--labs", str(solved_labs),
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "capstone", "build", "--labs", str(solved_labs),
                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(" yours ") == 4 and "serve --engine learner" in result.stdout, result.stdout
@@ -130,13 +130,13 @@ def test_a_flagged_answer_gives_no_piece(tmp_path):
 
 
 def test_capstone_build_refuses_a_missing_labs_folder(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "capstone", "build", "--labs", str(tmp_path / "no"),
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "capstone", "build", "--labs", str(tmp_path / "no"),
                              "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no folder" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serving_the_learner_engine_needs_a_build(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--engine", "learner", "--capstone-dir",
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--engine", "learner", "--capstone-dir",
                              str(tmp_path / "none")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "capstone build" in result.stderr and "Traceback" not in result.stderr
 
@@ -155,7 +155,7 @@ def test_the_learner_engine_serves_the_openai_client_as_the_course_does(solved_b
                                                   max_tokens=12).choices[0].message.content
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "grading.cli", "serve", "--engine", "learner", "--capstone-dir",
+    process = subprocess.Popen([sys.executable, "-m", "course_tools.cli", "serve", "--engine", "learner", "--capstone-dir",
                                 str(solved_build), "--port", str(port), "--max-num-seqs", "4", "--kv-blocks", "64"],
                                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
     try:

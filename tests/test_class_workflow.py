@@ -13,9 +13,9 @@ import nbformat
 
 from conftest import LAB01, REPO, SOLUTION01, answer_cells, write_learner_notebook
 from grading.batch import grade_batch
-from grading.gradebook import build_gradebook
+from course_tools.gradebook import build_gradebook
 from grading.lab_version import lab_files, lab_version, lab_version_parts
-from grading.sandbox import Limits
+from grading.run.sandbox import Limits
 
 LIMITS = Limits(check_timeout=30, cell_timeout=60, budget=300, max_processes=16)
 
@@ -203,7 +203,7 @@ def test_canvas_csv_takes_ids_and_sections_from_a_roster(tmp_path, capsys):
     canvas.csv's ID, SIS User ID, SIS Login ID and Section, lists a learner on the roster with no
     grade as not submitted (0), keeps a graded learner missing from it, and carries each row's
     flags into gradebook.csv; the one-id-per-line roster still works."""
-    from grading.cli import main
+    from course_tools.cli import main
 
     grades = tmp_path / "grades"
     (grades / "lab01_gemm").mkdir(parents=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from conftest import LAB01, REPO, write_learner_notebook
 
-INFRA_LAB = [sys.executable, "-m", "grading.cli"]
+INFRA_LAB = [sys.executable, "-m", "course_tools.cli"]
 
 
 def _run(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -154,7 +154,7 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path):
 
 
 def test_help_loads_no_torch_and_version_names_the_distribution():
-    probe = ("import sys\nfrom grading.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as end:\n"
+    probe = ("import sys\nfrom course_tools.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as end:\n"
              "    assert end.code == 0\nprint(sorted(m for m in ('torch', 'grading.grader', 'fastapi') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

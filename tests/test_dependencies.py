@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 from conftest import REPO
+from grading.course import PACKAGES
 
 # Imported by none of the course's files but needed all the same: each is a tool the course runs.
 TOOLS = {"jupyterlab": "make lab", "ipykernel": "the notebooks' kernel", "nbgrader": "the instructor's grader",
@@ -51,7 +52,7 @@ def _modules_used(folders: list[str]) -> set[str]:
                     lines = "".join(cell["source"]).splitlines()
                     used |= _imports("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!"))))
     local = {p.stem for p in (REPO / "benchmarks").glob("*.py")} | {p.stem for p in (REPO / "tests").glob("*.py")}
-    return {m for m in used if m not in sys.stdlib_module_names and m not in local | {"infra_lib", "grading"}}
+    return {m for m in used if m not in sys.stdlib_module_names and m not in local | set(PACKAGES)}
 
 
 def _distributions(modules: set[str], declared: set[str]) -> set[str]:
@@ -73,7 +74,7 @@ def test_every_imported_package_is_declared_and_pinned():
     test_extra = {_name(r) for r in project["optional-dependencies"]["test"]}
     pinned = {_name(line) for line in (REPO / "constraints.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")}
-    course = _distributions(_modules_used(["infra_lib", "grading", "notebooks", "solutions", "benchmarks"]), runtime)
+    course = _distributions(_modules_used([*PACKAGES, "notebooks", "solutions", "benchmarks"]), runtime)
     assert course <= runtime, f"imported by the course but not in [project] dependencies: {sorted(course - runtime)}"
     tests = _distributions(_modules_used(["tests"]), runtime | test_extra)
     assert tests <= runtime | test_extra, f"imported by tests but not declared: {sorted(tests - runtime - test_extra)}"
@@ -110,17 +111,17 @@ def test_make_hands_pips_find_links_to_uv_and_falls_back_to_pip(tmp_path):
 
 
 def test_the_environment_holds_bytecode_for_what_the_course_imports():
-    """`make` installs with --no-compile and then runs grading.precompile: without its bytecode,
+    """`make` installs with --no-compile and then runs course_tools.precompile: without its bytecode,
     torch alone would be compiled again by every process that imports it (seconds each)."""
     import importlib.util
 
     import papermill
     import torch
 
-    from grading import precompile
+    from course_tools import precompile
 
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-    assert "-m grading.precompile" in makefile
+    assert "-m course_tools.precompile" in makefile
     for module in (torch, torch.nn.functional, papermill):
         assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), f"no bytecode for {module.__name__}"
     assert "torch" in precompile.TORCH_SIDE and "papermill" in precompile.TOOL_SIDE

@@ -1,4 +1,4 @@
-"""`python -m grading.gpu_check`: without a GPU it runs nothing and says so; the step runner records
+"""`python -m course_tools.gpu.check`: without a GPU it runs nothing and says so; the step runner records
 each step's outcome and keeps going after a failure, a time-out or a spent budget.
 
 The GPU steps themselves run only where there is a GPU (`make gpu-check`); here every command is
@@ -14,8 +14,8 @@ import sys
 
 from conftest import REPO
 
-from grading.gpu_check import RUN_BUDGET_S, STEPS, run_here, run_in_child, run_steps, table_row, write_json
-from grading.gpu_steps import Step, StepFailed, StepSkipped
+from course_tools.gpu.check import RUN_BUDGET_S, STEPS, run_here, run_in_child, run_steps, table_row, write_json
+from course_tools.gpu.steps import Step, StepFailed, StepSkipped
 
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 GPU_BRANCHES = {
@@ -29,7 +29,7 @@ GPU_BRANCHES = {
 
 def test_without_a_gpu_it_runs_nothing_says_so_and_exits_0(tmp_path):
     out = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "grading.gpu_check", "--out", str(out)], cwd=REPO, env=NO_GPU,
+    result = subprocess.run([sys.executable, "-m", "course_tools.gpu.check", "--out", str(out)], cwd=REPO, env=NO_GPU,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -127,8 +127,8 @@ def test_a_tile_sweep_keeps_the_fastest_config_that_is_right(monkeypatch):
     import pytest
     import torch
 
-    from grading.gpu_kernel_steps import sweep_tiles
-    from grading.gpu_steps import require_cases_close
+    from course_tools.gpu.kernel_steps import sweep_tiles
+    from course_tools.gpu.steps import require_cases_close
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the check's timing waits for a GPU
     want = torch.arange(6.0)

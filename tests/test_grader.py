@@ -16,9 +16,9 @@ from grading.grader import CheckResult, GradeReport, GradingError, grade_noteboo
 from grading.grader import TestResult as GradedTest  # (not named Test*: pytest would collect it)
 from grading.grader import unreadable_report
 from grading.notebook import clear_solutions, is_solution_cell, read_notebook, splice
-from grading.release import lab_ids
+from course_tools.release import lab_ids
 from grading.report import default_out_dir, feedback_markdown, gradescope_results, table, write_reports
-from grading.sandbox import Limits
+from grading.run.sandbox import Limits
 
 
 def _scores(report) -> dict[str, float]:

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+from course_tools.gradescope_bundle import build_bundle
 from grading.gradescope import (ALLOW_UNSANDBOXED, KERNEL_USER, MISCONFIGURED, PYTHON_ENV, ROOT_ENV, VISIBILITIES,
-                                build_bundle, gradescope_tests, submission_results)
+                                gradescope_tests, submission_results)
 
 LAB = "lab01_gemm"
 WRONG_TASK1 = "def gemm_flops(m, n, k):\n    return m * n * k\n"
@@ -72,12 +73,16 @@ def test_bundle_holds_the_scripts_the_course_and_only_this_labs_answer_key(bundl
                              check=True).stdout.split()
     missing = [n for n in tracked if (REPO / n).is_file() and n not in names]
     assert not missing, f"course files left out of the bundle: {missing}"
+    tooling = subprocess.run(["git", "ls-files", "course_tools"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert tooling and not set(tooling) & names, "the course's tooling has no place in a grader's bundle"
 
 
 def test_bundle_leaves_out_checkpoints_caches_and_other_labs(tmp_path):
     course = tmp_path / "course"
     planted = ["pyproject.toml", "constraints.txt", "README.md", "infra_lib/__init__.py",
                "infra_lib/__pycache__/__init__.cpython-311.pyc", "grading/__init__.py", "grading/stray.pyc",
+               "course_tools/__init__.py", "course_tools/cli.py",
                f"solutions/{LAB}/{LAB}.ipynb", f"solutions/{LAB}/.ipynb_checkpoints/{LAB}-checkpoint.ipynb",
                "solutions/lab02_roofline/lab02_roofline.ipynb", "labs/lab01_gemm/lab01_gemm.ipynb", "tests/t.py"]
     for name in planted:
@@ -178,7 +183,7 @@ def _autograder(bundle: Path, root: Path, files: dict[str, bytes], *, unzip: boo
     for name, data in files.items():
         (root / "submission" / name).write_bytes(data)
     # The grader starts its own kernels, as on Gradescope (not from this test worker's template).
-    from grading import warm
+    from grading.run import warm
 
     env = {k: v for k, v in os.environ.items() if k not in (warm.SOCKET_ENV, warm.TOKEN_ENV, "PYTHONPATH")}
     env.update({ROOT_ENV: str(root), **({PYTHON_ENV: python} if python else {})})
@@ -257,7 +262,7 @@ def test_run_autograder_writes_a_result_even_when_the_grader_cannot_start(bundle
 
 
 def test_cli_builds_the_bundle_and_refuses_an_unknown_lab(tmp_path):
-    cli = [sys.executable, "-m", "grading.cli", "gradescope"]
+    cli = [sys.executable, "-m", "course_tools.cli", "gradescope"]
     built = subprocess.run([*cli, LAB, "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert str(tmp_path / "autograder.zip") in built.stdout and "Upload it" in built.stdout
@@ -301,7 +306,7 @@ def test_run_autograder_refuses_where_bubblewrap_cannot_run(bundle, tmp_path):
 
 
 def test_an_opted_out_bundle_records_it_and_its_build_warns(tmp_path):
-    cli = [sys.executable, "-m", "grading.cli", "gradescope", LAB, "--out"]
+    cli = [sys.executable, "-m", "course_tools.cli", "gradescope", LAB, "--out"]
     built = subprocess.run([*cli, str(tmp_path / "out"), ALLOW_UNSANDBOXED], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert built.stderr.startswith("warning: this bundle grades even where bubblewrap cannot run")
@@ -317,7 +322,8 @@ def test_an_opted_out_bundle_records_it_and_its_build_warns(tmp_path):
 def test_opted_out_grading_refuses_when_it_cannot_keep_the_key_from_the_kernel(tmp_path, monkeypatch, capsys):
     """Allowed to grade without bubblewrap, the grader still refuses where the kernel's user does not
     exist, and refuses a result whose kernel did not say it ran as that user."""
-    from grading import bwrap, gradescope
+    from grading import gradescope
+    from grading.run import bwrap
 
     root = tmp_path / "autograder"
     (root / "source" / "solutions" / LAB).mkdir(parents=True)
@@ -381,7 +387,7 @@ def test_bubblewrap_hides_the_answer_key_in_the_gradescope_layout(bundle, open_t
     python = _bundle_venv(root / "source", sys.executable)
     scratch = open_tmp / "kernel"
     prefix = subprocess.run(
-        [str(python), "-c", "import json, sys; from grading import bwrap; "
+        [str(python), "-c", "import json, sys; from grading.run import bwrap; "
                             "print(json.dumps([sys.prefix, bwrap.kernel_prefix(sys.argv[1])]))", str(scratch)],
         cwd=root / "source", env={**os.environ, "PYTHONPATH": str(root / "source")},
         capture_output=True, text=True, check=True)

@@ -15,12 +15,12 @@ import pytest
 
 from conftest import (LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, error_outputs, parameters_cell,
                       write_learner_notebook)
-from grading import warm
+from grading.run import warm
 from grading.grader import grade_notebook
 from grading.notebook import read_notebook
 from grading.readings import READINGS, not_started_hint
 from grading.registry import all_checks
-from grading.release import CONFIG, generate_all, lab_ids
+from course_tools.release import CONFIG, generate_all, lab_ids
 
 
 # What code looks like in a message: a call or an index (a name right before "(" or "["), an
@@ -116,7 +116,7 @@ def test_notebooks_are_committed_without_outputs(path):
 def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
     # nbgrader runs `alembic` by name: the venv's bin must be on PATH, as it is once activated.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    # nbgrader's kernels fork from this worker's template (grading.warm), as nbgrader_config.py
+    # nbgrader's kernels fork from this worker's template (grading.run.warm), as nbgrader_config.py
     # has them fork from a template of nbgrader's own.
     env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course), "PATH": path}
     result = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,

@@ -14,10 +14,10 @@ import nbformat
 import pytest
 
 from conftest import REPO, SOLUTION01, SOLUTIONS, answer_cells, write_learner_notebook
-from grading import warm
+from grading.run import warm
 from grading.notebook import grade_id, is_test_cell, nbgrader_meta, read_notebook
 
-INFRA_LAB = [sys.executable, "-m", "grading.cli"]
+INFRA_LAB = [sys.executable, "-m", "course_tools.cli"]
 # The edition's files are built once and graded once, on one worker.
 pytestmark = pytest.mark.xdist_group("learner_edition")
 
@@ -125,7 +125,7 @@ def test_no_file_of_the_edition_holds_solution_code(edition):
 def test_no_function_of_the_edition_is_equivalent_to_an_answer(edition):
     """Every function of the edition's Python files and notebooks outside the library, the check modules'
     included, against every answer cell by the similarity report's measure: none holds an answer."""
-    from grading.release import equivalent_code, solution_prints
+    from course_tools.release import equivalent_code, solution_prints
 
     solutions = solution_prints()
     assert len(solutions) > 40, "every lab's answer cells are scanned for"
@@ -154,7 +154,7 @@ def course_call_with_retry(fn, state: dict, policy, sleep=time.sleep):
 
 
 def test_the_edition_finds_a_near_answer_the_class_report_would_let_pass(tmp_path):
-    from grading.release import EDITION_THRESHOLD, equivalent_code, solution_prints
+    from course_tools.release import EDITION_THRESHOLD, equivalent_code, solution_prints
     from grading.similarity import THRESHOLD
 
     (tmp_path / "grading" / "checks").mkdir(parents=True)
@@ -177,7 +177,7 @@ def _dressed(source: str) -> str:
 
 
 def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_notebook(tmp_path):
-    from grading.release import equivalent_code, solution_prints
+    from course_tools.release import equivalent_code, solution_prints
 
     region = answer_cells(REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb")["schedule"]
     region = region.split("### BEGIN SOLUTION\n")[1].split("    ### END SOLUTION")[0]
@@ -188,7 +188,9 @@ def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_noteb
     (tmp_path / "grading" / "checks" / "helpers.py").write_text("import math\n\n\n" + copy)
     (tmp_path / "infra_lib").mkdir()
     (tmp_path / "infra_lib" / "scheduler.py").write_text(copy)  # the library's reference code is not scanned
-    (tmp_path / "grading" / "checks" / "lab08.py").write_text((REPO / "grading" / "checks" / "lab08.py").read_text())
+    (tmp_path / "grading" / "checks" / "lab08").mkdir()
+    for module in (REPO / "grading" / "checks" / "lab08").glob("*.py"):
+        (tmp_path / "grading" / "checks" / "lab08" / module.name).write_text(module.read_text())
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%matplotlib inline\n" + copy)])
     nbformat.write(notebook, tmp_path / "lesson.ipynb")
     found = {(name, label): unit for name, label, unit in equivalent_code(tmp_path, solution_prints())}
@@ -206,7 +208,7 @@ def test_the_edition_is_the_tracked_course_less_its_answer_key_and_suite(edition
     present = {p.relative_to(edition).as_posix() for p in edition.rglob("*") if p.is_file()}
     present = {name for name in present if not name.startswith("grades/")}  # the blank lab's grading writes there
     assert present == copied | written, f"unexpected or missing: {sorted(present ^ (copied | written))[:8]}"
-    for folder in ("labs", "notebooks", "infra_lib", "grading", "benchmarks"):
+    for folder in ("labs", "notebooks", "infra_lib", "grading", "course_tools", "benchmarks"):
         assert any(name.startswith(f"{folder}/") for name in present), f"the edition lacks {folder}/"
     note = (edition / "EDITION.md").read_text()
     assert note.startswith("# The learner edition") and "infra-lab grade labs/lab01_gemm/lab01_gemm.ipynb" in note
@@ -231,7 +233,7 @@ def test_the_tests_only_source_keeps_every_test_and_the_released_stubs(edition, 
 @pytest.mark.slow
 def test_the_edition_grades_with_its_own_grader(edition):
     """Every module the grader and a lab's checks import comes from the edition (none is missing from it)."""
-    probe = ("import sys, grading.cli, grading.grader, grading.checks.lab01, grading.progress_panel, infra_lib\n"
+    probe = ("import sys, course_tools.cli, grading.grader, grading.checks.lab01, grading.progress_panel, infra_lib\n"
              "from grading.course import DEFAULT_SOURCE\n"
              "print(DEFAULT_SOURCE)\n"
              "print(*sorted({m.__file__ for n, m in sys.modules.items() if n.split('.')[0] in ('grading', 'infra_lib')"

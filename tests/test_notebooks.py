@@ -10,8 +10,9 @@ import time
 import pytest
 
 from conftest import NOTEBOOKS, REPO, error_outputs, parameters_cell, run_benchmark
-from grading import run_times
-from grading.notebook import read_notebook, run_with_papermill
+from course_tools import lesson_times
+from grading.notebook import read_notebook
+from grading.run.warm import run_lesson
 
 
 @pytest.mark.notebook
@@ -21,10 +22,10 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     assert "QUICK" in source and "DEVICE" in source
     out = tmp_path / path.name
     started = time.monotonic()
-    run_with_papermill(path, out, parameters={"QUICK": True}, kernel_name="python3", warm=True,
+    run_lesson(path, out, parameters={"QUICK": True}, kernel_name="python3",
                                cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
-    # the lessons state their run time from these measurements (grading.run_times)
-    assert run_times.record(path.stem, "quick", time.monotonic() - started).is_file()
+    # the lessons state their run time from these measurements (course_tools.lesson_times)
+    assert lesson_times.record(path.stem, "quick", time.monotonic() - started).is_file()
     assert not error_outputs(json.loads(out.read_text()))
     if path.stem == "01_gemm_profiling":
         _chapter01_wrote_a_chrome_trace(tmp_path, out)
@@ -41,14 +42,14 @@ def _chapter01_wrote_a_chrome_trace(tmp_path, out):
 
 
 def test_every_lesson_states_its_measured_run_times():
-    """Each lesson's "Run time" paragraph is the one grading.run_times writes from run_times.json
+    """Each lesson's "Run time" paragraph is the one course_tools.lesson_times writes from run_times.json
     (the figures come from measurement; this checks they were carried over, not how fast anything ran)."""
-    times = run_times.read_times()
+    times = lesson_times.read_times()
     for path in NOTEBOOKS:
         entry = times.get(path.stem)
         assert entry and "quick_s" in entry and "full_s" in entry, f"notebooks/run_times.json lacks {path.stem}"
-        assert run_times.stated_paragraph(path) == run_times.run_time_paragraph(entry), (
-            f"{path.name} does not state the run times in run_times.json: run `python -m grading.run_times update`")
+        assert lesson_times.stated_paragraph(path) == lesson_times.run_time_paragraph(entry), (
+            f"{path.name} does not state the run times in run_times.json: run `python -m course_tools.lesson_times update`")
         params = parameters_cell(path)
         assert not re.search(r"\b(minute|seconds?)\b", params), (
             f"{path.name}'s parameters cell states a time of its own; the Run time paragraph is the one place")
@@ -63,25 +64,25 @@ def test_update_restates_a_lesson_from_the_measurements(tmp_path):
     shutil.copy(NOTEBOOKS[1], lesson)
     before = read_notebook(lesson)
     measured, times_file = tmp_path / "measured", tmp_path / "notebooks" / "run_times.json"
-    run_times.record(lesson.stem, "quick", 24.0, measured)
-    run_times.record(lesson.stem, "full", 201.0, measured)
-    assert run_times.update(measured, times_file, lesson.parent) == [lesson.name]
-    entry = run_times.read_times(times_file)[lesson.stem]
+    lesson_times.record(lesson.stem, "quick", 24.0, measured)
+    lesson_times.record(lesson.stem, "full", 201.0, measured)
+    assert lesson_times.update(measured, times_file, lesson.parent) == [lesson.name]
+    entry = lesson_times.read_times(times_file)[lesson.stem]
     assert entry["quick_s"] == 24.0 and entry["full_s"] == 201.0
-    stated = run_times.stated_paragraph(lesson)
+    stated = lesson_times.stated_paragraph(lesson)
     assert "about 25 s with `QUICK = True`, about 3 min with the full settings" in stated
     after = read_notebook(lesson)
     assert [c.source for c in after.cells[1:]] == [c.source for c in before.cells[1:]]
-    assert run_times.update(measured, times_file, lesson.parent) == [], "a second update changes nothing"
+    assert lesson_times.update(measured, times_file, lesson.parent) == [], "a second update changes nothing"
 
 
 def test_run_time_descriptions():
-    assert run_times.describe(3) == "about 5 s"
-    assert run_times.describe(24) == "about 25 s"
-    assert run_times.describe(201) == "about 3 min"
-    assert run_times.describe(75) == "about 1 min"
+    assert lesson_times.describe(3) == "about 5 s"
+    assert lesson_times.describe(24) == "about 25 s"
+    assert lesson_times.describe(201) == "about 3 min"
+    assert lesson_times.describe(75) == "about 1 min"
     with pytest.raises(ValueError):
-        run_times.describe(-1)
+        lesson_times.describe(-1)
 
 
 def test_gemm_sweep_benchmark_writes_json(tmp_path):

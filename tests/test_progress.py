@@ -24,7 +24,7 @@ LAB02 = REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb"
 
 
 def _progress(labs: Path, grades: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "progress", "--labs", str(labs), "--out", str(grades)],
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "progress", "--labs", str(labs), "--out", str(grades)],
                             cwd=labs.parent, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -196,12 +196,12 @@ def test_progress_reuses_the_grading_infra_lab_grade_made_of_the_same_answers(tm
     import grading.grader
     from grading.notebook import is_solution_cell
     from grading.progress import UNCHANGED, course_progress
-    from grading.sandbox import Limits
+    from grading.run.sandbox import Limits
 
     notebook = tmp_path / "labs" / "lab02_roofline" / "lab02_roofline.ipynb"
     notebook.parent.mkdir(parents=True)
     shutil.copy(LAB02, notebook)
-    graded = subprocess.run([sys.executable, "-m", "grading.cli", "grade", "labs/lab02_roofline/lab02_roofline.ipynb"],
+    graded = subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "labs/lab02_roofline/lab02_roofline.ipynb"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert graded.returncode == 0, graded.stdout + graded.stderr
     assert "on a quiet machine" in graded.stderr, graded.stderr  # the estimate it printed first
@@ -231,7 +231,7 @@ def test_progress_reuses_the_grading_infra_lab_grade_made_of_the_same_answers(tm
 def test_a_failed_grading_leaves_no_mark_of_an_earlier_one(tmp_path):
     """A grading that could not be done (its results.json says why) is never reused as the grading
     of the answers an earlier mark stood for."""
-    from grading.cli import main
+    from course_tools.cli import main
     from grading.progress import STAMP
 
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grading.sandbox import Limits
+from grading.run.sandbox import Limits
 
 PROBE = textwrap.dedent("""
     import json, socket, sys
@@ -49,7 +49,7 @@ def test_limits_hold_in_the_launched_process(tmp_path):
     status = tmp_path / "status.json"
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "grading.sandbox", "--status", str(status), "--memory-mb", "512",
+            [sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "512",
              "--file-size-mb", "1", "--no-network", "--", sys.executable, "-c", PROBE, str(tmp_path / "big"),
              str(port)],
             capture_output=True, text=True, timeout=60, check=True)
@@ -67,7 +67,7 @@ def test_limits_hold_in_the_launched_process(tmp_path):
 
 def test_without_network_isolation_the_status_says_so(tmp_path):
     status = tmp_path / "status.json"
-    subprocess.run([sys.executable, "-m", "grading.sandbox", "--status", str(status), "--memory-mb", "2048",
+    subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
                     "--file-size-mb", "8", "--", sys.executable, "-c", "pass"], check=True, timeout=60)
     assert json.loads(status.read_text())["network"] == "not requested"
 
@@ -86,7 +86,7 @@ def test_limits_refuse_a_kernel_user_inside_bubblewrap():
 def test_a_kernel_for_another_user_starts_cold_through_the_launcher(tmp_path):
     """A kernel forked from the grader's template would keep the template's user: with a kernel user
     the kernelspec names no warm provisioner, and its launcher carries the user."""
-    from grading.sandbox import parse_launcher, write_kernelspec
+    from grading.run.sandbox import parse_launcher, write_kernelspec
 
     name = write_kernelspec(tmp_path, Limits(kernel_user="nobody"), tmp_path / "status.json", warm=True)
     spec = json.loads((tmp_path / "kernels" / name / "kernel.json").read_text())
@@ -122,7 +122,7 @@ def test_a_kernel_run_as_another_user_keeps_out_of_roots_files(kernel_folder, tm
     script = ('id -un; echo "HOME=$HOME"; cat "$2"; echo; touch mine "$HOME/cache" && echo wrote; '
               f'cat "{key}" || echo key-refused; rm -f graded.ipynb || echo rm-refused; '
               'ls . >/dev/null 2>&1 || echo list-refused; grep NoNewPrivs /proc/self/status')
-    run = subprocess.run([sys.executable, "-m", "grading.sandbox", "--status", str(status), "--memory-mb", "2048",
+    run = subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
                           "--file-size-mb", "8", "--user", "nobody", "--", "/bin/sh", "-c", script, "sh", "-f",
                           str(connection)], cwd=kernel_folder, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

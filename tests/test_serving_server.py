@@ -416,7 +416,7 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "grading.cli", "serve", "--port", str(port), "--max-num-seqs",
+    process = subprocess.Popen([sys.executable, "-m", "course_tools.cli", "serve", "--port", str(port), "--max-num-seqs",
                                 "4", "--kv-blocks", "128"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until_serving(process, port, tmp_path / "serve.log", "infra-lab serve")
@@ -432,10 +432,10 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
 
 
 def test_serve_rejects_bad_options():
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--kv-blocks", "0"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--kv-blocks", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "--kv-blocks must be a positive integer" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "serve", "--model", "/no/such.gguf"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--model", "/no/such.gguf"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "no such file" in result.stderr
 

@@ -12,9 +12,9 @@ import nbformat
 import pytest
 
 from conftest import NOTEBOOKS, REPO
-from grading.site import build_site, find_lessons, lesson_info
-from grading.site_math import TEX_FALLBACK_CLASS, unconverted_math
-from grading.site_render import nav_bar, render_page
+from course_tools.site.build import build_site, find_lessons, lesson_info
+from course_tools.site.formulas import TEX_FALLBACK_CLASS, unconverted_math
+from course_tools.site.render import nav_bar, render_page
 
 # The tests share one executed lesson: keep them on one worker so it runs once.
 pytestmark = pytest.mark.xdist_group("site")
@@ -120,7 +120,7 @@ def test_a_failing_lesson_is_reported_and_the_others_still_get_pages(tmp_path):
     _lesson(notebooks, "10", "Later", "print('quick' if QUICK else 'slow')")
     _lesson(notebooks, "03", "Broken", "x = 1", "raise ValueError('broken on purpose')", "print('never')")
     out = tmp_path / "site"
-    result = subprocess.run([sys.executable, "-m", "grading.cli", "site", "--notebooks", str(notebooks),
+    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "site", "--notebooks", str(notebooks),
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.search(r"03_broken\.ipynb failed in cell In \[\d+\] \(`raise ValueError\('broken on purpose'\)`\): "
@@ -146,7 +146,7 @@ def test_widgets_become_a_static_picture_of_their_settings_and_output():
     import plotly.graph_objects as go
     from ipywidgets.embed import embed_data
 
-    from grading.site_render import WIDGET_STATE_MIME, WIDGET_VIEW_MIME, static_outputs
+    from course_tools.site.render import WIDGET_STATE_MIME, WIDGET_VIEW_MIME, static_outputs
     from infra_lib.controls import live, show_in
 
     control = live(lambda n: print("n squared is", n * n), n=widgets.IntSlider(value=3, description="n"))
@@ -200,7 +200,7 @@ def test_markdown_maths_becomes_mathml_and_other_dollars_stay_text():
 def test_every_lesson_formula_renders_as_mathml_and_no_raw_tex_remains(unexecuted_site):
     out, lessons = unexecuted_site
     converted, left = unconverted_math(NOTEBOOKS)
-    assert not left, f"formulas latex2mathml cannot convert (run python -m grading.site_math): {left}"
+    assert not left, f"formulas latex2mathml cannot convert (run python -m course_tools.site.formulas): {left}"
     with_formulas = {}
     for lesson in lessons:
         cells = nbformat.read(lesson.path, as_version=4).cells

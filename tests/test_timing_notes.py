@@ -16,7 +16,7 @@ import pytest
 
 import infra_lib.timed_section as ts
 import infra_lib.timing as timing
-from grading.notebook import run_with_papermill
+from grading.run.warm import run_lesson
 from conftest import REPO
 from infra_lib.timed_section import MachineLoad, timed_section
 
@@ -86,7 +86,7 @@ def run_disturbed(name: str, tmp_path) -> list[dict]:
     source = tmp_path / f"disturbed_{name}"
     nbformat.write(nb, source)
     out = tmp_path / f"out_{name}"
-    run_with_papermill(source, out, parameters={"QUICK": True}, kernel_name="python3", warm=True,
+    run_lesson(source, out, parameters={"QUICK": True}, kernel_name="python3",
                                cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]

@@ -29,7 +29,7 @@ def workers_left() -> list:
     for child in psutil.Process().children(recursive=True):
         try:
             command = " ".join(child.cmdline())
-            if not any(helper in command for helper in ("resource_tracker", "forkserver", "-m grading.warm")):
+            if not any(helper in command for helper in ("resource_tracker", "forkserver", "-m grading.run.warm")):
                 left.append(child)
         except psutil.NoSuchProcess:
             pass

@@ -1,4 +1,4 @@
-"""Warm kernels (grading/warm.py): graded kernels fork from a template that has imported torch,
+"""Warm kernels (grading/run/warm.py): graded kernels fork from a template that has imported torch,
 start from its pristine state every time, keep the sandbox's limits, and the grader still
 counts and kills their processes; with the template turned off, kernels start cold as before."""
 
@@ -14,10 +14,10 @@ import nbformat
 import psutil
 import pytest
 
-from grading import warm
+from grading.run import warm
 from grading.grader import grade_notebook
-from grading.runner import execute
-from grading.sandbox import Limits
+from grading.run.execute import execute
+from grading.run.sandbox import Limits
 
 CORPUS = Path(__file__).resolve().parent / "adversarial"
 LIMITS = Limits(check_timeout=10, cell_timeout=15, budget=300, max_processes=16)
@@ -75,9 +75,9 @@ def test_kernels_start_cold_when_the_template_is_turned_off(tmp_path, monkeypatc
 
 
 def test_the_runner_forks_from_the_template_and_reports_how_the_run_ended(tmp_path, monkeypatch):
-    """The process that drives a graded notebook (grading.runner) is forked by the template too, with
+    """The process that drives a graded notebook (grading.run.execute) is forked by the template too, with
     papermill imported; its exit code (complete, the kernel died) comes back as a started runner's does."""
-    from grading.runner import STOP_CRASH
+    from grading.run.execute import STOP_CRASH
 
     handles = []
     fork_runner = warm.fork_runner
@@ -149,13 +149,12 @@ def test_a_lesson_kernel_is_a_plain_fork_and_starts_cold_on_request(tmp_path, mo
     starts one cold."""
     import os
 
-    from grading.notebook import run_with_papermill
 
     monkeypatch.setenv("WARM_TEST_MARKER", "seen")
     source = _plain_notebook(tmp_path / "lesson")
     environ_before, probes = dict(os.environ), {}
     for warm_kernel in (True, False):
-        out = run_with_papermill(source, tmp_path / f"out-{warm_kernel}.ipynb", cwd=str(tmp_path / "lesson"),
+        out = warm.run_lesson(source, tmp_path / f"out-{warm_kernel}.ipynb", cwd=str(tmp_path / "lesson"),
                                  kernel_name="python3", progress_bar=False, warm=warm_kernel)
         probes[warm_kernel] = _probe_output(out)
     assert environ_before == dict(os.environ), "plain_kernels() puts this process's environment back"
@@ -178,10 +177,10 @@ def test_nbgrader_config_forks_its_kernels_from_a_template_of_its_own(tmp_path, 
     source = _plain_notebook(tmp_path / "nb")
     script = f"""
 import json, os, sys
-from grading import warm
+from grading.run import warm
 assert warm.nbgrader_warm_kernels()
 assert warm._template is None, "a template before any kernel"
-from grading.notebook import run_with_papermill
+from grading.run.papermill_ipc import run_with_papermill
 outs = [run_with_papermill({str(source)!r}, {str(tmp_path)!r} + f"/out{{i}}.ipynb", cwd={str(tmp_path / 'nb')!r},
                            kernel_name="python3", progress_bar=False) for i in range(2)]
 probes = [json.loads(o.cells[0].outputs[0]["text"]) for o in outs]
@@ -208,7 +207,7 @@ def test_a_command_uses_the_template_its_environment_names():
     deadline = time.monotonic() + 60
     while not template.socket_path.exists() and time.monotonic() < deadline:  # still importing torch
         time.sleep(0.1)
-    script = "from grading import warm; t = warm.template(); print(type(t).__name__, t.socket_path)"
+    script = "from grading.run import warm; t = warm.template(); print(type(t).__name__, t.socket_path)"
     base = {k: v for k, v in os.environ.items() if not k.startswith("INFRA_LAB_WARM")}
     named = subprocess.run([sys.executable, "-c", script], env={**base, **template.env()},
                            capture_output=True, text=True, timeout=120)
@@ -223,7 +222,7 @@ def test_the_watchdog_counts_a_process_tree_from_one_scan():
     poll; it finds the same descendants psutil does, grandchildren included."""
     import subprocess
 
-    from grading.runner import _count_descendants, _descendants, _process_tree
+    from grading.run.execute import _count_descendants, _descendants, _process_tree
 
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
     try:
@@ -243,7 +242,7 @@ def test_the_watchdog_counts_a_process_tree_from_one_scan():
 def test_the_template_refuses_to_fork_a_kernel_meant_to_run_as_another_user():
     """A forked kernel keeps the template's user (root where Gradescope grades): a kernel for another
     user must start cold, through the launcher, which drops privileges before the kernel runs."""
-    cmd = [sys.executable, "-m", "grading.sandbox", "--status", "/s", "--memory-mb", "1", "--file-size-mb", "1",
+    cmd = [sys.executable, "-m", "grading.run.sandbox", "--status", "/s", "--memory-mb", "1", "--file-size-mb", "1",
            "--user", "nobody", "--", sys.executable, "-m", "ipykernel_launcher", "-f", "/c.json"]
     with pytest.raises(ValueError, match="starts cold"):
         warm._valid({"cmd": cmd})

@@ -94,7 +94,7 @@ def sandbox_finding() -> Finding:
     with tempfile.TemporaryDirectory() as scratch:
         status = Path(scratch) / "status.json"
         try:
-            subprocess.run([sys.executable, "-m", "grading.sandbox", "--status", str(status), "--memory-mb", "2048",
+            subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
                             "--file-size-mb", "64", "--no-network", "--", sys.executable, "-c", "pass"],
                            capture_output=True, timeout=60, check=True)
             applied = json.loads(status.read_text())
@@ -110,7 +110,7 @@ def sandbox_finding() -> Finding:
 
 def bubblewrap_finding() -> Finding:
     """Whether the learners' kernels can be graded in bubblewrap (``infra-lab grade --submissions``)."""
-    from grading import bwrap
+    from grading.run import bwrap
 
     ok, why = bwrap.availability()
     if ok:
@@ -120,8 +120,8 @@ def bubblewrap_finding() -> Finding:
 
 
 def warm_finding() -> Finding:
-    """Whether graded kernels fork from a template that has imported torch (grading.warm)."""
-    from grading import warm
+    """Whether graded kernels fork from a template that has imported torch (grading.run.warm)."""
+    from grading.run import warm
 
     name = "warm kernels"
     if not warm.enabled():

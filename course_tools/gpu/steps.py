@@ -1,6 +1,6 @@
-"""The steps of ``python -m grading.gpu_check``: what a step is, the helpers all steps share, and
+"""The steps of ``python -m course_tools.gpu.check``: what a step is, the helpers all steps share, and
 the steps outside the Triton kernels (chapter 01's timing and profile, the model and the engine
-on the GPU, an all-reduce over NCCL); ``grading.gpu_kernel_steps`` holds the kernel steps.
+on the GPU, an all-reduce over NCCL); ``course_tools.gpu.kernel_steps`` holds the kernel steps.
 
 A step is a function ``step(facts, quick)``. It writes what it measures into ``facts`` as it
 goes, so a failure keeps everything measured before it; it raises ``StepSkipped`` when its path

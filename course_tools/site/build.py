@@ -2,7 +2,7 @@
 
 ``infra-lab site`` runs each lesson notebook in ``notebooks/`` in a fresh kernel with
 ``QUICK=True`` (papermill, in a scratch folder, so nothing lands in the course folder),
-renders it with ``grading.site_render`` and writes ``site/index.html``: the chapters in
+renders it with ``course_tools.site.render`` and writes ``site/index.html``: the chapters in
 order, each with its title and layer line. One lesson failing does not stop the others:
 its page shows the error, and the build reports which notebook and which cell failed.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import nbformat
 
-from grading.notebook import run_with_papermill
-from grading.site_render import PLOTLY_JS, nav_bar, render_page
+from grading.run.warm import run_lesson
+from course_tools.site.render import PLOTLY_JS, nav_bar, render_page
 
 CELL_TIMEOUT_S = 900
 
@@ -103,7 +103,7 @@ def execute_lesson(lesson: Lesson, out: Path, *, progress: bool = True) -> Failu
     bar = {"desc": lesson.path.stem, "leave": True, "file": sys.stderr} if progress else False
     with tempfile.TemporaryDirectory(prefix=f"site-{lesson.number}-") as scratch:
         try:
-            run_with_papermill(lesson.path, out, parameters={"QUICK": True}, kernel_name="python3", warm=True,
+            run_lesson(lesson.path, out, parameters={"QUICK": True}, kernel_name="python3",
                                        cwd=scratch, progress_bar=bar, execution_timeout=CELL_TIMEOUT_S)
         except PapermillExecutionError as exc:
             first = next((line for line in str(exc.source).splitlines() if line.strip()), "")

@@ -1,8 +1,8 @@
-"""``python -m grading.gpu_check``: run every code path of the course that only a GPU takes.
+"""``python -m course_tools.gpu.check``: run every code path of the course that only a GPU takes.
 
 The course is built and tested on a CPU, where Triton interprets its kernels and every
 ``device.type == "cuda"`` branch is dead code. On a machine with an NVIDIA GPU this command
-runs those branches (the steps of ``grading.gpu_steps`` and ``grading.gpu_kernel_steps``), each
+runs those branches (the steps of ``course_tools.gpu.steps`` and ``course_tools.gpu.kernel_steps``), each
 in a process of its own under its own time limit, so a kernel that faults or hangs takes down
 its step and nothing else. It writes a JSON report (the machine, the versions, each step's
 status, seconds, error and measured facts) and prints a table; the exit code is 1 when a step
@@ -11,7 +11,7 @@ failed.
 Without a GPU nothing runs: one line says so, the report records ``"gpu": null`` and every step
 as skipped, and the exit code is 0.
 
-    python -m grading.gpu_check [--quick] [--out PATH]
+    python -m course_tools.gpu.check [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from grading.gpu_kernel_steps import (flash_attention_step, gemv_q4_step, matmul_step, paged_decode_step,
+from grading.course import REPO_ROOT
+
+from course_tools.gpu.kernel_steps import (flash_attention_step, gemv_q4_step, matmul_step, paged_decode_step,
                                       rmsnorm_step, softmax_step, vector_add_step)
-from grading.gpu_steps import (Step, StepSkipped, engine_step, model_step, nccl_step, nccl_version, profile_step,
+from course_tools.gpu.steps import (Step, StepSkipped, engine_step, model_step, nccl_step, nccl_version, profile_step,
                                timing_step)
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
 INTERPRET_ENV = "TRITON_INTERPRET"  # the variable infra_lib.kernels.triton_env reads
 RUN_BUDGET_S = 420.0  # all steps together: the run, with the start-up, ends inside 8 minutes
 ERROR_CHARS = 400
@@ -124,9 +125,9 @@ def run_in_child(step: Step, quick: bool, limit_s: float) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "step.json"
-        command = [sys.executable, "-m", "grading.gpu_check", "--step", step.name, "--out", str(out)]
+        command = [sys.executable, "-m", "course_tools.gpu.check", "--step", step.name, "--out", str(out)]
         start = time.perf_counter()
-        child = subprocess.Popen(command + (["--quick"] if quick else []), cwd=REPO, env=env, text=True,
+        child = subprocess.Popen(command + (["--quick"] if quick else []), cwd=REPO_ROOT, env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             output, _ = child.communicate(timeout=limit_s)

@@ -1,7 +1,7 @@
 """Limits on the learner's kernel, and the launcher that applies them before the kernel starts.
 
 The grader runs the learner's kernel through a kernelspec whose command is
-``python -m grading.sandbox [limits] -- <the real kernel command>``: the launcher sets
+``python -m grading.run.sandbox [limits] -- <the real kernel command>``: the launcher sets
 resource limits, moves the process into an empty network namespace where the OS allows,
 writes which limits it could apply to a status file, then replaces itself with the kernel.
 The kernel talks to the grader over Unix sockets (IPC transport), so it needs no network.
@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 KERNEL_NAME = "infra-lab-sandbox"
+# The kernel provisioner that forks graded kernels from a template (grading.run.warm), by the name
+# pyproject.toml registers it under.
+WARM_PROVISIONER = "infra-lab-warm"
 _CLONE_NEWNET = 0x40000000
 
 
@@ -46,7 +49,7 @@ class Limits:
         file_size_mb: largest file the kernel may write.
         output_kb: output kept per cell; the rest is dropped with a note.
         isolate_network: run the kernel without network access (where the OS allows).
-        bwrap: run the kernel inside bubblewrap (:mod:`grading.bwrap`): a read-only view of only
+        bwrap: run the kernel inside bubblewrap (:mod:`grading.run.bwrap`): a read-only view of only
             what the lab needs, one writable scratch folder, no network, its own process IDs.
         kernel_user: without bubblewrap, the user the kernel runs as ("" for the grader's own);
             the grader must run as root. Such a kernel always starts cold, through the launcher
@@ -78,7 +81,7 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     """Install the sandboxed kernelspec under ``jupyter_dir/kernels``; returns its name.
 
     ``warm``: the kernel manager asks the grading process's template for a forked kernel
-    (:mod:`grading.warm`), which applies the same limits; it runs this command when none answers.
+    (:mod:`grading.run.warm`), which applies the same limits; it runs this command when none answers.
     ``scratch``: with ``limits.bwrap``, the kernel's only writable folder. The launcher runs
     outside bubblewrap (it writes the status file where the kernel cannot, and puts the kernel in
     a process-count cgroup where the OS lets it), then executes ``bwrap``, which runs the kernel.
@@ -87,11 +90,11 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     """
     spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "grading.sandbox", "--status", str(status_file),
+    argv = [sys.executable, "-m", "grading.run.sandbox", "--status", str(status_file),
             "--memory-mb", str(limits.memory_mb), "--file-size-mb", str(limits.file_size_mb)]
     kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     if limits.bwrap:
-        from grading import bwrap
+        from grading.run import bwrap
 
         if scratch is None:
             raise ValueError("a kernel in bubblewrap needs its scratch folder")
@@ -105,9 +108,7 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
         argv += ["--"] + kernel
     spec = {"argv": argv, "display_name": "Python 3 (graded, sandboxed)", "language": "python"}
     if warm and not limits.kernel_user:
-        from grading.warm import PROVISIONER
-
-        spec["metadata"] = {"kernel_provisioner": {"provisioner_name": PROVISIONER}}
+        spec["metadata"] = {"kernel_provisioner": {"provisioner_name": WARM_PROVISIONER}}
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return KERNEL_NAME
 
@@ -274,7 +275,7 @@ def drop_privileges(name: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m grading.sandbox")
+    parser = argparse.ArgumentParser(prog="python -m grading.run.sandbox")
     parser.add_argument("--status", required=True)
     parser.add_argument("--memory-mb", type=int, required=True)
     parser.add_argument("--file-size-mb", type=int, required=True)

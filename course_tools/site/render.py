@@ -6,7 +6,7 @@ nbconvert's lab template renders the notebook; three things change on the way:
   ``<div>`` drawn by the site's own copy of plotly.js, so the charts stay interactive;
 - ipywidgets outputs become a static picture of the control (its settings and what it showed
   when the page was built): a live control needs a kernel, and its JavaScript a CDN;
-- TeX in markdown cells becomes MathML (``grading.site_math``), which the browser draws itself;
+- TeX in markdown cells becomes MathML (``course_tools.site.formulas``), which the browser draws itself;
 - every script the template would fetch from a CDN (require.js, MathJax, mermaid, the widget
   manager) is left out, and a bar links each page to the contents and to its neighbours.
 """
@@ -20,7 +20,7 @@ import jinja2
 import nbformat
 from nbconvert import HTMLExporter
 
-from grading.site_math import TEX_FALLBACK_CLASS, MathMLRenderer, markdown_to_html
+from course_tools.site.formulas import TEX_FALLBACK_CLASS, MathMLRenderer, markdown_to_html
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"

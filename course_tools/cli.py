@@ -29,7 +29,7 @@ def _refuse(command: str, message: str, code: int = EXIT_USAGE) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from grading.doctor import findings, report
+    from course_tools.doctor import findings, report
 
     text, code = report(findings(run_triton=not args.skip_triton))
     print(text)
@@ -37,7 +37,7 @@ def _cmd_doctor(args) -> int:
 
 
 def _limits(args, bwrap: bool = False):
-    from grading.sandbox import Limits
+    from grading.run.sandbox import Limits
 
     return Limits(cell_timeout=args.cell_timeout, check_timeout=args.check_timeout, budget=args.budget,
                   memory_mb=args.memory_mb, max_processes=args.max_processes, file_size_mb=args.file_size_mb,
@@ -50,7 +50,7 @@ def _use_bubblewrap(args, default: bool) -> tuple[bool, str]:
     Other people's work (``--submissions``) is graded in bubblewrap unless ``--no-sandbox``;
     one notebook, usually the learner's own, only with ``--sandbox``.
     """
-    from grading import bwrap
+    from grading.run import bwrap
 
     wanted = (default or args.sandbox) and not args.no_sandbox
     if not wanted:
@@ -192,7 +192,7 @@ def _cmd_grade_batch(args) -> int:
 def _cmd_gradebook(args) -> int:
     import csv
 
-    from grading.gradebook import build_gradebook
+    from course_tools.gradebook import build_gradebook
 
     try:
         book, written = build_gradebook(Path(args.grades), Path(args.out) if args.out else None, args.roster)
@@ -238,7 +238,7 @@ def _cmd_progress(args) -> int:
 
 
 def _cmd_site(args) -> int:
-    from grading.site import build_site, find_lessons
+    from course_tools.site.build import build_site, find_lessons
 
     only = set(args.only.split(",")) if args.only else None
     try:
@@ -258,7 +258,7 @@ def _cmd_site(args) -> int:
 
 
 def _cmd_release(args) -> int:
-    from grading.release import ReleaseError, generate_all, learner_edition
+    from course_tools.release import ReleaseError, generate_all, learner_edition
 
     if args.edition == "learner":
         if len(args.lab) != 1:
@@ -291,7 +291,7 @@ def _cmd_serve(args) -> int:
 
     pieces = None
     if args.engine == "learner":
-        from grading.capstone import CapstoneError, load, report
+        from course_tools.capstone import CapstoneError, load, report
 
         try:
             pieces, rows = load(args.capstone_dir)
@@ -324,7 +324,7 @@ class _PrintVersion(argparse.Action):
 
 
 def _add_limit_options(parser: argparse.ArgumentParser) -> None:
-    from grading.sandbox import Limits
+    from grading.run.sandbox import Limits
 
     d = Limits()
     group = parser.add_argument_group("limits on the learner's kernel")
@@ -345,7 +345,7 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_capstone(args) -> int:
-    from grading.capstone import CapstoneError, build, load, report
+    from course_tools.capstone import CapstoneError, build, load, report
 
     try:
         labs = build(args.labs, args.out, notebook=args.notebook)
@@ -384,6 +384,38 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _cmd_gradescope(args) -> int:
+    from course_tools.gradescope_bundle import build_bundle
+    from grading.gradescope import ALLOW_UNSANDBOXED, KERNEL_USER
+
+    out_dir = Path(args.out) if args.out else REPO_ROOT / "build" / "gradescope" / args.lab
+    try:
+        bundle = build_bundle(args.lab, out_dir, allow_unsandboxed=args.allow_unsandboxed)
+    except ValueError as exc:
+        return _refuse("gradescope", str(exc))
+    if args.allow_unsandboxed:
+        print(f"warning: this bundle grades even where bubblewrap cannot run. There each learner's kernel runs "
+              f"outside any sandbox, as the user {KERNEL_USER}: the answer key (solutions/, locked to root) and the "
+              f"grader's processes are out of its reach, but not what every user may read (the course's reference "
+              f"code in infra_lib/ included) nor, in most containers, the network. Without "
+              f"{ALLOW_UNSANDBOXED} it refuses to grade there instead.", file=sys.stderr)
+    print(f"wrote {bundle} ({bundle.stat().st_size // 1024} KiB)")
+    print(f"Upload it on the Gradescope assignment's Configure Autograder page as the autograder zip file "
+          f"(base image: Ubuntu 22.04); learners submit their {args.lab}.ipynb alone.")
+    return EXIT_OK
+
+
+def _add_gradescope(sub) -> None:
+    """``infra-lab gradescope LAB [--out DIR] [--allow-unsandboxed]``."""
+    parser = sub.add_parser("gradescope", help="build a lab's autograder.zip for Gradescope")
+    parser.add_argument("lab", help="the lab id, e.g. lab01_gemm (a folder of solutions/)")
+    parser.add_argument("--out", help="folder for autograder.zip (default build/gradescope/<lab>)")
+    parser.add_argument("--allow-unsandboxed", action="store_true",
+                        help="grade even where bubblewrap cannot run, each kernel as the user nobody "
+                             "(default: refuse there)")
+    parser.set_defaults(func=_cmd_gradescope)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -466,7 +498,6 @@ def build_parser() -> argparse.ArgumentParser:
                                               "lab16_capstone.ipynb, when it exists)")
     cap_build.set_defaults(func=_cmd_capstone)
 
-    from grading.gradescope import add_parser as _add_gradescope
     _add_gradescope(sub)
     return parser
 

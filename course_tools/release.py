@@ -19,7 +19,7 @@ from nbformat import NotebookNode
 from grading.course import DEFAULT_SOURCE, REPO_ROOT, lab_ids
 from grading.notebook import grade_id, nbgrader_meta, read_notebook
 
-CONFIG = REPO_ROOT / "grading" / "nbgrader_config.py"
+CONFIG = REPO_ROOT / "course_tools" / "nbgrader_config.py"
 # nbgrader's solution delimiters: a line that contains one opens or closes a region.
 BEGIN_REGION = "BEGIN SOLUTION"
 END_REGION = "END SOLUTION"
@@ -365,7 +365,7 @@ def learner_edition(out_dir: Path, force: bool = False) -> Path:
     leaks = answer_leaks(out_dir, solution_regions())
     if leaks:
         raise ReleaseError(f"the edition in {out_dir} holds solution code in {', '.join(leaks)}; leave them out "
-                           f"(grading.release.LEFT_OUT) and build it again")
+                           f"(course_tools.release.LEFT_OUT) and build it again")
     equivalent = [f"{name}: {unit} is {label}'s answer" for name, label, unit in equivalent_code(out_dir, solution_prints())]
     if equivalent:
         raise ReleaseError(f"the edition in {out_dir} holds code equivalent to an answer: {'; '.join(equivalent)}; "

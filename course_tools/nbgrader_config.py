@@ -1,4 +1,4 @@
-"""nbgrader configuration for this course: `nbgrader <command> --config grading/nbgrader_config.py`.
+"""nbgrader configuration for this course: `nbgrader <command> --config course_tools/nbgrader_config.py`.
 
 solutions/ is nbgrader's source directory (instructor notebooks with hidden tests) and
 labs/ its release directory (what learners get). Run nbgrader from the repository root.
@@ -6,10 +6,12 @@ labs/ its release directory (what learners get). Run nbgrader from the repositor
 
 import os
 
+from grading.course import REPO_ROOT
+
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
 
 c.CourseDirectory.course_id = "infra-course"
-c.CourseDirectory.root = os.environ.get("INFRA_COURSE_ROOT", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+c.CourseDirectory.root = os.environ.get("INFRA_COURSE_ROOT", str(REPO_ROOT))
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "labs"
 
@@ -30,11 +32,11 @@ c.IgnorePattern.pattern = r"(?i)warn|USDT:|STAGE:|profiler_(start|stop)"
 # A learner who deleted a test cell gets it back rather than a silent zero.
 c.OverwriteCells.add_missing_cells = True
 
-# Each notebook's kernel forks from a process that has already imported torch (grading.warm):
+# Each notebook's kernel forks from a process that has already imported torch (grading.run.warm):
 # about 3 s of CPU less per notebook graded, nothing else changed (no limits are added; the
 # course's own grader is the one that sandboxes). INFRA_LAB_COLD_KERNELS=1 turns it off.
 try:
-    from grading.warm import nbgrader_warm_kernels
+    from grading.run.warm import nbgrader_warm_kernels
 except ImportError:  # nbgrader run from another environment than the course's
     pass
 else:

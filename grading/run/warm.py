@@ -6,21 +6,21 @@ grade``, a batch worker, a test worker) therefore keeps one *template*: a child 
 imports ipykernel, IPython, numpy and torch once, runs nothing else, and forks a kernel for each
 notebook it is asked for. The forked kernel
 
-* applies the same sandbox as :mod:`grading.sandbox` (address space, file size, no network)
+* applies the same sandbox as :mod:`grading.run.sandbox` (address space, file size, no network)
   and writes the same status file, with its pid;
 * starts in a session of its own, in the notebook's folder, with the environment the kernel
   manager gave it, its random generators reseeded, stdin closed;
-* runs ipykernel in place of the command ``grading.sandbox`` would have executed.
+* runs ipykernel in place of the command ``grading.run.sandbox`` would have executed.
 
 The same template serves *plain* kernels too: the lessons the suite and the site run, and the
-kernels nbgrader starts for an instructor (``grading/nbgrader_config.py``). A plain kernel gets no
+kernels nbgrader starts for an instructor (``course_tools/nbgrader_config.py``). A plain kernel gets no
 limits and no status file; it is what ``python -m ipykernel_launcher`` would have been, without
 the wait for torch. :func:`plain_kernels` puts such a kernelspec first on the path.
 
 Every kernel starts from the template's pristine state: the template never runs learner code,
 and a fork shares nothing writable with its parent or its siblings. The kernel is the
 template's child, not the runner's; the runner finds it through the status file to count and
-kill its processes (:func:`grading.runner.execute`).
+kill its processes (:func:`grading.run.execute.execute`).
 
 A process whose environment names a live template (its socket and token), such as a command a
 test worker runs, uses that template rather than starting one of its own.
@@ -30,12 +30,12 @@ sandboxed kernelspec names: it sends the kernel command it would have run, its c
 environment, with a token, over the template's Unix socket (``INFRA_LAB_WARM_SOCKET`` and
 ``INFRA_LAB_WARM_TOKEN`` in the runner's environment, never the kernel's). Without a template
 (another OS, ``INFRA_LAB_COLD_KERNELS=1``, or a template that failed to start) the kernel
-starts the usual way, through ``grading.sandbox``.
+starts the usual way, through ``grading.run.sandbox``.
 
 A kernel outside bubblewrap runs as the grading user and can read other processes'
 environments; the token keeps out other users, not such a kernel, which could ask the template
 for another kernel under limits of its choosing. A kernel in bubblewrap is moved into the sandbox
-bubblewrap builds for it (:func:`grading.bwrap.enter`) before it runs anything: the template's
+bubblewrap builds for it (:func:`grading.run.bwrap.enter`) before it runs anything: the template's
 socket, its folder and its processes are out of its view.
 """
 
@@ -57,18 +57,20 @@ import threading
 import time
 from pathlib import Path
 
+from grading.course import PACKAGES, REPO_ROOT
+from grading.run.sandbox import WARM_PROVISIONER
+
 SOCKET_ENV = "INFRA_LAB_WARM_SOCKET"
 TOKEN_ENV = "INFRA_LAB_WARM_TOKEN"
 COLD_ENV = "INFRA_LAB_COLD_KERNELS"
 # Set by nbgrader_warm_kernels: the provisioner starts this process's template on its first kernel.
 AUTO_ENV = "INFRA_LAB_WARM_AUTO"
 PLAIN_KERNEL = "python3"  # the kernel the lessons and labs name in their metadata
-PROVISIONER = "infra-lab-warm"
 # What a graded notebook imports before its first answer: imported once, by the template.
 PRELOAD = ["numpy", "torch", "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets",
            "grading.check", "grading.progress_panel",
-           # and what the runner that drives a graded notebook imports (grading.runner, papermill)
-           "grading.runner", "grading.notebook", "papermill.clientwrap", "nbclient.exceptions"]
+           # and what the runner that drives a graded notebook imports (grading.run.execute, papermill)
+           "grading.run.child", "grading.run.papermill_ipc", "papermill.clientwrap", "nbclient.exceptions"]
 _READY_S = 60.0  # how long a runner waits for a template that is still importing
 _MAX_REQUEST = 1 << 20
 
@@ -85,7 +87,7 @@ class Template:
         env = {**os.environ, TOKEN_ENV: self.token}
         env.pop(SOCKET_ENV, None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grading.warm", str(self.socket_path)], env=env,
+            [sys.executable, "-m", "grading.run.warm", str(self.socket_path)], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def env(self) -> dict[str, str]:
@@ -135,7 +137,7 @@ def provisioner_installed() -> bool:
     """Whether jupyter_client can find :class:`WarmProvisioner` (the package's entry point)."""
     from importlib.metadata import entry_points
 
-    return any(ep.name == PROVISIONER for ep in entry_points(group="jupyter_client.kernel_provisioners"))
+    return any(ep.name == WARM_PROVISIONER for ep in entry_points(group="jupyter_client.kernel_provisioners"))
 
 
 def template() -> Template | None:
@@ -167,7 +169,7 @@ def write_plain_kernelspec(jupyter_dir: Path) -> Path:
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": "Python 3 (infra course)", "language": "python",
-            "metadata": {"kernel_provisioner": {"provisioner_name": PROVISIONER}}}
+            "metadata": {"kernel_provisioner": {"provisioner_name": WARM_PROVISIONER}}}
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return Path(jupyter_dir)
 
@@ -200,6 +202,17 @@ def plain_kernels():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def run_lesson(source: str | Path, out: str | Path, *, warm: bool = True, **kwargs):
+    """:func:`grading.run.papermill_ipc.run_with_papermill`, its ``python3`` kernel forked from this
+    process's template with torch already imported (about 3 s of CPU less per notebook) where the
+    platform allows and ``warm`` is on (the suite's lessons, the site); otherwise started the usual
+    way, as a learner's is. Returns the executed notebook."""
+    from grading.run.papermill_ipc import run_with_papermill
+
+    with plain_kernels() if warm else contextlib.nullcontext():
+        return run_with_papermill(source, out, **kwargs)
 
 
 def nbgrader_warm_kernels() -> bool:
@@ -297,7 +310,7 @@ class _Forked:
 
 
 class ForkedRunner(_Forked):
-    """A Popen-like handle on a notebook runner (``grading.runner``) forked by the template: its exit
+    """A Popen-like handle on a notebook runner (``grading.run.child``) forked by the template: its exit
     code comes back through ``exit_file``, which the runner writes as it exits (-9 when it was killed
     before it could)."""
 
@@ -318,7 +331,7 @@ class ForkedRunner(_Forked):
 
 
 def fork_runner(argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> ForkedRunner | None:
-    """``python -m grading.runner ARGV``, forked by this process's template (papermill already
+    """``python -m grading.run.child ARGV``, forked by this process's template (papermill already
     imported) instead of started afresh: stdout and stderr to ``log``, in ``cwd`` with exactly ``env``.
     None where no template answers (start the runner as a process of its own then)."""
     current = template()
@@ -359,13 +372,13 @@ class WarmProvisioner(LocalProvisioner):
 def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
     """Split a kernelspec's command into the sandbox's options (None for a plain kernel) and
     ipykernel's arguments."""
-    from grading.sandbox import parse_launcher
+    from grading.run.sandbox import parse_launcher
 
-    if "grading.sandbox" not in cmd:
+    if "grading.run.sandbox" not in cmd:
         if cmd[1:3] != ["-m", "ipykernel_launcher"]:
             raise ValueError(f"not an ipykernel command: {cmd}")
         return None, cmd[3:]
-    args = parse_launcher(cmd[cmd.index("grading.sandbox") + 1:])
+    args = parse_launcher(cmd[cmd.index("grading.run.sandbox") + 1:])
     command = _kernel_command_line(vars(args))
     if "ipykernel_launcher" not in command:
         raise ValueError(f"not an ipykernel command: {command}")
@@ -398,7 +411,7 @@ def _run_kernel(request: dict) -> None:
         if options is not None and options["bwrap"]:
             _enter_bwrap(options)  # returns in the kernel, a child born in the sandbox
         elif options is not None:
-            from grading.sandbox import apply_limits
+            from grading.run.sandbox import apply_limits
 
             status = apply_limits(options["memory_mb"], options["file_size_mb"], options["no_network"])
             status["pid"] = os.getpid()
@@ -423,11 +436,11 @@ def _run_kernel(request: dict) -> None:
 def _enter_bwrap(options: dict) -> None:
     """In the forked child, for a kernel in bubblewrap: apply the launcher's limits, write its status
     (this process's pid: the watchdog counts and kills from here), move into the sandbox bubblewrap
-    builds (grading.bwrap.enter), and fork the kernel inside it. This process stays outside the
+    builds (grading.run.bwrap.enter), and fork the kernel inside it. This process stays outside the
     kernel's PID namespace, ignores interrupts (they are the kernel's), waits for the kernel and exits
     with its code, taking the sandbox with it. Returns only in the kernel."""
-    from grading import bwrap
-    from grading.sandbox import apply_limits, bwrap_status, limit_processes
+    from grading.run import bwrap
+    from grading.run.sandbox import apply_limits, bwrap_status, limit_processes
 
     prefix, _, env, chdir = bwrap.split_command(_kernel_command_line(options))
     status = apply_limits(options["memory_mb"], options["file_size_mb"], False)
@@ -471,24 +484,24 @@ def _forget_course_modules() -> None:
     import importlib
     import linecache
 
-    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    root = str(REPO_ROOT) + os.sep
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None) or ""
-        if name.split(".")[0] in ("grading", "infra_lib") or (path.startswith(root) and ".venv" not in path):
+        if name.split(".")[0] in PACKAGES or (path.startswith(root) and ".venv" not in path):
             del sys.modules[name]
     linecache.clearcache()
     importlib.invalidate_caches()
 
 
 def _run_runner(request: dict) -> None:
-    """In the forked child: become ``python -m grading.runner ARGV``. Never returns."""
+    """In the forked child: become ``python -m grading.run.child ARGV``. Never returns."""
     code = 1
     try:
         _enter_child(request, Path(request["log"]))  # the runner waits for the kernels it starts
-        sys.argv = ["grading.runner", *request["runner"]]
-        from grading.runner import _child
+        sys.argv = ["grading.run.child", *request["runner"]]
+        from grading.run.child import main as run_child
 
-        code = _child(request["runner"])
+        code = run_child(request["runner"])
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     except BaseException:  # noqa: BLE001 - say why in the runner's log, then exit
@@ -513,9 +526,9 @@ def _valid(request: dict) -> None:
     else:
         options, _ = _kernel_command(request["cmd"])
         if options is not None and options.get("user"):  # a fork would keep the template's user (root)
-            raise ValueError("a kernel run as another user starts cold, through grading.sandbox, never from the template")
+            raise ValueError("a kernel run as another user starts cold, through grading.run.sandbox, never from the template")
         if options is not None and options["bwrap"]:
-            from grading import bwrap
+            from grading.run import bwrap
 
             bwrap.split_command(_kernel_command_line(options))
 

@@ -1,10 +1,10 @@
-"""Executing a notebook with papermill under limits, in a child process the grader can kill.
+"""Executing a notebook under limits, in a child process the grader can kill: the parent's side.
 
-The child (``python -m grading.runner IN OUT ...``) runs papermill with a per-cell time-out
+The child (``python -m grading.run.child IN OUT ...``, :mod:`grading.run.child`) runs papermill with a per-cell time-out
 (the kernel is interrupted and the next cell runs), errors allowed (one broken answer does
 not stop the rest) and a cap on each cell's output. The kernel is forked from the grading
-process's template (``grading.warm``), or started through the sandbox launcher
-(``grading.sandbox``); either way under the same limits (memory, file size, network). This parent process
+process's template (``grading.run.warm``), or started through the sandbox launcher
+(``grading.run.sandbox``); either way under the same limits (memory, file size, network). This parent process
 watches the run: the whole-notebook budget, a cell that ignores its interrupt, and the
 number of processes the kernel spawns; it kills the lot when one is exceeded and reports
 which cell was running.
@@ -12,7 +12,6 @@ which cell was running.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -25,14 +24,12 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from grading import warm
-from grading.sandbox import Limits, remove_cgroup, write_kernelspec
+from grading.run import warm
+from grading.run.child import EXIT_COMPLETE, EXIT_KERNEL_DIED
+from grading.run.sandbox import Limits, remove_cgroup, write_kernelspec
 
 POLL_S = 0.25
 INTERRUPT_GRACE_S = 5.0
-EXIT_COMPLETE = 0
-EXIT_KERNEL_DIED = 3
-EXIT_OTHER = 4
 
 # Why a run stopped early; the grader turns these into per-check failure reasons.
 STOP_CRASH = "crash"
@@ -90,7 +87,7 @@ _OVERHEAD = {(False, False): 2, (True, False): 4, (False, True): 2, (True, True)
 
 
 class _ForkedKernel:
-    """A kernel forked by the template (grading.warm) is not the runner's descendant: its pid comes
+    """A kernel forked by the template (grading.run.warm) is not the runner's descendant: its pid comes
     from the sandbox status file, and its processes count and die with the runner's."""
 
     def __init__(self, status: Path):
@@ -219,12 +216,12 @@ def execute(
     jupyter_dir = workdir / "jupyter"
     kernel_dir = kernel_folder(workdir, limits)
     kernel_dir.mkdir(parents=True, exist_ok=True)
-    # Graded kernels fork from the template, torch already imported (grading.warm); one in
-    # bubblewrap is then moved into the sandbox bubblewrap builds for it (grading.bwrap.enter).
+    # Graded kernels fork from the template, torch already imported (grading.run.warm); one in
+    # bubblewrap is then moved into the sandbox bubblewrap builds for it (grading.run.bwrap.enter).
     template = warm.template()
     kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None,
                               scratch=kernel_dir if limits.bwrap else None, hide=hidden)
-    command = [sys.executable, "-m", "grading.runner", str(source), str(output), "--kernel", kernel,
+    command = [sys.executable, "-m", "grading.run.child", str(source), str(output), "--kernel", kernel,
                "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
                "--cwd", str(kernel_dir), "--progress", str(progress)]
     for name, value in parameters.items():
@@ -290,82 +287,3 @@ def execute(
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
         result.stop, result.reason = STOP_OTHER, f"execution failed: {' | '.join(tail)}"
     return result
-
-
-def _limit_output(client_class, limit_bytes: int) -> None:
-    """Cap the output kept per cell; errors always pass, so failures stay visible."""
-    original = client_class.output
-
-    def output(self, outs, msg, display_id, cell_index):
-        sizes = self.__dict__.setdefault("_infra_output_bytes", {})
-        if msg.get("msg_type") != "error":
-            size = len(json.dumps(msg.get("content", {}), default=str))
-            sizes[cell_index] = sizes.get(cell_index, 0) + size
-            if sizes[cell_index] > limit_bytes:
-                cell = self.nb.cells[cell_index]
-                if not cell.metadata.get("infra_lab", {}).get("output_truncated"):
-                    cell.metadata.setdefault("infra_lab", {})["output_truncated"] = True
-                    note = nbformat.v4.new_output(
-                        "stream", name="stdout",
-                        text=f"\n[the grader dropped this cell's output past {limit_bytes // 1024} KiB]\n")
-                    outs.append(note)
-                return None
-        return original(self, outs, msg, display_id, cell_index)
-
-    client_class.output = output
-
-
-def _child(argv: list[str] | None = None) -> int:
-    import ast
-    import logging
-
-    from nbclient.exceptions import DeadKernelError
-    from papermill.clientwrap import PapermillNotebookClient
-    from papermill.exceptions import PapermillExecutionError
-
-    from grading.notebook import run_with_papermill
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("source")
-    parser.add_argument("output")
-    parser.add_argument("--kernel", required=True)
-    parser.add_argument("--cell-timeout", type=float, required=True)
-    parser.add_argument("--output-kb", type=int, required=True)
-    parser.add_argument("--cwd", required=True)
-    parser.add_argument("--progress", required=True, help="file that gets the id of each cell as it starts")
-    parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
-    args = parser.parse_args(argv)
-    logging.getLogger("papermill").setLevel(logging.ERROR)
-    progress = Path(args.progress)
-    execute_cell = PapermillNotebookClient.execute_cell
-
-    def tracked_execute_cell(self, cell, cell_index, *more, **kwargs):
-        progress.write_text(cell.get("id", ""), encoding="utf-8")
-        return execute_cell(self, cell, cell_index, *more, **kwargs)
-
-    PapermillNotebookClient.execute_cell = tracked_execute_cell
-    _limit_output(PapermillNotebookClient, args.output_kb * 1024)
-    try:
-        run_with_papermill(  # Unix sockets: the kernel may have no network
-            args.source, args.output,
-            parameters={name: ast.literal_eval(value) for name, value in args.p},
-            kernel_name=args.kernel, cwd=args.cwd, progress_bar=False,
-            request_save_on_cell_execute=True, execution_timeout=args.cell_timeout,
-            allow_errors=True, interrupt_on_timeout=True, start_timeout=120,
-        )
-    except PapermillExecutionError:
-        pass  # a cell raised: allowed, the verdicts read it from the output notebook
-    except DeadKernelError as exc:
-        print(f"dead kernel: {exc}", file=sys.stderr)
-        return EXIT_KERNEL_DIED
-    except Exception as exc:
-        if "dead" in str(exc).lower() or "died" in str(exc).lower():
-            print(f"dead kernel: {exc}", file=sys.stderr)
-            return EXIT_KERNEL_DIED
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_OTHER
-    return EXIT_COMPLETE
-
-
-if __name__ == "__main__":
-    sys.exit(_child())

@@ -1,7 +1,7 @@
 """The graded kernel inside bubblewrap: a view of the machine with only what a lab needs.
 
 ``kernel_prefix(scratch)`` is the ``bwrap`` command that the sandboxed kernelspec runs between the
-launcher (:mod:`grading.sandbox`, which applies the limits and executes it) and the kernel.
+launcher (:mod:`grading.run.sandbox`, which applies the limits and executes it) and the kernel.
 Inside it the kernel sees:
 
 * read-only: the system's programs and libraries (``/usr``, ``/etc`` and the ``/bin``, ``/lib``
@@ -34,10 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# What the kernel needs from the course: the library and the checks. Everything else in the
-# course folder (solutions/, labs/, tests/, grades...) is absent from its view.
-COURSE_PARTS = ("infra_lib", "grading")
+from grading.course import GRADER_PACKAGES, REPO_ROOT
+
+# What the kernel needs from the course: the library and the checks (GRADER_PACKAGES). Everything
+# else in the course folder (solutions/, labs/, tests/, the tooling, grades...) is absent from its view.
+COURSE_PARTS = GRADER_PACKAGES
 _SYSTEM = ("/usr", "/etc", "/opt")
 _LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install "
@@ -115,7 +116,7 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
 # --- a kernel forked warm, moved into a sandbox that bubblewrap built -------------------------------
 #
 # A cold kernel is bubblewrap's command: it pays for importing torch in every sandbox (about 2 s of
-# CPU). A warm one (grading.warm) is forked from the grader's template, which imported torch once
+# CPU). A warm one (grading.run.warm) is forked from the grader's template, which imported torch once
 # and runs outside any sandbox. ``enter`` puts such a fork into exactly the sandbox the cold kernel
 # would have had: bubblewrap builds it as usual (the same command, up to ``--``) around an idle
 # holder process, and the fork joins the holder's namespaces (user where bubblewrap made one, IPC,

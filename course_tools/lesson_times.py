@@ -9,8 +9,8 @@ a lesson states a quiet machine's time, and a run made while other programs were
 it only when it is slower even scaled to a quiet machine. Nothing here asserts a time: a slow
 run only changes what the lessons say.
 
-    python -m grading.run_times measure --full 06 09   # full runs of two lessons, recorded
-    python -m grading.run_times update                  # measurements -> run_times.json -> lessons
+    python -m course_tools.lesson_times measure --full 06 09   # full runs of two lessons, recorded
+    python -m course_tools.lesson_times update                  # measurements -> run_times.json -> lessons
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 from datetime import date
 from pathlib import Path
 
+from grading.course import REPO_ROOT
 from grading.grading_times import Load, machine_load
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO_ROOT / "notebooks"
 TIMES_FILE = NOTEBOOKS / "run_times.json"
 MEASURED_DIR = REPO_ROOT / "build" / "notebook_times"
@@ -175,7 +175,7 @@ def lessons(names: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Pa
     Raises:
         ValueError: a name matches no lesson.
     """
-    from grading.site import find_lessons
+    from course_tools.site.build import find_lessons
 
     only = {name.split("_", 1)[0] for name in names} if names else None
     return [lesson.path for lesson in find_lessons(folder, only)]
@@ -183,13 +183,13 @@ def lessons(names: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Pa
 
 def run_and_record(path: Path, quick: bool, out_dir: Path = MEASURED_DIR, timeout_s: int = 1800) -> float:
     """Run one lesson top to bottom in a scratch folder (papermill) and record how long it took."""
-    from grading.notebook import run_with_papermill
+    from grading.run.papermill_ipc import run_with_papermill
 
     with tempfile.TemporaryDirectory(prefix=f"run-{path.stem}-") as work:
         started = time.monotonic()
         run_with_papermill(path, Path(work) / path.name, parameters={"QUICK": quick},
-                                   kernel_name="python3", cwd=work, progress_bar=False,
-                                   execution_timeout=timeout_s)
+                           kernel_name="python3", cwd=work, progress_bar=False,
+                           execution_timeout=timeout_s)
         seconds = time.monotonic() - started
     record(path.stem, "quick" if quick else "full", seconds, out_dir)
     return seconds
@@ -208,7 +208,7 @@ def update(out_dir: Path = MEASURED_DIR, times_file: Path = TIMES_FILE, folder: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grading.run_times", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_tools.lesson_times", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("measure", help="run lessons top to bottom and record their run times")
     run.add_argument("names", nargs="*", help="chapter numbers or stems (default: every lesson)")

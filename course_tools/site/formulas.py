@@ -10,7 +10,7 @@ A dollar sign only opens inline maths when a non-space follows it, and only clos
 non-space precedes it and no digit follows it, so "$2 per hour, about $0.56" stays text; inline
 maths never spans a backtick, so code spans keep their dollars (code blocks never hold maths).
 
-Check every lesson: ``python -m grading.site_math notebooks``.
+Check every lesson: ``python -m course_tools.site.formulas notebooks``.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def unconverted_math(notebooks: list[Path]) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m grading.site_math [FOLDER]``: exit 1 if any formula of the lessons in FOLDER stays TeX."""
+    """``python -m course_tools.site.formulas [FOLDER]``: exit 1 if any formula of the lessons in FOLDER stays TeX."""
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0] if args else "notebooks")
     notebooks = sorted(folder.glob("*.ipynb"))

@@ -5,32 +5,32 @@ from __future__ import annotations
 
 import json
 
-from grading import run_times
+from course_tools import lesson_times
 from grading.grading_times import Load
 
 QUIET, BUSY = Load(0.1, 2), Load(4.0, 2)
 
 
 def test_a_recorded_run_keeps_the_load_it_ran_at(tmp_path):
-    busy = json.loads(run_times.record("06_x", "quick", 30.0, tmp_path, load=BUSY).read_text())
-    quiet = json.loads(run_times.record("06_x", "full", 120.0, tmp_path, load=QUIET).read_text())
+    busy = json.loads(lesson_times.record("06_x", "quick", 30.0, tmp_path, load=BUSY).read_text())
+    quiet = json.loads(lesson_times.record("06_x", "full", 120.0, tmp_path, load=QUIET).read_text())
     assert (busy["busy"], busy["quiet"], quiet["busy"], quiet["quiet"]) == (4.0, False, 0.1, True)
-    measured_now = json.loads(run_times.record("07_y", "quick", 5.0, tmp_path).read_text())
+    measured_now = json.loads(lesson_times.record("07_y", "quick", 5.0, tmp_path).read_text())
     assert measured_now["busy"] >= 0 and isinstance(measured_now["quiet"], bool)
 
 
 def test_the_run_time_paragraph_says_it_is_a_quiet_machines():
-    stated = run_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2,
+    stated = lesson_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2,
                                            "quick_quiet": True, "full_quiet": True})
     assert stated.startswith("**Run time** on a quiet machine with 2 CPU cores: about 10 s with `QUICK = True`, "
                              "about 2 min with the full settings.")
     assert "with 4 of them busy, about 3 times as long" in stated
     # Times recorded before loads were: stated as they were measured, a quiet machine's.
-    assert run_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2}) == stated
+    assert lesson_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2}) == stated
 
 
 def test_a_time_measured_on_a_busy_machine_says_so_and_what_a_quiet_one_would_take():
-    stated = run_times.run_time_paragraph({"quick_s": 30.0, "full_s": 130.0, "cores": 2, "quick_quiet": False,
+    stated = lesson_times.run_time_paragraph({"quick_s": 30.0, "full_s": 130.0, "cores": 2, "quick_quiet": False,
                                            "quick_busy": 4.0, "full_quiet": True})
     assert "while other programs were busy (`QUICK` with 4.0 busy processes on 2 cores)" in stated
     assert "about 30 s with `QUICK = True`, about 2 min with the full settings" in stated
@@ -38,8 +38,8 @@ def test_a_time_measured_on_a_busy_machine_says_so_and_what_a_quiet_one_would_ta
 
 
 def _merged(entry: dict, seconds: float, load: Load, tmp_path) -> dict:
-    run_times.record("06_x", "quick", seconds, tmp_path, load=load)
-    return run_times.merge({"06_x": entry}, run_times.measured(tmp_path))["06_x"]
+    lesson_times.record("06_x", "quick", seconds, tmp_path, load=load)
+    return lesson_times.merge({"06_x": entry}, lesson_times.measured(tmp_path))["06_x"]
 
 
 def test_a_quiet_machines_time_is_kept_over_a_busy_run_unless_the_lesson_grew_slower(tmp_path):

@@ -1,4 +1,4 @@
-"""The compiled-Triton steps of ``python -m grading.gpu_check``: every kernel of the course against its reference.
+"""The compiled-Triton steps of ``python -m course_tools.gpu.check``: every kernel of the course against its reference.
 
 On a CPU the tests run these kernels in Triton's interpreter; here each is compiled for the GPU
 (the matmul autotuned by Triton's autotuner; FlashAttention's and the 4-bit GEMV's tiles tuned by
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from grading.gpu_steps import SEED, StepFailed, StepSkipped, check_case, compiled_triton, randn, require_cases_close
+from course_tools.gpu.steps import SEED, StepFailed, StepSkipped, check_case, compiled_triton, randn, require_cases_close
 
 
 def _bench_ms(fn) -> float:

@@ -1,5 +1,5 @@
 """Write the bytecode of what the course imports, once, right after the virtual environment is
-filled: ``python -m grading.precompile`` (run by ``make``).
+filled: ``python -m course_tools.precompile`` (run by ``make``).
 
 ``make`` installs packages with ``pip --no-compile``: compiling every ``.py`` file in the
 environment (about 18,000, most of them never imported: transformers' hundreds of models,
@@ -72,7 +72,7 @@ def _own_modules() -> list[str]:
     for package in ("infra_lib", "grading"):
         module = importlib.import_module(package)
         names += [info.name for info in pkgutil.walk_packages(module.__path__, package + ".")]
-    skip = {__name__, "grading.nbgrader_config"}  # nbgrader_config is a configuration file nbgrader loads
+    skip = {__name__, "course_tools.nbgrader_config"}  # nbgrader_config is a configuration file nbgrader loads
     return [name for name in names if name not in skip]
 
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
 
         started = time.monotonic()
-        tools = subprocess.Popen([sys.executable, "-m", "grading.precompile", "--tools"], stdout=subprocess.PIPE,
+        tools = subprocess.Popen([sys.executable, "-m", "course_tools.precompile", "--tools"], stdout=subprocess.PIPE,
                                  text=True)
         failed = _import_all(TORCH_SIDE + ["infra_lib", "grading"]) + _import_all(_own_modules())
         failed += [line for line in tools.communicate()[0].splitlines() if line]

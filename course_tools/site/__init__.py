@@ -1,0 +1,1 @@
+"""The static site of the lessons: build, page rendering and formulas."""
