@@ -376,8 +376,11 @@ def reference_prints(lab_id: str) -> dict[str, Prints]:
 
 
 def course_prints(folder: Path = CHECKS) -> dict[str, Prints]:
-    """"course grading.checks.<module>" -> the fingerprint of that check module (the grader's own code)."""
-    return {f"course grading.checks.{path.stem}": file_fingerprint(path) for path in sorted(Path(folder).glob("*.py"))}
+    """"course grading.checks.<module>" -> the fingerprint of that check module (the grader's own code),
+    a lab's package included module by module ("course grading.checks.lab05.task3_ring_all_reduce")."""
+    folder = Path(folder)
+    return {"course grading.checks." + ".".join(path.relative_to(folder).with_suffix("").parts): file_fingerprint(path)
+            for path in sorted(folder.rglob("*.py")) if "__pycache__" not in path.parts}
 
 
 def _short(other: str) -> str:
