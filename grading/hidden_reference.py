@@ -32,8 +32,9 @@ STUB_MESSAGE = "{name} is the reference for {lab}: it is not available while {la
 
 
 def targets(lab: str) -> list[str]:
-    """The lab's reference objects, "module:name" or "module:Class.method": what its checks compare with (a Triton kernel,
-    a function, a class) and what its answers must not call (``register_shortcuts``), less ``KEEP``."""
+    """The lab's reference objects, "module:name" or "module:Class.method": what its checks compare with
+    (a Triton kernel, a function, a class) and what its answers must not call (``register_shortcuts``),
+    less ``KEEP``."""
     key = lab_key(lab)
     found = [getattr(check.reference, "target", None) for check_id, check in sorted(all_checks().items())
              if check_id.split(".")[0] == key]
@@ -69,7 +70,8 @@ def _functions(tree: ast.Module, names: dict[str, set[str] | None], module: str)
         elif isinstance(node, ast.ClassDef) and node.name in names:
             members = names[node.name]
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (members is None or item.name in members):
+                if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and (members is None or item.name in members)):
                     yield item, f"{module}.{node.name}.{item.name}"
 
 

@@ -1,4 +1,17 @@
-"""The registry of checks: seeded inputs, a driver, and a comparison against the reference."""
+"""The registry of checks: seeded inputs, a driver, and a comparison against the reference.
+
+A lab's check module (``grading.checks.labNN``, a package split by task where it is long) registers
+each check with one module-level statement, keyword arguments only::
+
+    register(Check(check_id="lab01.gemm_flops", task="lab01 task 1: gemm_flops",
+                   reference=reference("infra_lib.hardware.flops", "gemm_flops"),
+                   make_inputs=_shapes, drive=_drive, compare=_compare, hint="..."))
+
+Fields that several checks share may come from a small public helper that returns a dict, passed as
+``**parts``. No check is registered in a loop, through a local wrapper or by a module ``__getattr__``:
+reading a check module shows every check it registers, each in one place. The reference objects a
+lab's answers must not call are named once per lab with :func:`register_shortcuts`.
+"""
 
 from __future__ import annotations
 
@@ -178,6 +191,11 @@ def shortcut_modules(lab: str) -> tuple[set[str], set[str]]:
 
 
 def register(check: Check) -> Check:
+    """Add one check, as one module-level ``register(Check(...))`` statement (see the module's docstring).
+
+    Raises:
+        ValueError: a check with this id is already registered.
+    """
     if check.check_id in _REGISTRY:
         raise ValueError(f"check {check.check_id!r} is registered twice")
     _REGISTRY[check.check_id] = check

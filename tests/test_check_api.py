@@ -434,7 +434,8 @@ def test_an_answer_that_raised_is_judged_without_running_the_reference(monkeypat
         calls.append(1)
         return original.reference()
 
-    monkeypatch.setitem(registry._REGISTRY, "lab01.gemm_flops", dataclasses.replace(original, reference=counted_reference))
+    monkeypatch.setitem(registry._REGISTRY, "lab01.gemm_flops",
+                        dataclasses.replace(original, reference=counted_reference))
 
     def stub(m, n, k):
         raise NotImplementedError("lab01 task 1: gemm_flops")
@@ -461,7 +462,8 @@ from grading import tamper
 from grading.call_monitor import CallMonitor
 from grading.registry import all_checks, register_shortcuts, resolve_target, shortcut_functions, shortcut_modules
 
-register_shortcuts("lab98", ["infra_lib.ops.llmops:RolloutPolicy.judge", "infra_lib.model.config:LlamaConfig.from_hf_dict"])
+register_shortcuts("lab98", ["infra_lib.ops.llmops:RolloutPolicy.judge",
+                             "infra_lib.model.config:LlamaConfig.from_hf_dict"])
 all_checks()
 assert "torch" not in sys.modules and "infra_lib.ops.llmops" not in sys.modules, "registering imported the target"
 
@@ -472,7 +474,8 @@ assert shortcut_functions("lab98") == [RolloutPolicy.judge, LlamaConfig.__dict__
 modules, names = shortcut_modules("lab98")
 assert names == {"judge", "from_hf_dict"}, names
 assert not {"infra_lib.ops.llmops", "infra_lib.model.config"} & modules, modules  # the classes stay importable
-called = "from infra_lib.ops.llmops import RolloutPolicy\n\ndef verdict(p, a, b):\n    return RolloutPolicy.judge(p, a, b)[0]\n"
+called = ("from infra_lib.ops.llmops import RolloutPolicy\n\n"
+          "def verdict(p, a, b):\n    return RolloutPolicy.judge(p, a, b)[0]\n")
 assert [f.kind for f in tamper.scan(called, modules, names)] == [tamper.SHORTCUT]
 helper = "from infra_lib.ops.llmops import RolloutPolicy\n\ndef share(r):\n    return r.share\n"
 assert tamper.scan(helper, modules, names) == []

@@ -197,10 +197,10 @@ def test_inputs_are_plain_data_and_the_same_for_the_same_seed():
 def test_scenario_inputs_are_made_before_the_learner_runs(solution, tmp_path, monkeypatch):
     """run_scenario calls the reference functions; it must run in make_inputs, outside the call monitor,
     so an honest answer is never recorded as a shortcut, while an answer calling the reference is."""
-    from grading.checks import lab10
+    from grading.checks.lab10.timings import scenario
     from infra_lib.ops.latency import tpot
 
-    lab10._scenario.cache_clear()
+    scenario.cache_clear()
     record = tmp_path / "answers.jsonl"
     monkeypatch.setenv(RECORD_ENV, str(record))
     monkeypatch.setenv(SEED_ENV, "5")
@@ -269,7 +269,6 @@ def test_task8_a_gate_written_as_a_relative_difference_fails_on_the_limit():
     """(candidate - current) / current <= tolerance is the rule on paper, but rejects 16.8 against 16.0 at 5%,
     which the lab says passes: the hidden check must fail it, whatever the grader's seed."""
     from grading.registry import get_check
-
     from infra_lib.ops.llmops import VersionCard
 
     divided = _gate(divided="guarded")
