@@ -11,7 +11,8 @@ import pytest
 
 from conftest import REPO, answer_cells
 from grading import check
-from grading.checks import lab08
+from grading.checks.lab08.forced_steps import drive_forced, scheduler_config, simulate
+from grading.checks.lab08.judging import HINT
 from grading.registry import all_checks
 from infra_lib.serving import Scheduler, SchedulerConfig, SchedulerOutput, SequenceStatus
 
@@ -62,19 +63,19 @@ def test_the_instructor_schedule_passes_every_part():
 
 def test_preempting_the_oldest_loses_part_3_only_with_the_newest_first_hint():
     oldest = _answer(("victim = self.running[-1]", "victim = self.running[0]"))
-    _only_part_fails(oldest, 3, lab08._HINT["victim"], "other sequences were preempted than the reference's")
+    _only_part_fails(oldest, 3, HINT["victim"], "other sequences were preempted than the reference's")
 
 
 def test_a_budget_the_running_sequences_do_not_spend_loses_part_1_only():
     unspent = _answer(("        out.add(seq, n)\n        budget -= n\n    while", "        out.add(seq, n)\n    while"))
-    _only_part_fails(unspent, 1, lab08._HINT["budget"], "the step plans more tokens than the budget")
+    _only_part_fails(unspent, 1, HINT["budget"], "the step plans more tokens than the budget")
 
 
 def test_asking_for_the_whole_prompts_blocks_before_cutting_loses_part_2_only():
     check_then_cut = _answer(("        n = min(n, budget)\n        if not self.can_admit(seq, n):",
                               "        if not self.can_admit(seq, n):\n            break\n        n = min(n, budget)\n"
                               "        if not self.can_admit(seq, n):"))
-    _only_part_fails(check_then_cut, 2, lab08._HINT["cut_first"], "a prompt whose chunk fits was not admitted")
+    _only_part_fails(check_then_cut, 2, HINT["cut_first"], "a prompt whose chunk fits was not admitted")
 
 
 def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_only():
@@ -97,7 +98,7 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
     for message in failed[2]:
         what = "  a sequence was admitted ahead of one that arrived before it and could not come in"
         assert what in message, message
-        assert f"hint: {lab08._HINT['fcfs']}" in message, message
+        assert f"hint: {HINT['fcfs']}" in message, message
         named = re.search(r"seq (\d+) was admitted ahead of seq (\d+), which the reference holds back \(.*: "
                           r"seq (\d+) waits\)", message)
         assert named, message
@@ -110,7 +111,7 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
 def test_leaving_out_the_zero_hits_loses_the_records_part_only():
     no_zeros = _answer(("        out.num_cached_tokens[seq.seq_id] = cached",
                         "        if cached:\n            out.num_cached_tokens[seq.seq_id] = cached"))
-    _only_part_fails(no_zeros, 5, lab08._HINT["cached_record"], "an admission's prefix-cache hit is not recorded")
+    _only_part_fails(no_zeros, 5, HINT["cached_record"], "an admission's prefix-cache hit is not recorded")
 
 
 def test_a_schedule_that_admits_nothing_cannot_pass_the_records_part():
@@ -127,7 +128,7 @@ def test_the_recorded_reference_steps_replay_the_reference_schedulers_own_run():
         registered = all_checks()[check_id]
         for seed in range(3):
             inputs = registered.inputs(seed)
-            forced = lab08._drive_forced(Scheduler.schedule, inputs)
+            forced = drive_forced(Scheduler.schedule, inputs)
             for run, got in zip(inputs, forced):
                 alone: list[dict] = []
 
@@ -138,7 +139,7 @@ def test_the_recorded_reference_steps_replay_the_reference_schedulers_own_run():
                                       "waiting": [s.seq_id for s in self.waiting]})
                         return out
 
-                lab08._simulate(run, Alone(lab08._config(run["config"])))
+                simulate(run, Alone(scheduler_config(run["config"])))
                 assert len(got["steps"]) == len(alone) == len(run["reference_steps"]), (check_id, seed)
                 for k, (step, plain) in enumerate(zip(got["steps"], alone)):
                     assert {key: step[key] for key in plain} == plain, (check_id, seed, k)
@@ -149,7 +150,7 @@ def test_a_run_that_leaves_the_reference_steps_says_so():
     inputs = registered.inputs(0)
     inputs[0]["reference_steps"] = inputs[0]["reference_steps"][:3]
     with pytest.raises(RuntimeError, match="past the reference's 3 steps"):
-        lab08._drive_forced(Scheduler.schedule, inputs)
+        drive_forced(Scheduler.schedule, inputs)
 
 
 def test_each_part_judges_steps_it_owns_on_every_seed():
@@ -158,7 +159,7 @@ def test_each_part_judges_steps_it_owns_on_every_seed():
     for check_id in SIMULATED:
         registered = all_checks()[check_id]
         for seed in range(4):
-            runs = lab08._drive_forced(Scheduler.schedule, registered.inputs(seed))
+            runs = drive_forced(Scheduler.schedule, registered.inputs(seed))
             steps = [s for run in runs for s in run["steps"]]
             assert any(s["admitted"] for s in steps), check_id
             if check_id.startswith("lab08.preemption"):
@@ -181,7 +182,7 @@ def test_a_step_that_raises_is_reported_at_that_step_and_the_run_goes_on():
     message = str(pytest.raises(AssertionError, check, "lab08.decode_first", flaky).value)
     assert "your schedule raised KeyError at step 2" in message and "oops" in message
     calls["n"] = 0
-    runs = lab08._drive_forced(flaky, lab08._with_reference_steps(lab08._decode_first_runs)(random.Random(0)))
+    runs = drive_forced(flaky, all_checks()["lab08.decode_first"].make_inputs(random.Random(0)))
     assert len(runs[0]["steps"]) > 3 and runs[0]["steps"][2]["error"].startswith("KeyError")
 
 

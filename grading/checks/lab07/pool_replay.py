@@ -10,7 +10,7 @@ from grading.checks.common import reference
 
 # the lab's tasks, as the checks name them
 TASKS = {1: "lab07 task 1: BlockPool.allocate", 2: "lab07 task 2: BlockPool.free", 3: "lab07 task 3: BlockPool.fork",
-          4: "lab07 task 4: BlockPool.prepare_write"}
+         4: "lab07 task 4: BlockPool.prepare_write"}
 
 POOL_SECTION = "chapter 07, section “2 · Blocks, block tables and the block pool”"
 SHARING_SECTION = "chapter 07, section “6 · Parallel sampling: one prompt, several answers, shared blocks”"

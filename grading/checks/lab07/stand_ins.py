@@ -25,7 +25,7 @@ from grading.checks.lab07.pool_replay import OWN_CALLS, Replay, new_pool
 # that method and its task.
 
 METHOD_TASK = {"num_free": 1, "ref_count": 1, "can_allocate": 1, "allocate": 1, "free": 2, "fork": 3,
-                "prepare_write": 4}
+               "prepare_write": 4}
 _BOOKS = {"num_blocks", "block_size", "ref_counts", "free_queue"}
 _ANSWERS = ("ref_count", "can_allocate")  # the methods whose decision is the value they return
 
@@ -154,7 +154,7 @@ def with_decisions(make, task: int):
         for session in sessions:
             decisions: dict = {}
             replay = Replay(recording_pool(decisions, task)(session["num_blocks"], session["block_size"]),
-                             session["num_blocks"])
+                            session["num_blocks"])
             for kind, *args in session["ops"]:
                 getattr(replay, kind)(*args)
             session["decisions"] = [[list(key), decision] for key, decision in decisions.items()]
@@ -173,7 +173,7 @@ def drive_replays_for(task: int):
             if pool_class is not BlockPool:
                 cls, isolated = pool_for_task(pool_class, task, session.get("decisions", ()))
             replay = Replay(new_pool(cls, session["num_blocks"], session["block_size"]), session["num_blocks"],
-                             books=isolated and task != 1)
+                            books=isolated and task != 1)
             for kind, *args in session["ops"]:
                 getattr(replay, kind)(*args)
             traces.append(replay.steps)

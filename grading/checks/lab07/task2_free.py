@@ -27,18 +27,18 @@ register(Check(
     check_id="lab07.free_lru",
     **replay_parts(2, _free_scripts),
     hint="free is all or nothing: an id outside the pool (negative ones included) or a double free (a block released "
-        "in one call more times than tables hold it) raises ValueError before any count changes, so a call that "
-        "raises leaves the pool exactly as it was. Blocks whose count reaches 0 join the back of the free queue in the "
-        "order the call releases them, so the block freed longest ago is reused first (LRU), never the one just "
-        f"freed ({POOL_SECTION}).",
+    "in one call more times than tables hold it) raises ValueError before any count changes, so a call that "
+    "raises leaves the pool exactly as it was. Blocks whose count reaches 0 join the back of the free queue in the "
+    "order the call releases them, so the block freed longest ago is reused first (LRU), never the one just "
+    f"freed ({POOL_SECTION}).",
 ))
 
 register(Check(
     check_id="lab07.free_random",
     **replay_parts(2, random_scripts(2)),
     hint="over many calls the order of the free queue is what drifts first: blocks rejoin its back one at a time, in "
-        "the order each call releases them, and a call that raises (an id outside the pool, or a block freed more "
-        "times than it is held, even within one call) leaves every count and the queue's order untouched. num_free "
-        "must always equal the number of blocks whose count is 0."
+    "the order each call releases them, and a call that raises (an id outside the pool, or a block freed more "
+    "times than it is held, even within one call) leaves every count and the queue's order untouched. num_free "
+    "must always equal the number of blocks whose count is 0."
     + " Random sequences with double frees.",
 ))

@@ -27,16 +27,16 @@ register(Check(
     check_id="lab07.fork",
     **replay_parts(3, _fork_scripts),
     hint="fork shares blocks and copies nothing: each listed block gains one holder, and the caller gets a new list "
-        "of the same ids, never the list it passed in, because the two tables change independently from then on. "
-        "Sharing a free block is a ValueError raised before any count rises, and a shared block goes back to the "
-        f"free queue only when its last holder frees it ({SHARING_SECTION}).",
+    "of the same ids, never the list it passed in, because the two tables change independently from then on. "
+    "Sharing a free block is a ValueError raised before any count rises, and a shared block goes back to the "
+    f"free queue only when its last holder frees it ({SHARING_SECTION}).",
 ))
 
 register(Check(
     check_id="lab07.fork_random",
     **replay_parts(3, random_scripts(3)),
     hint="once blocks are shared, a block's count is the number of tables holding it: an id listed twice in one fork "
-        "gains two holders, and a free may release a block as often as it is held and no more, so a double free "
-        "is judged against the count, not against 1. A refused fork or free changes nothing."
+    "gains two holders, and a free may release a block as often as it is held and no more, so a double free "
+    "is judged against the count, not against 1. A refused fork or free changes nothing."
     + " Random sequences of allocate, free and fork.",
 ))

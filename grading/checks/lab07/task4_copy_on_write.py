@@ -31,18 +31,18 @@ register(Check(
     check_id="lab07.copy_on_write",
     **replay_parts(4, _cow_scripts),
     hint="a block other tables also hold must never be written in place, or they would read the writer's tokens as "
-        "their own: the writer gets a fresh block from the front of the free queue and gives up its own hold on "
-        "the shared one, which the others keep, while a block the caller holds alone is written where it is. When "
-        "a copy is needed and no block is free, OutOfBlocks is raised with nothing changed, and writing a free "
-        f"block is a ValueError ({SHARING_SECTION}).",
+    "their own: the writer gets a fresh block from the front of the free queue and gives up its own hold on "
+    "the shared one, which the others keep, while a block the caller holds alone is written where it is. When "
+    "a copy is needed and no block is free, OutOfBlocks is raised with nothing changed, and writing a free "
+    f"block is a ValueError ({SHARING_SECTION}).",
 ))
 
 register(Check(
     check_id="lab07.random_ops",
     **replay_parts(4, random_scripts(4)),
     hint="with every operation mixed, all of them keep one set of books: a block's count is the number of tables "
-        "holding it, a block is free exactly when that count is 0, and the free queue holds exactly the free "
-        "blocks, handed out from the front and rejoined at the back. A copy moves one holder off the shared block, "
-        "so once a single table holds it again, that table writes into it in place."
+    "holding it, a block is free exactly when that count is 0, and the free queue holds exactly the free "
+    "blocks, handed out from the front and rejoined at the back. A copy moves one holder off the shared block, "
+    "so once a single table holds it again, that table writes into it in place."
     + " Random sequences of every operation.",
 ))
