@@ -206,17 +206,21 @@ _PIECE_HINTS = {
                        "(chapter 08).",
 }
 
-for task_no, (lab, visible, hidden) in enumerate((
-        ("lab06_kv_cache", "lab16.attention_in_engine", "lab16.attention_in_engine_random"),
-        ("lab07_paged_kv", "lab16.pool_in_engine", "lab16.pool_aborts_random"),
-        ("lab08_scheduler", "lab16.scheduler_in_engine", "lab16.scheduler_in_engine_random")), start=1):
-    tight = lab != "lab06_kv_cache"
-    register(Check(check_id=visible, task=_TASKS[task_no], reference=_course, make_inputs=_fixed_case(tight),
-                   drive=_drive_for((lab,)), compare=_compare_engine, hint=_PIECE_HINTS[lab]))
-    register(Check(check_id=hidden, task=_TASKS[task_no], reference=_course,
-                   make_inputs=lambda rng, tight=tight, lab=lab: _engine_case(
-                       rng, n=3, tight=tight, aborts=2 if lab == "lab07_paged_kv" else 0),
-                   drive=_drive_for((lab,)), compare=_compare_engine, hint=_PIECE_HINTS[lab]))
+def piece_parts(lab: str) -> dict:
+    """The fields of the checks of one lab's piece in the course's engine (tasks 1-3)."""
+    return dict(task=_TASK_OF[lab], reference=_course, drive=_drive_for((lab,)), compare=_compare_engine,
+                hint=_PIECE_HINTS[lab])
+
+
+register(Check(check_id="lab16.attention_in_engine", make_inputs=_fixed_case(False), **piece_parts("lab06_kv_cache")))
+register(Check(check_id="lab16.attention_in_engine_random", make_inputs=lambda rng: _engine_case(rng, n=3),
+               **piece_parts("lab06_kv_cache")))
+register(Check(check_id="lab16.pool_in_engine", make_inputs=_fixed_case(True), **piece_parts("lab07_paged_kv")))
+register(Check(check_id="lab16.pool_aborts_random", make_inputs=lambda rng: _engine_case(rng, n=3, tight=True, aborts=2),
+               **piece_parts("lab07_paged_kv")))
+register(Check(check_id="lab16.scheduler_in_engine", make_inputs=_fixed_case(True), **piece_parts("lab08_scheduler")))
+register(Check(check_id="lab16.scheduler_in_engine_random", make_inputs=lambda rng: _engine_case(rng, n=3, tight=True),
+               **piece_parts("lab08_scheduler")))
 
 
 # --- task 4: the acceptance rule in speculative decoding ---------------------------------------------
@@ -248,16 +252,17 @@ def _compare_speculative(got, expected, case):
     return None
 
 
-for check_id, make in (
-        ("lab16.speculative_answers", lambda rng: {"questions": [rng.choice(_QUESTIONS)], "new_tokens": 12,
-                                                   "gamma": 4}),
-        ("lab16.speculative_answers_random", lambda rng: {"questions": rng.sample(_QUESTIONS, 1),
-                                                          "new_tokens": rng.randint(8, 14), "gamma": rng.randint(2, 5)})):
-    register(Check(check_id=check_id, task=_TASKS[4], reference=_course, make_inputs=make, drive=_drive_speculative,
-                   compare=_compare_speculative,
-                   hint="greedy drafts and targets are one-hot: a draft token is kept exactly when the target's "
-                   "probability of it is 1, and the first token not kept is replaced by the target's choice "
-                   "(chapter 09)."))
+_SPECULATIVE_HINT = ("greedy drafts and targets are one-hot: a draft token is kept exactly when the target's "
+                     "probability of it is 1, and the first token not kept is replaced by the target's choice "
+                     "(chapter 09).")
+
+register(Check(check_id="lab16.speculative_answers", task=_TASKS[4], reference=_course,
+               make_inputs=lambda rng: {"questions": [rng.choice(_QUESTIONS)], "new_tokens": 12, "gamma": 4},
+               drive=_drive_speculative, compare=_compare_speculative, hint=_SPECULATIVE_HINT))
+register(Check(check_id="lab16.speculative_answers_random", task=_TASKS[4], reference=_course,
+               make_inputs=lambda rng: {"questions": rng.sample(_QUESTIONS, 1), "new_tokens": rng.randint(8, 14),
+                                        "gamma": rng.randint(2, 5)},
+               drive=_drive_speculative, compare=_compare_speculative, hint=_SPECULATIVE_HINT))
 
 
 # --- task 5: the whole engine -------------------------------------------------------------------------
@@ -408,10 +413,18 @@ def _throughput_case(rng):
 
 
 THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half": 1 / 2}
-for check_id, threshold in THROUGHPUT_TIERS.items():
-    register(Check(check_id=check_id, task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
-                   drive=_drive_throughput, compare=_compare_throughput(threshold), inputs_group="lab16.throughput",
-                   measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
-                   hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
-                   "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
-                   "loops per token in attention are the usual places (chapters 07, 08 and 15)."))
+
+
+def throughput_parts(check_id: str) -> dict:
+    """The fields of a throughput tier's check: both tiers judge one measurement (one inputs_group)."""
+    return dict(check_id=check_id, task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
+                drive=_drive_throughput, compare=_compare_throughput(THROUGHPUT_TIERS[check_id]),
+                inputs_group="lab16.throughput",
+                measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
+                hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
+                "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
+                "loops per token in attention are the usual places (chapters 07, 08 and 15).")
+
+
+register(Check(**throughput_parts("lab16.throughput_a_quarter")))
+register(Check(**throughput_parts("lab16.throughput_half")))
