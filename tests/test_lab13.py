@@ -15,7 +15,9 @@ import pytest
 
 from conftest import REPO, answer_cells, check_fails, solution_namespace, write_learner_notebook
 from grading import check
-from grading.checks.lab13 import _NEXT_MISSED, _RETRY_MISSED, _RUN_MISSED
+from grading.checks.lab13.run_comparison import RUN_MISSED
+from grading.checks.lab13.task1_next_node import NEXT_MISSED
+from grading.checks.lab13.task2_call_with_retry import RETRY_MISSED
 
 SOLUTION = REPO / "solutions" / "lab13_agents" / "lab13_agents.ipynb"
 LAB = REPO / "labs" / "lab13_agents" / "lab13_agents.ipynb"
@@ -110,7 +112,7 @@ def test_task1_a_router_without_its_mapping_is_caught(solution):
         return graph.edges[current]
 
     text = check_fails("lab13.next_node", unmapped)
-    assert "next_node picked the wrong edge" in text and f"hint: {_NEXT_MISSED['mapping']}" in text
+    assert "next_node picked the wrong edge" in text and f"hint: {NEXT_MISSED['mapping']}" in text
 
 
 def test_task1_unknown_targets_and_dead_ends_must_raise(solution):
@@ -121,7 +123,7 @@ def test_task1_unknown_targets_and_dead_ends_must_raise(solution):
         return graph.edges.get(current, solution["END"])
 
     text = check_fails("lab13.next_node_errors", trusting)
-    assert "next_node should raise ValueError here" in text and f"hint: {_NEXT_MISSED['unknown']}" in text
+    assert "next_node should raise ValueError here" in text and f"hint: {NEXT_MISSED['unknown']}" in text
 
 
 def test_task2_an_uncapped_backoff_is_caught(solution):
@@ -136,7 +138,7 @@ def test_task2_an_uncapped_backoff_is_caught(solution):
                 sleep(policy.initial_interval * policy.backoff_factor ** attempt)
 
     text = check_fails("lab13.call_with_retry", uncapped)
-    assert "call_with_retry slept the wrong backoff" in text and f"hint: {_RETRY_MISSED['cap']}" in text
+    assert "call_with_retry slept the wrong backoff" in text and f"hint: {RETRY_MISSED['cap']}" in text
 
 
 def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
@@ -163,7 +165,7 @@ def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
     for wrong, missed in ((retries_everything, "retry_on"), (one_more, "count")):
         text = check_fails("lab13.call_with_retry", wrong)
         assert "call_with_retry made the wrong number of attempts" in text
-        assert f"hint: {_RETRY_MISSED[missed]}" in text, text
+        assert f"hint: {RETRY_MISSED[missed]}" in text, text
 
 
 def _runner(solution, *, resume=True, checkpoint_before_merge=False, limit=True):
@@ -196,31 +198,31 @@ def _runner(solution, *, resume=True, checkpoint_before_merge=False, limit=True)
 def test_task3_a_runner_that_never_resumes_is_caught(solution):
     text = check_fails("lab13.run_graph_resume", _runner(solution, resume=False))
     assert "the resumed run did not start from the last checkpoint" in text
-    assert f"hint: {_RUN_MISSED['resume']}" in text
+    assert f"hint: {RUN_MISSED['resume']}" in text
 
 
 def test_task3_checkpoints_of_the_old_state_are_caught(solution):
     text = check_fails("lab13.run_graph", _runner(solution, checkpoint_before_merge=True))
     assert "run_graph saved the wrong checkpoints" in text and "[step, node, next_node, state]" in text
-    assert f"hint: {_RUN_MISSED['after merge']}" in text
+    assert f"hint: {RUN_MISSED['after merge']}" in text
 
 
 def test_task3_a_loop_without_a_step_limit_is_caught(solution):
     text = check_fails("lab13.run_graph_limits", _runner(solution, limit=False))
-    assert "run_graph should raise GraphRecursionError here" in text and f"hint: {_RUN_MISSED['limit']}" in text
+    assert "run_graph should raise GraphRecursionError here" in text and f"hint: {RUN_MISSED['limit']}" in text
 
 
 def test_task3_the_reference_runner_agrees_with_the_compiled_graph(solution):
     """The checks' reference (run_graph) and the full runtime (CompiledGraph.invoke) end in the same state."""
     import random
 
-    from grading.checks.lab13 import _graph_spec, build_graph
+    from grading.checks.lab13.graphs import build_graph, graph_spec
     from infra_lib.apps.agents import MemoryCheckpointer
     from infra_lib.apps.agents.runner import run_graph
 
     rng = random.Random(7)
     for _ in range(20):
-        spec = _graph_spec(rng, rng.randint(2, 7))
+        spec = graph_spec(rng, rng.randint(2, 7))
         start = {"x": rng.randint(0, 5), "log": []}
         ours = run_graph(build_graph(spec), start, checkpointer=MemoryCheckpointer(), thread_id="t", max_steps=500)
         compiled = build_graph(spec).compile().invoke(start, max_steps=500)
@@ -248,10 +250,10 @@ def test_the_stand_ins_solve_neither_task_1_nor_task_2(seed):
     call_with_retry. They answer only from a run's spec and its recorded retries: on task 1's and task 2's own
     checks, with nothing of the learner's to fall back on, they answer nothing, so the kernel holds no answer."""
     from grading.check import drive
-    from grading.checks.lab13 import _StandIns
+    from grading.checks.lab13.runs import StandIns
     from grading.registry import get_check
 
-    stand_ins = _StandIns({})
+    stand_ins = StandIns({})
     for name in ("next_node", "call_with_retry"):
         for check_id in CHECKS[name]:
             registered = get_check(check_id)
@@ -265,15 +267,16 @@ def test_the_stand_ins_solve_neither_task_1_nor_task_2(seed):
 def test_the_stand_ins_equal_the_reference_on_every_call_the_runner_checks_make(solution, monkeypatch):
     """Every next_node call of the instructor's runner gets the reference's answer from the spec, every
     call_with_retry runs the node as the reference's retries did, and none needs the learner's own."""
-    from grading.checks import lab13
+    from grading.checks.lab13.graphs import typed_outcome
+    from grading.checks.lab13.runs import StandIns
     from infra_lib.apps.agents.runner import next_node as reference
 
     calls, retried = [], []
-    stand_in_next, stand_in_retry = lab13._StandIns.next_node, lab13._StandIns.call_with_retry
+    stand_in_next, stand_in_retry = StandIns.next_node, StandIns.call_with_retry
 
     def compared(self, graph, current, state):
-        ours = lab13._outcome(stand_in_next, self, graph, current, state)
-        assert ours[:2] == lab13._outcome(reference, graph, current, state)[:2], (current, state)
+        ours = typed_outcome(stand_in_next, self, graph, current, state)
+        assert ours[:2] == typed_outcome(reference, graph, current, state)[:2], (current, state)
         calls.append(current)
         return stand_in_next(self, graph, current, state)
 
@@ -287,9 +290,9 @@ def test_the_stand_ins_equal_the_reference_on_every_call_the_runner_checks_make(
     def never(self, name, *args, **kwargs):
         raise AssertionError(f"the stand-in for {name} could not answer a call of the instructor's runner")
 
-    monkeypatch.setattr(lab13._StandIns, "next_node", compared)
-    monkeypatch.setattr(lab13._StandIns, "call_with_retry", watched)
-    monkeypatch.setattr(lab13._StandIns, "_own", never)
+    monkeypatch.setattr(StandIns, "next_node", compared)
+    monkeypatch.setattr(StandIns, "call_with_retry", watched)
+    monkeypatch.setattr(StandIns, "_own", never)
     for check_id in CHECKS["run_graph"]:
         check(check_id, solution["run_graph"])
     assert len(calls) > 100 and retried, (len(calls), retried)
@@ -351,21 +354,21 @@ def _graded_alone(tmp_path, mistake: dict) -> dict[int, tuple[float, list[str]]]
 
 
 @pytest.mark.parametrize("mistake, losing, hint", [
-    (UNMAPPED, {1}, _NEXT_MISSED["mapping"]),
-    (UNCAPPED, {2}, _RETRY_MISSED["cap"]),
-    (RETRIES_EVERY_ERROR, {2}, _RETRY_MISSED["retry_on"]),
-    (CLASSES_ONLY, {2}, _RETRY_MISSED["retry_on"]),
-    (RERAISES_THE_FIRST, {2}, _RETRY_MISSED["ending"]),
-    (MAPPING_UNCHECKED, {1}, _NEXT_MISSED["kind"]),
-    (DEAD_END_UNNAMED, {1}, _NEXT_MISSED["name"]),
-    (CHECKPOINTS_BEFORE_MERGE, {3}, _RUN_MISSED["after merge"]),
-    (SHALLOW_COPY, {3}, _RUN_MISSED["copy"]),
-    (NO_COPY, {3}, _RUN_MISSED["copy"]),
-    (ONE_STEP_TOO_MANY, {3}, _RUN_MISSED["limit"]),
-    (ONE_STEP_TOO_FEW, {3}, _RUN_MISSED["limit"]),
-    (NEVER_RESUMES, {4}, _RUN_MISSED["resume"]),
-    (COUNTS_FROM_THE_RESUME, {4}, _RUN_MISSED["limit"]),
-    (INPUT_OVER_THE_CHECKPOINT, {4}, _RUN_MISSED["resume"]),
+    (UNMAPPED, {1}, NEXT_MISSED["mapping"]),
+    (UNCAPPED, {2}, RETRY_MISSED["cap"]),
+    (RETRIES_EVERY_ERROR, {2}, RETRY_MISSED["retry_on"]),
+    (CLASSES_ONLY, {2}, RETRY_MISSED["retry_on"]),
+    (RERAISES_THE_FIRST, {2}, RETRY_MISSED["ending"]),
+    (MAPPING_UNCHECKED, {1}, NEXT_MISSED["kind"]),
+    (DEAD_END_UNNAMED, {1}, NEXT_MISSED["name"]),
+    (CHECKPOINTS_BEFORE_MERGE, {3}, RUN_MISSED["after merge"]),
+    (SHALLOW_COPY, {3}, RUN_MISSED["copy"]),
+    (NO_COPY, {3}, RUN_MISSED["copy"]),
+    (ONE_STEP_TOO_MANY, {3}, RUN_MISSED["limit"]),
+    (ONE_STEP_TOO_FEW, {3}, RUN_MISSED["limit"]),
+    (NEVER_RESUMES, {4}, RUN_MISSED["resume"]),
+    (COUNTS_FROM_THE_RESUME, {4}, RUN_MISSED["limit"]),
+    (INPUT_OVER_THE_CHECKPOINT, {4}, RUN_MISSED["resume"]),
 ], ids=["unmapped router", "uncapped backoff", "retries every error", "retry_on as classes only",
         "re-raises the first error", "mapping unchecked", "dead end unnamed", "checkpoints before the merge",
         "shallow copy for the node", "no copy for the node", "one step too many", "one step too few",
@@ -382,9 +385,9 @@ def test_a_mistake_costs_only_its_own_task_with_the_hint_for_it(tmp_path, mistak
 def test_a_step_limit_off_by_one_is_named_as_such(tmp_path):
     late = check_fails("lab13.run_graph_limits", _namespace(tmp_path, ONE_STEP_TOO_MANY)["run_graph"])
     assert "run_graph stopped at a different step limit" in late and "max_steps=" in late
-    assert "wrong order" not in late and f"hint: {_RUN_MISSED['limit']}" in late
+    assert "wrong order" not in late and f"hint: {RUN_MISSED['limit']}" in late
     early = check_fails("lab13.run_graph_limits", _namespace(tmp_path, ONE_STEP_TOO_FEW)["run_graph"])
-    assert "run_graph stopped at" in early and "max_steps=" in early and f"hint: {_RUN_MISSED['limit']}" in early
+    assert "run_graph stopped at" in early and "max_steps=" in early and f"hint: {RUN_MISSED['limit']}" in early
 
 
 def test_a_checkpoint_message_names_the_field_that_differs(solution):
@@ -410,21 +413,22 @@ def test_a_runner_that_changes_the_callers_dict_is_caught(solution):
         return final
 
     text = check_fails("lab13.run_graph", in_place)
-    assert "run_graph changed the state dict it was given" in text and f"hint: {_RUN_MISSED['input']}" in text
+    assert "run_graph changed the state dict it was given" in text and f"hint: {RUN_MISSED['input']}" in text
 
 
 def test_the_recorded_first_run_is_the_reference_runners_crash_run(monkeypatch):
     """Task 4's checks write the reference's recorded first run into the thread instead of running a runner of
     the course's in the kernel: every record equals what a live run of the reference's crash leaves."""
     from grading.check import drive
-    from grading.checks import lab13
+    from grading.checks.lab13 import runs
+    from grading.checks.lab13.graphs import build_graph, typed_outcome
     from grading.registry import get_check
     from infra_lib.apps.agents.runner import run_graph
 
     def live(case, checkpointer, events, sleeps):
-        graph = lab13.build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
-        return lab13._outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=checkpointer,
-                              thread_id="t", max_steps=case["max_steps"], sleep=sleeps.append)
+        graph = build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
+        return typed_outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=checkpointer,
+                             thread_id="t", max_steps=case["max_steps"], sleep=sleeps.append)
 
     for seed in range(3):
         for check_id in ("lab13.run_graph_resume", "lab13.run_graph_resume_sqlite"):
@@ -432,5 +436,5 @@ def test_the_recorded_first_run_is_the_reference_runners_crash_run(monkeypatch):
             inputs = registered.inputs(seed)
             replayed = drive(registered, registered.reference(), inputs)
             with monkeypatch.context() as patch:
-                patch.setattr(lab13, "_replay_first_run", live)
+                patch.setattr(runs, "_replay_first_run", live)
                 assert drive(registered, registered.reference(), inputs) == replayed, (check_id, seed)

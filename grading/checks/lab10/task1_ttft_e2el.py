@@ -34,8 +34,6 @@ def _e2el_problem(d: dict, got, want):
     return "e2el returned the wrong end-to-end latency", f"expected {fmt(want)}, got {fmt(got)}{note}"
 
 
-
-
 _TTFT_HINT = ("TTFT runs from sending the request to the arrival of its first chunk, in seconds, whatever that chunk "
               "carries; with no chunk at all (a request refused, or failed before its first token) there is no first "
               "token and the answer is nan.")

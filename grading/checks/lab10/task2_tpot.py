@@ -28,7 +28,6 @@ def _tpot_problem(d: dict, got, want):
     return "tpot returned the wrong time per output token", f"expected {fmt(want)}, got {fmt(got)}{note}"
 
 
-
 _TPOT_HINT = ("TPOT is the pace after the first token: the wait for the first token is left out, and the rest of "
               "the request's time is shared by the tokens after the first one. Count tokens, not chunks (a chunk can "
               "carry several tokens); with fewer than two output tokens there is no time between tokens: nan.")

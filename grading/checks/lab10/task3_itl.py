@@ -33,7 +33,6 @@ def _itl_problem(d: dict, got, want):
     return None
 
 
-
 _ITL_HINT = ("ITL is the list of one request's gaps between successive chunks, in seconds and in arrival order; "
              "0 or 1 chunk give no gap. The wait before the first chunk is TTFT and the time after the last one is "
              "not a gap either, and a gap is per chunk, not per token.")
