@@ -181,15 +181,17 @@ _CHUNK_HINT = ("neighbouring windows share overlap characters, so each starts th
                "characters between its offsets, [] for an empty text, and raise ValueError when size is below 1, "
                "overlap is negative or overlap is not smaller than size.")
 
-for _check_id, _make, _extra in [
-    ("lab12.chunk_text", _chunk_cases, ""),
-    ("lab12.chunk_text_edges", _chunk_edge_cases,
-     " Edges: a text exactly one window long or ending exactly on a window, one character, a step of 1, "
-     "non-ASCII text, an empty text and invalid sizes (with a text and with an empty one)."),
-    ("lab12.chunk_text_corpus", _corpus_chunk_cases, " Documents of the shipped corpus, 800/100 and others."),
-]:
-    register(Check(check_id=_check_id, task=_TASKS[1], reference=reference(f"{_RAG}.chunking", "chunk_text"),
-                   make_inputs=_make, drive=_drive_chunks, compare=_compare_chunks, hint=_CHUNK_HINT + _extra))
+# what the checks of task 1 share
+_CHUNK_PARTS = {"task": _TASKS[1], "reference": reference(f"{_RAG}.chunking", "chunk_text"), "drive": _drive_chunks,
+                "compare": _compare_chunks}
+
+register(Check(check_id="lab12.chunk_text", **_CHUNK_PARTS, make_inputs=_chunk_cases, hint=_CHUNK_HINT))
+register(Check(check_id="lab12.chunk_text_edges", **_CHUNK_PARTS, make_inputs=_chunk_edge_cases,
+               hint=_CHUNK_HINT + " Edges: a text exactly one window long or ending exactly on a window, one "
+                                  "character, a step of 1, non-ASCII text, an empty text and invalid sizes (with a "
+                                  "text and with an empty one)."))
+register(Check(check_id="lab12.chunk_text_corpus", **_CHUNK_PARTS, make_inputs=_corpus_chunk_cases,
+               hint=_CHUNK_HINT + " Documents of the shipped corpus, 800/100 and others."))
 
 
 # --- task 2: top_k_cosine ---------------------------------------------------------------------------
@@ -337,13 +339,14 @@ _SEARCH_HINT = ("similarity is the cosine of the angle between two vectors, so a
                 "(q, k), or (k,) for a 1-D query, with indices of an integer dtype; when k exceeds the number of rows "
                 "every row comes back, and k below 1 raises ValueError.")
 
-for _check_id, _make, _extra in [
-    ("lab12.top_k_cosine", _search_cases, ""),
-    ("lab12.top_k_cosine_edges", _search_edge_cases, " Edges: a 1-D query, k above the number of rows, a zero "
-                                                     "row, k = 0, a single row and zero queries."),
-]:
-    register(Check(check_id=_check_id, task=_TASKS[2], reference=reference(f"{_RAG}.search", "top_k_cosine"),
-                   make_inputs=_make, drive=_drive_search, compare=_compare_search, hint=_SEARCH_HINT + _extra))
+# what the checks of task 2 share
+_SEARCH_PARTS = {"task": _TASKS[2], "reference": reference(f"{_RAG}.search", "top_k_cosine"), "drive": _drive_search,
+                 "compare": _compare_search}
+
+register(Check(check_id="lab12.top_k_cosine", **_SEARCH_PARTS, make_inputs=_search_cases, hint=_SEARCH_HINT))
+register(Check(check_id="lab12.top_k_cosine_edges", **_SEARCH_PARTS, make_inputs=_search_edge_cases,
+               hint=_SEARCH_HINT + " Edges: a 1-D query, k above the number of rows, a zero row, k = 0, a single "
+                                   "row and zero queries."))
 
 
 # --- task 3: recall_at_k ------------------------------------------------------------------------------
@@ -392,7 +395,9 @@ def _plain_number(got: list) -> list:
     value = got[1]
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         value = value.item()
-    return ["value", value] if type(value) is float else ["malformed", f"{value!r:.60} is a {type(value).__name__}: recall_at_k must return a float"]
+    if type(value) is float:
+        return ["value", value]
+    return ["malformed", f"{value!r:.60} is a {type(value).__name__}: recall_at_k must return a float"]
 
 
 def _drive_recall(recall_at_k, cases: list[dict]) -> list:
@@ -464,16 +469,16 @@ _RECALL_HINT = ("recall@k is computed per query, as the share of that query's re
                 "results, and only then averaged over the queries: dividing by k gives precision@k, scoring a query 1 "
                 "when any relevant item appears gives the hit rate, and pooling every query's items together weights "
                 "queries with many relevant items more (chapter 12, section “2 · Why embeddings work”). An id "
-                "counts once however often it appears in the first k. Return a float; raise ValueError when k is below 1, there are no queries, the two lists differ in length or "
-                "a relevant set is empty.")
+                "counts once however often it appears in the first k. Return a float; raise ValueError when k is "
+                "below 1, there are no queries, the two lists differ in length or a relevant set is empty.")
 
-for _check_id, _make, _extra in [
-    ("lab12.recall_at_k", _recall_cases, ""),
-    ("lab12.recall_at_k_edges", _recall_edge_cases,
-     " Edges: k beyond every list, a query that retrieved nothing, and invalid inputs."),
-]:
-    register(Check(check_id=_check_id, task=_TASKS[3], reference=reference(f"{_RAG}.evaluate", "recall_at_k"),
-                   make_inputs=_make, drive=_drive_recall, compare=_compare_recall, hint=_RECALL_HINT + _extra))
+# what the checks of task 3 share
+_RECALL_PARTS = {"task": _TASKS[3], "reference": reference(f"{_RAG}.evaluate", "recall_at_k"), "drive": _drive_recall,
+                 "compare": _compare_recall}
+
+register(Check(check_id="lab12.recall_at_k", **_RECALL_PARTS, make_inputs=_recall_cases, hint=_RECALL_HINT))
+register(Check(check_id="lab12.recall_at_k_edges", **_RECALL_PARTS, make_inputs=_recall_edge_cases,
+               hint=_RECALL_HINT + " Edges: k beyond every list, a query that retrieved nothing, and invalid inputs."))
 
 
 # --- task 4: the learner's chunker and search inside RAGPipeline --------------------------------------
