@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from infra_lib.kernels.matmul import _check_block
+from infra_lib.kernels.matmul import check_block
 from infra_lib.kernels.softmax import MAX_BLOCK, softmax_kernel
 from infra_lib.kernels.triton_env import load_triton, next_power_of_2, require_same_device, require_tensor
 
@@ -202,7 +202,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         the sum of exp(scale * q . k_j) over the keys j the query sees.
     """
     (batch, n_heads, n_kv_heads, t, s, head_dim), scale = _check_inputs(q, k, v, scale)
-    block_m, block_n = _check_block("block_m", block_m), _check_block("block_n", block_n)
+    block_m, block_n = check_block("block_m", block_m), check_block("block_n", block_n)
     out = torch.empty(batch, n_heads, t, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_heads, t, dtype=torch.float32, device=q.device)
     _launch(flash_attention_kernel, (triton.cdiv(t, block_m), batch * n_heads), q, k, v, out, lse,

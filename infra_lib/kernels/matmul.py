@@ -50,7 +50,8 @@ matmul_kernel_autotuned = (None if interpreter_active()
                            else triton.autotune(configs=_gpu_configs(), key=["M", "N", "K"])(matmul_kernel))
 
 
-def _check_block(name: str, value) -> int:
+def check_block(name: str, value) -> int:
+    """``value`` as a ``tl.dot`` tile size: a power of two (16 or more on a GPU), else a ValueError naming ``name``."""
     if type(value) is not int or value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two (16, 32, 64, ...), got {value!r}")
     if value < 16 and not interpreter_active():
@@ -94,7 +95,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int | None = None, bloc
             return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
         matmul_kernel_autotuned[grid](a, b, out, m, n, k, *strides)
         return out
-    bm, bn, bk = (_check_block(name, CPU_BLOCK if value is None else value)
+    bm, bn, bk = (check_block(name, CPU_BLOCK if value is None else value)
                   for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     matmul_kernel[grid](a, b, out, m, n, k, *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
