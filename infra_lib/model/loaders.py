@@ -194,7 +194,7 @@ def _config(fields: dict, state: dict[str, torch.Tensor]) -> LlamaConfig:
 
 def build_model(config: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32) -> Llama:
     """A ``Llama`` holding ``state``; every weight must be present and of the right shape."""
-    with _without_init():
+    with without_init():
         model = Llama(config)
     expected = {k: v for k, v in model.state_dict().items()}
     if config.tie_embeddings:
@@ -222,7 +222,7 @@ _SKIP_INIT = threading.local()
 
 
 def _skippable(name: str, function):
-    """``torch.nn.init.<name>``, doing nothing in a thread that is inside ``_without_init``."""
+    """``torch.nn.init.<name>``, doing nothing in a thread that is inside ``without_init``."""
     def init(tensor, *args, **kwargs):
         if getattr(_SKIP_INIT, "depth", 0):
             return tensor
@@ -233,9 +233,10 @@ def _skippable(name: str, function):
 
 
 @contextlib.contextmanager
-def _without_init():
-    """Build modules without drawing random weights that ``load_state_dict`` replaces at once
-    (the parameters stay allocated but untouched, so they cost no time). The meta device would
+def without_init():
+    """Inside it, modules are built without drawing the random weights a load replaces at once.
+
+    The parameters stay allocated but untouched, so they cost no time. The meta device would
     do the same but pulls in torch's Python meta kernels, seconds on their first use.
 
     Only the calling thread skips the initialisers: another thread building a model meanwhile

@@ -105,13 +105,13 @@ class LayerSkipDraft:
             raise ValueError(f"num_layers must lie in [1, {n - 1}] for a {n}-layer target, got {num_layers}")
         from dataclasses import replace
 
-        from infra_lib.model.loaders import _without_init
+        from infra_lib.model.loaders import without_init
 
         config = replace(target.config, n_layers=num_layers)
         # A one-layer shell with untouched (undrawn) weights, every module then replaced by the
         # target's; the meta device would do as well but pulls in torch's Python meta kernels,
         # seconds on their first use.
-        with _without_init():
+        with without_init():
             model = Llama(replace(config, n_layers=1), target.attention_fn)
         model.config = config
         model.embed_tokens, model.norm, model.lm_head = target.embed_tokens, target.norm, target.lm_head
