@@ -261,6 +261,46 @@ def test_the_engine_decode_batch_can_run_the_kernel(monkeypatch):
     assert traffic.loads > 0
 
 
+
+def test_a_prefill_through_the_kernels_step_needs_neither_the_model_nor_the_serving_layer(tmp_path):
+    """A prefill (t > 1) falls back to the torch ``paged_attention``, which lives in the kernels layer:
+    a fresh process runs it with a cache of its own and never imports ``infra_lib.model`` or
+    ``infra_lib.serving``; the result equals ``paged_attention`` where the serving layer names it."""
+    import subprocess
+    import sys
+
+    from infra_lib.kernels import paged_gather
+
+    assert paged_attention is paged_gather.paged_attention  # the lessons' import path still finds it
+    script = f"""
+import sys, torch
+from infra_lib.kernels.paged_decode import paged_decode_cached_attention
+
+class Cache:  # a PagedLayerCache's surface: write, then the caches, the table and the length
+    def __init__(self):
+        self.k_cache, self.v_cache = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+        self.block_table, self.length = [4, 1, 3], 0
+
+    def write(self, k_new, v_new):
+        for i in range(k_new.shape[2]):
+            block, row = self.block_table[(self.length + i) // 4], (self.length + i) % 4
+            self.k_cache[block, row], self.v_cache[block, row] = k_new[0, :, i], v_new[0, :, i]
+        self.length += k_new.shape[2]
+
+gen = torch.Generator().manual_seed(3)
+q, k, v = (torch.randn(1, n, 9, 8, generator=gen) for n in (6, 2, 2))
+cache = Cache()
+out = paged_decode_cached_attention(q, k, v, cache)
+loaded = sorted(m for m in sys.modules if m.split(".")[:2] in (["infra_lib", "model"], ["infra_lib", "serving"]))
+assert not loaded, f"the kernels' prefill imported {{loaded}}"
+torch.save({{"q": q, "k": cache.k_cache, "v": cache.v_cache, "out": out}}, {str(tmp_path / "prefill.pt")!r})
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    saved = torch.load(tmp_path / "prefill.pt")
+    expected = paged_attention(saved["q"], saved["k"], saved["v"], [[4, 1, 3]], [9])
+    torch.testing.assert_close(saved["out"], expected, rtol=0, atol=0)
+
 # --- the benchmark --------------------------------------------------------------------------------------
 
 @needs_interpreter

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from infra_lib.kernels.paged_gather import paged_attention
 from infra_lib.kernels.triton_env import load_triton, next_power_of_2, require_same_device, require_tensor
 
 triton, tl = load_triton()
@@ -229,7 +230,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float | None = None, split_k: int | None = None) -> torch.Tensor:
     """Decode attention of each sequence's one new query over its paged keys and values.
 
-    Equal to ``infra_lib.serving.paged_attention.paged_attention`` with t = 1, without the gather.
+    Equal to ``paged_attention`` (``paged_gather.py``) with t = 1, without the gather.
 
     Args:
         q: ``[batch, n_heads, 1, head_dim]`` float32/float16 (bfloat16 on a GPU); the new token's
@@ -266,9 +267,6 @@ def paged_decode_cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     cache.write(k_new, v_new)
     if q.shape[2] == 1:
         return paged_decode_attention(q, cache.k_cache, cache.v_cache, [cache.block_table], [cache.length])
-    # Imported here, at the one call that needs it: importing the kernel never loads the serving layer.
-    from infra_lib.serving.paged_attention import paged_attention
-
     return paged_attention(q, cache.k_cache, cache.v_cache, [cache.block_table], [cache.length])
 
 

@@ -51,7 +51,7 @@ from infra_lib.model.model import Attention, Llama, MLP
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
 NATIVE_FORMATS = ("fp32", "bf16", "int8")
-_FORMAT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}
+FORMAT_CODE = {"fp32": 0, "bf16": 1, "int8": 2}  # each format as dims[D_FORMAT] names it (FORMAT_FP32... in C)
 _POSITION, _TOKEN, _THREADS = 8, 9, 10  # the step's own fields of dims[] (D_POS, D_TOKEN, D_THREADS in C)
 ABI = 4
 # no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
@@ -162,7 +162,8 @@ def native_decode_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def data_pointer(t: torch.Tensor | None) -> int | None:
+    """A tensor's address as the C steps take it; None (a NULL pointer) for a tensor a model lacks."""
     return None if t is None else t.data_ptr()
 
 
@@ -239,7 +240,7 @@ class NativeWeights:
                        q[1], k[1], v[1], o[1], gate[1], up[1], down[1]]
             kept = [t for t in tensors if t is not None]
             self.keep += kept
-            pointers += [_ptr(t) for t in tensors]
+            pointers += [data_pointer(t) for t in tensors]
             self.bytes_per_step += sum(t.nbytes for t in kept if t is not k_cache and t is not v_cache)
         if len(pointers) != config.n_layers * library.infra_native_param_count():
             raise NativeUnavailable("the C step and this module disagree on the per-layer parameters")
@@ -273,7 +274,7 @@ class NativeDecoder(StaticDecoder):
         self.bytes_per_step = self.native.bytes_per_step
         # the C side's dims[]: the shape, then this step's position, token and threads, then the format
         dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
-                config.vocab_size, config.n_layers, capacity, 0, 0, 1, _FORMAT_CODE[weights]]
+                config.vocab_size, config.n_layers, capacity, 0, 0, 1, FORMAT_CODE[weights]]
         if len(dims) != self.library.infra_native_dim_count():
             raise NativeUnavailable("the C step and this module disagree on the shape fields")
         self._dims = (ctypes.c_long * len(dims))(*dims)  # _step rewrites the step's three fields in place
@@ -287,6 +288,6 @@ class NativeDecoder(StaticDecoder):
         self._dims[_POSITION], self._dims[_TOKEN], self._dims[_THREADS] = position, token, torch.get_num_threads()
         self.library.infra_native_decode_step(
             self._dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
-            _ptr(w.lm_head_scale), w.cos.data_ptr() + row, w.sin.data_ptr() + row, self._scratch.data_ptr(),
+            data_pointer(w.lm_head_scale), w.cos.data_ptr() + row, w.sin.data_ptr() + row, self._scratch.data_ptr(),
             self._logits.data_ptr())
         return self._logits

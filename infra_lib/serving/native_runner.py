@@ -33,12 +33,12 @@ import ctypes
 
 import torch
 
+from infra_lib.kernels.paged_gather import block_table_tensor
 from infra_lib.model.model import Llama
-from infra_lib.model.native_decode import (NativeUnavailable, _FORMAT_CODE, _ptr, check_native_model, fp32,
+from infra_lib.model.native_decode import (FORMAT_CODE, NativeUnavailable, check_native_model, data_pointer, fp32,
                                            native_library, stored_weight, take_shared_tensors)
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.model_runner import Batch, ModelRunner
-from infra_lib.serving.paged_attention import _table_tensor
 
 # the step's own fields of dims[] (B_ROWS, B_SAMPLES, B_TABLE_WIDTH, B_THREADS in C)
 _ROWS, _SAMPLES, _TABLE_WIDTH, _THREADS = 8, 9, 10, 12
@@ -79,7 +79,7 @@ class PanelWeights:
                        fp32(layer.post_attention_layernorm.weight), gate[0], gate[1], up[0], up[1], down[0], down[1],
                        k_cache, v_cache]
             self.keep += [t for t in tensors if t is not None]
-            pointers += [_ptr(t) for t in tensors]
+            pointers += [data_pointer(t) for t in tensors]
         if len(pointers) != model.config.n_layers * library.infra_native_batch_param_count():
             raise NativeUnavailable("the C step and this module disagree on the batched step's parameters")
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
@@ -122,7 +122,7 @@ class NativeModelRunner(ModelRunner):
         config = model.config
         dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
                 config.vocab_size, config.n_layers, config.max_position, max_tokens, 0, 0, store.block_size, 1,
-                _FORMAT_CODE[weights]]
+                FORMAT_CODE[weights]]
         if len(dims) != self.library.infra_native_batch_dim_count() or self.library.infra_native_row_fields() != 4:
             raise NativeUnavailable("the C step and this module disagree on the batched step's fields")
         self._dims = (ctypes.c_long * len(dims))(*dims)
@@ -162,7 +162,7 @@ class NativeModelRunner(ModelRunner):
             raise IndexError(f"a block table names a block outside the store's {self.store.num_blocks}")
         width = max(len(t) for t in tables)
         rows_t = torch.tensor(rows, dtype=torch.long)  # [T, 4]: token, position, slot, sequence
-        tables_t = _table_tensor(tables, width, "cpu")  # [sequences, width], padded with block 0 (never read)
+        tables_t = block_table_tensor(tables, width, "cpu")  # [sequences, width], padded with block 0 (never read)
         samples_t = torch.tensor(samples, dtype=torch.long)
         if rows_t[:, 0].min() < 0 or rows_t[:, 0].max() >= self.native.embed.shape[0]:
             raise ValueError(f"token ids must lie in [0, {self.native.embed.shape[0]})")
@@ -176,7 +176,7 @@ class NativeModelRunner(ModelRunner):
         w = self.native
         status = self.library.infra_native_batch_step(
             dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
-            _ptr(w.lm_head_scale), w.cos.data_ptr(), w.sin.data_ptr(), rows_t.data_ptr(), tables_t.data_ptr(),
+            data_pointer(w.lm_head_scale), w.cos.data_ptr(), w.sin.data_ptr(), rows_t.data_ptr(), tables_t.data_ptr(),
             samples_t.data_ptr() if samples else None, self._scratch.data_ptr(), self._logits.data_ptr())
         if status != 0:
             raise ValueError(f"a position lies past the model's context of {self.max_position}")
