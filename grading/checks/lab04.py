@@ -344,6 +344,18 @@ def _pass_compare(name: str, fused: str, pattern: str):
 
 # fuse_silu
 
+# Each pass: its task number, the fused op's name, the pattern it replaces in words.
+_FUSIONS = {"fuse_silu": (2, "silu", "an x * sigmoid(x)"), "fuse_add_relu": (3, "add_relu", "a relu(a + b)")}
+
+
+def pass_check(name: str) -> dict:
+    """The fields every check of the pass ``name`` shares: the task, the reference pass, the driver and the
+    comparison."""
+    task, fused, pattern = _FUSIONS[name]
+    return {"task": f"lab04 task {task}: {name}", "reference": reference(_PASSES, name), "drive": _drive_pass,
+            "compare": _pass_compare(name, fused, pattern)}
+
+
 def _silu_visible(rng: random.Random) -> list[dict]:
     return [_graph(rng, [name], 2) for name in ("mul_sigmoid", "sigmoid_mul", rng.choice(["mul_method", "swiglu"]))]
 
@@ -368,27 +380,29 @@ _SILU_HINT = ("a match is a mul whose two positional operands are a sigmoid and 
               "the mul its only user; a mul and a sigmoid count whether called as a function or as a method (chapter "
               "04, section “7 · Writing a graph pass with torch.fx”).")
 
-for check_id, make_inputs, extra in (
-        ("lab04.fuse_silu", _silu_visible, ""),
-        ("lab04.fuse_silu_spellings", _silu_spellings,
-         (" Every spelling counts: x * torch.sigmoid(x), torch.sigmoid(x) * x, x * x.sigmoid(), torch.mul(...), "
-          "x.mul(x.sigmoid()); one graph may hold several patterns, some inside a longer product or on a Linear's "
-          "output.")),
-        ("lab04.fuse_silu_no_match", _silu_lookalikes_visible,
-         " x * sigmoid(y) is not SiLU; a sigmoid with another user must stay, and then its mul stays too."),
-        ("lab04.fuse_silu_lookalikes", _silu_lookalikes,
-         (" Look-alikes must stay as they are: x + sigmoid(x), sigmoid(x) * sigmoid(x), x * tanh(x), "
-          "x * sigmoid(y), a sigmoid used twice, and a sigmoid or mul whose operand is given as a keyword "
-          "(torch.sigmoid(input=x), torch.mul(x, other=...)), which does not match."))):
-    register(Check(
-        check_id=check_id,
-        task="lab04 task 2: fuse_silu",
-        reference=reference(_PASSES, "fuse_silu"),
-        make_inputs=make_inputs,
-        drive=_drive_pass,
-        compare=_pass_compare("fuse_silu", "silu", "an x * sigmoid(x)"),
-        hint=_SILU_HINT + extra,
-    ))
+register(Check(check_id="lab04.fuse_silu", make_inputs=_silu_visible, hint=_SILU_HINT, **pass_check("fuse_silu")))
+
+register(Check(
+    check_id="lab04.fuse_silu_spellings", make_inputs=_silu_spellings,
+    hint=_SILU_HINT + (" Every spelling counts: x * torch.sigmoid(x), torch.sigmoid(x) * x, x * x.sigmoid(), "
+                       "torch.mul(...), x.mul(x.sigmoid()); one graph may hold several patterns, some inside a longer "
+                       "product or on a Linear's output."),
+    **pass_check("fuse_silu"),
+))
+
+register(Check(
+    check_id="lab04.fuse_silu_no_match", make_inputs=_silu_lookalikes_visible,
+    hint=_SILU_HINT + " x * sigmoid(y) is not SiLU; a sigmoid with another user must stay, and then its mul stays too.",
+    **pass_check("fuse_silu"),
+))
+
+register(Check(
+    check_id="lab04.fuse_silu_lookalikes", make_inputs=_silu_lookalikes,
+    hint=_SILU_HINT + (" Look-alikes must stay as they are: x + sigmoid(x), sigmoid(x) * sigmoid(x), x * tanh(x), "
+                       "x * sigmoid(y), a sigmoid used twice, and a sigmoid or mul whose operand is given as a keyword "
+                       "(torch.sigmoid(input=x), torch.mul(x, other=...)), which does not match."),
+    **pass_check("fuse_silu"),
+))
 
 
 # fuse_add_relu
@@ -419,23 +433,27 @@ _ADD_RELU_HINT = ("a match is a relu whose input is an add of exactly two operan
                   "takes the add's two operands in their order (chapter 04, section “7 · Writing "
                   "a graph pass with torch.fx”).")
 
-for check_id, make_inputs, extra in (
-        ("lab04.fuse_add_relu", _add_relu_visible, ""),
-        ("lab04.fuse_add_relu_spellings", _add_relu_spellings,
-         (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu (inplace=True "
-          "too) or .relu(); a or b may be a number or a Linear's output.")),
-        ("lab04.fuse_add_relu_no_match", _add_relu_lookalikes_visible,
-         (" torch.add(a, b, alpha=2) is a + 2 * b, not a plain sum: an add with keyword arguments stays as it is, "
-          "and so does a sum with another user, which must be computed anyway.")),
-        ("lab04.fuse_add_relu_lookalikes", _add_relu_lookalikes,
-         (" Look-alikes must stay as they are: relu(a - b), relu(a * b), sigmoid(a + b), relu(a) + b, an add with "
-          "alpha, a sum used twice, a relu whose argument is given as a keyword (torch.relu(input=a + b))."))):
-    register(Check(
-        check_id=check_id,
-        task="lab04 task 3: fuse_add_relu",
-        reference=reference(_PASSES, "fuse_add_relu"),
-        make_inputs=make_inputs,
-        drive=_drive_pass,
-        compare=_pass_compare("fuse_add_relu", "add_relu", "a relu(a + b)"),
-        hint=_ADD_RELU_HINT + extra,
-    ))
+register(Check(check_id="lab04.fuse_add_relu", make_inputs=_add_relu_visible, hint=_ADD_RELU_HINT,
+               **pass_check("fuse_add_relu")))
+
+register(Check(
+    check_id="lab04.fuse_add_relu_spellings", make_inputs=_add_relu_spellings,
+    hint=_ADD_RELU_HINT + (" Every spelling counts: a + b, torch.add(a, b), a.add(b) under torch.relu, F.relu "
+                           "(inplace=True too) or .relu(); a or b may be a number or a Linear's output."),
+    **pass_check("fuse_add_relu"),
+))
+
+register(Check(
+    check_id="lab04.fuse_add_relu_no_match", make_inputs=_add_relu_lookalikes_visible,
+    hint=_ADD_RELU_HINT + (" torch.add(a, b, alpha=2) is a + 2 * b, not a plain sum: an add with keyword arguments "
+                           "stays as it is, and so does a sum with another user, which must be computed anyway."),
+    **pass_check("fuse_add_relu"),
+))
+
+register(Check(
+    check_id="lab04.fuse_add_relu_lookalikes", make_inputs=_add_relu_lookalikes,
+    hint=_ADD_RELU_HINT + (" Look-alikes must stay as they are: relu(a - b), relu(a * b), sigmoid(a + b), relu(a) + b, "
+                           "an add with alpha, a sum used twice, a relu whose argument is given as a keyword "
+                           "(torch.relu(input=a + b))."),
+    **pass_check("fuse_add_relu"),
+))
