@@ -25,7 +25,11 @@ import torch  # noqa: E402
 
 from conftest import REPO, answer_cells  # noqa: E402
 from grading.check import INTERACTIVE_SEED, TRAFFIC, Outcome, drive, judge  # noqa: E402
-from grading.checks import lab15  # noqa: E402
+from grading.checks.lab15 import kernel_checks  # noqa: E402
+from grading.checks.lab15 import task1_online_softmax as task1  # noqa: E402
+from grading.checks.lab15 import task2_flash_attention as task2  # noqa: E402
+from grading.checks.lab15 import task3_paged_decode as task3  # noqa: E402
+from grading.checks.lab15 import task4_q4_gemv as task4  # noqa: E402
 from grading.registry import all_checks, get_check  # noqa: E402
 from infra_lib.kernels.triton_env import interpreter_active, load_triton  # noqa: E402
 
@@ -70,7 +74,7 @@ def verdict(check_id: str, kernel):
 
 def task_checks(task: int) -> list[str]:
     return sorted(c for c, registered in all_checks().items()
-                  if registered.task == lab15._TASKS[task] and c not in SLOW)
+                  if registered.task == kernel_checks.TASKS[task] and c not in SLOW)
 
 
 @dataclass(frozen=True)
@@ -89,37 +93,37 @@ MISTAKES = [
     Mistake("softmax sum not rescaled", 1,
             (("row_sum = row_sum * tl.exp(row_max - shift) + ", "row_sum = row_sum + "),),
             frozenset({"lab15.softmax_long_rows", "lab15.softmax_extreme_values", "lab15.softmax_two_passes"}),
-            lab15.SOFTMAX_RESCALE_HINT),
+            task1.SOFTMAX_RESCALE_HINT),
     Mistake("softmax masked after the max", 1,
             ((_FIRST_WALK, 'x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)\n        new_max'),
              ("        shift = tl.where(", '        x = tl.where(cols < n_cols, x, float("-inf"))\n'
                                          "        shift = tl.where(")),
-            frozenset({"lab15.softmax_extreme_values"}), lab15.SOFTMAX_MASK_HINT),
+            frozenset({"lab15.softmax_extreme_values"}), task1.SOFTMAX_MASK_HINT),
     Mistake("flash accumulator not rescaled", 2,
             (("acc = acc * shrink[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)"),),
             frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
-                       "lab15.flash_traffic"}), lab15.FLASH_RESCALE_HINT),
+                       "lab15.flash_traffic"}), task2.FLASH_RESCALE_HINT),
     Mistake("flash causal mask on the wrong diagonal", 2,
             (("(keys[None, :] <= s - t + rows[:, None])", "(keys[None, :] <= rows[:, None])"),),
             frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
-                       "lab15.flash_traffic", "lab15.flash_in_tiny_model"}), lab15.FLASH_DIAGONAL_HINT),
+                       "lab15.flash_traffic", "lab15.flash_in_tiny_model"}), task2.FLASH_DIAGONAL_HINT),
     Mistake("flash masked after the max", 2,
             ((_NEW_MAX, ""), (_MASK_SCORES, _NEW_MAX + _MASK_SCORES)),
-            frozenset({"lab15.flash_extreme_scores"}), lab15.FLASH_MASK_HINT),
+            frozenset({"lab15.flash_extreme_scores"}), task2.FLASH_MASK_HINT),
     Mistake("flash GQA heads mapped by modulo", 2,
             (("kv_head = head // group", "kv_head = head % (n_heads // group)"),),
             frozenset({"lab15.flash_odd_shapes", "lab15.flash_block_shapes", "lab15.flash_in_tiny_model"}),
-            lab15.FLASH_GQA_HINT),
+            task2.FLASH_GQA_HINT),
     Mistake("paged block table read with the wrong stride", 3,
             (("tables_ptr + seq * stride_table + i", "tables_ptr + seq + i"),),
-            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}), lab15.PAGED_TABLE_HINT),
+            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}), task3.PAGED_TABLE_HINT),
     Mistake("paged off by one in the last partial block", 3,
             (("i * BLOCK_SIZE + slots < length", "i * BLOCK_SIZE + slots <= length"),),
             frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}),
-            lab15.PAGED_LAST_BLOCK_HINT),
+            task3.PAGED_LAST_BLOCK_HINT),
     Mistake("gemv nibbles swapped", 4,
             (("low = (byte & 15)", "low = (byte >> 4)"), ("high = (byte >> 4)", "high = (byte & 15)")),
-            frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}), lab15.GEMV_NIBBLE_HINT),
+            frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}), task4.GEMV_NIBBLE_HINT),
 ]
 
 
@@ -139,7 +143,7 @@ def test_a_usual_mistake_loses_its_own_checks_with_the_hint_written_for_it(mista
 class HostSoftmax:
     """A stand-in with a kernel's surface whose launch computes torch.softmax on the host."""
 
-    arg_names = lab15.SIGNATURES["online_softmax_kernel"]
+    arg_names = kernel_checks.SIGNATURES["online_softmax_kernel"]
 
     def run(self, *args, **kwargs):
         raise AssertionError("never launched through run")
@@ -214,14 +218,14 @@ def test_a_kernel_that_sends_its_scores_through_memory_fails_only_the_traffic_ch
 def test_the_kernel_signatures_are_the_reference_kernels():
     for task in ANSWERS:
         reference = get_check(task_checks(task)[0]).reference()
-        assert list(reference.arg_names) == lab15.SIGNATURES[lab15._TASKS[task].rsplit(" ", 1)[1]]
+        assert list(reference.arg_names) == kernel_checks.SIGNATURES[kernel_checks.TASKS[task].rsplit(" ", 1)[1]]
 
 
 def test_the_online_softmax_reference_equals_torch_on_every_case():
     for check_id in ("lab15.softmax_long_rows", "lab15.softmax_extreme_values"):
         inputs, expected = _reference(check_id)
         for case, result in zip(inputs, expected.data):
-            want = torch.softmax(lab15._logits(case).double(), dim=1)
+            want = torch.softmax(task1.logits(case).double(), dim=1)
             assert torch.allclose(torch.tensor(result["out"], dtype=torch.float64), want, atol=1e-6), case
 
 
@@ -335,7 +339,7 @@ def test_the_lab_states_the_tolerances_the_checks_use():
     for grade_id, kernel in stated.items():
         found = _TOLERANCE.findall(texts[grade_id])
         assert len(found) == 1, f"{grade_id} should state its tolerances once, in the fixed form"
-        tolerance = lab15.TOLERANCES[kernel] if kernel else lab15.MODEL_LOGITS
+        tolerance = kernel_checks.TOLERANCES[kernel] if kernel else kernel_checks.MODEL_LOGITS
         assert tuple(map(float, found[0])) == (tolerance.atol, tolerance.rtol, tolerance.gpu_atol, tolerance.rtol), (
             grade_id, found[0], tolerance)
 
@@ -357,7 +361,7 @@ def test_each_traffic_check_holds_the_stated_tolerances_against_a_compiled_refer
         registered = get_check(check_id)
         inputs, expected = _reference(check_id)
         reference = [{**r, "interpreted": False} for r in expected.data]
-        tolerance = lab15.TOLERANCES[name]
+        tolerance = kernel_checks.TOLERANCES[name]
         last = len(reference) - 1
         for factor, passes in ((0.9, True), (1.1, False)):
             shifted = []
@@ -431,7 +435,7 @@ def test_the_reference_kernels_are_the_librarys_and_no_check_module_defines_a_ke
                           "infra_lib.kernels.flash_attention:flash_attention_kernel",
                           "infra_lib.kernels.paged_decode:paged_decode_kernel", "infra_lib.kernels.gemv_q4:q4_gemv_kernel"}
     assert references <= set(targets("lab15"))
-    for path in sorted((REPO / "grading" / "checks").glob("*.py")):
+    for path in sorted((REPO / "grading" / "checks").rglob("*.py")):
         jitted = [node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                   if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)]
         assert not jitted, f"{path.name} defines the kernels {jitted}"
