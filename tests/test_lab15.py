@@ -229,6 +229,28 @@ def test_the_online_softmax_reference_equals_torch_on_every_case():
             assert torch.allclose(torch.tensor(result["out"], dtype=torch.float64), want, atol=1e-6), case
 
 
+def test_the_softmax_driver_lays_out_strided_rows_on_the_kernels_device(monkeypatch):
+    """A padded case's rows keep their gaps where the kernel runs: the driver moves the logits to the
+    device first and lays out the rows there (moving a tensor with gaps to a GPU makes it contiguous),
+    so the in_row_stride and out_row_stride launched are the ones the case describes."""
+    launched = []
+
+    def record_launch(kernel, grid, args, meta, inputs=None):
+        launched.append(args)
+        return {"interpreted": True, "violations": [], "written_inputs": []}
+
+    monkeypatch.setattr(task1, "launch", record_launch)
+    monkeypatch.setattr(task1, "to_device", lambda *tensors: tuple(t.contiguous() for t in tensors))  # as .to(gpu)
+    inputs = get_check("lab15.softmax_long_rows").inputs(INTERACTIVE_SEED)
+    task1.drive_softmax(task1.REFERENCE(), inputs)
+    padded = [(case, args) for case, args in zip(inputs, launched) if case["pad"] and case["out_pad"]]
+    assert padded, "softmax_long_rows should hold a case with padded rows"
+    for case, (out, x, n_cols, in_row_stride, out_row_stride) in padded:
+        assert (n_cols, in_row_stride, out_row_stride) == (case["cols"], case["cols"] + case["pad"],
+                                                          case["cols"] + case["out_pad"])
+        assert x.stride(0) == in_row_stride and out.stride(0) == out_row_stride
+
+
 @needs_interpreter
 def test_the_traffic_budgets_are_the_lessons_formulas():
     from infra_lib.kernels.flash_attention import flash_attention_bytes
