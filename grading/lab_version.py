@@ -102,7 +102,9 @@ def _imported(tree: ast.AST, package: str, strings: bool) -> set[str]:
 
 
 def closure(modules: list[str], root: Path = REPO_ROOT, strings_in: set[str] = frozenset()) -> list[Path]:
-    """The files of the course modules reachable by imports from ``modules``, sorted."""
+    """The files of the course modules reachable by imports from ``modules``, sorted. In the modules of
+    ``strings_in`` and every module under them (a lab's check package), a string that names a course
+    module ("infra_lib.serving.scheduler:Scheduler.schedule") counts as an import too."""
     seen: dict[str, Path] = {}
     todo = list(modules)
     while todo:
@@ -113,7 +115,7 @@ def closure(modules: list[str], root: Path = REPO_ROOT, strings_in: set[str] = f
         if path is None:
             continue
         seen[name] = path
-        todo.extend(_imports(path, root, strings=name in strings_in))
+        todo.extend(_imports(path, root, strings=any(name == s or name.startswith(f"{s}.") for s in strings_in)))
     return sorted(set(seen.values()))
 
 

@@ -167,6 +167,15 @@ def test_the_cache_key_follows_what_a_lab_runs_and_nothing_else(tmp_path):
     check.write_text(check.read_text() + "\n# a fixed check\n")
     assert key("lab01_gemm") != before["lab01_gemm"]
 
+    # A lab's checks may be a package: a course module named only in a string of one of its task
+    # modules (a reference target, "module:name") is part of the lab's key too.
+    named = lambda: {str(p.relative_to(tmp_path)) for p in lab_files("lab08_scheduler", tmp_path / "solutions",
+                                                                      root=tmp_path)}
+    task = sorted(p for p in (tmp_path / "grading" / "checks" / "lab08").glob("*.py") if p.name != "__init__.py")[-1]
+    assert "infra_lib/apps/rag/chunking.py" not in named()
+    task.write_text(task.read_text() + '\nNAMED = "infra_lib.apps.rag.chunking:chunk_text"\n')
+    assert "infra_lib/apps/rag/chunking.py" in named()
+
 
 def test_a_lab_versions_parts_follow_what_grading_reads(tmp_path):
     """The lab's key has two parts, so a re-grade can say which changed: the lab's tests (the
