@@ -134,6 +134,32 @@ def test_no_module_imports_another_modules_private_names():
     assert not private, "private names imported across modules:\n" + "\n".join(private)
 
 
+def test_each_check_is_registered_by_one_module_level_statement():
+    """Every check is registered by one statement at the top level of a module under grading/checks,
+    ``register(Check(check_id="labNN.name", ...))`` with keyword arguments (shared fields may come as
+    ``**parts``): no loop, wrapper or module ``__getattr__`` registers one, so its id finds its code."""
+    from grading.registry import all_checks
+
+    ids, stray = [], []
+    for path in sorted((REPO_ROOT / "grading" / "checks").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {id(node.value) for node in tree.body if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register"):
+                continue
+            check = node.args[0] if len(node.args) == 1 else None
+            named = [k.value.value for k in getattr(check, "keywords", []) if k.arg == "check_id"
+                     and isinstance(k.value, ast.Constant)]
+            if (id(node) not in top or not isinstance(check, ast.Call) or getattr(check.func, "id", None) != "Check"
+                    or check.args or len(named) != 1):
+                stray.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+            ids += named
+        stray += [f"{path.relative_to(REPO_ROOT)}: __getattr__" for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert not stray, f"register(...) other than one top-level register(Check(check_id=..., ...)): {stray}"
+    assert sorted(ids) == sorted(all_checks())
+
+
 def test_the_house_test_sees_a_planted_cycle_and_a_wrong_direction(tmp_path, monkeypatch):
     """The walk itself: a cycle, an upward import inside a function, and a private name are all found."""
     for package, files in {

@@ -175,7 +175,7 @@ def test_doctor_says_how_to_get_the_step_where_it_cannot_be_built(monkeypatch):
     """Without a C compiler the doctor notes it (not a failure: the course runs without the step) and
     says what to install."""
     import infra_lib.model.native_decode as native_decode
-    from grading import doctor
+    from course_tools import doctor
 
     monkeypatch.setattr(native_decode, "native_decode_available",
                         lambda: (False, "no C compiler found (looked for $CC, cc, gcc, clang): install one"))

@@ -417,7 +417,7 @@ THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half"
 
 def throughput_parts(check_id: str) -> dict:
     """The fields of a throughput tier's check: both tiers judge one measurement (one inputs_group)."""
-    return dict(check_id=check_id, task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
+    return dict(task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
                 drive=_drive_throughput, compare=_compare_throughput(THROUGHPUT_TIERS[check_id]),
                 inputs_group="lab16.throughput",
                 measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
@@ -426,5 +426,5 @@ def throughput_parts(check_id: str) -> dict:
                 "loops per token in attention are the usual places (chapters 07, 08 and 15).")
 
 
-register(Check(**throughput_parts("lab16.throughput_a_quarter")))
-register(Check(**throughput_parts("lab16.throughput_half")))
+register(Check(check_id="lab16.throughput_a_quarter", **throughput_parts("lab16.throughput_a_quarter")))
+register(Check(check_id="lab16.throughput_half", **throughput_parts("lab16.throughput_half")))
