@@ -52,7 +52,7 @@ INSTALL = $(UV) pip install --python $(BIN)/python --quiet --constraint $(CONSTR
 #   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: lab lab-instructor test test-fast .venv labs doctor gpu-check site browser clean-venv
+.PHONY: lab lab-instructor test test-fast lint fmt .venv labs doctor gpu-check site browser clean-venv
 
 lab: $(STAMP)
 	$(call with_config,$(LEARNER_CONFIG)) $(JUPYTER_LAB)
@@ -61,13 +61,23 @@ lab: $(STAMP)
 lab-instructor: $(STAMP)
 	$(call with_config,$(INSTRUCTOR_CONFIG)) $(JUPYTER_LAB)
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop: library, check API and grader units, without notebooks, whole gradings,
 # servers or the browser (tests marked `notebook` or `slow`). CI runs the full `make test`.
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not notebook and not slow" $(PYTEST_ARGS)
+
+# The lint and format rules ([tool.ruff] in pyproject.toml) over the whole tree: make test and
+# make test-fast run this first. `make fmt` rewrites the code to the format and fixes what ruff can.
+lint: $(STAMP)
+	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --no-cache --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --no-cache --fix-only --exit-zero .
+	$(BIN)/ruff format --no-cache .
 
 # Chromium and its driver for tests/test_browser.py, and bubblewrap, the sandbox that
 # `infra-lab grade --submissions` runs each learner's kernel in: installed from Debian (one

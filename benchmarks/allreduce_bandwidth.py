@@ -14,8 +14,8 @@ Usage:
 from __future__ import annotations
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.training import ring_bytes_sent, run_workers
 from infra_lib.training.collectives import bandwidth_worker
@@ -38,23 +38,37 @@ def run_allreduce(device: torch.device, quick: bool) -> dict:
         for i, numel in enumerate(p["numels"]):
             times = {name: max(r[i][name] for r in per_rank) for name in ("ring", "dist.all_reduce")}  # slowest rank
             nbytes = numel * 4
-            rows.append({"world_size": world, "numel": numel, "bytes": nbytes,
-                         "ring_s": times["ring"], "dist_s": times["dist.all_reduce"],
-                         "ring_bus_gb_s": ring_bytes_sent(nbytes, world) / times["ring"] / 1e9,
-                         "dist_bus_gb_s": ring_bytes_sent(nbytes, world) / times["dist.all_reduce"] / 1e9,
-                         "ring_vs_dist": times["dist.all_reduce"] / times["ring"]})
-    return {"benchmark": "allreduce_bandwidth", "seed": SEED, "plan": p,
-            "flags": {"quick": quick, "device": "cpu", "backend": "gloo", "dtype": "float32"},
-            "results": rows, "note": "processes on one machine over loopback; --device is recorded only",
-            "machine_info": machine_info(device),
-            "load_average_1m": {"before": load_before, "after": load_average()}}
+            rows.append(
+                {
+                    "world_size": world,
+                    "numel": numel,
+                    "bytes": nbytes,
+                    "ring_s": times["ring"],
+                    "dist_s": times["dist.all_reduce"],
+                    "ring_bus_gb_s": ring_bytes_sent(nbytes, world) / times["ring"] / 1e9,
+                    "dist_bus_gb_s": ring_bytes_sent(nbytes, world) / times["dist.all_reduce"] / 1e9,
+                    "ring_vs_dist": times["dist.all_reduce"] / times["ring"],
+                }
+            )
+    return {
+        "benchmark": "allreduce_bandwidth",
+        "seed": SEED,
+        "plan": p,
+        "flags": {"quick": quick, "device": "cpu", "backend": "gloo", "dtype": "float32"},
+        "results": rows,
+        "note": "processes on one machine over loopback; --device is recorded only",
+        "machine_info": machine_info(device),
+        "load_average_1m": {"before": load_before, "after": load_average()},
+    }
 
 
 def format_table(result: dict) -> str:
     lines = [f"{'W':>2} {'bytes':>10} {'ring ms':>8} {'gloo ms':>8} {'ring GB/s':>9} {'gloo GB/s':>9} {'ring/gloo':>9}"]
     for r in result["results"]:
-        lines.append(f"{r['world_size']:>2} {r['bytes']:>10} {r['ring_s'] * 1e3:>8.2f} {r['dist_s'] * 1e3:>8.2f} "
-                     f"{r['ring_bus_gb_s']:>9.3f} {r['dist_bus_gb_s']:>9.3f} {r['ring_vs_dist']:>9.2f}")
+        lines.append(
+            f"{r['world_size']:>2} {r['bytes']:>10} {r['ring_s'] * 1e3:>8.2f} {r['dist_s'] * 1e3:>8.2f} "
+            f"{r['ring_bus_gb_s']:>9.3f} {r['dist_bus_gb_s']:>9.3f} {r['ring_vs_dist']:>9.2f}"
+        )
     return "\n".join(lines)
 
 

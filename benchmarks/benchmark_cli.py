@@ -18,8 +18,9 @@ def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def benchmark_main(argv: list[str] | None, description: str, name: str,
-                   run: Callable[..., dict], format_table: Callable[[dict], str]) -> int:
+def benchmark_main(
+    argv: list[str] | None, description: str, name: str, run: Callable[..., dict], format_table: Callable[[dict], str]
+) -> int:
     """Parse the shared options, run ``run(device, quick)``, write its JSON, print its table."""
     default_out = RESULTS / f"{name}.json"
     parser = argparse.ArgumentParser(description=description)

@@ -24,17 +24,24 @@ import sys
 import time
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import SamplingParams, load_default
 from infra_lib.serving.pieces import assemble
 from infra_lib.serving.scheduler_output import SchedulerConfig
 
 SEED = 0
-QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
-             "Who wrote Romeo and Juliet?", "What is Python?", "How many legs does a spider have?",
-             "What is the opposite of cold?", "Name a planet in the solar system."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "What is Python?",
+    "How many legs does a spider have?",
+    "What is the opposite of cold?",
+    "Name a planet in the solar system.",
+]
 
 
 def plan(quick: bool) -> dict:
@@ -73,11 +80,18 @@ def slowed(pieces: dict, factor: float = 1.6) -> dict:
 
 
 def serve_offline(loaded, pieces, p: dict) -> dict:
-    config = SchedulerConfig(max_num_seqs=p["max_num_seqs"], max_num_batched_tokens=256, block_size=16,
-                             num_blocks=128, enable_prefix_caching=False)
+    config = SchedulerConfig(
+        max_num_seqs=p["max_num_seqs"],
+        max_num_batched_tokens=256,
+        block_size=16,
+        num_blocks=128,
+        enable_prefix_caching=False,
+    )
     engine = assemble(loaded.model, loaded.tokenizer, config, pieces)
-    ids = [engine.add_request([{"role": "user", "content": q}], SamplingParams(max_new_tokens=p["max_tokens"]))
-           for q in QUESTIONS[:p["requests"]]]
+    ids = [
+        engine.add_request([{"role": "user", "content": q}], SamplingParams(max_new_tokens=p["max_tokens"]))
+        for q in QUESTIONS[: p["requests"]]
+    ]
     steps = []
     start = time.perf_counter()
     with torch.inference_mode():
@@ -88,8 +102,11 @@ def serve_offline(loaded, pieces, p: dict) -> dict:
                 steps.append(time.perf_counter() - t0)
     seconds = time.perf_counter() - start
     tokens = [engine.output(i).token_ids for i in ids]
-    return {"tokens_per_s": sum(map(len, tokens)) / seconds, "decode_step_ms": 1000 * statistics.median(steps or [0]),
-            "tokens": tokens}
+    return {
+        "tokens_per_s": sum(map(len, tokens)) / seconds,
+        "decode_step_ms": 1000 * statistics.median(steps or [0]),
+        "tokens": tokens,
+    }
 
 
 def run_capstone(device: torch.device, quick: bool) -> dict:
@@ -108,25 +125,37 @@ def run_capstone(device: torch.device, quick: bool) -> dict:
     rows = {}
     for name, result in best.items():
         ratio = result["tokens_per_s"] / course["tokens_per_s"]
-        rows[name] = {"tokens_per_s": round(result["tokens_per_s"], 2), "ratio": round(ratio, 3),
-                      "same_tokens": result["tokens"] == course["tokens"],
-                      "decode_step_ms": round(result["decode_step_ms"], 2),
-                      "passes": {"a quarter (1 point)": ratio >= 0.25, "a half (2 points)": ratio >= 0.5}}
-    return {"benchmark": "capstone", "machine_info": machine_info(device), "load_average": load_average(),
-            "seed": SEED, "flags": {"quick": quick, "device": str(device), "model": "SmolLM2-135M-Instruct",
-                                    "slow_factor": 1.6, **p},
-            "plan": p, "engines": rows}
+        rows[name] = {
+            "tokens_per_s": round(result["tokens_per_s"], 2),
+            "ratio": round(ratio, 3),
+            "same_tokens": result["tokens"] == course["tokens"],
+            "decode_step_ms": round(result["decode_step_ms"], 2),
+            "passes": {"a quarter (1 point)": ratio >= 0.25, "a half (2 points)": ratio >= 0.5},
+        }
+    return {
+        "benchmark": "capstone",
+        "machine_info": machine_info(device),
+        "load_average": load_average(),
+        "seed": SEED,
+        "flags": {"quick": quick, "device": str(device), "model": "SmolLM2-135M-Instruct", "slow_factor": 1.6, **p},
+        "plan": p,
+        "engines": rows,
+    }
 
 
 def format_table(result: dict) -> str:
     p = result["plan"]
-    lines = [f"{p['requests']} requests x {p['max_tokens']} tokens, batch {p['max_num_seqs']}, best of "
-             f"{p['rounds']} interleaved round(s)",
-             f"{'engine':<22}{'tok/s':>8}{'ratio':>8}{'step ms':>9}  same tokens  throughput checks passed"]
+    lines = [
+        f"{p['requests']} requests x {p['max_tokens']} tokens, batch {p['max_num_seqs']}, best of "
+        f"{p['rounds']} interleaved round(s)",
+        f"{'engine':<22}{'tok/s':>8}{'ratio':>8}{'step ms':>9}  same tokens  throughput checks passed",
+    ]
     for name, row in result["engines"].items():
         passed = ", ".join(k for k, v in row["passes"].items() if v) or "none"
-        lines.append(f"{name:<22}{row['tokens_per_s']:>8.2f}{row['ratio']:>8.2f}{row['decode_step_ms']:>9.1f}  "
-                     f"{str(row['same_tokens']):<11}  {passed}")
+        lines.append(
+            f"{name:<22}{row['tokens_per_s']:>8.2f}{row['ratio']:>8.2f}{row['decode_step_ms']:>9.1f}  "
+            f"{str(row['same_tokens']):<11}  {passed}"
+        )
     return "\n".join(lines)
 
 

@@ -23,13 +23,12 @@ import sys
 import time
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info, measure_memory_bandwidth
 from infra_lib.model import SamplingParams, generate, load_default
 from infra_lib.model.compiled_decode import StaticDecoder
-from infra_lib.model.decode_layout import (WEIGHT_FORMATS, bytes_per_step, decode_layout, greedy_answers,
-                                          top1_agreement)
+from infra_lib.model.decode_layout import WEIGHT_FORMATS, bytes_per_step, decode_layout, greedy_answers, top1_agreement
 from infra_lib.model.native_decode import NATIVE_FORMATS, NativeDecoder, native_decode_available
 from infra_lib.model.quant import heldout_text, perplexity
 from infra_lib.timing import time_op
@@ -37,8 +36,14 @@ from infra_lib.timing import time_op
 SEED = 0
 PROMPT = "What is Python?"
 # teacher-forced greedy agreement of each weight format with fp32 (the test's prompt set)
-AGREEMENT_PROMPTS = ("What is Python?", "Name three planets.", "What is the capital of France?",
-                     "Write a haiku about the sea.", "Explain what a KV cache is.", "How many legs does a spider have?")
+AGREEMENT_PROMPTS = (
+    "What is Python?",
+    "Name three planets.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is.",
+    "How many legs does a spider have?",
+)
 
 
 def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> dict:
@@ -56,8 +61,12 @@ def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> di
         one.append(time_op(lambda: generate_n(1), warmup=0, iters=1))
         many.append(time_op(lambda: generate_n(new_tokens), warmup=0, iters=1))
     one_s, many_s = min(one), min(many)
-    return {"first_token_s": one_s, "total_s": many_s, "new_tokens": new_tokens,
-            "decode_tokens_per_s": (new_tokens - 1) / (many_s - one_s)}
+    return {
+        "first_token_s": one_s,
+        "total_s": many_s,
+        "new_tokens": new_tokens,
+        "decode_tokens_per_s": (new_tokens - 1) / (many_s - one_s),
+    }
 
 
 def _shared_prefix(reference: list[int], tokens: list[int]) -> int:
@@ -105,26 +114,40 @@ def run_decode(device: torch.device, quick: bool) -> dict:
 
     def theirs(n):
         with torch.inference_mode():
-            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=tokenizer.eos_id)
+            return hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_id,
+            )
 
     reference_tokens = ours(new_tokens).token_ids
-    same_tokens = reference_tokens == theirs(new_tokens)[0, len(prompt):].tolist()
-    held_out = tokenizer.encode(heldout_text())[:64 if quick else 512]
-    agreement_prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
-                         for text in AGREEMENT_PROMPTS[:2 if quick else None]]
+    same_tokens = reference_tokens == theirs(new_tokens)[0, len(prompt) :].tolist()
+    held_out = tokenizer.encode(heldout_text())[: 64 if quick else 512]
+    agreement_prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": text}]) for text in AGREEMENT_PROMPTS[: 2 if quick else None]
+    ]
     agreement_tokens = 8 if quick else 24
     answers = greedy_answers(model, agreement_prompts, agreement_tokens)
-    weight_formats = {"fp32, plain layout": {"perplexity": perplexity(model, held_out),
-                                             "same_greedy_prefix": len(reference_tokens), "top1_agreement": 1.0,
-                                             "bytes_per_step": bytes_per_step(model)}}
+    weight_formats = {
+        "fp32, plain layout": {
+            "perplexity": perplexity(model, held_out),
+            "same_greedy_prefix": len(reference_tokens),
+            "top1_agreement": 1.0,
+            "bytes_per_step": bytes_per_step(model),
+        }
+    }
     for weights, laid_out in formats.items():
         tokens = ours(new_tokens, on=laid_out).token_ids
         shared = _shared_prefix(reference_tokens, tokens)
         weight_formats[f"{weights}, decode layout"] = {
-            "perplexity": perplexity(laid_out, held_out), "same_greedy_prefix": shared,
+            "perplexity": perplexity(laid_out, held_out),
+            "same_greedy_prefix": shared,
             "top1_agreement": top1_agreement(model, laid_out, agreement_prompts, answers),
-            "bytes_per_step": bytes_per_step(laid_out)}
+            "bytes_per_step": bytes_per_step(laid_out),
+        }
     # the compiled step: its first greedy call compiles (timed here). fp32 and int8 give the
     # uncompiled layout's tokens; bf16's fused casts round differently, so a long answer may part
     # from the uncompiled one: the greedy prefix they share is reported
@@ -149,18 +172,33 @@ def run_decode(device: torch.device, quick: bool) -> dict:
             "same_greedy_prefix": _shared_prefix(reference_tokens, native_tokens[weights]),
             "top1_agreement": sum(a == b for got, answer in zip(picks, answers) for a, b in zip(got, answer))
             / sum(len(answer) for answer in answers),
-            "bytes_per_step": decoder.bytes_per_step}
+            "bytes_per_step": decoder.bytes_per_step,
+        }
     engines = {
         "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
-        **{name: row for weights, laid_out in formats.items() for name, row in (
-            (f"infra_lib, decode layout {weights}",
-             _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup)),
-            (f"infra_lib, compiled step {weights}",
-             _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup)))},
-        "infra_lib, decode layout fp32 input-major": _decode_rate(lambda n: ours(n, on=input_major), new_tokens,
-                                                                  iters, warmup),
-        **{f"infra_lib, native step {w}": _decode_rate(lambda n, d=decoder: d.greedy(prompt, n), new_tokens,
-                                                        iters, warmup) for w, decoder in native.items()},
+        **{
+            name: row
+            for weights, laid_out in formats.items()
+            for name, row in (
+                (
+                    f"infra_lib, decode layout {weights}",
+                    _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup),
+                ),
+                (
+                    f"infra_lib, compiled step {weights}",
+                    _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup),
+                ),
+            )
+        },
+        "infra_lib, decode layout fp32 input-major": _decode_rate(
+            lambda n: ours(n, on=input_major), new_tokens, iters, warmup
+        ),
+        **{
+            f"infra_lib, native step {w}": _decode_rate(
+                lambda n, d=decoder: d.greedy(prompt, n), new_tokens, iters, warmup
+            )
+            for w, decoder in native.items()
+        },
         "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
         "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
     }
@@ -168,12 +206,20 @@ def run_decode(device: torch.device, quick: bool) -> dict:
     weight_bytes = model.weight_bytes()
     bound = bandwidth["bandwidth_gbps"] * 1e9 / weight_bytes
     for name, row in engines.items():
-        weights = next((w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}",
-                                                               f"infra_lib, compiled step {w}")), None)
+        weights = next(
+            (w for w in WEIGHT_FORMATS if name in (f"infra_lib, decode layout {w}", f"infra_lib, compiled step {w}")),
+            None,
+        )
         native_weights = next((w for w in native if name == f"infra_lib, native step {w}"), None)
-        row["weights"] = (f"{native_weights}, native step" if native_weights else
-                          f"{weights}, decode layout" if weights else
-                          "fp32, decode layout" if name.endswith("input-major") else "fp32, plain layout")
+        row["weights"] = (
+            f"{native_weights}, native step"
+            if native_weights
+            else f"{weights}, decode layout"
+            if weights
+            else "fp32, decode layout"
+            if name.endswith("input-major")
+            else "fp32, plain layout"
+        )
         row["bytes_per_step"] = weight_formats[row["weights"]]["bytes_per_step"]
         row["bound_tokens_per_s"] = bandwidth["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
         row["fraction_of_bound"] = row["decode_tokens_per_s"] / row["bound_tokens_per_s"]
@@ -184,10 +230,19 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "machine_info": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "dtype": "float32", "batch": 1, "prompt": PROMPT,
-                  "prompt_tokens": len(prompt), "new_tokens": new_tokens, "iters": iters,
-                  "perplexity_tokens": len(held_out), "agreement_prompts": len(agreement_prompts),
-                  "agreement_tokens": agreement_tokens},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "dtype": "float32",
+            "batch": 1,
+            "prompt": PROMPT,
+            "prompt_tokens": len(prompt),
+            "new_tokens": new_tokens,
+            "iters": iters,
+            "perplexity_tokens": len(held_out),
+            "agreement_prompts": len(agreement_prompts),
+            "agreement_tokens": agreement_tokens,
+        },
         "model": {"source": loaded.source, "parameters": model.config.parameter_count(), "weight_bytes": weight_bytes},
         "bandwidth": bandwidth,
         "bandwidth_bound_tokens_per_s": bound,
@@ -195,28 +250,42 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         "weight_formats": weight_formats,
         "kv_cache_speedup": cached["decode_tokens_per_s"] / uncached["decode_tokens_per_s"],
         "ours_over_transformers": cached["decode_tokens_per_s"] / theirs_rate,
-        "decode_layout_over_transformers": {weights: engines[f"infra_lib, decode layout {weights}"]
-                                            ["decode_tokens_per_s"] / theirs_rate for weights in WEIGHT_FORMATS},
+        "decode_layout_over_transformers": {
+            weights: engines[f"infra_lib, decode layout {weights}"]["decode_tokens_per_s"] / theirs_rate
+            for weights in WEIGHT_FORMATS
+        },
         "same_greedy_tokens_as_transformers": same_tokens,
         "input_major_same_greedy_tokens": ours(new_tokens, on=input_major).token_ids == reference_tokens,
         "fp32_packed_over_input_major": engines["infra_lib, decode layout fp32"]["decode_tokens_per_s"]
         / engines["infra_lib, decode layout fp32 input-major"]["decode_tokens_per_s"],
         "native_step": {
-            "available": native_ok, "reason": native_reason,
+            "available": native_ok,
+            "reason": native_reason,
             "same_greedy_tokens_as_model": native_tokens.get("fp32") == reference_tokens if native_ok else None,
-            "greedy_prefix_shared_with_fp32": {w: weight_formats[f"{w}, native step"]["same_greedy_prefix"]
-                                               for w in native},
-            "over_transformers": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"] / theirs_rate
-                                  for w in native},
-            "over_compiled_step": {w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"]
-                                   / engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"] for w in native},
+            "greedy_prefix_shared_with_fp32": {
+                w: weight_formats[f"{w}, native step"]["same_greedy_prefix"] for w in native
+            },
+            "over_transformers": {
+                w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"] / theirs_rate for w in native
+            },
+            "over_compiled_step": {
+                w: engines[f"infra_lib, native step {w}"]["decode_tokens_per_s"]
+                / engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+                for w in native
+            },
         },
-        "compiled_step": {"compile_s": compile_s, "greedy_prefix_shared_with_uncompiled": compiled_same_tokens,
-                          "over_uncompiled": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
-                                              / engines[f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
-                                              for w in WEIGHT_FORMATS},
-                          "over_transformers": {w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
-                                                / theirs_rate for w in WEIGHT_FORMATS}},
+        "compiled_step": {
+            "compile_s": compile_s,
+            "greedy_prefix_shared_with_uncompiled": compiled_same_tokens,
+            "over_uncompiled": {
+                w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+                / engines[f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
+                for w in WEIGHT_FORMATS
+            },
+            "over_transformers": {
+                w: engines[f"infra_lib, compiled step {w}"]["decode_tokens_per_s"] / theirs_rate for w in WEIGHT_FORMATS
+            },
+        },
     }
 
 
@@ -229,34 +298,50 @@ def format_table(result: dict) -> str:
         f"{'engine':42s} {'tokens/s':>9s} {'MB/step':>8s} {'bound':>7s} {'of bound':>9s} {'first token':>12s}",
     ]
     for name, row in result["engines"].items():
-        lines.append(f"{name:42s} {row['decode_tokens_per_s']:9.1f} {row['bytes_per_step'] / 1e6:8.0f} "
-                     f"{row['bound_tokens_per_s']:7.1f} {row['fraction_of_bound']:9.0%} {row['first_token_s'] * 1000:10.0f} ms")
-    lines.append(f"{'weights':24s} {'perplexity':>10s} {'greedy prefix shared with fp32':>31s} "
-                 f"{'top-1 agreement':>16s}")
+        lines.append(
+            f"{name:42s} {row['decode_tokens_per_s']:9.1f} {row['bytes_per_step'] / 1e6:8.0f} "
+            f"{row['bound_tokens_per_s']:7.1f} {row['fraction_of_bound']:9.0%} {row['first_token_s'] * 1000:10.0f} ms"
+        )
+    lines.append(
+        f"{'weights':24s} {'perplexity':>10s} {'greedy prefix shared with fp32':>31s} {'top-1 agreement':>16s}"
+    )
     for name, row in result["weight_formats"].items():
-        lines.append(f"{name:24s} {row['perplexity']:10.3f} {row['same_greedy_prefix']:31d} "
-                     f"{row['top1_agreement']:16.1%}")
+        lines.append(
+            f"{name:24s} {row['perplexity']:10.3f} {row['same_greedy_prefix']:31d} {row['top1_agreement']:16.1%}"
+        )
     over = ", ".join(f"{w} {r:.2f}x" for w, r in result["decode_layout_over_transformers"].items())
-    lines.append(f"KV cache speedup {result['kv_cache_speedup']:.1f}x; plain layout / transformers "
-                 f"{result['ours_over_transformers']:.2f}; decode layout / transformers: {over}; "
-                 f"same greedy tokens as transformers: {result['same_greedy_tokens_as_transformers']}")
+    lines.append(
+        f"KV cache speedup {result['kv_cache_speedup']:.1f}x; plain layout / transformers "
+        f"{result['ours_over_transformers']:.2f}; decode layout / transformers: {over}; "
+        f"same greedy tokens as transformers: {result['same_greedy_tokens_as_transformers']}"
+    )
     step = result["compiled_step"]
-    lines.append("compiled step over the uncompiled layout: " + ", ".join(
-        f"{w} {r:.2f}x (compile {step['compile_s'][w]:.1f} s, greedy prefix shared "
-        f"{step['greedy_prefix_shared_with_uncompiled'][w]}/{result['flags']['new_tokens']})"
-        for w, r in step["over_uncompiled"].items()))
-    lines.append(f"fp32 decode layout, oneDNN-packed over input-major: {result['fp32_packed_over_input_major']:.2f}x "
-                 f"(input-major gives the same greedy tokens: {result['input_major_same_greedy_tokens']})")
-    lines.append("compiled step over transformers: " + ", ".join(
-        f"{w} {r:.2f}x" for w, r in step["over_transformers"].items()))
+    lines.append(
+        "compiled step over the uncompiled layout: "
+        + ", ".join(
+            f"{w} {r:.2f}x (compile {step['compile_s'][w]:.1f} s, greedy prefix shared "
+            f"{step['greedy_prefix_shared_with_uncompiled'][w]}/{result['flags']['new_tokens']})"
+            for w, r in step["over_uncompiled"].items()
+        )
+    )
+    lines.append(
+        f"fp32 decode layout, oneDNN-packed over input-major: {result['fp32_packed_over_input_major']:.2f}x "
+        f"(input-major gives the same greedy tokens: {result['input_major_same_greedy_tokens']})"
+    )
+    lines.append(
+        "compiled step over transformers: " + ", ".join(f"{w} {r:.2f}x" for w, r in step["over_transformers"].items())
+    )
     native = result["native_step"]
     if native["available"]:
-        lines.append("native step (C) over transformers: " + ", ".join(
-            f"{w} {r:.2f}x" for w, r in native["over_transformers"].items()) + "; over the compiled step: " + ", ".join(
-            f"{w} {r:.2f}x" for w, r in native["over_compiled_step"].items())
+        lines.append(
+            "native step (C) over transformers: "
+            + ", ".join(f"{w} {r:.2f}x" for w, r in native["over_transformers"].items())
+            + "; over the compiled step: "
+            + ", ".join(f"{w} {r:.2f}x" for w, r in native["over_compiled_step"].items())
             + f"; fp32 gives the model's greedy tokens: {native['same_greedy_tokens_as_model']}; greedy prefix "
-            "shared with fp32: " + ", ".join(f"{w} {n}/{flags['new_tokens']}"
-                                             for w, n in native["greedy_prefix_shared_with_fp32"].items()))
+            "shared with fp32: "
+            + ", ".join(f"{w} {n}/{flags['new_tokens']}" for w, n in native["greedy_prefix_shared_with_fp32"].items())
+        )
     else:
         lines.append(f"native step (C): not built here ({native['reason'].splitlines()[0]})")
     return "\n".join(lines)

@@ -20,9 +20,9 @@ import time
 from collections import defaultdict
 
 import torch
+from benchmark_cli import benchmark_main, load_average
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import DenseKVCache, SamplingParams, load_default
 from infra_lib.model.attention import cached_attention
@@ -92,14 +92,19 @@ def breakdown(reset, run_step, steps: int, rounds: int) -> dict:
     step_ms = min(walls)
     ms["Python overhead"] = max(0.0, step_ms - sum(ms.values()))
     whole = max(step_ms, sum(ms.values()))  # the profiler's cost per op can push the ops past the wall time
-    return {"step_ms": step_ms, "step_ms_rounds": walls, "ms_per_step": ms,
-            "fraction": {name: value / whole for name, value in ms.items()}}
+    return {
+        "step_ms": step_ms,
+        "step_ms_rounds": walls,
+        "ms_per_step": ms,
+        "fraction": {name: value / whole for name, value in ms.items()},
+    }
 
 
 def _annotated(fn, name: str):
     def wrapper(*args, **kwargs):
         with record_function(name):
             return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -179,8 +184,16 @@ def run_profile(device: torch.device, quick: bool) -> dict:
         "machine_info": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "dtype": "float32", "steps": steps, "rounds": rounds,
-                  "batch": batch, "torch_threads": torch.get_num_threads(), "prompt": PROMPT},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "dtype": "float32",
+            "steps": steps,
+            "rounds": rounds,
+            "batch": batch,
+            "torch_threads": torch.get_num_threads(),
+            "prompt": PROMPT,
+        },
         "categories": list(CATEGORIES),
         "steps": results,
     }
@@ -188,14 +201,20 @@ def run_profile(device: torch.device, quick: bool) -> dict:
 
 def format_table(result: dict) -> str:
     names = list(result["steps"])
-    lines = [f"SmolLM2-135M-Instruct fp32, {result['flags']['torch_threads']} torch threads: ms per decode step",
-             f"{'':18s}" + "".join(f"{name:>26s}" for name in names)]
+    lines = [
+        f"SmolLM2-135M-Instruct fp32, {result['flags']['torch_threads']} torch threads: ms per decode step",
+        f"{'':18s}" + "".join(f"{name:>26s}" for name in names),
+    ]
     for cat in result["categories"]:
-        cells = [f"{result['steps'][n]['ms_per_step'][cat]:8.2f} ms {result['steps'][n]['fraction'][cat]:5.0%}"
-                 for n in names]
+        cells = [
+            f"{result['steps'][n]['ms_per_step'][cat]:8.2f} ms {result['steps'][n]['fraction'][cat]:5.0%}"
+            for n in names
+        ]
         lines.append(f"{cat:18s}" + "".join(f"{c:>26s}" for c in cells))
-    lines.append(f"{'step (unprofiled)':18s}" + "".join(f"{result['steps'][n]['step_ms']:8.2f} ms      "
-                                                        .rjust(26) for n in names))
+    lines.append(
+        f"{'step (unprofiled)':18s}"
+        + "".join(f"{result['steps'][n]['step_ms']:8.2f} ms      ".rjust(26) for n in names)
+    )
     lines.append(f"{'tokens/s':18s}" + "".join(f"{result['steps'][n]['tokens_per_s']:8.1f}".rjust(26) for n in names))
     return "\n".join(lines)
 

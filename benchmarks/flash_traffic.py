@@ -18,11 +18,16 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from benchmark_cli import benchmark_main
+
 from infra_lib.hardware.probes import machine_info
-from infra_lib.kernels.flash_attention import (DEFAULT_BLOCK, flash_attention, flash_attention_bytes,
-                                               naive_attention, naive_attention_bytes)
+from infra_lib.kernels.flash_attention import (
+    DEFAULT_BLOCK,
+    flash_attention,
+    flash_attention_bytes,
+    naive_attention,
+    naive_attention_bytes,
+)
 from infra_lib.kernels.traffic import count_traffic
 from infra_lib.kernels.triton_env import interpreter_active, kernel_device
 
@@ -78,9 +83,18 @@ def run_flash_traffic(device: torch.device, quick: bool) -> dict:
         "benchmark": "flash_traffic",
         "machine_info": machine_info(device),
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "lengths": lengths, "head_dim": HEAD_DIM, "batch": 1,
-                  "n_heads": 1, "causal": True, "dtype": "float32", "block_n": DEFAULT_BLOCK,
-                  "counted": counting},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "lengths": lengths,
+            "head_dim": HEAD_DIM,
+            "batch": 1,
+            "n_heads": 1,
+            "causal": True,
+            "dtype": "float32",
+            "block_n": DEFAULT_BLOCK,
+            "counted": counting,
+        },
         "results": [measure_length(s, device, counting) for s in lengths],
     }
 
@@ -89,14 +103,18 @@ def format_table(result: dict) -> str:
     flags = result["flags"]
     source = "counted in Triton's interpreter" if flags["counted"] else "from the formulas (compiled kernels)"
     large = f"flash_block_m_{LARGE_BLOCK_M}"
-    lines = [f"causal attention, t = s, head_dim {flags['head_dim']}, {flags['dtype']}, one head; bytes {source}",
-             f"{'s':>5} {'naive loaded':>13} {'stored':>10} {'total':>10} {'scores':>9} | {'flash loaded':>12} "
-             f"{'stored':>7} {'total':>9} {'naive/flash':>11} | {'block_m 64':>10}"]
+    lines = [
+        f"causal attention, t = s, head_dim {flags['head_dim']}, {flags['dtype']}, one head; bytes {source}",
+        f"{'s':>5} {'naive loaded':>13} {'stored':>10} {'total':>10} {'scores':>9} | {'flash loaded':>12} "
+        f"{'stored':>7} {'total':>9} {'naive/flash':>11} | {'block_m 64':>10}",
+    ]
     for row in result["results"]:
         naive, flash = row["naive"], row["flash"]
-        lines.append(f"{row['s']:5d} {naive['loaded']:13,} {naive['stored']:10,} {naive['total']:10,} "
-                     f"{naive['scores']:9,} | {flash['loaded']:12,} {flash['stored']:7,} {flash['total']:9,} "
-                     f"{row['naive_over_flash']:10.2f}x | {row[large]['total']:10,}")
+        lines.append(
+            f"{row['s']:5d} {naive['loaded']:13,} {naive['stored']:10,} {naive['total']:10,} "
+            f"{naive['scores']:9,} | {flash['loaded']:12,} {flash['stored']:7,} {flash['total']:9,} "
+            f"{row['naive_over_flash']:10.2f}x | {row[large]['total']:10,}"
+        )
     return "\n".join(lines)
 
 

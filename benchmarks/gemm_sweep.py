@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info, measure_gemm_rates, measure_peak_gemm_flops
 
 SEED = 0

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from benchmark_cli import benchmark_main
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.serving import BlockPool, blocks_needed
 
@@ -193,9 +194,11 @@ class PagedAllocator:
 
 def make_allocators(capacity: int, block_sizes=BLOCK_SIZES, max_context: int = MAX_CONTEXT) -> list:
     """The five allocators of the comparison, each over ``capacity`` slots."""
-    return [ContiguousAllocator("contiguous, max context", capacity, lambda request: max_context),
-            ContiguousAllocator("contiguous, exact length", capacity, lambda request: request.final_len),
-            *(PagedAllocator(capacity, b) for b in block_sizes)]
+    return [
+        ContiguousAllocator("contiguous, max context", capacity, lambda request: max_context),
+        ContiguousAllocator("contiguous, exact length", capacity, lambda request: request.final_len),
+        *(PagedAllocator(capacity, b) for b in block_sizes),
+    ]
 
 
 def slot_states(allocator, running: list[Sequence]) -> list[int]:
@@ -205,8 +208,9 @@ def slot_states(allocator, running: list[Sequence]) -> list[int]:
         position = 0
         for first, count in allocator.slot_ranges(seq):
             for slot in range(first, first + count):
-                states[slot] = (TOKEN if position < seq.tokens else
-                                RESERVED if position < seq.request.final_len else NEVER_WRITTEN)
+                states[slot] = (
+                    TOKEN if position < seq.tokens else RESERVED if position < seq.request.final_len else NEVER_WRITTEN
+                )
                 position += 1
     return states
 
@@ -231,16 +235,21 @@ def replay(trace: list[Request], allocator, on_step: Callable | None = None) -> 
             tokens = seq.request.prompt_len + seq.generated
             if not allocator.can_admit(seq, tokens):
                 if not running:
-                    raise RuntimeError(f"request {seq.request_id} ({seq.request}) never fits in "
-                                       f"{allocator.capacity} slots with {allocator.name}: give it more memory")
+                    raise RuntimeError(
+                        f"request {seq.request_id} ({seq.request}) never fits in "
+                        f"{allocator.capacity} slots with {allocator.name}: give it more memory"
+                    )
                 break
             allocator.admit(waiting.popleft(), tokens)
             recomputed += seq.generated
             running.append(seq)
 
-        step_held = {"tokens": sum(s.tokens for s in running), "held": sum(s.held for s in running),
-                     "reserved": sum(min(s.held, s.request.final_len) - s.tokens for s in running),
-                     "internal_fragmentation": sum(max(0, s.held - s.request.final_len) for s in running)}
+        step_held = {
+            "tokens": sum(s.tokens for s in running),
+            "held": sum(s.held for s in running),
+            "reserved": sum(min(s.held, s.request.final_len) - s.tokens for s in running),
+            "internal_fragmentation": sum(max(0, s.held - s.request.final_len) for s in running),
+        }
         for key, value in step_held.items():
             sums[key] += value
         peak_running = max(peak_running, len(running))
@@ -283,14 +292,21 @@ def replay(trace: list[Request], allocator, on_step: Callable | None = None) -> 
 
 def summarise(values: list[int]) -> dict:
     ordered = sorted(values)
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
-            "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1]}
+    return {
+        "mean": statistics.fmean(ordered),
+        "median": statistics.median(ordered),
+        "p90": ordered[int(0.9 * (len(ordered) - 1))],
+        "max": ordered[-1],
+    }
 
 
 def plan(quick: bool) -> dict:
     """Backlog size and KV budget (in token slots, a multiple of MAX_CONTEXT and of every block size)."""
-    return {"num_requests": 400, "kv_budget_tokens": 16 * MAX_CONTEXT} if quick else \
-        {"num_requests": 2000, "kv_budget_tokens": 64 * MAX_CONTEXT}
+    return (
+        {"num_requests": 400, "kv_budget_tokens": 16 * MAX_CONTEXT}
+        if quick
+        else {"num_requests": 2000, "kv_budget_tokens": 64 * MAX_CONTEXT}
+    )
 
 
 def run_kv_waste(device, quick: bool) -> dict:
@@ -305,13 +321,21 @@ def run_kv_waste(device, quick: bool) -> dict:
         "benchmark": "kv_waste",
         "machine_info": machine_info(device),
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), **settings, "max_context": MAX_CONTEXT,
-                  "block_sizes": list(BLOCK_SIZES), "watermark": WATERMARK,
-                  "prompt_lognormal": {"median": PROMPT_MEDIAN, "sigma": PROMPT_SIGMA},
-                  "output_lognormal": {"median": OUTPUT_MEDIAN, "sigma": OUTPUT_SIGMA}},
-        "trace": {"prompt": summarise([r.prompt_len for r in trace]),
-                  "output": summarise([r.output_len for r in trace]),
-                  "final": summarise([r.final_len for r in trace])},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            **settings,
+            "max_context": MAX_CONTEXT,
+            "block_sizes": list(BLOCK_SIZES),
+            "watermark": WATERMARK,
+            "prompt_lognormal": {"median": PROMPT_MEDIAN, "sigma": PROMPT_SIGMA},
+            "output_lognormal": {"median": OUTPUT_MEDIAN, "sigma": OUTPUT_SIGMA},
+        },
+        "trace": {
+            "prompt": summarise([r.prompt_len for r in trace]),
+            "output": summarise([r.output_len for r in trace]),
+            "final": summarise([r.final_len for r in trace]),
+        },
         "allocators": results,
     }
 
@@ -319,16 +343,20 @@ def run_kv_waste(device, quick: bool) -> dict:
 def format_table(result: dict) -> str:
     flags, trace = result["flags"], result["trace"]
     lines = [
-        (f"{flags['num_requests']} requests (mean prompt {trace['prompt']['mean']:.0f}, mean output "
-         f"{trace['output']['mean']:.0f} tokens), KV budget {flags['kv_budget_tokens']:,} token slots, "
-         f"max context {flags['max_context']}"),
+        (
+            f"{flags['num_requests']} requests (mean prompt {trace['prompt']['mean']:.0f}, mean output "
+            f"{trace['output']['mean']:.0f} tokens), KV budget {flags['kv_budget_tokens']:,} token slots, "
+            f"max context {flags['max_context']}"
+        ),
         f"{'allocator':26s} {'tokens/held':>11s} {'ext. frag':>9s} {'running':>8s} {'peak':>5s} {'vs max':>7s} "
         f"{'steps':>6s} {'preempt':>7s}",
     ]
     for row in result["allocators"]:
-        lines.append(f"{row['name']:26s} {row['token_fraction']:11.1%} {row['arena']['external_fragmentation']:9.1%} "
-                     f"{row['mean_running_saturated']:8.1f} {row['peak_running']:5d} "
-                     f"{row['concurrency_vs_max_context']:6.1f}x {row['steps']:6d} {row['preemptions']:7d}")
+        lines.append(
+            f"{row['name']:26s} {row['token_fraction']:11.1%} {row['arena']['external_fragmentation']:9.1%} "
+            f"{row['mean_running_saturated']:8.1f} {row['peak_running']:5d} "
+            f"{row['concurrency_vs_max_context']:6.1f}x {row['steps']:6d} {row['preemptions']:7d}"
+        )
     return "\n".join(lines)
 
 

@@ -45,9 +45,9 @@ import sys
 import time
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
 from decode import _transformers_model
+
 from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
 from infra_lib.model import SamplingParams, load_default
 from infra_lib.model.decode_layout import decode_layout
@@ -61,10 +61,22 @@ SEED = 0
 def plan(quick: bool) -> dict:
     """Backlog size, length ranges (inclusive), the batch limit B, and the sweep's limits."""
     if quick:
-        return {"num_prompts": 4, "prompt_len": [8, 24], "output_len": [2, 6], "batch": 3,
-                "sweep_batches": [2, 4], "sweep_budgets": [32]}
-    return {"num_prompts": 64, "prompt_len": [16, 128], "output_len": [8, 96], "batch": 8,
-            "sweep_batches": [4, 8, 16, 32, 64], "sweep_budgets": [256, 512]}
+        return {
+            "num_prompts": 4,
+            "prompt_len": [8, 24],
+            "output_len": [2, 6],
+            "batch": 3,
+            "sweep_batches": [2, 4],
+            "sweep_budgets": [32],
+        }
+    return {
+        "num_prompts": 64,
+        "prompt_len": [16, 128],
+        "output_len": [8, 96],
+        "batch": 8,
+        "sweep_batches": [4, 8, 16, 32, 64],
+        "sweep_budgets": [256, 512],
+    }
 
 
 def make_backlog(num_prompts: int, prompt_len, output_len, vocab_size: int, seed: int = SEED):
@@ -80,13 +92,19 @@ def make_backlog(num_prompts: int, prompt_len, output_len, vocab_size: int, seed
 def _config(batch: int, prompts, outputs) -> SchedulerConfig:
     longest = max(len(p) + n for p, n in zip(prompts, outputs))
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, outputs)) + 16  # never preempts
-    return SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, longest), block_size=16,
-                           num_blocks=blocks)
+    return SchedulerConfig(
+        max_num_seqs=batch, max_num_batched_tokens=max(512, longest), block_size=16, num_blocks=blocks
+    )
 
 
 def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | None = None) -> dict:
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": steps,
-            "output_token_counts": [len(t) for t in token_ids]}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "steps": steps,
+        "output_token_counts": [len(t) for t in token_ids],
+    }
 
 
 def engine_llm(model, fast, tokenizer, config: SchedulerConfig, native: bool) -> LLM:
@@ -107,16 +125,28 @@ def sweep(engine, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
     for batch in batches:
         for budget in budgets:
             config = _config(batch, prompts, outputs)
-            config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget, block_size=config.block_size,
-                                     num_blocks=config.num_blocks)
+            config = SchedulerConfig(
+                max_num_seqs=batch,
+                max_num_batched_tokens=budget,
+                block_size=config.block_size,
+                num_blocks=config.num_blocks,
+            )
             llm = engine(config)
             start = time.perf_counter()
             out = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in out)
-            rows.append({"max_num_seqs": batch, "max_num_batched_tokens": budget, "seconds": seconds,
-                         "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(llm.engine.steps),
-                         "preemptions": sum(len(step.output.preempted) for step in llm.engine.steps)})
+            rows.append(
+                {
+                    "max_num_seqs": batch,
+                    "max_num_batched_tokens": budget,
+                    "seconds": seconds,
+                    "output_tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                    "steps": len(llm.engine.steps),
+                    "preemptions": sum(len(step.output.preempted) for step in llm.engine.steps),
+                }
+            )
     return rows
 
 
@@ -127,13 +157,19 @@ def _padded_static(hf, prompts, outputs, batch: int, pad_id: int) -> dict:
     with torch.inference_mode():
         start = time.perf_counter()
         for i in range(0, len(prompts), batch):
-            group, wants = prompts[i:i + batch], outputs[i:i + batch]
+            group, wants = prompts[i : i + batch], outputs[i : i + batch]
             width, steps = max(len(p) for p in group), max(wants)
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                              pad_token_id=pad_id)
-            kept += [row[width:width + n].tolist() for row, n in zip(out, wants)]
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            kept += [row[width : width + n].tolist() for row, n in zip(out, wants)]
             computed_rows += len(group) * steps
         seconds = time.perf_counter() - start
     row = _row(seconds, sum(len(t) for t in kept), kept, len(range(0, len(prompts), batch)))
@@ -152,8 +188,9 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     fast = decode_layout(model)  # the same fp32 weights, fused and packed once, at load time
     settings = plan(quick)
     batch = settings["batch"]
-    prompts, outputs = make_backlog(settings["num_prompts"], settings["prompt_len"], settings["output_len"],
-                                    model.config.vocab_size)
+    prompts, outputs = make_backlog(
+        settings["num_prompts"], settings["prompt_len"], settings["output_len"], model.config.vocab_size
+    )
     params = [SamplingParams(max_new_tokens=n, stop_ids=()) for n in outputs]
     config = _config(batch, prompts, outputs)
     expected_tokens = sum(outputs)
@@ -169,44 +206,74 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     llm = engine(config)
     start = time.perf_counter()
     continuous_out = llm.generate(prompts, params, use_tqdm=False)
-    continuous = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in continuous_out),
-                      [o.token_ids for o in continuous_out], len(llm.engine.steps))
+    continuous = _row(
+        time.perf_counter() - start,
+        sum(len(o.token_ids) for o in continuous_out),
+        [o.token_ids for o in continuous_out],
+        len(llm.engine.steps),
+    )
     runner = llm.engine.runner
-    native_steps = {"native_steps": getattr(runner, "native_steps", 0),
-                    "fallback_steps": getattr(runner, "fallback_steps", len(llm.engine.steps)),
-                    "max_tokens": getattr(runner, "max_tokens", None)}
+    native_steps = {
+        "native_steps": getattr(runner, "native_steps", 0),
+        "fallback_steps": getattr(runner, "fallback_steps", len(llm.engine.steps)),
+        "max_tokens": getattr(runner, "max_tokens", None),
+    }
 
     torch_llm = LLM(fast, tokenizer, config)
     start = time.perf_counter()
     torch_out = torch_llm.generate(prompts, params, use_tqdm=False)
-    torch_step = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in torch_out),
-                      [o.token_ids for o in torch_out], len(torch_llm.engine.steps))
+    torch_step = _row(
+        time.perf_counter() - start,
+        sum(len(o.token_ids) for o in torch_out),
+        [o.token_ids for o in torch_out],
+        len(torch_llm.engine.steps),
+    )
 
     loaded_llm = LLM(model, tokenizer, config)
     start = time.perf_counter()
     loaded_out = loaded_llm.generate(prompts, params, use_tqdm=False)
-    as_loaded = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in loaded_out),
-                     [o.token_ids for o in loaded_out], len(loaded_llm.engine.steps))
+    as_loaded = _row(
+        time.perf_counter() - start,
+        sum(len(o.token_ids) for o in loaded_out),
+        [o.token_ids for o in loaded_out],
+        len(loaded_llm.engine.steps),
+    )
 
     static_llm = engine(config)
     static_out, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        static_out += static_llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
-    static = _row(time.perf_counter() - start, sum(len(o.token_ids) for o in static_out),
-                  [o.token_ids for o in static_out], len(static_llm.engine.steps))
+        static_out += static_llm.generate(prompts[i : i + batch], params[i : i + batch], use_tqdm=False)
+    static = _row(
+        time.perf_counter() - start,
+        sum(len(o.token_ids) for o in static_out),
+        [o.token_ids for o in static_out],
+        len(static_llm.engine.steps),
+    )
 
     hf = _transformers_model(model)
     hf_tokens = []
     with torch.inference_mode():
         warm = torch.tensor([prompts[0]])
-        hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, min_new_tokens=2, do_sample=False,
-                    pad_token_id=tokenizer.eos_id)
+        hf.generate(
+            warm,
+            attention_mask=torch.ones_like(warm),
+            max_new_tokens=2,
+            min_new_tokens=2,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_id,
+        )
         start = time.perf_counter()
         for prompt, n in zip(prompts, outputs):
             ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=tokenizer.eos_id)
-            hf_tokens.append(out[0, len(prompt):].tolist())
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_id,
+            )
+            hf_tokens.append(out[0, len(prompt) :].tolist())
         seconds = time.perf_counter() - start
     sequential = _row(seconds, sum(len(t) for t in hf_tokens), hf_tokens)
     padded = _padded_static(hf, prompts, outputs, batch, tokenizer.eos_id)
@@ -218,25 +285,36 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         baseline = _padded_static(hf, prompts, outputs, sweep_batch, tokenizer.eos_id)
         best = max(row["tokens_per_s"] for row in rows)
         curve += rows
-        padded_curve.append({"batch": sweep_batch, "padded_static_tokens_per_s": baseline["tokens_per_s"],
-                             "padded_static_output_tokens": baseline["output_tokens"],
-                             "computed_output_slots": baseline["computed_output_slots"],
-                             # the most continuous batching could gain by skipping the padded rows alone,
-                             # were a row as cheap to compute in both engines
-                             "computed_over_kept_slots": baseline["computed_output_slots"] / expected_tokens,
-                             "continuous_best_tokens_per_s": best,
-                             "continuous_over_padded_static": best / baseline["tokens_per_s"]})
+        padded_curve.append(
+            {
+                "batch": sweep_batch,
+                "padded_static_tokens_per_s": baseline["tokens_per_s"],
+                "padded_static_output_tokens": baseline["output_tokens"],
+                "computed_output_slots": baseline["computed_output_slots"],
+                # the most continuous batching could gain by skipping the padded rows alone,
+                # were a row as cheap to compute in both engines
+                "computed_over_kept_slots": baseline["computed_output_slots"] / expected_tokens,
+                "continuous_best_tokens_per_s": best,
+                "continuous_over_padded_static": best / baseline["tokens_per_s"],
+            }
+        )
 
     parameters = model.config.parameter_count()
     computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, outputs))  # the last token is never fed back
     flops = 2 * parameters * computed_tokens
-    peak = measure_peak_gemm_flops(device, sizes=(512, 1024) if quick else (512, 1024, 1536, 2048),
-                                   iters=3 if quick else 5)
+    peak = measure_peak_gemm_flops(
+        device, sizes=(512, 1024) if quick else (512, 1024, 1536, 2048), iters=3 if quick else 5
+    )
     bound_s = flops / (peak["peak_gflops"] * 1e9)
     bound_tokens_per_s = expected_tokens / bound_s
-    engines = {"continuous batching": continuous, "continuous batching, PyTorch step": torch_step,
-               "continuous batching, model as loaded": as_loaded,
-               "static batching": static, "padded static batching": padded, "sequential transformers": sequential}
+    engines = {
+        "continuous batching": continuous,
+        "continuous batching, PyTorch step": torch_step,
+        "continuous batching, model as loaded": as_loaded,
+        "static batching": static,
+        "padded static batching": padded,
+        "sequential transformers": sequential,
+    }
     for row in engines.values():
         row["fraction_of_roofline"] = row["tokens_per_s"] / bound_tokens_per_s
     same_as_transformers = sum(a.token_ids == b for a, b in zip(continuous_out, hf_tokens))
@@ -245,27 +323,40 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "machine_info": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "dtype": "float32", **settings,
-                  "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
-                  "num_blocks": config.num_blocks, "prompts": "random token ids, seeded lengths",
-                  "stop": "none: every request produces exactly its drawn output length"},
-        "notes": ["padded static batching: transformers' generate on each batch of `batch` prompts, left-padded "
-                  "to the longest, until the longest output is done; every row computed at every step; each "
-                  "request keeps its own drawn number of tokens",
-                  "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
-                  "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
-                  "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
-                  "continuous batching, static batching and the sweep run steps of up to 512 tokens in C "
-                  "(NativeModelRunner, the same fp32 weights packed in panels) and larger steps in PyTorch on the "
-                  "decode layout (the same fp32 weights fused and packed for oneDNN); 'continuous batching, "
-                  "PyTorch step' runs every step on the decode layout, 'continuous batching, model as loaded' on "
-                  "the model's own nn.Linear products, both at the same batch limit",
-                  "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
-                  "at the measured GEMM peak; attention FLOPs left out: a lower bound on time"],
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "dtype": "float32",
+            **settings,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "block_size": config.block_size,
+            "num_blocks": config.num_blocks,
+            "prompts": "random token ids, seeded lengths",
+            "stop": "none: every request produces exactly its drawn output length",
+        },
+        "notes": [
+            "padded static batching: transformers' generate on each batch of `batch` prompts, left-padded "
+            "to the longest, until the longest output is done; every row computed at every step; each "
+            "request keeps its own drawn number of tokens",
+            "static batching: batches of `batch` prompts formed once, in order; each runs on the same engine "
+            "with max_num_seqs=batch until its longest member finishes and nothing joins it; finished "
+            "sequences drop out of the batch rather than being padded (a padded batch would be slower still)",
+            "continuous batching, static batching and the sweep run steps of up to 512 tokens in C "
+            "(NativeModelRunner, the same fp32 weights packed in panels) and larger steps in PyTorch on the "
+            "decode layout (the same fp32 weights fused and packed for oneDNN); 'continuous batching, "
+            "PyTorch step' runs every step on the decode layout, 'continuous batching, model as loaded' on "
+            "the model's own nn.Linear products, both at the same batch limit",
+            "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
+            "at the measured GEMM peak; attention FLOPs left out: a lower bound on time",
+        ],
         "model": {"source": loaded.source, "parameters": parameters},
-        "workload": {"prompt_tokens": [len(p) for p in prompts], "output_tokens": outputs,
-                     "total_prompt_tokens": sum(len(p) for p in prompts), "total_output_tokens": expected_tokens,
-                     "computed_tokens": computed_tokens},
+        "workload": {
+            "prompt_tokens": [len(p) for p in prompts],
+            "output_tokens": outputs,
+            "total_prompt_tokens": sum(len(p) for p in prompts),
+            "total_output_tokens": expected_tokens,
+            "computed_tokens": computed_tokens,
+        },
         "peak_gemm": {k: peak[k] for k in ("peak_gflops", "best_n", "dtype", "torch_threads")},
         "roofline": {"flops": flops, "seconds_lower_bound": bound_s, "tokens_per_s_upper_bound": bound_tokens_per_s},
         "engines": engines,
@@ -274,11 +365,11 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "native_step": {"available": native, "reason": native_reason, "weights": "fp32", **native_steps},
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
         "native_step_over_pytorch_step": continuous["tokens_per_s"] / torch_step["tokens_per_s"],
-        "requests_same_tokens_native_and_pytorch_step": sum(a.token_ids == b.token_ids
-                                                            for a, b in zip(continuous_out, torch_out)),
+        "requests_same_tokens_native_and_pytorch_step": sum(
+            a.token_ids == b.token_ids for a, b in zip(continuous_out, torch_out)
+        ),
         "decode_layout_over_model_as_loaded": torch_step["tokens_per_s"] / as_loaded["tokens_per_s"],
-        "requests_same_tokens_in_both_layouts": sum(a.token_ids == b.token_ids
-                                                     for a, b in zip(torch_out, loaded_out)),
+        "requests_same_tokens_in_both_layouts": sum(a.token_ids == b.token_ids for a, b in zip(torch_out, loaded_out)),
         "continuous_over_padded_static": continuous["tokens_per_s"] / padded["tokens_per_s"],
         "continuous_over_sequential": continuous["tokens_per_s"] / sequential["tokens_per_s"],
         "requests_same_greedy_tokens_as_transformers": same_as_transformers,
@@ -298,24 +389,36 @@ def format_table(result: dict) -> str:
         lines.append(f"{name:37s} {row['seconds']:8.2f} {row['tokens_per_s']:9.1f} {row['fraction_of_roofline']:9.1%}")
     lines.append(f"{'max_num_seqs':>12s} {'token budget':>12s} {'tokens/s':>9s} {'steps':>6s} {'preempted':>9s}")
     for row in result["sweep"]:
-        lines.append(f"{row['max_num_seqs']:12d} {row['max_num_batched_tokens']:12d} {row['tokens_per_s']:9.1f} "
-                     f"{row['steps']:6d} {row['preemptions']:9d}")
-    lines.append(f"{'batch limit':>12s} {'padded static':>14s} {'continuous (best budget)':>25s} {'ratio':>6s} "
-                 f"{'padded slots / kept':>20s}")
+        lines.append(
+            f"{row['max_num_seqs']:12d} {row['max_num_batched_tokens']:12d} {row['tokens_per_s']:9.1f} "
+            f"{row['steps']:6d} {row['preemptions']:9d}"
+        )
+    lines.append(
+        f"{'batch limit':>12s} {'padded static':>14s} {'continuous (best budget)':>25s} {'ratio':>6s} "
+        f"{'padded slots / kept':>20s}"
+    )
     for row in result["padded_sweep"]:
-        lines.append(f"{row['batch']:12d} {row['padded_static_tokens_per_s']:14.1f} "
-                     f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x "
-                     f"{row['computed_over_kept_slots']:19.2f}x")
+        lines.append(
+            f"{row['batch']:12d} {row['padded_static_tokens_per_s']:14.1f} "
+            f"{row['continuous_best_tokens_per_s']:25.1f} {row['continuous_over_padded_static']:5.2f}x "
+            f"{row['computed_over_kept_slots']:19.2f}x"
+        )
     step = result["native_step"]
-    lines.append(f"engine steps in C: {step['native_steps']}, in PyTorch: {step['fallback_steps']}"
-                 + ("" if step["available"] else f" (the C step is unavailable here: {step['reason'].splitlines()[0]})"))
-    lines.append(f"C step / PyTorch step {result['native_step_over_pytorch_step']:.2f}x (same tokens: "
-                 f"{result['requests_same_tokens_native_and_pytorch_step']}/{flags['num_prompts']} requests)")
-    lines.append(f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
-                 f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
-                 f"{result['continuous_over_sequential']:.2f}x; decode layout / model as loaded "
-                 f"{result['decode_layout_over_model_as_loaded']:.2f}x (same tokens: "
-                 f"{result['requests_same_tokens_in_both_layouts']}/{flags['num_prompts']} requests)")
+    lines.append(
+        f"engine steps in C: {step['native_steps']}, in PyTorch: {step['fallback_steps']}"
+        + ("" if step["available"] else f" (the C step is unavailable here: {step['reason'].splitlines()[0]})")
+    )
+    lines.append(
+        f"C step / PyTorch step {result['native_step_over_pytorch_step']:.2f}x (same tokens: "
+        f"{result['requests_same_tokens_native_and_pytorch_step']}/{flags['num_prompts']} requests)"
+    )
+    lines.append(
+        f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
+        f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "
+        f"{result['continuous_over_sequential']:.2f}x; decode layout / model as loaded "
+        f"{result['decode_layout_over_model_as_loaded']:.2f}x (same tokens: "
+        f"{result['requests_same_tokens_in_both_layouts']}/{flags['num_prompts']} requests)"
+    )
     return "\n".join(lines)
 
 

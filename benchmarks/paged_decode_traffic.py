@@ -21,8 +21,8 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from benchmark_cli import benchmark_main
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.kernels.paged_decode import gather_then_attend, paged_decode_attention, paged_decode_bytes
 from infra_lib.kernels.traffic import count_traffic
@@ -39,10 +39,11 @@ def decode_inputs(context_len: int, device: torch.device):
     gen = torch.Generator().manual_seed(SEED)
     per_seq = -(-context_len // BLOCK_SIZE)
     num_blocks = BATCH * per_seq
-    k_cache, v_cache = (torch.randn(num_blocks, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM, generator=gen).to(device, DTYPE)
-                        for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(num_blocks, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM, generator=gen).to(device, DTYPE) for _ in range(2)
+    )
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(BATCH)]
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(BATCH)]
     q = torch.randn(BATCH, N_HEADS, 1, HEAD_DIM, generator=gen).to(device, DTYPE)
     return q, k_cache, v_cache, tables, [context_len] * BATCH
 
@@ -85,23 +86,35 @@ def run_traffic(device: torch.device, quick: bool) -> dict:
         "benchmark": "paged_decode_traffic",
         "machine_info": machine_info(device),
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "interpreter": interpreter_active(),
-                  "dtype": str(DTYPE).replace("torch.", ""), "batch": BATCH, "n_heads": N_HEADS,
-                  "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
-                  "context_lens": list(contexts)},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "interpreter": interpreter_active(),
+            "dtype": str(DTYPE).replace("torch.", ""),
+            "batch": BATCH,
+            "n_heads": N_HEADS,
+            "n_kv_heads": N_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "context_lens": list(contexts),
+        },
         "results": [measure(n, device) for n in contexts],
     }
 
 
 def format_table(result: dict) -> str:
     flags = result["flags"]
-    lines = [f"decode step, batch {flags['batch']}, {flags['n_heads']} query / {flags['n_kv_heads']} KV heads, "
-             f"head_dim {flags['head_dim']}, block_size {flags['block_size']}, {flags['dtype']}"
-             + ("" if flags["interpreter"] else " (compiled: formula only, counts need the interpreter)"),
-             f"{'context':>8} {'K/V rows':>12} {'in place':>12} {'gathered':>12} {'ratio':>6}"]
+    lines = [
+        f"decode step, batch {flags['batch']}, {flags['n_heads']} query / {flags['n_kv_heads']} KV heads, "
+        f"head_dim {flags['head_dim']}, block_size {flags['block_size']}, {flags['dtype']}"
+        + ("" if flags["interpreter"] else " (compiled: formula only, counts need the interpreter)"),
+        f"{'context':>8} {'K/V rows':>12} {'in place':>12} {'gathered':>12} {'ratio':>6}",
+    ]
     for row in result["results"]:
-        lines.append(f"{row['context_len']:8d} {row['kv_row_bytes']:12,d} {row['in_place']['formula']:12,d} "
-                     f"{row['gathered']['formula']:12,d} {row['ratio']:6.2f}")
+        lines.append(
+            f"{row['context_len']:8d} {row['kv_row_bytes']:12,d} {row['in_place']['formula']:12,d} "
+            f"{row['gathered']['formula']:12,d} {row['ratio']:6.2f}"
+        )
     return "\n".join(lines)
 
 

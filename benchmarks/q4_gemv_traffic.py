@@ -22,12 +22,11 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from benchmark_cli import benchmark_main
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.hardware.specs import get_accelerator
-from infra_lib.kernels.gemv_q4 import (q4_1_matmul, q4_1_matmul_bytes, q4_matmul, q4_matmul_bytes,
-                                       tile_shape)
+from infra_lib.kernels.gemv_q4 import q4_1_matmul, q4_1_matmul_bytes, q4_matmul, q4_matmul_bytes, tile_shape
 from infra_lib.kernels.matmul import matmul, tiled_matmul_bytes
 from infra_lib.kernels.traffic import count_traffic
 from infra_lib.kernels.triton_env import interpreter_active
@@ -64,10 +63,18 @@ def shape_rows(n: int, k: int, seed: int = SEED) -> list[dict]:
     block_m = tile_shape(ROWS, BLOCK_N)[0]
     kernels = [
         ("fp32 GEMV", lambda: _fp32_gemv(x, weight), tiled_matmul_bytes(ROWS, n, k, 16, BLOCK_N), 4.0),
-        ("int4 fused", lambda: q4_matmul(x, layer.qweight, layer.scales, GROUP_SIZE, block_n=BLOCK_N),
-         q4_matmul_bytes(ROWS, n, k, GROUP_SIZE, block_m=block_m, block_n=BLOCK_N), 0.5 + 4 / GROUP_SIZE),
-        ("Q4_1 fused", lambda: q4_1_matmul(x, d, m_min, qs, block_n=BLOCK_N),
-         q4_1_matmul_bytes(ROWS, n, k, block_m=block_m, block_n=BLOCK_N), 20 / 32),
+        (
+            "int4 fused",
+            lambda: q4_matmul(x, layer.qweight, layer.scales, GROUP_SIZE, block_n=BLOCK_N),
+            q4_matmul_bytes(ROWS, n, k, GROUP_SIZE, block_m=block_m, block_n=BLOCK_N),
+            0.5 + 4 / GROUP_SIZE,
+        ),
+        (
+            "Q4_1 fused",
+            lambda: q4_1_matmul(x, d, m_min, qs, block_n=BLOCK_N),
+            q4_1_matmul_bytes(ROWS, n, k, block_m=block_m, block_n=BLOCK_N),
+            20 / 32,
+        ),
     ]
     rows = []
     for name, launch, formula, weight_only in kernels:
@@ -79,8 +86,16 @@ def shape_rows(n: int, k: int, seed: int = SEED) -> list[dict]:
             if counted != formula:
                 raise SystemExit(f"{name} at {n} x {k}: counted {counted} but the formula says {formula}")
         moved = formula["loaded"] + formula["stored"]
-        rows.append({"shape": [n, k], "kernel": name, "counted": counted, "formula": formula,
-                     "bytes_per_weight": moved / (n * k), "weight_bytes_per_weight": weight_only})
+        rows.append(
+            {
+                "shape": [n, k],
+                "kernel": name,
+                "counted": counted,
+                "formula": formula,
+                "bytes_per_weight": moved / (n * k),
+                "weight_bytes_per_weight": weight_only,
+            }
+        )
     for row in rows:
         row["fraction_of_fp32"] = row["bytes_per_weight"] / rows[0]["bytes_per_weight"]
     return rows
@@ -98,8 +113,14 @@ def run_traffic(device: torch.device, quick: bool) -> dict:
         "benchmark": "q4_gemv_traffic",
         "machine_info": machine_info(device),
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "counted": interpreter_active(), "rows": ROWS,
-                  "group_size": GROUP_SIZE, "block_n": BLOCK_N},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "counted": interpreter_active(),
+            "rows": ROWS,
+            "group_size": GROUP_SIZE,
+            "block_n": BLOCK_N,
+        },
         "model_params": MODEL_PARAMS,
         "accelerator": {"name": accelerator.name, "hbm_tbps": accelerator.hbm_tbps, "source": accelerator.source},
         "results": rows,
@@ -117,10 +138,12 @@ def format_table(result: dict) -> str:
     ]
     for row in result["results"]:
         n, k = row["shape"]
-        lines.append(f"{f'{n} x {k}':>11} {row['kernel']:<11} {row['formula']['loaded']:>10,} "
-                     f"{row['formula']['stored']:>9,} {row['bytes_per_weight']:>9.4f} "
-                     f"{row['weight_bytes_per_weight']:>12.4f} {row['fraction_of_fp32']:>8.1%} "
-                     f"{row['token_floor_us']:>9.1f} us")
+        lines.append(
+            f"{f'{n} x {k}':>11} {row['kernel']:<11} {row['formula']['loaded']:>10,} "
+            f"{row['formula']['stored']:>9,} {row['bytes_per_weight']:>9.4f} "
+            f"{row['weight_bytes_per_weight']:>12.4f} {row['fraction_of_fp32']:>8.1%} "
+            f"{row['token_floor_us']:>9.1f} us"
+        )
     return "\n".join(lines)
 
 

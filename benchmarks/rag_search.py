@@ -24,10 +24,18 @@ import time
 import faiss
 import numpy as np
 import torch
-
 from benchmark_cli import benchmark_main, load_average
-from infra_lib.apps.rag import (ExactIndex, IVFIndex, MiniLMEmbedder, chunk_documents, default_cache_dir,
-                                embed_cached, load_corpus, load_questions)
+
+from infra_lib.apps.rag import (
+    ExactIndex,
+    IVFIndex,
+    MiniLMEmbedder,
+    chunk_documents,
+    default_cache_dir,
+    embed_cached,
+    load_corpus,
+    load_questions,
+)
 from infra_lib.apps.rag.search import top_k_unit
 from infra_lib.hardware.probes import machine_info
 
@@ -96,15 +104,23 @@ def run_search(device: torch.device, quick: bool) -> dict:
         unit_queries = torch.nn.functional.normalize(queries, dim=-1)
         # the before: every block's top-k taken for every query, also timed in turn with the others
         ours_s, faiss_s, sorted_s = side_by_side(
-            lambda: ours.search(queries, K), lambda: flat.search(xq, K),
-            lambda: top_k_unit(unit_queries, unit, K, skip_unbeaten=False), rounds=iters)
-        exact_by_size.append({
-            "n_vectors": size, "ours_qps": n_queries / ours_s, "faiss_qps": n_queries / faiss_s,
-            "ours_over_faiss": faiss_s / ours_s,
-            "every_block_sorted_qps": n_queries / sorted_s, "every_block_sorted_over_faiss": faiss_s / sorted_s,
-            "same_neighbours_fraction": float((ids.numpy() == faiss_ids).mean()),
-            "max_score_difference": float(np.abs(scores.numpy() - faiss_scores).max()),
-        })
+            lambda: ours.search(queries, K),
+            lambda: flat.search(xq, K),
+            lambda: top_k_unit(unit_queries, unit, K, skip_unbeaten=False),
+            rounds=iters,
+        )
+        exact_by_size.append(
+            {
+                "n_vectors": size,
+                "ours_qps": n_queries / ours_s,
+                "faiss_qps": n_queries / faiss_s,
+                "ours_over_faiss": faiss_s / ours_s,
+                "every_block_sorted_qps": n_queries / sorted_s,
+                "every_block_sorted_over_faiss": faiss_s / sorted_s,
+                "same_neighbours_fraction": float((ids.numpy() == faiss_ids).mean()),
+                "max_score_difference": float(np.abs(scores.numpy() - faiss_scores).max()),
+            }
+        )
         if size == n_vectors:
             exact_ids = ids  # the truth for the IVF recalls below
     exact = exact_by_size[0]
@@ -116,8 +132,9 @@ def run_search(device: torch.device, quick: bool) -> dict:
         return index
 
     def build_faiss():
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(vectors.shape[1]), vectors.shape[1], nlist,
-                                   faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexIVFFlat(
+            faiss.IndexFlatIP(vectors.shape[1]), vectors.shape[1], nlist, faiss.METRIC_INNER_PRODUCT
+        )
         index.train(xb)
         index.add(xb)
         return index
@@ -136,13 +153,20 @@ def run_search(device: torch.device, quick: bool) -> dict:
         faiss_ivf.nprobe = nprobe
         _, ids = ivf.search(queries, K, nprobe=nprobe)
         _, fids = faiss_ivf.search(xq, K)
-        ours_s, faiss_s = side_by_side(lambda nprobe=nprobe: ivf.search(queries, K, nprobe=nprobe),
-                                       lambda: faiss_ivf.search(xq, K), rounds=iters)
-        curve.append({"nprobe": nprobe, "ours_recall": recall_against(ids, exact_ids),
-                      "faiss_recall": recall_against(torch.from_numpy(fids), exact_ids),
-                      "ours_qps": n_queries / ours_s, "faiss_qps": n_queries / faiss_s,
-                      # lists are probed by nearness, not at random: the expected share of the collection scanned
-                      "scanned_fraction_if_uniform": nprobe / nlist})
+        ours_s, faiss_s = side_by_side(
+            lambda nprobe=nprobe: ivf.search(queries, K, nprobe=nprobe), lambda: faiss_ivf.search(xq, K), rounds=iters
+        )
+        curve.append(
+            {
+                "nprobe": nprobe,
+                "ours_recall": recall_against(ids, exact_ids),
+                "faiss_recall": recall_against(torch.from_numpy(fids), exact_ids),
+                "ours_qps": n_queries / ours_s,
+                "faiss_qps": n_queries / faiss_s,
+                # lists are probed by nearness, not at random: the expected share of the collection scanned
+                "scanned_fraction_if_uniform": nprobe / nlist,
+            }
+        )
     for row in curve:
         # at equal recall: the fastest faiss setting that finds at least as many true neighbours
         matched = [r["faiss_qps"] for r in curve if r["faiss_recall"] >= row["ours_recall"]]
@@ -153,12 +177,25 @@ def run_search(device: torch.device, quick: bool) -> dict:
         "machine_info": machine_info("cpu"),
         "load_average_1m": {"before": load_before, "after": load_average()},
         "seed": SEED,
-        "flags": {"quick": quick, "device": str(device), "measured_on": "cpu", "n_vectors": n_vectors,
-                  "exact_sizes": exact_sizes,
-                  "n_corpus_vectors": corpus.shape[0], "n_queries": n_queries, "n_question_queries": questions.shape[0],
-                  "dim": vectors.shape[1], "k": K, "nlist": nlist, "nprobes": nprobes, "iters": iters,
-                  "noise": NOISE, "faiss_threads": faiss.omp_get_max_threads(), "faiss": faiss.__version__,
-                  "embedder": embedder.name},
+        "flags": {
+            "quick": quick,
+            "device": str(device),
+            "measured_on": "cpu",
+            "n_vectors": n_vectors,
+            "exact_sizes": exact_sizes,
+            "n_corpus_vectors": corpus.shape[0],
+            "n_queries": n_queries,
+            "n_question_queries": questions.shape[0],
+            "dim": vectors.shape[1],
+            "k": K,
+            "nlist": nlist,
+            "nprobes": nprobes,
+            "iters": iters,
+            "noise": NOISE,
+            "faiss_threads": faiss.omp_get_max_threads(),
+            "faiss": faiss.__version__,
+            "embedder": embedder.name,
+        },
         "embed_corpus_s": embed_s,
         "exact": exact,
         "exact_by_size": exact_by_size,
@@ -174,11 +211,13 @@ def format_table(result: dict) -> str:
         f"{flags['n_vectors']} x {flags['dim']} vectors ({flags['n_corpus_vectors']} from the corpus), "
         f"{flags['n_queries']} queries, k={flags['k']}, CPU, faiss {flags['faiss']} on "
         f"{flags['faiss_threads']} threads",
-        *(f"exact, {row['n_vectors']:,} vectors: ours {row['ours_qps']:,.0f} q/s, faiss IndexFlatIP "
-          f"{row['faiss_qps']:,.0f} q/s (ours/faiss {row['ours_over_faiss']:.2f}; every block sorted "
-          f"{row.get('every_block_sorted_over_faiss', float('nan')):.2f}); same neighbours "
-          f"{row['same_neighbours_fraction']:.1%}, max score difference {row['max_score_difference']:.1e}"
-          for row in result.get("exact_by_size", [exact])),
+        *(
+            f"exact, {row['n_vectors']:,} vectors: ours {row['ours_qps']:,.0f} q/s, faiss IndexFlatIP "
+            f"{row['faiss_qps']:,.0f} q/s (ours/faiss {row['ours_over_faiss']:.2f}; every block sorted "
+            f"{row.get('every_block_sorted_over_faiss', float('nan')):.2f}); same neighbours "
+            f"{row['same_neighbours_fraction']:.1%}, max score difference {row['max_score_difference']:.1e}"
+            for row in result.get("exact_by_size", [exact])
+        ),
         f"IVF nlist={flags['nlist']} (build: ours {result['ivf_build_s']['ours']:.2f} s, "
         f"faiss {result['ivf_build_s']['faiss']:.2f} s)",
         f"{'nprobe':>6s} {'recall ours':>12s} {'recall faiss':>13s} {'q/s ours':>10s} {'q/s faiss':>10s} "
@@ -186,9 +225,11 @@ def format_table(result: dict) -> str:
     ]
     for row in result["ivf"]:
         equal = row.get("ours_over_faiss_at_equal_recall")
-        lines.append(f"{row['nprobe']:6d} {row['ours_recall']:12.3f} {row['faiss_recall']:13.3f} "
-                     f"{row['ours_qps']:10,.0f} {row['faiss_qps']:10,.0f} "
-                     f"{'(faiss never as high)' if equal is None else f'{equal:.2f}':>24s}")
+        lines.append(
+            f"{row['nprobe']:6d} {row['ours_recall']:12.3f} {row['faiss_recall']:13.3f} "
+            f"{row['ours_qps']:10,.0f} {row['faiss_qps']:10,.0f} "
+            f"{'(faiss never as high)' if equal is None else f'{equal:.2f}':>24s}"
+        )
     return "\n".join(lines)
 
 

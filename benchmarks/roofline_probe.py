@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import (
     machine_info,
     measure_add_point,
@@ -46,8 +46,13 @@ def plan(quick: bool, device: torch.device) -> dict:
         ("decode GEMM, batch 8", 8, WIDTH, WIDTH),
         ("decode GEMV, batch 1", 1, WIDTH, WIDTH),
     ]
-    return {"peak_sizes": peak_sizes, "bandwidth_mb": 64 if quick else 256, "add_mb": 64 if quick else 256,
-            "iters": 3 if quick else 5, "gemms": gemms}
+    return {
+        "peak_sizes": peak_sizes,
+        "bandwidth_mb": 64 if quick else 256,
+        "add_mb": 64 if quick else 256,
+        "iters": 3 if quick else 5,
+        "gemms": gemms,
+    }
 
 
 def run_probe(device: torch.device, quick: bool) -> dict:
@@ -59,10 +64,19 @@ def run_probe(device: torch.device, quick: bool) -> dict:
     bandwidth = measure_memory_bandwidth(settings["bandwidth_mb"], iters=settings["iters"], device=device)
     peak_gflops, bandwidth_gbps = peak["peak_gflops"], bandwidth["bandwidth_gbps"]
 
-    measured = [measure_gemm_point(name, m, n, k, device, DTYPE, iters=settings["iters"], seed=SEED)
-                for name, m, n, k in settings["gemms"]]
-    measured.append(measure_add_point(f"elementwise add, {settings['add_mb']} MB arrays", settings["add_mb"],
-                                      device, DTYPE, iters=settings["iters"]))
+    measured = [
+        measure_gemm_point(name, m, n, k, device, DTYPE, iters=settings["iters"], seed=SEED)
+        for name, m, n, k in settings["gemms"]
+    ]
+    measured.append(
+        measure_add_point(
+            f"elementwise add, {settings['add_mb']} MB arrays",
+            settings["add_mb"],
+            device,
+            DTYPE,
+            iters=settings["iters"],
+        )
+    )
     points = [place_on_roofline(point, peak_gflops, bandwidth_gbps) for point in measured]
     return {
         "benchmark": "roofline_probe",
@@ -81,14 +95,18 @@ def format_table(result: dict) -> str:
     """A short human-readable summary of one probe result."""
     peak, bandwidth = result["peak"], result["bandwidth"]
     lines = [
-        (f"{result['machine_info']['device']}, {result['flags']['dtype']}: peak {peak['peak_gflops']:,.1f} GFLOP/s "
-         f"(n = {peak['best_n']}); bandwidth copy {bandwidth['copy_gbps']:.1f}, triad {bandwidth['triad_gbps']:.1f} "
-         f"GB/s; ridge {result['ridge_point_flop_per_byte']:.1f} FLOP/byte"),
+        (
+            f"{result['machine_info']['device']}, {result['flags']['dtype']}: peak {peak['peak_gflops']:,.1f} GFLOP/s "
+            f"(n = {peak['best_n']}); bandwidth copy {bandwidth['copy_gbps']:.1f}, triad {bandwidth['triad_gbps']:.1f} "
+            f"GB/s; ridge {result['ridge_point_flop_per_byte']:.1f} FLOP/byte"
+        ),
         f"{'point':34s} {'FLOP/B':>8s} {'GFLOP/s':>9s} {'roof':>9s} {'of roof':>8s}  bound",
     ]
     for p in result["points"]:
-        lines.append(f"{p['name']:34s} {p['intensity']:8.2f} {p['achieved_gflops']:9.1f} "
-                     f"{p['attainable_gflops']:9.1f} {p['fraction_of_roof']:8.0%}  {p['bound']}")
+        lines.append(
+            f"{p['name']:34s} {p['intensity']:8.2f} {p['achieved_gflops']:9.1f} "
+            f"{p['attainable_gflops']:9.1f} {p['fraction_of_roof']:8.0%}  {p['bound']}"
+        )
     return "\n".join(lines)
 
 

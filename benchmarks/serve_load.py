@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import load_default
 from infra_lib.model.decode_layout import bytes_per_step, decode_layout
@@ -42,18 +42,44 @@ SEED = 0
 # SLOs this 2-core CPU can meet below saturation (a batch-32 decode step alone takes about 250 ms
 # here; a GPU service would promise tens of milliseconds per token).
 SLO_MS = {"ttft": 2000, "tpot": 300}
-KEYS = ("completed", "failed", "request_throughput", "output_throughput", "request_goodput", "p50_ttft_ms",
-        "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms")
+KEYS = (
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+    "p50_tpot_ms",
+    "p99_tpot_ms",
+    "p99_itl_ms",
+    "p99_e2el_ms",
+)
 
 
 def plan(quick: bool) -> dict:
     # slo_rates: arrival rates (requests/s) of the SLO sweep, slo_requests requests each: the highest
     # rate whose P99 TTFT and TPOT stay within the SLOs gives the throughput at the SLO
     if quick:
-        return {"num_requests": 6, "max_tokens": 6, "rate": float("inf"), "max_num_seqs": 4,
-                "sequential_requests": 2, "kv_blocks": 64, "slo_rates": [4.0], "slo_requests": 4}
-    return {"num_requests": 200, "max_tokens": 24, "rate": 8.0, "max_num_seqs": 32, "sequential_requests": 16,
-            "slo_rates": [1.0, 1.5, 2.0, 3.0], "slo_requests": 40}
+        return {
+            "num_requests": 6,
+            "max_tokens": 6,
+            "rate": float("inf"),
+            "max_num_seqs": 4,
+            "sequential_requests": 2,
+            "kv_blocks": 64,
+            "slo_rates": [4.0],
+            "slo_requests": 4,
+        }
+    return {
+        "num_requests": 200,
+        "max_tokens": 24,
+        "rate": 8.0,
+        "max_num_seqs": 32,
+        "sequential_requests": 16,
+        "slo_rates": [1.0, 1.5, 2.0, 3.0],
+        "slo_requests": 40,
+    }
 
 
 def within_slo(summary: dict) -> bool:
@@ -79,37 +105,55 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
     prompts = [f"In one sentence, why is the number {i} interesting?" for i in range(p["num_requests"])]
     hang_ups = {i: 2 for i in range(0, p["num_requests"], 10)}
     common = {"model": DEFAULT_MODEL_NAME, "max_tokens": p["max_tokens"], "slo_ms": SLO_MS, "seed": SEED}
-    models = {"before": ("fp32, as loaded", loaded.model),
-              "after": ("int8, decode layout", decode_layout(loaded.model, "int8"))}
+    models = {
+        "before": ("fp32, as loaded", loaded.model),
+        "after": ("int8, decode layout", decode_layout(loaded.model, "int8")),
+    }
     runs, alive, weights, slo_sweep = {}, {}, {}, {}
     for when, (label, model) in models.items():
         engine = build_engine(model, loaded.tokenizer, max_num_seqs=p["max_num_seqs"], kv_blocks=kv_blocks)
         weights[when] = {"weights": label, "bytes_per_step": bytes_per_step(model)}
         with ServerThread(create_app(engine, DEFAULT_MODEL_NAME)) as server:
             if when == "before":  # the baseline without batching, on the engine as loaded
-                sequential = run_load(server.url, prompts[:p["sequential_requests"]], max_concurrency=1, **common)
-                runs["sequential"] = {**{k: sequential.summary.get(k) for k in KEYS},
-                                      "status_counts": sequential.status_counts, "leaked_blocks": leaked_blocks(engine)}
+                sequential = run_load(server.url, prompts[: p["sequential_requests"]], max_concurrency=1, **common)
+                runs["sequential"] = {
+                    **{k: sequential.summary.get(k) for k in KEYS},
+                    "status_counts": sequential.status_counts,
+                    "leaked_blocks": leaked_blocks(engine),
+                }
             loaded_run = run_load(server.url, prompts, rate=p["rate"], disconnect_after=hang_ups, **common)
             name = "open_loop" if when == "before" else "open_loop_after"
-            runs[name] = {**{k: loaded_run.summary.get(k) for k in KEYS},
-                          "status_counts": loaded_run.status_counts, "disconnected": loaded_run.disconnected,
-                          "leaked_blocks": leaked_blocks(engine)}
+            runs[name] = {
+                **{k: loaded_run.summary.get(k) for k in KEYS},
+                "status_counts": loaded_run.status_counts,
+                "disconnected": loaded_run.disconnected,
+                "leaked_blocks": leaked_blocks(engine),
+            }
             for rate in p["slo_rates"]:  # the same traces for both engines (same seed, prompts, rate)
-                run = run_load(server.url, prompts[:p["slo_requests"]], rate=rate, **common)
-                slo_sweep.setdefault(when, []).append({"rate": rate, **{k: run.summary.get(k) for k in KEYS},
-                                                       "within_slo_at_p99": within_slo(run.summary)})
+                run = run_load(server.url, prompts[: p["slo_requests"]], rate=rate, **common)
+                slo_sweep.setdefault(when, []).append(
+                    {
+                        "rate": rate,
+                        **{k: run.summary.get(k) for k in KEYS},
+                        "within_slo_at_p99": within_slo(run.summary),
+                    }
+                )
             alive[when] = engine.is_alive
     before, after = runs["open_loop"], runs["open_loop_after"]
     at_slo = {}
     for when, rows in slo_sweep.items():
         ok = [row for row in rows if row["within_slo_at_p99"]]
         best = max(ok, key=lambda row: row["rate"]) if ok else None
-        at_slo[when] = {"highest_rate_within_slo": best["rate"] if best else None,
-                        "output_throughput": best["output_throughput"] if best else 0.0,
-                        "best_request_goodput": max(row["request_goodput"] or 0.0 for row in rows)}
+        at_slo[when] = {
+            "highest_rate_within_slo": best["rate"] if best else None,
+            "output_throughput": best["output_throughput"] if best else 0.0,
+            "best_request_goodput": max(row["request_goodput"] or 0.0 for row in rows),
+        }
     return {
-        "benchmark": "serve_load", "seed": SEED, "plan": p, "slo_ms": SLO_MS,
+        "benchmark": "serve_load",
+        "seed": SEED,
+        "plan": p,
+        "slo_ms": SLO_MS,
         "flags": {"quick": quick, "device": str(device), "dtype": "float32", "endpoint": "chat", "stream": True},
         "engine": {"max_num_seqs": p["max_num_seqs"], "kv_blocks": kv_blocks, "block_size": 16},
         "weights": weights,
@@ -119,38 +163,56 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
         "throughput_after_over_before": after["output_throughput"] / before["output_throughput"],
         "slo_sweep": slo_sweep,
         "at_slo": at_slo,
-        "throughput_at_slo_after_over_before": (at_slo["after"]["output_throughput"] / at_slo["before"]["output_throughput"]
-                                                if at_slo["before"]["output_throughput"] else None),
+        "throughput_at_slo_after_over_before": (
+            at_slo["after"]["output_throughput"] / at_slo["before"]["output_throughput"]
+            if at_slo["before"]["output_throughput"]
+            else None
+        ),
         "engine_alive_after": all(alive.values()),
-        "device": str(device), "note": "the engine and its KV pool run on the CPU",
+        "device": str(device),
+        "note": "the engine and its KV pool run on the CPU",
         "machine_info": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_average()},
     }
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'run':<15} {'done':>5} {'fail':>4} {'tok/s':>7} {'good/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8} {'leaked':>6}"]
+    lines = [
+        f"{'run':<15} {'done':>5} {'fail':>4} {'tok/s':>7} {'good/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8} {'leaked':>6}"
+    ]
     for name, r in result["runs"].items():
-        lines.append(f"{name:<15} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:>7.1f} "
-                     f"{r['request_goodput']:>7.2f} {r['p50_ttft_ms']:>9.0f} {r['p99_ttft_ms']:>9.0f} "
-                     f"{r['p50_tpot_ms']:>9.1f} {r['p99_tpot_ms']:>9.1f} {r['p99_itl_ms']:>8.1f} "
-                     f"{r['leaked_blocks']:>6}")
-    lines.append(f"open-loop throughput / sequential: {result['throughput_vs_sequential']:.2f}x  "
-                 f"statuses: {result['runs']['open_loop']['status_counts']}")
-    lines.append(f"same overload trace, {result['weights']['after']['weights']} over "
-                 f"{result['weights']['before']['weights']}: throughput {result['throughput_after_over_before']:.2f}x")
+        lines.append(
+            f"{name:<15} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:>7.1f} "
+            f"{r['request_goodput']:>7.2f} {r['p50_ttft_ms']:>9.0f} {r['p99_ttft_ms']:>9.0f} "
+            f"{r['p50_tpot_ms']:>9.1f} {r['p99_tpot_ms']:>9.1f} {r['p99_itl_ms']:>8.1f} "
+            f"{r['leaked_blocks']:>6}"
+        )
+    lines.append(
+        f"open-loop throughput / sequential: {result['throughput_vs_sequential']:.2f}x  "
+        f"statuses: {result['runs']['open_loop']['status_counts']}"
+    )
+    lines.append(
+        f"same overload trace, {result['weights']['after']['weights']} over "
+        f"{result['weights']['before']['weights']}: throughput {result['throughput_after_over_before']:.2f}x"
+    )
     slo = result["slo_ms"]
     lines.append(f"SLO sweep (P99 TTFT <= {slo['ttft']} ms and P99 TPOT <= {slo['tpot']} ms):")
-    lines.append(f"{'engine':<8} {'rate/s':>6} {'tok/s':>7} {'good/s':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'in SLO':>6}")
+    lines.append(
+        f"{'engine':<8} {'rate/s':>6} {'tok/s':>7} {'good/s':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'in SLO':>6}"
+    )
     for when, rows in result["slo_sweep"].items():
         for r in rows:
-            lines.append(f"{when:<8} {r['rate']:>6.1f} {r['output_throughput']:>7.1f} {r['request_goodput'] or 0:>7.2f} "
-                         f"{r['p99_ttft_ms'] or 0:>9.0f} {r['p99_tpot_ms'] or 0:>9.1f} "
-                         f"{'yes' if r['within_slo_at_p99'] else 'no':>6}")
+            lines.append(
+                f"{when:<8} {r['rate']:>6.1f} {r['output_throughput']:>7.1f} {r['request_goodput'] or 0:>7.2f} "
+                f"{r['p99_ttft_ms'] or 0:>9.0f} {r['p99_tpot_ms'] or 0:>9.1f} "
+                f"{'yes' if r['within_slo_at_p99'] else 'no':>6}"
+            )
     for when, a in result["at_slo"].items():
-        lines.append(f"{when}: highest rate within the SLOs {a['highest_rate_within_slo']}, "
-                     f"{a['output_throughput']:.1f} tok/s there; best goodput {a['best_request_goodput']:.2f} req/s")
+        lines.append(
+            f"{when}: highest rate within the SLOs {a['highest_rate_within_slo']}, "
+            f"{a['output_throughput']:.1f} tok/s there; best goodput {a['best_request_goodput']:.2f} req/s"
+        )
     ratio = result["throughput_at_slo_after_over_before"]
     lines.append("throughput at the SLOs, after over before: " + (f"{ratio:.2f}x" if ratio else "n/a"))
     return "\n".join(lines)

@@ -21,27 +21,48 @@ from __future__ import annotations
 import time
 
 import torch
-
 from benchmark_cli import benchmark_main, load_average
+
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import SamplingParams, greedy_decode, load_default
 from infra_lib.model.quant import heldout_text, load_gguf_q4_1, perplexity, quantize_model, weight_bytes
-from infra_lib.serving.speculative import LayerSkipDraft, NgramDraft, plain_decode, predicted_speedup, speculative_decode
+from infra_lib.serving.speculative import (
+    LayerSkipDraft,
+    NgramDraft,
+    plain_decode,
+    predicted_speedup,
+    speculative_decode,
+)
 
 SEED = 0
 PROMPTS = {
     "repeats its input": "Copy this list exactly, one item per line: apples, pears, plums, cherries, grapes, "
-                         "lemons, limes, melons.",
+    "lemons, limes, melons.",
     "free answer": "Explain in two sentences why the sky is blue.",
 }
 
 
 def plan(quick: bool) -> dict:
     if quick:  # warmup_tokens 0: no untimed decode before each variant's timed one (CI sizes, not timings)
-        return {"prompts": ["repeats its input"], "max_new_tokens": 12, "gammas": [2], "layer_skip": [28],
-                "ppl_tokens": 64, "speed_tokens": 4, "repeats": 1, "warmup_tokens": 0}
-    return {"prompts": list(PROMPTS), "max_new_tokens": 64, "gammas": [1, 2, 4, 6], "layer_skip": [20, 26, 29],
-            "ppl_tokens": 2048, "speed_tokens": 32, "repeats": 3}
+        return {
+            "prompts": ["repeats its input"],
+            "max_new_tokens": 12,
+            "gammas": [2],
+            "layer_skip": [28],
+            "ppl_tokens": 64,
+            "speed_tokens": 4,
+            "repeats": 1,
+            "warmup_tokens": 0,
+        }
+    return {
+        "prompts": list(PROMPTS),
+        "max_new_tokens": 64,
+        "gammas": [1, 2, 4, 6],
+        "layer_skip": [20, 26, 29],
+        "ppl_tokens": 2048,
+        "speed_tokens": 32,
+        "repeats": 3,
+    }
 
 
 def fastest(run, repeats: int):
@@ -59,28 +80,41 @@ def run_speculative(model, tokenizer, p: dict) -> list[dict]:
         drafts = [NgramDraft(model.config.vocab_size)] + [LayerSkipDraft(model, k) for k in p["layer_skip"]]
         for draft in drafts:
             for gamma in p["gammas"]:
-                r = fastest(lambda: speculative_decode(model, ids, draft, gamma, params, (tokenizer.eos_id,)),
-                            p["repeats"])
+                r = fastest(
+                    lambda: speculative_decode(model, ids, draft, gamma, params, (tokenizer.eos_id,)), p["repeats"]
+                )
                 per_pass = r.target_seconds / r.target_passes
                 c = (r.draft_seconds / r.proposed) / per_pass if r.proposed else 0.0
                 a = r.position_acceptance_rate if r.proposed else 0.0
-                rows.append({
-                    "prompt": label, "draft": draft.name, "gamma": gamma, "tokens": len(r.token_ids),
-                    "same_as_plain": r.token_ids == base.token_ids, "acceptance_rate": r.acceptance_rate,
-                    "position_acceptance_rate": a,
-                    "tokens_per_target_pass": r.tokens_per_target_pass, "cost_ratio_c": c,
-                    "plain_decode_s": base_s, "speculative_decode_s": r.decode_seconds,
-                    "measured_speedup": base_s / r.decode_seconds * len(r.token_ids) / len(base.token_ids),
-                    "predicted_speedup": predicted_speedup(a, gamma, c),
-                })
+                rows.append(
+                    {
+                        "prompt": label,
+                        "draft": draft.name,
+                        "gamma": gamma,
+                        "tokens": len(r.token_ids),
+                        "same_as_plain": r.token_ids == base.token_ids,
+                        "acceptance_rate": r.acceptance_rate,
+                        "position_acceptance_rate": a,
+                        "tokens_per_target_pass": r.tokens_per_target_pass,
+                        "cost_ratio_c": c,
+                        "plain_decode_s": base_s,
+                        "speculative_decode_s": r.decode_seconds,
+                        "measured_speedup": base_s / r.decode_seconds * len(r.token_ids) / len(base.token_ids),
+                        "predicted_speedup": predicted_speedup(a, gamma, c),
+                    }
+                )
     return rows
 
 
 def run_quantisation(model, tokenizer, p: dict) -> list[dict]:
-    ids = tokenizer.encode(heldout_text())[:p["ppl_tokens"]]
+    ids = tokenizer.encode(heldout_text())[: p["ppl_tokens"]]
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    variants = {"fp32": model, "int8 g64": quantize_model(model, 8, 64), "int4 g32": quantize_model(model, 4, 32),
-                "GGUF Q4_1 (as stored)": load_gguf_q4_1().model}
+    variants = {
+        "fp32": model,
+        "int8 g64": quantize_model(model, 8, 64),
+        "int4 g32": quantize_model(model, 4, 32),
+        "GGUF Q4_1 (as stored)": load_gguf_q4_1().model,
+    }
     warmup_tokens = p.get("warmup_tokens", 2)
     rows, reference = [], None
     for name, variant in variants.items():
@@ -90,9 +124,15 @@ def run_quantisation(model, tokenizer, p: dict) -> list[dict]:
         out = greedy_decode(variant, prompt, p["speed_tokens"])
         seconds = time.perf_counter() - start
         reference = out if reference is None else reference  # fp32 comes first: its tokens are the reference
-        rows.append({"variant": name, "weight_mb": weight_bytes(variant) / 1e6,
-                     "perplexity": perplexity(variant, ids, 512), "decode_tokens_per_s": len(out) / seconds,
-                     "greedy_same_as_fp32": out == reference})
+        rows.append(
+            {
+                "variant": name,
+                "weight_mb": weight_bytes(variant) / 1e6,
+                "perplexity": perplexity(variant, ids, 512),
+                "decode_tokens_per_s": len(out) / seconds,
+                "greedy_same_as_fp32": out == reference,
+            }
+        )
     base = rows[0]
     for row in rows:
         row["memory_vs_fp32"] = row["weight_mb"] / base["weight_mb"]
@@ -107,7 +147,9 @@ def run_spec_quant(device: torch.device, quick: bool) -> dict:
     load_before = load_average()
     loaded = load_default()
     return {
-        "benchmark": "spec_quant", "seed": SEED, "plan": p,
+        "benchmark": "spec_quant",
+        "seed": SEED,
+        "plan": p,
         "flags": {"quick": quick, "device": "cpu", "dtype": "float32", "sampling": "greedy"},
         "speculative": run_speculative(loaded.model, loaded.tokenizer, p),
         "quantisation": run_quantisation(loaded.model, loaded.tokenizer, p),
@@ -118,18 +160,24 @@ def run_spec_quant(device: torch.device, quick: bool) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'prompt':<18} {'draft':<18} {'γ':>2} {'same':>4} {'accept':>6} {'tok/pass':>8} {'c':>5} "
-             f"{'speedup':>7} {'predicted':>9}"]
+    lines = [
+        f"{'prompt':<18} {'draft':<18} {'γ':>2} {'same':>4} {'accept':>6} {'tok/pass':>8} {'c':>5} "
+        f"{'speedup':>7} {'predicted':>9}"
+    ]
     for r in result["speculative"]:
-        lines.append(f"{r['prompt']:<18} {r['draft']:<18} {r['gamma']:>2} {'yes' if r['same_as_plain'] else 'NO':>4} "
-                     f"{r['position_acceptance_rate']:>6.2f} {r['tokens_per_target_pass']:>8.2f} {r['cost_ratio_c']:>5.2f} "
-                     f"{r['measured_speedup']:>7.2f} {r['predicted_speedup']:>9.2f}")
+        lines.append(
+            f"{r['prompt']:<18} {r['draft']:<18} {r['gamma']:>2} {'yes' if r['same_as_plain'] else 'NO':>4} "
+            f"{r['position_acceptance_rate']:>6.2f} {r['tokens_per_target_pass']:>8.2f} {r['cost_ratio_c']:>5.2f} "
+            f"{r['measured_speedup']:>7.2f} {r['predicted_speedup']:>9.2f}"
+        )
     lines.append("")
     lines.append(f"{'variant':<22} {'MB':>7} {'ppl':>7} {'tok/s':>6} {'mem':>5} {'speed':>6} {'same':>4}")
     for r in result["quantisation"]:
-        lines.append(f"{r['variant']:<22} {r['weight_mb']:>7.1f} {r['perplexity']:>7.2f} "
-                     f"{r['decode_tokens_per_s']:>6.1f} {r['memory_vs_fp32']:>5.2f} {r['speed_vs_fp32']:>6.2f} "
-                     f"{'yes' if r['greedy_same_as_fp32'] else 'no':>4}")
+        lines.append(
+            f"{r['variant']:<22} {r['weight_mb']:>7.1f} {r['perplexity']:>7.2f} "
+            f"{r['decode_tokens_per_s']:>6.1f} {r['memory_vs_fp32']:>5.2f} {r['speed_vs_fp32']:>6.2f} "
+            f"{'yes' if r['greedy_same_as_fp32'] else 'no':>4}"
+        )
     return "\n".join(lines)
 
 

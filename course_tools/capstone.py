@@ -26,8 +26,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grading.course import DEFAULT_SOURCE
-from grading.notebook import (BEGIN_SOLUTION, END_SOLUTION, NotebookError, clear_solutions, grade_id,
-                              is_solution_cell, read_notebook, splice)
+from grading.notebook import (
+    BEGIN_SOLUTION,
+    END_SOLUTION,
+    NotebookError,
+    clear_solutions,
+    grade_id,
+    is_solution_cell,
+    read_notebook,
+    splice,
+)
 
 CAPSTONE_LAB = "lab16_capstone"
 LAB_PIECES = {  # lab -> the pieces its answers give, in the order the engine's seams list them
@@ -98,17 +106,23 @@ def extract_lab(lab: str, labs_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> 
     except NotebookError as exc:
         return LabAnswers(lab, str(path), "unreadable", str(exc))
     spliced = splice(trusted, learner)
-    written = [gid for gid, i in spliced.answers.items()
-               if spliced.notebook.cells[i].source.strip() != clear_solutions(spliced.trusted_sources[gid]).strip()]
+    written = [
+        gid
+        for gid, i in spliced.answers.items()
+        if spliced.notebook.cells[i].source.strip() != clear_solutions(spliced.trusted_sources[gid]).strip()
+    ]
     if not written:
         return LabAnswers(lab, str(path), "not started", "every answer cell is the untouched stub")
     findings = scan_answers(spliced, lab)
     if findings:
         gid, finding = next(iter(findings.items()))
-        return LabAnswers(lab, str(path), "flagged", f"answer cell {gid!r}: {finding.kind}: {finding.detail} "
-                                                     f"(line {finding.line})")
-    answers = [(gid, _without_markers(spliced.notebook.cells[i].source))
-               for gid, i in sorted(spliced.answers.items(), key=lambda item: item[1])]
+        return LabAnswers(
+            lab, str(path), "flagged", f"answer cell {gid!r}: {finding.kind}: {finding.detail} (line {finding.line})"
+        )
+    answers = [
+        (gid, _without_markers(spliced.notebook.cells[i].source))
+        for gid, i in sorted(spliced.answers.items(), key=lambda item: item[1])
+    ]
     source = lab_function(lab, _prelude(trusted), answers)
     try:
         compile(source, f"<{lab}>", "exec")
@@ -118,16 +132,23 @@ def extract_lab(lab: str, labs_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> 
 
 
 def module_source(labs: list[LabAnswers], when: str) -> str:
-    head = (f'"""Your engine\'s pieces, taken from your lab notebooks by `infra-lab capstone build` ({when}).\n\n'
-            "Generated: change your lab notebooks (or the capstone notebook) and build again; edits here are\n"
-            'overwritten. Each function returns the pieces its lab\'s answers define."""\n')
+    head = (
+        f'"""Your engine\'s pieces, taken from your lab notebooks by `infra-lab capstone build` ({when}).\n\n'
+        "Generated: change your lab notebooks (or the capstone notebook) and build again; edits here are\n"
+        'overwritten. Each function returns the pieces its lab\'s answers define."""\n'
+    )
     parts = [head, f"LABS = {json.dumps({a.lab: a.status for a in labs}, indent=4)}\n"]
     parts += [a.source for a in labs if a.status == "yours"]
     return "\n\n".join(parts)
 
 
-def build(labs_dir: str | Path = "labs", out_dir: str | Path = BUILD_DIR, source_dir: Path = DEFAULT_SOURCE,
-          notebook: str | Path | None = None, fill_notebook: bool = True) -> list[LabAnswers]:
+def build(
+    labs_dir: str | Path = "labs",
+    out_dir: str | Path = BUILD_DIR,
+    source_dir: Path = DEFAULT_SOURCE,
+    notebook: str | Path | None = None,
+    fill_notebook: bool = True,
+) -> list[LabAnswers]:
     """Extract every lab's answers, write the module and the manifest into ``out_dir``, and (with
     ``fill_notebook``) the answers into the capstone notebook (default
     ``labs_dir/lab16_capstone/lab16_capstone.ipynb``, when it exists)."""
@@ -176,14 +197,16 @@ def write_answers(path: Path, labs: list[LabAnswers], *, markers: bool = False) 
             cell.source = answer_cell_source(grade_id(cell), by_lab.get(grade_id(cell)), markers=markers)
             found.add(grade_id(cell))
     if not found:
-        raise CapstoneError(f"{path} has no answer cells named after the labs {sorted(LAB_PIECES)}: is it the "
-                            "capstone notebook?")
+        raise CapstoneError(
+            f"{path} has no answer cells named after the labs {sorted(LAB_PIECES)}: is it the capstone notebook?"
+        )
     if not markers:
         shutil.copyfile(path, path.with_name(path.stem + ".before-build.ipynb"))
     nbformat.write(nb, str(path))
 
 
 # --- loading the build: the pieces, with the course's filling in ---------------------------------------
+
 
 @dataclass
 class PieceRow:
@@ -256,4 +279,3 @@ def solution_notebook_sources(source_dir: Path = DEFAULT_SOURCE) -> dict[str, st
     """The capstone answer cells made from the instructor notebooks (their answers, with markers)."""
     labs = [extract_lab(lab, source_dir, source_dir) for lab in LAB_PIECES]
     return {a.lab: answer_cell_source(a.lab, a, markers=True) for a in labs}
-

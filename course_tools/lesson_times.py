@@ -61,14 +61,21 @@ def run_time_paragraph(entry: dict) -> str:
     busy = {mode: _run_load(entry, mode) for mode in MODES}
     if not any(busy.values()):
         stretched = Load(2.0 * cores, cores).slowdown()
-        return (f"{RUN_TIME_PREFIX} on a quiet machine with {cores} CPU cores: {times}. Other programs running at the "
-                f"same time make it longer: with {2 * cores} of them busy, about {stretched:.0f} times as long.")
-    measured = "; ".join(f"{'`QUICK`' if mode == 'quick' else 'full'} with {load.describe()}"
-                         for mode, load in busy.items() if load)
-    quiet = [describe(entry[f"{mode}_s"] / load.slowdown()) if load else describe(entry[f"{mode}_s"])
-             for mode, load in busy.items()]
-    return (f"{RUN_TIME_PREFIX} on {cores} CPU cores while other programs were busy ({measured}): {times}; "
-            f"on a quiet machine, {quiet[0]} and {quiet[1]}.")
+        return (
+            f"{RUN_TIME_PREFIX} on a quiet machine with {cores} CPU cores: {times}. Other programs running at the "
+            f"same time make it longer: with {2 * cores} of them busy, about {stretched:.0f} times as long."
+        )
+    measured = "; ".join(
+        f"{'`QUICK`' if mode == 'quick' else 'full'} with {load.describe()}" for mode, load in busy.items() if load
+    )
+    quiet = [
+        describe(entry[f"{mode}_s"] / load.slowdown()) if load else describe(entry[f"{mode}_s"])
+        for mode, load in busy.items()
+    ]
+    return (
+        f"{RUN_TIME_PREFIX} on {cores} CPU cores while other programs were busy ({measured}): {times}; "
+        f"on a quiet machine, {quiet[0]} and {quiet[1]}."
+    )
 
 
 def record(stem: str, mode: str, seconds: float, out_dir: Path = MEASURED_DIR, load: Load | None = None) -> Path:
@@ -80,9 +87,16 @@ def record(stem: str, mode: str, seconds: float, out_dir: Path = MEASURED_DIR, l
     path = out_dir / f"{stem}.{mode}.json"
     load = load or machine_load()
     load_1min = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    row = {"notebook": stem, "mode": mode, "seconds": round(seconds, 1), "date": date.today().isoformat(),
-           "cores": os.cpu_count(), "load_1min": load_1min, "under_pytest_xdist": bool(os.environ.get("PYTEST_XDIST_WORKER")),
-           **({"busy": load.as_dict()["busy"], "quiet": load.quiet} if load else {})}
+    row = {
+        "notebook": stem,
+        "mode": mode,
+        "seconds": round(seconds, 1),
+        "date": date.today().isoformat(),
+        "cores": os.cpu_count(),
+        "load_1min": load_1min,
+        "under_pytest_xdist": bool(os.environ.get("PYTEST_XDIST_WORKER")),
+        **({"busy": load.as_dict()["busy"], "quiet": load.quiet} if load else {}),
+    }
     path.write_text(json.dumps(row, indent=1) + "\n", encoding="utf-8")
     return path
 
@@ -149,7 +163,7 @@ def stamp(path: Path, entry: dict) -> bool:
         source = _RUN_TIME_PARAGRAPH.sub(paragraph, cell.source, count=1)
     elif _TIME_PARAGRAPH.search(cell.source):
         found = _TIME_PARAGRAPH.search(cell.source)
-        source = cell.source[:found.end()] + "\n\n" + paragraph + cell.source[found.end():]
+        source = cell.source[: found.end()] + "\n\n" + paragraph + cell.source[found.end() :]
     else:
         raise ValueError(f"{path.name}: its first cell has no '**Time**' paragraph to put the run time after")
     if source == cell.source:
@@ -187,9 +201,15 @@ def run_and_record(path: Path, quick: bool, out_dir: Path = MEASURED_DIR, timeou
 
     with tempfile.TemporaryDirectory(prefix=f"run-{path.stem}-") as work:
         started = time.monotonic()
-        run_with_papermill(path, Path(work) / path.name, parameters={"QUICK": quick},
-                           kernel_name="python3", cwd=work, progress_bar=False,
-                           execution_timeout=timeout_s)
+        run_with_papermill(
+            path,
+            Path(work) / path.name,
+            parameters={"QUICK": quick},
+            kernel_name="python3",
+            cwd=work,
+            progress_bar=False,
+            execution_timeout=timeout_s,
+        )
         seconds = time.monotonic() - started
     record(path.stem, "quick" if quick else "full", seconds, out_dir)
     return seconds

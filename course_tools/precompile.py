@@ -19,30 +19,84 @@ import time
 # The course's dependencies, as the lessons, labs, grader, server and tests import them, in two
 # groups that share little, each imported by a process of its own (two cores, half the time).
 TORCH_SIDE = [
-    "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "torch.profiler",
-    "torch.nn.attention", "torch.export", "numpy", "triton", "triton.language",
-    "transformers", "transformers.models.llama", "transformers.models.bert", "tokenizers", "safetensors.torch",
-    "gguf", "regex", "faiss",
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed",
+    "torch.profiler",
+    "torch.nn.attention",
+    "torch.export",
+    "numpy",
+    "triton",
+    "triton.language",
+    "transformers",
+    "transformers.models.llama",
+    "transformers.models.bert",
+    "tokenizers",
+    "safetensors.torch",
+    "gguf",
+    "regex",
+    "faiss",
 ]
 TOOL_SIDE = [
-    "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets", "jupyter_client", "nbformat",
-    "nbclient", "nbconvert", "papermill", "nbgrader.apps", "nbgrader.api", "nbgrader.preprocessors",
-    "jupyterlab.labapp", "jupyter_server.serverapp",
-    "plotly.graph_objects", "plotly.subplots", "plotly.io", "tqdm.auto",
-    "fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "pydantic", "jsonschema",
-    "langgraph.graph", "psutil", "latex2mathml.converter", "mistune", "jinja2",
-    "pytest", "xdist", "hypothesis", "selenium.webdriver",
+    "IPython",
+    "ipykernel.kernelapp",
+    "ipykernel.ipkernel",
+    "ipywidgets",
+    "jupyter_client",
+    "nbformat",
+    "nbclient",
+    "nbconvert",
+    "papermill",
+    "nbgrader.apps",
+    "nbgrader.api",
+    "nbgrader.preprocessors",
+    "jupyterlab.labapp",
+    "jupyter_server.serverapp",
+    "plotly.graph_objects",
+    "plotly.subplots",
+    "plotly.io",
+    "tqdm.auto",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "openai",
+    "prometheus_client",
+    "pydantic",
+    "jsonschema",
+    "langgraph.graph",
+    "psutil",
+    "latex2mathml.converter",
+    "mistune",
+    "jinja2",
+    "pytest",
+    "xdist",
+    "hypothesis",
+    "selenium.webdriver",
 ]
 
 
 # Packages imported piecemeal, a few modules at a time, by code paths a plain import does not take
 # (torch.compile's code generation, transformers' model classes, accelerate under transformers'
 # GGUF reader): compiled whole, by the tools-side process, which has less to import.
-WHOLE_PACKAGES = ["torch._inductor", "torch._dynamo", "torch._functorch", "torch.fx", "torch.distributed",
-                  "torch.export", "torch._export", "accelerate", "transformers.generation",
-                  "transformers.integrations", "transformers.quantizers", "transformers.loss",
-                  "transformers.distributed", "transformers.utils", "transformers.models.llama",
-                  "transformers.models.bert"]
+WHOLE_PACKAGES = [
+    "torch._inductor",
+    "torch._dynamo",
+    "torch._functorch",
+    "torch.fx",
+    "torch.distributed",
+    "torch.export",
+    "torch._export",
+    "accelerate",
+    "transformers.generation",
+    "transformers.integrations",
+    "transformers.quantizers",
+    "transformers.loss",
+    "transformers.distributed",
+    "transformers.utils",
+    "transformers.models.llama",
+    "transformers.models.bert",
+]
 TOP_LEVEL_ONLY = ["transformers"]  # its own modules, not its hundreds of models
 
 
@@ -96,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
 
         started = time.monotonic()
-        tools = subprocess.Popen([sys.executable, "-m", "course_tools.precompile", "--tools"], stdout=subprocess.PIPE,
-                                 text=True)
+        tools = subprocess.Popen(
+            [sys.executable, "-m", "course_tools.precompile", "--tools"], stdout=subprocess.PIPE, text=True
+        )
         failed = _import_all(TORCH_SIDE + ["infra_lib", "grading"]) + _import_all(_own_modules())
         failed += [line for line in tools.communicate()[0].splitlines() if line]
-        print(f"bytecode written for the modules the course imports in {time.monotonic() - started:.0f} s"
-              + (f"; not importable here: {', '.join(failed)}" if failed else ""))
+        print(
+            f"bytecode written for the modules the course imports in {time.monotonic() - started:.0f} s"
+            + (f"; not importable here: {', '.join(failed)}" if failed else "")
+        )
         return 0
     print("\n".join(failed))
     return 0

@@ -61,8 +61,9 @@ def generate(lab_id: str, out_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> P
     return generate_all([lab_id], out_dir, source_dir)[0]
 
 
-def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOURCE,
-                 gradebook: Path | None = None) -> list[Path]:
+def generate_all(
+    labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOURCE, gradebook: Path | None = None
+) -> list[Path]:
     """``generate`` for several labs in one nbgrader run (its start-up, seconds, is paid once).
 
     ``gradebook``: nbgrader's database (``gradebook.db`` at the course's root) to record each lab
@@ -80,27 +81,36 @@ def generate_all(labs: list[str], out_dir: Path, source_dir: Path = DEFAULT_SOUR
     if not labs:
         return []
     if (Path(source_dir) / TESTS_ONLY_NOTE).is_file():
-        raise ReleaseError(f"{source_dir} holds the learner edition's tests without answers; labs/ is released "
-                           f"from the instructor's solutions/")
+        raise ReleaseError(
+            f"{source_dir} holds the learner edition's tests without answers; labs/ is released "
+            f"from the instructor's solutions/"
+        )
     for lab_id in labs:
         source = Path(source_dir) / lab_id
         if not (source / f"{lab_id}.ipynb").is_file():
             raise FileNotFoundError(f"no instructor notebook {source / (lab_id + '.ipynb')}")
     with tempfile.TemporaryDirectory(prefix="release-") as scratch:
         for lab_id in labs:
-            shutil.copytree(Path(source_dir) / lab_id, Path(scratch) / "solutions" / lab_id,
-                            ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+            shutil.copytree(
+                Path(source_dir) / lab_id,
+                Path(scratch) / "solutions" / lab_id,
+                ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
+            )
         (Path(scratch) / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
         env = {**os.environ, "INFRA_COURSE_ROOT": scratch}
         # "*" is every assignment in the scratch course: exactly the labs copied above.
         database = ["--db", f"sqlite:///{Path(gradebook).resolve()}"] if gradebook else ["--no-db"]
         result = subprocess.run(
-            [sys.executable, "-m", "nbgrader", "generate_assignment", "*", "--force", *database,
-             "--log-level=WARN"],
-            cwd=scratch, env=env, capture_output=True, text=True,
+            [sys.executable, "-m", "nbgrader", "generate_assignment", "*", "--force", *database, "--log-level=WARN"],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"nbgrader generate_assignment {' '.join(labs)} failed:\n{result.stdout}\n{result.stderr}")
+            raise RuntimeError(
+                f"nbgrader generate_assignment {' '.join(labs)} failed:\n{result.stdout}\n{result.stderr}"
+            )
         targets = []
         for lab_id in labs:
             produced = Path(scratch) / "labs" / lab_id
@@ -169,8 +179,10 @@ def tests_only(instructor: NotebookNode, released: NotebookNode, lab_id: str) ->
             continue
         stub = stubs.get(grade_id(cell))
         if stub is None or BEGIN_REGION in stub.source:
-            raise ReleaseError(f"labs/{lab_id} has no released stub for answer cell {grade_id(cell)!r}; "
-                               f"run `infra-lab release {lab_id}` first")
+            raise ReleaseError(
+                f"labs/{lab_id} has no released stub for answer cell {grade_id(cell)!r}; "
+                f"run `infra-lab release {lab_id}` first"
+            )
         cell.source = stub.source
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -182,8 +194,10 @@ def tracked_files(root: Path = REPO_ROOT) -> list[str]:
     try:
         listing = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise ReleaseError(f"the learner edition is built from a git checkout of the course, and `git ls-files` "
-                           f"failed in {root}: {getattr(exc, 'stderr', '') or exc}".strip()) from exc
+        raise ReleaseError(
+            f"the learner edition is built from a git checkout of the course, and `git ls-files` "
+            f"failed in {root}: {getattr(exc, 'stderr', '') or exc}".strip()
+        ) from exc
     return [name for name in listing.stdout.split("\0") if name and (root / name).is_file()]
 
 
@@ -264,8 +278,13 @@ def _code(path: Path) -> list[str]:
         cells = [cell for cell in json.loads(text).get("cells", []) if cell.get("cell_type") == "code"]
     except (json.JSONDecodeError, AttributeError):
         return []
-    sources = ["\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                         for line in "".join(cell.get("source", "")).splitlines()) for cell in cells]
+    sources = [
+        "\n".join(
+            "" if line.lstrip().startswith(("%", "!")) else line
+            for line in "".join(cell.get("source", "")).splitlines()
+        )
+        for cell in cells
+    ]
     whole = "\n\n".join(sources)
     try:
         ast.parse(whole)
@@ -274,8 +293,9 @@ def _code(path: Path) -> list[str]:
         return sources
 
 
-def equivalent_code(folder: Path, solutions: list[tuple[str, frozenset, dict]],
-                    threshold: float = EDITION_THRESHOLD) -> list[tuple[str, str, str]]:
+def equivalent_code(
+    folder: Path, solutions: list[tuple[str, frozenset, dict]], threshold: float = EDITION_THRESHOLD
+) -> list[tuple[str, str, str]]:
     """The functions of the files under ``folder`` (.py files and notebooks' code, :data:`LIBRARY` left out)
     that hold a solution cell's code: (file, "lab:grade_id", "unit ~ unit score") for each, where the
     share of the solution's grams (its stub's removed) found in the function reaches ``threshold``
@@ -364,11 +384,17 @@ def learner_edition(out_dir: Path, force: bool = False) -> Path:
     (out_dir / EDITION_NOTE).write_text(_EDITION_TEXT, encoding="utf-8")
     leaks = answer_leaks(out_dir, solution_regions())
     if leaks:
-        raise ReleaseError(f"the edition in {out_dir} holds solution code in {', '.join(leaks)}; leave them out "
-                           f"(course_tools.release.LEFT_OUT) and build it again")
-    equivalent = [f"{name}: {unit} is {label}'s answer" for name, label, unit in equivalent_code(out_dir, solution_prints())]
+        raise ReleaseError(
+            f"the edition in {out_dir} holds solution code in {', '.join(leaks)}; leave them out "
+            f"(course_tools.release.LEFT_OUT) and build it again"
+        )
+    equivalent = [
+        f"{name}: {unit} is {label}'s answer" for name, label, unit in equivalent_code(out_dir, solution_prints())
+    ]
     if equivalent:
-        raise ReleaseError(f"the edition in {out_dir} holds code equivalent to an answer: {'; '.join(equivalent)}; "
-                           f"take it out of the course-side code (the checks can drive the library's reference) "
-                           f"and build it again")
+        raise ReleaseError(
+            f"the edition in {out_dir} holds code equivalent to an answer: {'; '.join(equivalent)}; "
+            f"take it out of the course-side code (the checks can drive the library's reference) "
+            f"and build it again"
+        )
     return out_dir

@@ -71,8 +71,13 @@ def find_submissions(folder: Path, lab_id: str) -> dict[str, Path | None]:
         if entry.is_dir():
             preferred = entry / f"{lab_id}.ipynb"
             nested = entry / lab_id / f"{lab_id}.ipynb"  # nbgrader's submitted/<learner>/<lab>/ layout
-            candidates = [preferred] if preferred.is_file() else [nested] if nested.is_file() else \
-                sorted(p for p in entry.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            candidates = (
+                [preferred]
+                if preferred.is_file()
+                else [nested]
+                if nested.is_file()
+                else sorted(p for p in entry.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            )
             found[entry.name] = candidates[0] if candidates else None
         elif entry.suffix == ".ipynb":
             found[entry.stem] = entry
@@ -92,8 +97,10 @@ def _cache_key(notebook: Path, parts: dict[str, str], limits: Limits) -> str:
     except OSError as exc:
         submission = hashlib.sha256(str(exc).encode()).hexdigest()
     limits_digest = hashlib.sha256(json.dumps(asdict(limits), sort_keys=True).encode()).hexdigest()
-    return json.dumps({"submission": submission, **{part: parts[part] for part in PART_NAMES},
-                       "limits": limits_digest}, sort_keys=True)
+    return json.dumps(
+        {"submission": submission, **{part: parts[part] for part in PART_NAMES}, "limits": limits_digest},
+        sort_keys=True,
+    )
 
 
 def changed_parts(old: str, new: str) -> list[str]:
@@ -127,8 +134,17 @@ def _flag_text(flags) -> str:
     return FLAG_SEPARATOR.join(str(flag) for flag in flags) if isinstance(flags, list) else ""
 
 
-def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_dir: str,
-               limits: Limits, seed: int | None, key: str, watched: dict[str, str] | None = None) -> dict:
+def _grade_one(
+    learner: str,
+    notebook: str,
+    lab_id: str,
+    source_dir: str,
+    out_dir: str,
+    limits: Limits,
+    seed: int | None,
+    key: str,
+    watched: dict[str, str] | None = None,
+) -> dict:
     """Worker: grade one learner and write their reports; never raises."""
     from grading.grader import grade_notebook
     from grading.report import gradescope_results, keep_history, write_reports
@@ -141,16 +157,22 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
     except OSError:
         old_key = ""
     try:
-        report = grade_notebook(notebook, lab_id=lab_id, source_dir=source_dir, seed=seed, limits=limits,
-                                watched=watched)
+        report = grade_notebook(
+            notebook, lab_id=lab_id, source_dir=source_dir, seed=seed, limits=limits, watched=watched
+        )
         write_reports(report, target)
         results = gradescope_results(report)
         status, note, seconds = report.status, report.unreadable, report.seconds
         if status == "earlier release":
             note = "made for an earlier release of this lab: map its old answer-cell ids in release_notes.json"
     except Exception as exc:  # one learner's failure must not stop the class
-        results = {"score": 0.0, "max_score": 0.0, "output": f"grading failed: {type(exc).__name__}: {exc}",
-                   "tests": [], "extra_data": {}}
+        results = {
+            "score": 0.0,
+            "max_score": 0.0,
+            "output": f"grading failed: {type(exc).__name__}: {exc}",
+            "tests": [],
+            "extra_data": {},
+        }
         target.mkdir(parents=True, exist_ok=True)
         keep_history(target)
         (target / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -160,11 +182,22 @@ def _grade_one(learner: str, notebook: str, lab_id: str, source_dir: str, out_di
         note = "; ".join(filter(None, [note, _regrade_note(previous, results["score"], old_key, key, seed)]))
     (target / CACHE_FILE).write_text(key if status != "failed" else "", encoding="utf-8")
     extra = results.get("extra_data", {})
-    return asdict(BatchRow(learner, results["score"], results["max_score"], status, seconds,
-                           {t["name"]: t["score"] for t in results["tests"]}, note, _flag_text(extra.get("flags")),
-                           seed=extra.get("seed"),
-                           graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
-                           measures=dict(extra.get("measures", {}))))
+    return asdict(
+        BatchRow(
+            learner,
+            results["score"],
+            results["max_score"],
+            status,
+            seconds,
+            {t["name"]: t["score"] for t in results["tests"]},
+            note,
+            _flag_text(extra.get("flags")),
+            seed=extra.get("seed"),
+            graded_at=extra.get("graded_at", ""),
+            course_version=extra.get("course_version", ""),
+            measures=dict(extra.get("measures", {})),
+        )
+    )
 
 
 def _previous(target: Path) -> tuple[float, str] | None:
@@ -186,16 +219,35 @@ def _cached(learner: str, target: Path, key: str) -> BatchRow | None:
     extra = results.get("extra_data", {}) if isinstance(results.get("extra_data"), dict) else {}
     status = extra.get("status", "graded")
     note = extra.get("unreadable", "") if status == "unreadable" else ""
-    return BatchRow(learner, results["score"], results["max_score"], status, float(results.get("execution_time", 0)),
-                    {t["name"]: t["score"] for t in results["tests"]}, note, _flag_text(extra.get("flags")),
-                    cached=True, seed=extra.get("seed"),
-                    graded_at=extra.get("graded_at", ""), course_version=extra.get("course_version", ""),
-                    measures=dict(extra.get("measures", {})) if isinstance(extra.get("measures"), dict) else {})
+    return BatchRow(
+        learner,
+        results["score"],
+        results["max_score"],
+        status,
+        float(results.get("execution_time", 0)),
+        {t["name"]: t["score"] for t in results["tests"]},
+        note,
+        _flag_text(extra.get("flags")),
+        cached=True,
+        seed=extra.get("seed"),
+        graded_at=extra.get("graded_at", ""),
+        course_version=extra.get("course_version", ""),
+        measures=dict(extra.get("measures", {})) if isinstance(extra.get("measures"), dict) else {},
+    )
 
 
-def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Path, limits: Limits,
-                workers: int | None = None, seed: int | None = None, progress: bool = True,
-                roster: list[str] | None = None) -> list[BatchRow]:
+def grade_batch(
+    submissions: Path,
+    lab_id: str,
+    out_dir: Path,
+    *,
+    source_dir: Path,
+    limits: Limits,
+    workers: int | None = None,
+    seed: int | None = None,
+    progress: bool = True,
+    roster: list[str] | None = None,
+) -> list[BatchRow]:
     """Grade every learner's notebook; returns one row per learner (also written to scores.csv).
 
     ``seed``: grade everyone with this seed, none from the cache (it reproduces a past run: the
@@ -203,7 +255,6 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     class; those who submitted nothing get a "not submitted" row.
     """
     from tqdm import tqdm
-
 
     submitted = find_submissions(submissions, lab_id)
     found = {learner: path for learner, path in submitted.items() if path is not None}
@@ -221,11 +272,18 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
         if cached is not None:
             rows[learner] = cached
         else:
-            todo.append((learner, str(notebook), lab_id, str(source_dir), str(out_dir / learner), limits, seed, key,
-                         watched))
+            todo.append(
+                (learner, str(notebook), lab_id, str(source_dir), str(out_dir / learner), limits, seed, key, watched)
+            )
     workers = max(1, min(workers or max(1, (os.cpu_count() or 2) // 2), len(todo) or 1))
-    bar = tqdm(total=len(found), initial=len(rows), desc=f"grading {lab_id}", unit="notebook",
-               disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(found),
+        initial=len(rows),
+        desc=f"grading {lab_id}",
+        unit="notebook",
+        disable=not progress,
+        file=sys.stderr,
+    )
     if todo and workers == 1:  # one at a time: in this process (its kernel template), no worker to start
         for job in todo:
             rows[job[0]] = BatchRow(**_grade_one(*job))
@@ -242,8 +300,7 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
                     try:
                         rows[learner] = BatchRow(**future.result())
                     except Exception as exc:  # the worker process itself died
-                        rows[learner] = BatchRow(learner, 0.0, 0.0, "failed", 0.0, {}, f"worker died: {exc}",
-                                                 seed=seed)
+                        rows[learner] = BatchRow(learner, 0.0, 0.0, "failed", 0.0, {}, f"worker died: {exc}", seed=seed)
                     bar.set_postfix_str(f"{learner}: {rows[learner].score:g}")
                     bar.update(1)
     bar.close()
@@ -254,8 +311,9 @@ def grade_batch(submissions: Path, lab_id: str, out_dir: Path, *, source_dir: Pa
     flagged = flags(matches)
     max_score = max((row.max_score for row in rows.values()), default=0.0)
     for learner in missing:
-        rows[learner] = BatchRow(learner, 0.0, max_score, "not submitted", 0.0, {},
-                                 "no notebook in the submissions folder")
+        rows[learner] = BatchRow(
+            learner, 0.0, max_score, "not submitted", 0.0, {}, "no notebook in the submissions folder"
+        )
     ordered = [rows[learner] for learner in dict.fromkeys([*(roster or []), *submitted])]  # the roster's order
     for row in ordered:
         if flagged.get(row.learner):
@@ -271,12 +329,38 @@ def write_csv(rows: list[BatchRow], path: Path) -> None:
     measure_names = list(dict.fromkeys(name for row in rows for name in row.measures))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["learner", "score", "max_score", "status", "cached", "seed", "seconds", "graded_at",
-                         "course_version", *test_names, *measure_names, "flags", "note"])
+        writer.writerow(
+            [
+                "learner",
+                "score",
+                "max_score",
+                "status",
+                "cached",
+                "seed",
+                "seconds",
+                "graded_at",
+                "course_version",
+                *test_names,
+                *measure_names,
+                "flags",
+                "note",
+            ]
+        )
         for row in rows:
-            writer.writerow([row.learner, f"{row.score:g}", f"{row.max_score:g}", row.status,
-                             "yes" if row.cached else "no", "" if row.seed is None else row.seed,
-                             f"{row.seconds:.1f}", row.graded_at, row.course_version,
-                             *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names),
-                             *(f"{row.measures[name]:.3f}" if name in row.measures else "" for name in measure_names),
-                             row.flags, row.note])
+            writer.writerow(
+                [
+                    row.learner,
+                    f"{row.score:g}",
+                    f"{row.max_score:g}",
+                    row.status,
+                    "yes" if row.cached else "no",
+                    "" if row.seed is None else row.seed,
+                    f"{row.seconds:.1f}",
+                    row.graded_at,
+                    row.course_version,
+                    *(f"{row.tests[name]:g}" if name in row.tests else "" for name in test_names),
+                    *(f"{row.measures[name]:.3f}" if name in row.measures else "" for name in measure_names),
+                    row.flags,
+                    row.note,
+                ]
+            )

@@ -88,8 +88,9 @@ class CallMonitor:
     def intact(self) -> bool:
         """Whether every stand-in and the hook are still in place (the learner's code may have
         put the original bodies back, or replaced them)."""
-        return (all(fn.__code__ is code for fn, code in zip(self.functions, self._stand_ins))
-                and all(namespace.get(_HOOK) is self._hook for namespace in self._namespaces()))
+        return all(fn.__code__ is code for fn, code in zip(self.functions, self._stand_ins)) and all(
+            namespace.get(_HOOK) is self._hook for namespace in self._namespaces()
+        )
 
     def stop(self) -> None:
         for fn, code in zip(self.functions, self._originals):

@@ -115,8 +115,7 @@ def to_plain(value: Any, _depth: int = 0) -> Any:
         if tolist is not None:
             return to_plain(tolist(), _depth + 1)
     raise TypeError(
-        f"returned a {type(value).__module__}.{type(value).__qualname__}; "
-        "return plain Python numbers, strings or lists"
+        f"returned a {type(value).__module__}.{type(value).__qualname__}; return plain Python numbers, strings or lists"
     )
 
 
@@ -198,8 +197,10 @@ class _Watch:
         self._armed = False
         if self._spent:
             raise CheckTimeout(f"the check used more than its limit of {self.timeout:g} s of processor time")
-        raise CheckTimeout(f"the check was still running after {WALL_FACTOR * self.timeout:g} s while using "
-                           f"little processor time: your code waits (a sleep, a lock, input, a child process?)")
+        raise CheckTimeout(
+            f"the check was still running after {WALL_FACTOR * self.timeout:g} s while using "
+            f"little processor time: your code waits (a sleep, a lock, input, a child process?)"
+        )
 
     def _clock(self, done, clock_id: int, main_thread: int) -> None:
         """Watch the checking thread's processor time; past the limit, signal that thread."""
@@ -221,8 +222,12 @@ class _Watch:
         before = self._children()
         done = threading.Event()
         thread_id = threading.get_ident()
-        clock = threading.Thread(target=self._clock, args=(done, time.pthread_getcpuclockid(thread_id), thread_id),
-                                 name="check-clock", daemon=True)
+        clock = threading.Thread(
+            target=self._clock,
+            args=(done, time.pthread_getcpuclockid(thread_id), thread_id),
+            name="check-clock",
+            daemon=True,
+        )
         previous = signal.signal(signal.SIGALRM, self._alarm)
         self._armed, self._spent = True, False
         signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * self.timeout)
@@ -242,8 +247,9 @@ class _Watch:
             signal.signal(signal.SIGALRM, previous)
             started = self._stop_new_processes(before)
         if started > self.max_processes:
-            return Outcome(error=f"your code started {started} processes (the limit is {self.max_processes})",
-                           kind=PROCESSES)
+            return Outcome(
+                error=f"your code started {started} processes (the limit is {self.max_processes})", kind=PROCESSES
+            )
         if self.monitor.hits:
             return Outcome(error=f"your code called the reference {self.monitor.hits[0]}", kind=SHORTCUT)
         if not intact:
@@ -262,7 +268,9 @@ def judge(check: Check, learner: Outcome, expected: Outcome | None, inputs: Any)
     """Compare the learner's outcome with the reference's, for one check. ``expected`` may be
     None when ``needs_reference(learner)`` is False."""
     if learner.kind == SHORTCUT:
-        return Verdict(check.check_id, False, learner.error or "your code called the reference implementation", kind=SHORTCUT)
+        return Verdict(
+            check.check_id, False, learner.error or "your code called the reference implementation", kind=SHORTCUT
+        )
     if learner.kind == TAMPERING:
         return Verdict(check.check_id, False, learner.error or "tampering", kind=TAMPERING)
     if learner.kind == TIMEOUT:
@@ -285,8 +293,9 @@ def judge(check: Check, learner: Outcome, expected: Outcome | None, inputs: Any)
         mismatch = Mismatch(f"your result has the wrong form ({type(exc).__name__}: {exc})")
     if mismatch is None:
         return Verdict(check.check_id, True, kind="passed")
-    return Verdict(check.check_id, False, mismatch.what, mismatch.detail, kind=mismatch.reason or WRONG,
-                   hint=mismatch.hint)
+    return Verdict(
+        check.check_id, False, mismatch.what, mismatch.detail, kind=mismatch.reason or WRONG, hint=mismatch.hint
+    )
 
 
 def _grader_inputs(check_id: str) -> Any:
@@ -320,12 +329,14 @@ def check(check_id: str, implementation: Any) -> None:
     record_path = os.environ.get(RECORD_ENV)
     if record_path:
         seed = int(os.environ.get(SEED_ENV, "0"))
-        watch = _Watch(check_id.split(".")[0], float(os.environ.get(CHECK_TIMEOUT_ENV, "60")),
-                       int(os.environ.get(MAX_PROCESSES_ENV, "32")))
+        watch = _Watch(
+            check_id.split(".")[0],
+            float(os.environ.get(CHECK_TIMEOUT_ENV, "60")),
+            int(os.environ.get(MAX_PROCESSES_ENV, "32")),
+        )
         inputs = _grader_inputs(check_id)
         outcome = watch.run(registered, implementation, registered.inputs(seed) if inputs is None else inputs)
-        line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error,
-                           "kind": outcome.kind})
+        line = json.dumps({"check_id": check_id, "data": outcome.data, "error": outcome.error, "kind": outcome.kind})
         with open(record_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
         print(f"{check_id}: answer recorded; the grader compares it with the reference")

@@ -20,9 +20,25 @@ from pathlib import Path
 from typing import Any
 
 from grading import tamper
-from grading.check import (CHECK_TIMEOUT_ENV, ERROR, INPUTS_ENV, MAX_PROCESSES_ENV, MEMORY, PROCESSES, RECORD_ENV,
-                           SEED_ENV, SHORTCUT, TAMPERING, TIMEOUT, WALL_FACTOR, WRONG, Outcome, drive, judge,
-                           needs_reference)
+from grading.check import (
+    CHECK_TIMEOUT_ENV,
+    ERROR,
+    INPUTS_ENV,
+    MAX_PROCESSES_ENV,
+    MEMORY,
+    PROCESSES,
+    RECORD_ENV,
+    SEED_ENV,
+    SHORTCUT,
+    TAMPERING,
+    TIMEOUT,
+    WALL_FACTOR,
+    WRONG,
+    Outcome,
+    drive,
+    judge,
+    needs_reference,
+)
 from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 from grading.hidden_reference import hidden_files
 from grading.lab_version import course_version, lab_version, renamed_cells
@@ -44,21 +60,21 @@ STATUSES = {
     "unreadable": "the file is not a notebook this lab can read (the note says why); 0",
     "not submitted": "on the roster, or a folder in the submissions, with no notebook; 0",
     "unprotected": "a protection the grader asked for did not hold while the notebook ran (the flags "
-                   "say which): the score may rest on what the learner's code could reach; grade it "
-                   "again where it holds",
+    "say which): the score may rest on what the learner's code could reach; grade it "
+    "again where it holds",
     "reached": "the learner's code looked for, opened or wrote something only a cheat would want "
-               "(the answer key, classmates' submissions, the class's grades, another process, the "
-               "course's files) and found it: graded without a sandbox that hides it",
+    "(the answer key, classmates' submissions, the class's grades, another process, the "
+    "course's files) and found it: graded without a sandbox that hides it",
     "refused": "the static scan refused an answer before it ran (it reached into the grader, the "
-               "notebook machinery or the lab's reference); that task scored 0, the rest were graded",
+    "notebook machinery or the lab's reference); that task scored 0, the rest were graded",
     "caught": "a check caught an answer, while it ran, calling the lab's reference or leaving the "
-              "check machinery altered; that task scored 0",
+    "check machinery altered; that task scored 0",
     "blocked": "the learner's code reached for something only a cheat would want, and the sandbox "
-               "refused it or did not have it (the flags say what and where); the score stands",
+    "refused it or did not have it (the flags say what and where); the score stands",
     "earlier release": "made for an earlier release of the lab: a task whose answer cell was renamed is "
-                       "not graded until release_notes.json maps the old id",
+    "not graded until release_notes.json maps the old id",
     "flagged": "graded; an answer is close to the course's solution, the lab's reference or a "
-               "classmate's (similarity.md): the score stands, look at it",
+    "classmate's (similarity.md): the score stands, look at it",
     "graded": "graded; nothing for the instructor to look at",
 }
 _OUTCOME_KINDS = {ERROR, TIMEOUT, MEMORY, PROCESSES, SHORTCUT, TAMPERING, WRONG}
@@ -133,8 +149,11 @@ class GradeReport:
     @property
     def unprotected(self) -> list[str]:
         """The protections that did not hold while the notebook ran ("network: NOT isolated: ...")."""
-        return [f"{name}: {value}" for name, value in self.sandbox.items()
-                if isinstance(value, str) and value.startswith(NOT_HELD)]
+        return [
+            f"{name}: {value}"
+            for name, value in self.sandbox.items()
+            if isinstance(value, str) and value.startswith(NOT_HELD)
+        ]
 
     @property
     def caught(self) -> list[str]:
@@ -142,8 +161,13 @@ class GradeReport:
         (not an answer the static scan refused: that one never ran)."""
         found = []
         for test in self.tests:
-            reasons = sorted({c.reason for c in test.checks if c.reason in (SHORTCUT, TAMPERING)
-                              and NOT_RUN_BY_SCAN not in c.message})
+            reasons = sorted(
+                {
+                    c.reason
+                    for c in test.checks
+                    if c.reason in (SHORTCUT, TAMPERING) and NOT_RUN_BY_SCAN not in c.message
+                }
+            )
             if reasons:
                 found.append(f"{test.grade_id} ({', '.join(reasons)})")
         return found
@@ -159,8 +183,11 @@ class GradeReport:
             got = [a for a in attempts if a["outcome"] in (tamper.FOUND, tamper.ALLOWED)]
             done = Counter(f"{a['op']} {a['outcome']}" for a in attempts)
             counts = ", ".join(f"{action} x{n}" if n > 1 else action for action, n in done.items())
-            where = f"{got[0]['outcome']}: {got[0]['path']}" if got else \
-                f"{'e.g. ' if len(attempts) > 1 else ''}{attempts[0]['path']}"
+            where = (
+                f"{got[0]['outcome']}: {got[0]['path']}"
+                if got
+                else f"{'e.g. ' if len(attempts) > 1 else ''}{attempts[0]['path']}"
+            )
             lines.append(f"{'reached' if got else 'blocked'}: {what} ({counts}; {where})")
         lines += [f"refused: {answer} ({why})" for answer, why in self.refused.items()]
         lines += [f"caught: {line}" for line in self.caught]
@@ -207,16 +234,22 @@ def infer_lab(notebook: Path, source_dir: Path = DEFAULT_SOURCE) -> str:
     try:
         carried = {grade_id(cell) for cell in read_notebook(notebook).cells} - {None}
     except NotebookError as exc:
-        raise GradingError(f"{notebook} names no lab, and its cells cannot be read to infer one ({exc}); "
-                           f"pass --lab LAB_ID") from exc
-    ids_of = {lab: {grade_id(cell) for cell in read_notebook(source_dir / lab / f"{lab}.ipynb").cells} - {None}
-              for lab in lab_ids(source_dir)}
+        raise GradingError(
+            f"{notebook} names no lab, and its cells cannot be read to infer one ({exc}); pass --lab LAB_ID"
+        ) from exc
+    ids_of = {
+        lab: {grade_id(cell) for cell in read_notebook(source_dir / lab / f"{lab}.ipynb").cells} - {None}
+        for lab in lab_ids(source_dir)
+    }
     labs_using = Counter(gid for ids in ids_of.values() for gid in ids)
     matches = [lab for lab, ids in ids_of.items() if any(labs_using[gid] == 1 for gid in ids & carried)]
     if len(matches) == 1:
         return matches[0]
-    found = (f"its cells' grade_ids belong to several labs ({', '.join(matches)})" if matches
-             else f"none of its cells' grade_ids belong to a lab (labs: {_known(source_dir)})")
+    found = (
+        f"its cells' grade_ids belong to several labs ({', '.join(matches)})"
+        if matches
+        else f"none of its cells' grade_ids belong to a lab (labs: {_known(source_dir)})"
+    )
     raise GradingError(f"{notebook} names no lab and {found}; pass --lab LAB_ID")
 
 
@@ -263,9 +296,14 @@ def _write_inputs(tests: list[TestCell], seed: int, folder: Path) -> Path:
     return folder
 
 
-def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int,
-             missing: dict[int, tuple[str, str]], findings: dict[str, tamper.Finding],
-             earlier: set[str] = frozenset()) -> list[TestResult]:
+def evaluate(
+    tests: list[TestCell],
+    records: dict[str, list[Outcome]],
+    seed: int,
+    missing: dict[int, tuple[str, str]],
+    findings: dict[str, tamper.Finding],
+    earlier: set[str] = frozenset(),
+) -> list[TestResult]:
     """Judge every check of every test cell against the reference, in this process.
 
     Args:
@@ -282,21 +320,43 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
             registered = get_check(call.check_id)
             answers = records.get(call.check_id, [])
             if test.answer in earlier:
-                text = (f"not graded: your notebook was made for an earlier release of this lab and has no answer "
-                        f"cell {test.answer!r} (not your mistake; your instructor can map the old cell)")
-                checks.append(CheckResult(call.check_id, call.hidden, False,
-                                          _failed(call.check_id, registered.task, EARLIER_RELEASE, text),
-                                          EARLIER_RELEASE))
+                text = (
+                    f"not graded: your notebook was made for an earlier release of this lab and has no answer "
+                    f"cell {test.answer!r} (not your mistake; your instructor can map the old cell)"
+                )
+                checks.append(
+                    CheckResult(
+                        call.check_id,
+                        call.hidden,
+                        False,
+                        _failed(call.check_id, registered.task, EARLIER_RELEASE, text),
+                        EARLIER_RELEASE,
+                    )
+                )
                 continue
             if finding is not None:
                 text = f"answer {test.answer} {NOT_RUN_BY_SCAN} {finding.detail} (line {finding.line})"
-                checks.append(CheckResult(call.check_id, call.hidden, False,
-                                          _failed(call.check_id, registered.task, finding.kind, text), finding.kind))
+                checks.append(
+                    CheckResult(
+                        call.check_id,
+                        call.hidden,
+                        False,
+                        _failed(call.check_id, registered.task, finding.kind, text),
+                        finding.kind,
+                    )
+                )
                 continue
             if not answers:
                 reason, text = missing.get(test.index, (NOT_RUN, "the test cell did not run"))
-                checks.append(CheckResult(call.check_id, call.hidden, False, _failed(
-                    call.check_id, registered.task, reason, f"no answer was recorded: {text}"), reason))
+                checks.append(
+                    CheckResult(
+                        call.check_id,
+                        call.hidden,
+                        False,
+                        _failed(call.check_id, registered.task, reason, f"no answer was recorded: {text}"),
+                        reason,
+                    )
+                )
                 continue
             inputs = registered.inputs(seed)
             # The reference runs only when some answer produced data to compare with it.
@@ -304,9 +364,16 @@ def evaluate(tests: list[TestCell], records: dict[str, list[Outcome]], seed: int
                 expected_cache[call.check_id] = _roundtrip(drive(registered, registered.reference(), inputs))
             verdicts = [judge(registered, answer, expected_cache.get(call.check_id), inputs) for answer in answers]
             verdict = next((v for v in verdicts if not v.passed), verdicts[0])
-            checks.append(CheckResult(call.check_id, call.hidden, verdict.passed,
-                                      verdict.message(registered, hidden=call.hidden), verdict.kind,
-                                      _measures(registered, answers[0], expected_cache.get(call.check_id))))
+            checks.append(
+                CheckResult(
+                    call.check_id,
+                    call.hidden,
+                    verdict.passed,
+                    verdict.message(registered, hidden=call.hidden),
+                    verdict.kind,
+                    _measures(registered, answers[0], expected_cache.get(call.check_id)),
+                )
+            )
         passed = all(c.passed for c in checks)
         results.append(TestResult(test.grade_id, test.points if passed else 0.0, test.points, checks))
     return results
@@ -349,28 +416,37 @@ def _why_missing(spliced: Spliced, runs: list[Execution]) -> dict[int, tuple[str
             answer_index = spliced.answers.get(answer_of[test.index] or "")
             answer_error = run.cell_error(answer_index) if answer_index is not None else None
             if answer_error and test.index not in reasons:
-                reasons[test.index] = (_error_reason(*answer_error),
-                                       f"its answer cell raised {answer_error[0]}: {answer_error[1]}")
+                reasons[test.index] = (
+                    _error_reason(*answer_error),
+                    f"its answer cell raised {answer_error[0]}: {answer_error[1]}",
+                )
     last = runs[-1] if runs else None
     if last is not None and not last.complete:
         for test in spliced.tests:
             if last.stopped_at is None or test.index > last.stopped_at:
-                reasons.setdefault(test.index, (NOT_RUN if last.stop != STOP_CRASH else STOP_CRASH,
-                                                f"not reached: {last.reason}"))
+                reasons.setdefault(
+                    test.index, (NOT_RUN if last.stop != STOP_CRASH else STOP_CRASH, f"not reached: {last.reason}")
+                )
     if last is not None and last.notebook is not None:
         for test in spliced.tests:
             cell = last.notebook.cells[test.index]
             ran = cell.get("execution_count") is not None and spliced.notebook.cells[test.index].source.strip()
             if ran and test.index not in reasons and last.cell_error(test.index) is None:
-                reasons[test.index] = (TAMPERING, "the test cell ran without error but recorded nothing "
-                                                  "(the check machinery in the kernel was altered)")
+                reasons[test.index] = (
+                    TAMPERING,
+                    "the test cell ran without error but recorded nothing "
+                    "(the check machinery in the kernel was altered)",
+                )
     return reasons
 
 
 def scan_answers(spliced: Spliced, lab_id: str) -> dict[str, tamper.Finding]:
     """Static findings per answer cell (the first one found), before anything runs."""
-    trusted_code = [c.source for i, c in enumerate(spliced.notebook.cells)
-                    if c.cell_type == "code" and i not in spliced.answers.values()]
+    trusted_code = [
+        c.source
+        for i, c in enumerate(spliced.notebook.cells)
+        if c.cell_type == "code" and i not in spliced.answers.values()
+    ]
     aliases = tamper.module_aliases(trusted_code)
     findings = {}
     for answer, index in spliced.answers.items():
@@ -432,9 +508,13 @@ def grade_notebook(
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
         record_path = kernel_folder(Path(work), limits) / "answers.jsonl"  # where the kernel can write
-        env = {RECORD_ENV: str(record_path), SEED_ENV: str(seed), CHECK_TIMEOUT_ENV: str(limits.check_timeout),
-               MAX_PROCESSES_ENV: str(limits.max_processes),
-               tamper.WATCH_ENV: _watch_config(record_path, Path(source_dir), watched or {}, limits.bwrap)}
+        env = {
+            RECORD_ENV: str(record_path),
+            SEED_ENV: str(seed),
+            CHECK_TIMEOUT_ENV: str(limits.check_timeout),
+            MAX_PROCESSES_ENV: str(limits.max_processes),
+            tamper.WATCH_ENV: _watch_config(record_path, Path(source_dir), watched or {}, limits.bwrap),
+        }
         to_run = spliced.notebook
         # In bubblewrap the kernel sees the lab's reference functions as stubs (grading.hidden_reference),
         # so the grader makes the checks' inputs (some are runs of the course's own code) and hands them over.
@@ -442,8 +522,16 @@ def grade_notebook(
         if limits.bwrap:
             env[INPUTS_ENV] = str(_write_inputs(spliced.tests, seed, kernel_folder(Path(work), limits) / "inputs"))
         for _ in range(MAX_RESTARTS + 1):
-            run = execute(to_run, Path(work), parameters=params, env=env, limits=limits,
-                          budget=deadline - time.monotonic(), hidden=hidden, first_cell=WATCH_CELL)
+            run = execute(
+                to_run,
+                Path(work),
+                parameters=params,
+                env=env,
+                limits=limits,
+                budget=deadline - time.monotonic(),
+                hidden=hidden,
+                first_cell=WATCH_CELL,
+            )
             runs.append(run)
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
@@ -455,36 +543,60 @@ def grade_notebook(
         records = read_records(record_path)
         attempts = read_attempts(record_path)
     for index in sorted({i for run in runs for i in run.truncated}):
-        spliced.notes.append(f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
-                             f"{limits.output_kb} KiB was dropped")
+        spliced.notes.append(
+            f"{grade_id(spliced.notebook.cells[index]) or f'cell {index + 1}'}: output past "
+            f"{limits.output_kb} KiB was dropped"
+        )
     tests = evaluate(spliced.tests, records, seed, _why_missing(spliced, runs), findings, spliced.earlier_release)
-    sandbox = {"processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
-               **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
-               "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
-                       f"in all), {limits.cell_timeout:g} s per cell, "
-                       f"{limits.budget:g} s per notebook"}
+    sandbox = {
+        "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
+        **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
+        "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
+        f"in all), {limits.cell_timeout:g} s per cell, "
+        f"{limits.budget:g} s per notebook",
+    }
     if hidden:
         modules = sum(path.suffix == ".py" for path in hidden)
-        sandbox["reference"] = (f"absent: the kernel saw the {modules} module(s) holding this lab's reference with "
-                                f"its bodies replaced by stubs")
+        sandbox["reference"] = (
+            f"absent: the kernel saw the {modules} module(s) holding this lab's reference with "
+            f"its bodies replaced by stubs"
+        )
     if not limits.bwrap:
-        sandbox.setdefault("view", "no sandbox: the kernel could read and write whatever the grading user can "
-                                   "(fine for grading your own work; grade others' work in bubblewrap)")
+        sandbox.setdefault(
+            "view",
+            "no sandbox: the kernel could read and write whatever the grading user can "
+            "(fine for grading your own work; grade others' work in bubblewrap)",
+        )
     elif runs and runs[0].sandbox and not str(sandbox.get("view", "")).startswith("bubblewrap"):
-        sandbox["view"] = (f"{NOT_HELD}sandboxed: bubblewrap was asked for, but the kernel's launcher says it ran "
-                           f"without it")
+        sandbox["view"] = (
+            f"{NOT_HELD}sandboxed: bubblewrap was asked for, but the kernel's launcher says it ran without it"
+        )
     attempts += _reference_calls(lab_id, records, spliced, runs)
-    return GradeReport(lab_id, str(notebook), seed, tests, spliced.notes, time.monotonic() - started, sandbox,
-                       executed=runs[-1].notebook if runs else None,
-                       refused={answer: f"{f.kind}: it {f.detail}, line {f.line}" for answer, f in findings.items()},
-                       attempts=attempts, **stamp)
+    return GradeReport(
+        lab_id,
+        str(notebook),
+        seed,
+        tests,
+        spliced.notes,
+        time.monotonic() - started,
+        sandbox,
+        executed=runs[-1].notebook if runs else None,
+        refused={answer: f"{f.kind}: it {f.detail}, line {f.line}" for answer, f in findings.items()},
+        attempts=attempts,
+        **stamp,
+    )
 
 
 # Names of folders and files that the learner's code has no business looking for while it is graded
 # (nbgrader's course layout, the course's grades); any path with such a part is watched.
-WATCHED_NAMES = {"solutions": "the answer key", "submitted": "classmates' submissions",
-                 "autograded": "classmates' submissions", "submissions": "classmates' submissions",
-                 "grades": "the class's grades", "gradebook.db": "the class's grades"}
+WATCHED_NAMES = {
+    "solutions": "the answer key",
+    "submitted": "classmates' submissions",
+    "autograded": "classmates' submissions",
+    "submissions": "classmates' submissions",
+    "grades": "the class's grades",
+    "gradebook.db": "the class's grades",
+}
 # The kernel's first cell: the watch goes on before any answer runs.
 WATCH_CELL = "from grading.tamper import watch as _infra_lab_watch\n_infra_lab_watch()\ndel _infra_lab_watch\n"
 
@@ -492,7 +604,10 @@ WATCH_CELL = "from grading.tamper import watch as _infra_lab_watch\n_infra_lab_w
 def _watch_config(record: Path, source_dir: Path, watched: dict[str, str], sandboxed: bool) -> str:
     from grading.course import REPO_ROOT
 
-    paths = {str(source_dir.resolve()): "the answer key", **{str(Path(p).resolve()): what for p, what in watched.items()}}
+    paths = {
+        str(source_dir.resolve()): "the answer key",
+        **{str(Path(p).resolve()): what for p, what in watched.items()},
+    }
     # The course's files are watched for writes, unless the kernel's own folder lies inside it.
     course = {} if record.resolve().is_relative_to(REPO_ROOT) else {str(REPO_ROOT): "the course's files"}
     return tamper.watch_config(str(record), WATCHED_NAMES, paths, course, sandboxed=sandboxed)
@@ -506,44 +621,71 @@ def read_attempts(path: Path) -> list[dict[str, str]]:
         return []
 
 
-def _reference_calls(lab_id: str, records: dict[str, list[Outcome]], spliced: Spliced,
-                     runs: list[Execution]) -> list[dict[str, str]]:
+def _reference_calls(
+    lab_id: str, records: dict[str, list[Outcome]], spliced: Spliced, runs: list[Execution]
+) -> list[dict[str, str]]:
     """The learner's code called one of the lab's reference functions that the sandbox shows as a stub
     (re-running or copying its module, say): one attempt per function, refused."""
     import re
 
     from grading.hidden_reference import STUB_MESSAGE
 
-    pattern = re.compile(re.escape(STUB_MESSAGE).replace(re.escape("{name}"), r"([\w.]+)")
-                         .replace(re.escape("{lab}"), re.escape(lab_id)))
+    pattern = re.compile(
+        re.escape(STUB_MESSAGE).replace(re.escape("{name}"), r"([\w.]+)").replace(re.escape("{lab}"), re.escape(lab_id))
+    )
     texts = [outcome.error or "" for outcomes in records.values() for outcome in outcomes]
     texts += [" ".join(run.cell_error(index) or ()) for run in runs for index in spliced.answers.values()]
     names = dict.fromkeys(match.group(1) for text in texts for match in pattern.finditer(text))
-    return [{"what": "the lab's reference, hidden in the sandbox", "op": "called", "path": name,
-             "outcome": tamper.REFUSED} for name in names]
+    return [
+        {"what": "the lab's reference, hidden in the sandbox", "op": "called", "path": name, "outcome": tamper.REFUSED}
+        for name in names
+    ]
 
 
 def _stamp(lab_id: str, source_dir: Path) -> dict[str, str]:
     """When, and against which course and lab version, a notebook is graded."""
     from datetime import datetime, timezone
 
-    return {"graded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "course_version": course_version(), "lab_version": lab_version(lab_id, source_dir)}
+    return {
+        "graded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "course_version": course_version(),
+        "lab_version": lab_version(lab_id, source_dir),
+    }
 
 
-def unreadable_report(lab_id: str, notebook: Path, trusted, problem: str, seconds: float, seed: int = 0,
-                      **stamp: str) -> GradeReport:
+def unreadable_report(
+    lab_id: str, notebook: Path, trusted, problem: str, seconds: float, seed: int = 0, **stamp: str
+) -> GradeReport:
     """A zero report for a notebook that cannot be read: the reason is said once (in the notes),
     and every check fails pointing at it."""
     tests = []
     for test in test_cells(trusted):
-        checks = [CheckResult(call.check_id, call.hidden, False, _failed(
-            call.check_id, get_check(call.check_id).task, UNREADABLE,
-            "not graded: the notebook could not be read (the reason is above)"), UNREADABLE)
-            for call in test.checks]
+        checks = [
+            CheckResult(
+                call.check_id,
+                call.hidden,
+                False,
+                _failed(
+                    call.check_id,
+                    get_check(call.check_id).task,
+                    UNREADABLE,
+                    "not graded: the notebook could not be read (the reason is above)",
+                ),
+                UNREADABLE,
+            )
+            for call in test.checks
+        ]
         tests.append(TestResult(test.grade_id, 0.0, test.points, checks))
-    return GradeReport(lab_id, str(notebook), seed, tests, [f"the notebook could not be graded: {problem}"], seconds,
-                       unreadable=problem, **stamp)
+    return GradeReport(
+        lab_id,
+        str(notebook),
+        seed,
+        tests,
+        [f"the notebook could not be graded: {problem}"],
+        seconds,
+        unreadable=problem,
+        **stamp,
+    )
 
 
 def _without_cells(nb, run: Execution, test_indices: set[int]):

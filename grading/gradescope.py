@@ -54,8 +54,10 @@ HIDDEN_CHECKS_VISIBILITY = "after_published"
 # The opt-out that lets a bundle grade where bubblewrap cannot run, and the user its kernels run as then.
 ALLOW_UNSANDBOXED = "--allow-unsandboxed"
 KERNEL_USER = "nobody"
-MISCONFIGURED = ("Nothing was graded: the autograder is misconfigured. This is not your mistake: please tell "
-                 "your instructor, who can grade your submission again once it is fixed.")
+MISCONFIGURED = (
+    "Nothing was graded: the autograder is misconfigured. This is not your mistake: please tell "
+    "your instructor, who can grade your submission again once it is fixed."
+)
 # Gradescope stops an autograder at the assignment's time limit (10 minutes unless raised): the
 # notebook's budget leaves time to start the grader and write the results.
 BUDGET_S = 480.0
@@ -83,26 +85,42 @@ def gradescope_tests(report) -> list[dict]:
         earned = share if shown_passed and share else 0.0
         if not hidden:
             earned = test.score
-        output = [c.message for c in shown] or [f"This task has hidden checks only; its {_pts(rest)} point(s) "
-                                                f"show once grades are published."]
+        output = [c.message for c in shown] or [
+            f"This task has hidden checks only; its {_pts(rest)} point(s) show once grades are published."
+        ]
         if hidden and shown:
-            output.append(f"This task's other {_pts(rest)} point(s) rest on {len(hidden)} hidden check(s): "
-                          f"their results show once grades are published.")
+            output.append(
+                f"This task's other {_pts(rest)} point(s) rest on {len(hidden)} hidden check(s): "
+                f"their results show once grades are published."
+            )
         tests.append(_test(test.grade_id, earned, share, shown_passed, "\n".join(output), shown, "visible"))
         if hidden:
             settled = round(test.score - earned, 2)
             if settled < 0:
-                why = (f"A hidden check did not pass, and a task earns its points only when every check passes: "
-                       f"the task gets none of its {_pts(test.max_score)} points, so this test takes back the "
-                       f"{_pts(earned)} point(s) of the visible test above.")
+                why = (
+                    f"A hidden check did not pass, and a task earns its points only when every check passes: "
+                    f"the task gets none of its {_pts(test.max_score)} points, so this test takes back the "
+                    f"{_pts(earned)} point(s) of the visible test above."
+                )
             elif not shown_passed:
-                why = (f"The visible checks did not all pass, so the task gets none of its "
-                       f"{_pts(test.max_score)} points, whatever the hidden checks gave.")
+                why = (
+                    f"The visible checks did not all pass, so the task gets none of its "
+                    f"{_pts(test.max_score)} points, whatever the hidden checks gave."
+                )
             else:
                 why = ""
             text = "\n".join([why, *(c.message for c in hidden)] if why else [c.message for c in hidden])
-            tests.append(_test(f"{test.grade_id} (hidden checks)", settled, rest, all(c.passed for c in hidden),
-                               text, hidden, HIDDEN_CHECKS_VISIBILITY))
+            tests.append(
+                _test(
+                    f"{test.grade_id} (hidden checks)",
+                    settled,
+                    rest,
+                    all(c.passed for c in hidden),
+                    text,
+                    hidden,
+                    HIDDEN_CHECKS_VISIBILITY,
+                )
+            )
     return tests
 
 
@@ -111,8 +129,15 @@ def _pts(value: float) -> str:
 
 
 def _test(name: str, score: float, max_score: float, passed: bool, output: str, checks, visibility: str) -> dict:
-    return {"name": name, "score": score, "max_score": max_score, "status": "passed" if passed else "failed",
-            "output": output, "tags": sorted({c.reason for c in checks if not c.passed}), "visibility": visibility}
+    return {
+        "name": name,
+        "score": score,
+        "max_score": max_score,
+        "status": "passed" if passed else "failed",
+        "output": output,
+        "tags": sorted({c.reason for c in checks if not c.passed}),
+        "visibility": visibility,
+    }
 
 
 def submission_results(report) -> dict:
@@ -124,13 +149,21 @@ def submission_results(report) -> dict:
     tests = gradescope_tests(report)
     shown = [t for t in tests if t["visibility"] == "visible"]
     held = sum(t["max_score"] for t in tests) - sum(t["max_score"] for t in shown)
-    summary = (f"{report.lab_id}: {_pts(round(sum(t['score'] for t in shown), 2))}/"
-               f"{_pts(round(sum(t['max_score'] for t in shown), 2))} from the visible checks")
+    summary = (
+        f"{report.lab_id}: {_pts(round(sum(t['score'] for t in shown), 2))}/"
+        f"{_pts(round(sum(t['max_score'] for t in shown), 2))} from the visible checks"
+    )
     if held > 0:
-        summary += (f"; {_pts(round(held, 2))} more point(s) rest on hidden checks, whose results show once "
-                    f"grades are published")
-    results.update(tests=tests, output=summary, score=round(sum(t["score"] for t in tests), 4),
-                   max_score=round(sum(t["max_score"] for t in tests), 4))
+        summary += (
+            f"; {_pts(round(held, 2))} more point(s) rest on hidden checks, whose results show once "
+            f"grades are published"
+        )
+    results.update(
+        tests=tests,
+        output=summary,
+        score=round(sum(t["score"] for t in tests), 4),
+        max_score=round(sum(t["max_score"] for t in tests), 4),
+    )
     return results
 
 
@@ -153,13 +186,19 @@ def problem_results(lab_id: str, source_dir: Path, problem: str) -> dict:
         tests.append(_not_graded(cell.grade_id, share, problem, "visible"))
         if hidden:
             tests.append(_not_graded(f"{cell.grade_id} (hidden checks)", rest, problem, HIDDEN_CHECKS_VISIBILITY))
-    return {"score": 0.0, "max_score": round(sum(t["max_score"] for t in tests), 4), "output": problem,
-            "tests": tests}
+    return {"score": 0.0, "max_score": round(sum(t["max_score"] for t in tests), 4), "output": problem, "tests": tests}
 
 
 def _not_graded(name: str, max_score: float, problem: str, visibility: str) -> dict:
-    return {"name": name, "score": 0.0, "max_score": max_score, "status": "failed", "output": problem,
-            "tags": ["not graded"], "visibility": visibility}
+    return {
+        "name": name,
+        "score": 0.0,
+        "max_score": max_score,
+        "status": "failed",
+        "output": problem,
+        "tags": ["not graded"],
+        "visibility": visibility,
+    }
 
 
 def submitted_notebook(submission: Path) -> Path:
@@ -168,10 +207,15 @@ def submitted_notebook(submission: Path) -> Path:
     notebooks = [name for name in found if name.endswith(".ipynb")]
     if len(notebooks) == 1:
         return submission / notebooks[0]
-    what = (f"{len(notebooks)} notebooks ({', '.join(notebooks)})" if notebooks
-            else f"no notebook (.ipynb) ({'found: ' + ', '.join(found) if found else 'the submission is empty'})")
-    raise ValueError(f"Nothing was graded: the submission holds {what}. Submit exactly one file, "
-                     f"your lab notebook (.ipynb), and nothing else.")
+    what = (
+        f"{len(notebooks)} notebooks ({', '.join(notebooks)})"
+        if notebooks
+        else f"no notebook (.ipynb) ({'found: ' + ', '.join(found) if found else 'the submission is empty'})"
+    )
+    raise ValueError(
+        f"Nothing was graded: the submission holds {what}. Submit exactly one file, "
+        f"your lab notebook (.ipynb), and nothing else."
+    )
 
 
 def refusal_text(why: str, opt_out_problem: str = "") -> str:
@@ -180,17 +224,27 @@ def refusal_text(why: str, opt_out_problem: str = "") -> str:
     without it, why the answer key still could not be kept from the kernel."""
     lines = [f"REFUSED: nothing was graded, because the learner's kernel cannot run in bubblewrap here ({why})."]
     if opt_out_problem:
-        lines.append(f"The bundle allows grading without bubblewrap ({ALLOW_UNSANDBOXED}), but then the kernel must "
-                     f"run as the user {KERNEL_USER}, kept from the answer key, and here {opt_out_problem}.")
+        lines.append(
+            f"The bundle allows grading without bubblewrap ({ALLOW_UNSANDBOXED}), but then the kernel must "
+            f"run as the user {KERNEL_USER}, kept from the answer key, and here {opt_out_problem}."
+        )
     else:
-        lines.append("Without it the kernel would run as this grader's user and could read the answer key "
-                     "(source/solutions/) and change its own grade.")
-    lines.append("Each learner saw only that the autograder is misconfigured and to tell you. Fix it, then regrade "
-                 "all submissions: use a base image whose container may create namespaces (setup.sh's last line "
-                 "says whether bubblewrap works)" + ("." if opt_out_problem else
-                 f", or, knowing the kernel then runs outside any sandbox, rebuild the bundle with `infra-lab "
-                 f"gradescope LAB {ALLOW_UNSANDBOXED}`: it runs each kernel as the unprivileged user {KERNEL_USER}, "
-                 f"with solutions/ locked to root."))
+        lines.append(
+            "Without it the kernel would run as this grader's user and could read the answer key "
+            "(source/solutions/) and change its own grade."
+        )
+    lines.append(
+        "Each learner saw only that the autograder is misconfigured and to tell you. Fix it, then regrade "
+        "all submissions: use a base image whose container may create namespaces (setup.sh's last line "
+        "says whether bubblewrap works)"
+        + (
+            "."
+            if opt_out_problem
+            else f", or, knowing the kernel then runs outside any sandbox, rebuild the bundle with `infra-lab "
+            f"gradescope LAB {ALLOW_UNSANDBOXED}`: it runs each kernel as the unprivileged user {KERNEL_USER}, "
+            f"with solutions/ locked to root."
+        )
+    )
     return "\n".join(lines)
 
 
@@ -231,25 +285,36 @@ def unsandboxed_problem(key_folder: Path, user: str = KERNEL_USER) -> str:
     import pwd
 
     if os.geteuid() != 0:
-        return (f"the grader runs as uid {os.geteuid()}, not root, so it cannot run the kernel as another user "
-                f"and the kernel could read the answer key")
+        return (
+            f"the grader runs as uid {os.geteuid()}, not root, so it cannot run the kernel as another user "
+            f"and the kernel could read the answer key"
+        )
     try:
         account = pwd.getpwnam(user)
     except KeyError:
         return f"there is no user {user!r} to run the kernel as"
     paths = lock_answer_key(key_folder)
     try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE, *map(str, paths)], user=account.pw_uid,
-                               group=account.pw_gid, extra_groups=[], cwd="/", capture_output=True, text=True,
-                               timeout=120)
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, *map(str, paths)],
+            user=account.pw_uid,
+            group=account.pw_gid,
+            extra_groups=[],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{user} cannot run the course's Python ({sys.executable}): {exc}"
     if probe.returncode == 3:
         return f"the answer key stays open to {user} after locking it: {probe.stdout.split()[:3]}"
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["no message"])[-1]
-        return (f"{user} cannot run the course's Python ({sys.executable}): {tail}; make the course and its "
-                f"environment readable by every user")
+        return (
+            f"{user} cannot run the course's Python ({sys.executable}): {tail}; make the course and its "
+            f"environment readable by every user"
+        )
     return ""
 
 
@@ -267,9 +332,9 @@ def grade_submission(root: Path, lab_id: str, allow_unsandboxed: bool = False) -
 
     In bubblewrap where it runs; else refused (every test 0, the reason printed for the instructor),
     unless ``allow_unsandboxed``: then the kernel runs as ``nobody`` with the answer key locked."""
-    from grading.run import bwrap
     from grading.grader import GradingError, grade_notebook
     from grading.report import table
+    from grading.run import bwrap
     from grading.run.sandbox import Limits
 
     source_dir = root / "source" / "solutions"
@@ -292,11 +357,16 @@ def grade_submission(root: Path, lab_id: str, allow_unsandboxed: bool = False) -
         untrusted = kernel_user_problem(report.sandbox, KERNEL_USER)
         if untrusted:
             return _refused(lab_id, source_dir, refusal_text(why, untrusted))
-        report.sandbox["view"] = (f"no sandbox (the bundle allows grading without bubblewrap): the kernel could read "
-                                  f"what every user may; solutions/, the answer key, was locked to root and checked "
-                                  f"closed to {KERNEL_USER} before grading")
-    report.sandbox["sandbox"] = f"bubblewrap ({why})" if sandboxed else (
-        f"NOT used: {why}; graded anyway, as the bundle allows ({ALLOW_UNSANDBOXED})")
+        report.sandbox["view"] = (
+            f"no sandbox (the bundle allows grading without bubblewrap): the kernel could read "
+            f"what every user may; solutions/, the answer key, was locked to root and checked "
+            f"closed to {KERNEL_USER} before grading"
+        )
+    report.sandbox["sandbox"] = (
+        f"bubblewrap ({why})"
+        if sandboxed
+        else (f"NOT used: {why}; graded anyway, as the bundle allows ({ALLOW_UNSANDBOXED})")
+    )
     results = submission_results(report)
     results["output"] = "\n\n".join([results["output"], *report.notes, _protections_text(report.sandbox)])
     results["extra_data"]["course"] = str(REPO_ROOT)  # the source that graded
@@ -308,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grading.gradescope")
     parser.add_argument("action", choices=["run"])
     parser.add_argument("--lab", required=True)
-    parser.add_argument(ALLOW_UNSANDBOXED, action="store_true",
-                        help=f"where bubblewrap cannot run, grade anyway, the kernel run as {KERNEL_USER}")
+    parser.add_argument(
+        ALLOW_UNSANDBOXED,
+        action="store_true",
+        help=f"where bubblewrap cannot run, grade anyway, the kernel run as {KERNEL_USER}",
+    )
     args = parser.parse_args(argv)
     root = Path(os.environ.get(ROOT_ENV, DEFAULT_ROOT))
     try:
@@ -318,9 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        results = problem_results(args.lab, root / "source" / "solutions",
-                                  f"Nothing was graded: internal grader error ({type(exc).__name__}: {exc}). "
-                                  f"Please tell your instructor.")
+        results = problem_results(
+            args.lab,
+            root / "source" / "solutions",
+            f"Nothing was graded: internal grader error ({type(exc).__name__}: {exc}). Please tell your instructor.",
+        )
     out = root / "results" / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -22,11 +22,13 @@ from grading.course import DEFAULT_SOURCE, UNREADABLE, lab_ids
 
 TABLE = Path(__file__).with_name("grading_times.json")
 LOAD_FILE = "grading-load.json"  # beside a grading's results.json: the load that grading began at
-ABOUT = ("seconds to grade each lab's solution notebook (the report's execution_time), with the machine's load when "
-         "each run began ('load': other processes running or waiting for a core; 'quiet' when they slowed it by "
-         "less than a quarter); estimates scale a run that was not quiet down to a quiet machine's time, and take a "
-         "run without a recorded load as a quiet machine's; refresh on a quiet machine with "
-         "grading.grading_times.record(grading.grading_times.measure())")
+ABOUT = (
+    "seconds to grade each lab's solution notebook (the report's execution_time), with the machine's load when "
+    "each run began ('load': other processes running or waiting for a core; 'quiet' when they slowed it by "
+    "less than a quarter); estimates scale a run that was not quiet down to a quiet machine's time, and take a "
+    "run without a recorded load as a quiet machine's; refresh on a quiet machine with "
+    "grading.grading_times.record(grading.grading_times.measure())"
+)
 QUIET_SLOWDOWN = 1.25  # a load that stretches a run by less than this counts as a quiet machine
 PROC_STAT = Path("/proc/stat")
 
@@ -237,7 +239,11 @@ def record(runs: Mapping[str, float | Measured], table: Path = TABLE) -> Path:
         else:
             loads[lab] = run.load.as_dict()
     merged = {lab: round(float(value), 1) for lab, value in sorted(known.items())}
-    document = {"about": ABOUT, "measured": time.strftime("%Y-%m-%d"), "seconds": merged,
-                "load": dict(sorted(loads.items()))}
+    document = {
+        "about": ABOUT,
+        "measured": time.strftime("%Y-%m-%d"),
+        "seconds": merged,
+        "load": dict(sorted(loads.items())),
+    }
     table.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     return table

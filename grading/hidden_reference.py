@@ -36,8 +36,11 @@ def targets(lab: str) -> list[str]:
     (a Triton kernel, a function, a class) and what its answers must not call (``register_shortcuts``),
     less ``KEEP``."""
     key = lab_key(lab)
-    found = [getattr(check.reference, "target", None) for check_id, check in sorted(all_checks().items())
-             if check_id.split(".")[0] == key]
+    found = [
+        getattr(check.reference, "target", None)
+        for check_id, check in sorted(all_checks().items())
+        if check_id.split(".")[0] == key
+    ]
     found += list(shortcut_targets(key))
     kept = KEEP.get(key, {})
     return [t for t in dict.fromkeys(found) if t and t not in kept]
@@ -70,8 +73,9 @@ def _functions(tree: ast.Module, names: dict[str, set[str] | None], module: str)
         elif isinstance(node, ast.ClassDef) and node.name in names:
             members = names[node.name]
             for item in node.body:
-                if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        and (members is None or item.name in members)):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    members is None or item.name in members
+                ):
                     yield item, f"{module}.{node.name}.{item.name}"
 
 
@@ -81,8 +85,15 @@ def stub_source(source: str, names: dict[str, set[str] | None], lab: str, module
     lines = source.splitlines(keepends=True)
     edits = []
     for node, dotted in _functions(ast.parse(source), names, module):
-        body = node.body[1:] if (isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
-                                 and isinstance(node.body[0].value.value, str)) else node.body
+        body = (
+            node.body[1:]
+            if (
+                isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)
+                and isinstance(node.body[0].value.value, str)
+            )
+            else node.body
+        )
         if not body:
             continue
         start = min([body[0].lineno] + [d.lineno for d in getattr(body[0], "decorator_list", [])])
@@ -92,7 +103,7 @@ def stub_source(source: str, names: dict[str, set[str] | None], lab: str, module
         message = STUB_MESSAGE.format(name=dotted, lab=lab)
         edits.append((start, end, " " * body[0].col_offset + f"raise RuntimeError({message!r})\n"))
     for start, end, line in sorted(edits, reverse=True):
-        lines[start - 1:end] = [line] + ["\n"] * (end - start)
+        lines[start - 1 : end] = [line] + ["\n"] * (end - start)
     return "".join(lines)
 
 

@@ -222,9 +222,9 @@ def renamed_cells(lab_id: str, source_dir: str | Path = DEFAULT_SOURCE) -> dict[
     try:
         renamed = json.loads(path.read_text(encoding="utf-8")).get("renamed", {})
     except (json.JSONDecodeError, AttributeError) as exc:
-        raise ValueError(f"{path} is not a release-notes file ({{\"renamed\": {{old id: new id}}}}): {exc}") from exc
+        raise ValueError(f'{path} is not a release-notes file ({{"renamed": {{old id: new id}}}}): {exc}') from exc
     if not isinstance(renamed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()):
-        raise ValueError(f"{path}: \"renamed\" must map old answer-cell ids to current ones (strings)")
+        raise ValueError(f'{path}: "renamed" must map old answer-cell ids to current ones (strings)')
     return renamed
 
 
@@ -240,10 +240,15 @@ def course_version(root: Path = REPO_ROOT) -> str:
     except PackageNotFoundError:
         found = "unknown"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "grading", "infra_lib", "solutions"],
-                               cwd=root, capture_output=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", "grading", "infra_lib", "solutions"],
+            cwd=root,
+            capture_output=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return found
     if commit.returncode != 0:

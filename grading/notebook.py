@@ -34,8 +34,10 @@ def read_notebook(path: str | Path) -> NotebookNode:
     try:
         nb = nbformat.reads(text, as_version=4)
     except (json.JSONDecodeError, nbformat.reader.NotJSONError) as exc:
-        raise NotebookError(f"{path} is not valid notebook JSON ({exc}); restore it from a checkpoint "
-                            "(File > Revert) or re-copy the lab") from exc
+        raise NotebookError(
+            f"{path} is not valid notebook JSON ({exc}); restore it from a checkpoint "
+            "(File > Revert) or re-copy the lab"
+        ) from exc
     except Exception as exc:  # nbformat raises several types for wrong structure
         raise NotebookError(f"{path} is not a Jupyter notebook: {exc}") from exc
     if not isinstance(nb.get("cells"), list):
@@ -100,8 +102,14 @@ def check_calls(source: str) -> list[CheckCall]:
             hidden_lines.add(number)
     calls = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "check"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             calls.append((node.lineno, node.col_offset, CheckCall(node.args[0].value, node.lineno in hidden_lines)))
     return [call for _, _, call in sorted(calls, key=lambda item: item[:2])]
 
@@ -171,8 +179,7 @@ def splice(trusted: NotebookNode, learner: NotebookNode, renamed: dict[str, str]
     for cell in learner.cells:
         gid = grade_id(cell)
         if gid in renamed and gid not in solution_ids and renamed[gid] in solution_ids:
-            notes.append(f"answer cell {gid!r} was graded as {renamed[gid]!r} (renamed in a later release of "
-                         "this lab)")
+            notes.append(f"answer cell {gid!r} was graded as {renamed[gid]!r} (renamed in a later release of this lab)")
             gid = renamed[gid]
         outside = gid not in trusted_ids and cell.get("cell_type") == "code" and str(cell.get("source", "")).strip()
         extra += bool(outside)
@@ -186,8 +193,9 @@ def splice(trusted: NotebookNode, learner: NotebookNode, renamed: dict[str, str]
             notes.append(f"your notebook has more than one cell with grade_id {gid!r}; the first one was graded")
             continue
         if cell.get("cell_type") != "code":
-            notes.append(f"answer cell {gid!r} had been changed to a {cell.get('cell_type')} cell; "
-                         "it was graded as code")
+            notes.append(
+                f"answer cell {gid!r} had been changed to a {cell.get('cell_type')} cell; it was graded as code"
+            )
         answers[gid] = cell.source
     graded = copy.deepcopy(trusted)
     positions, sources = {}, {}
@@ -208,18 +216,25 @@ def splice(trusted: NotebookNode, learner: NotebookNode, renamed: dict[str, str]
     stale = stale if shared else []
     extra -= stale_extra if stale else 0  # an earlier release's answers are not extra cells
     if extra:
-        notes.append(f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "
-                     "(keep helpers inside the answer cells)")
+        notes.append(
+            f"your notebook has {extra} code cell(s) that are not part of the lab; they were not run "
+            "(keep helpers inside the answer cells)"
+        )
     earlier = set(positions) - set(answers) if stale else set()
     if not stale:
-        notes += [f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub"
-                  for gid in positions if gid not in answers]
+        notes += [
+            f"answer cell {gid!r} is missing from your notebook; it was graded as the empty stub"
+            for gid in positions
+            if gid not in answers
+        ]
     if earlier:
-        notes.append(f"this notebook was made for an earlier release of this lab: it has answer cell(s) "
-                     f"{', '.join(map(repr, stale))} that the current lab does not, and lacks "
-                     f"{', '.join(map(repr, sorted(earlier)))}; those tasks were not graded. This is not your "
-                     "mistake: your instructor can map the old cell ids in the lab's release notes "
-                     "(release_notes.json) and grade it again")
+        notes.append(
+            f"this notebook was made for an earlier release of this lab: it has answer cell(s) "
+            f"{', '.join(map(repr, stale))} that the current lab does not, and lacks "
+            f"{', '.join(map(repr, sorted(earlier)))}; those tasks were not graded. This is not your "
+            "mistake: your instructor can map the old cell ids in the lab's release notes "
+            "(release_notes.json) and grade it again"
+        )
     if tests:  # cells after the last test cannot change a score: grading does not run them
         graded.cells = graded.cells[: tests[-1].index + 1]
     if positions and not set(positions) & set(answers) and not stale:

@@ -61,8 +61,13 @@ class LabProgress:
     @property
     def not_started(self) -> bool:
         """No point yet and every failing check still hits a stub (or recorded no answer because of one)."""
-        return (self.graded and self.score == 0 and self.tests_passed == 0 and bool(self.failing)
-                and all(STUB_ERROR in check.detail for check in self.failing))
+        return (
+            self.graded
+            and self.score == 0
+            and self.tests_passed == 0
+            and bool(self.failing)
+            and all(STUB_ERROR in check.detail for check in self.failing)
+        )
 
     @property
     def fraction(self) -> float:
@@ -109,9 +114,15 @@ def from_results(lab_id: str, results: dict, note: str = "") -> LabProgress:
     if not tests and results.get("output"):  # the grader could not grade at all
         note = note or str(results["output"])
     return LabProgress(
-        lab_id, float(results.get("score", 0.0)), float(results.get("max_score", 0.0)),
-        sum(t.get("status") == "passed" for t in tests), len(tests), failing_checks(results), note,
-        test_scores=[(str(t.get("name")), float(t.get("score", 0)), float(t.get("max_score", 0))) for t in tests])
+        lab_id,
+        float(results.get("score", 0.0)),
+        float(results.get("max_score", 0.0)),
+        sum(t.get("status") == "passed" for t in tests),
+        len(tests),
+        failing_checks(results),
+        note,
+        test_scores=[(str(t.get("name")), float(t.get("score", 0)), float(t.get("max_score", 0))) for t in tests],
+    )
 
 
 def read_recorded(lab_id: str, grades: str | Path) -> LabProgress | None:
@@ -125,8 +136,9 @@ def read_recorded(lab_id: str, grades: str | Path) -> LabProgress | None:
         return LabProgress(lab_id, graded=False, note=f"cannot read {path}: {exc}; grade the lab again")
 
 
-def answers_digest(path: Path, limits: Limits | None = None, lab_id: str | None = None,
-                   source_dir: Path | None = None) -> str:
+def answers_digest(
+    path: Path, limits: Limits | None = None, lab_id: str | None = None, source_dir: Path | None = None
+) -> str:
     """A digest of what grading depends on: the learner's answer cells, the lab
     (:func:`grading.lab_version.lab_version`, the key `infra-lab grade --submissions` uses too:
     its notebook, its checks and the modules they run) and the limits.
@@ -165,8 +177,9 @@ def mark_graded(out_dir: str | Path, digest: str | None) -> None:
         stamp.write_text(digest)
 
 
-def grade_lab(path: str | Path, out_dir: str | Path, *, limits: Limits | None = None,
-              regrade: bool = False) -> LabProgress:
+def grade_lab(
+    path: str | Path, out_dir: str | Path, *, limits: Limits | None = None, regrade: bool = False
+) -> LabProgress:
     """Grade one lab notebook into ``out_dir`` (its reports), unless it is unchanged since last time.
 
     Args:
@@ -217,8 +230,14 @@ def measure_history(lab_dir: str | Path) -> list[tuple[str, dict]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def course_progress(notebooks: list[Path], out: str | Path, *, limits: Limits | None = None,
-                    regrade: bool = False, progress: bool = True) -> list[LabProgress]:
+def course_progress(
+    notebooks: list[Path],
+    out: str | Path,
+    *,
+    limits: Limits | None = None,
+    regrade: bool = False,
+    progress: bool = True,
+) -> list[LabProgress]:
     """Grade (or reuse the grade of) every lab notebook; reports go to ``out/<lab_id>/``.
 
     Args:
@@ -298,12 +317,24 @@ def progress_figure(rows: list[LabProgress]):
 
     colours = ["#2e7d32" if r.fraction >= 1 else "#ef6c00" if r.fraction > 0 else "#9e9e9e" for r in rows]
     total, maximum = sum(r.score for r in rows), sum(r.max_score for r in rows)
-    fig = go.Figure(go.Bar(
-        x=[r.lab_id for r in rows], y=[r.fraction for r in rows], marker_color=colours,
-        text=[f"{r.score:g}/{r.max_score:g}" if r.graded else "not graded" for r in rows], textposition="outside",
-        hovertext=[_hover(r) for r in rows], hoverinfo="text"))
-    fig.update_layout(title=f"Lab progress: {total:g}/{maximum:g} points", yaxis_title="fraction of the lab's points",
-                      yaxis=dict(range=[0, 1.15], tickformat=".0%"), xaxis_title="lab", template="plotly_white")
+    fig = go.Figure(
+        go.Bar(
+            x=[r.lab_id for r in rows],
+            y=[r.fraction for r in rows],
+            marker_color=colours,
+            text=[f"{r.score:g}/{r.max_score:g}" if r.graded else "not graded" for r in rows],
+            textposition="outside",
+            hovertext=[_hover(r) for r in rows],
+            hoverinfo="text",
+        )
+    )
+    fig.update_layout(
+        title=f"Lab progress: {total:g}/{maximum:g} points",
+        yaxis_title="fraction of the lab's points",
+        yaxis=dict(range=[0, 1.15], tickformat=".0%"),
+        xaxis_title="lab",
+        template="plotly_white",
+    )
     return fig
 
 

@@ -42,10 +42,12 @@ def grades_folder(lab_id: str, folder: str | Path) -> Path:
 
 
 def _how_to_grade(lab_id: str, notebook: Path) -> str:
-    return (f"{lab_id} has no recorded grade yet. Save the notebook, then press \"{BUTTON_LABEL}\" below, "
-            f"or grade it from a terminal in the course folder:\n"
-            f"    infra-lab grade labs/{lab_id}/{lab_id}.ipynb\n"
-            f"(the grader reads the saved file {notebook.name}, runs it in a fresh kernel and checks every task)\n")
+    return (
+        f'{lab_id} has no recorded grade yet. Save the notebook, then press "{BUTTON_LABEL}" below, '
+        f"or grade it from a terminal in the course folder:\n"
+        f"    infra-lab grade labs/{lab_id}/{lab_id}.ipynb\n"
+        f"(the grader reads the saved file {notebook.name}, runs it in a fresh kernel and checks every task)\n"
+    )
 
 
 def lab_summary(lab_id: str, grades: str | Path, notebook: str | Path | None = None) -> str:
@@ -64,8 +66,10 @@ def lab_summary(lab_id: str, grades: str | Path, notebook: str | Path | None = N
     if not recorded.graded or (recorded.max_score == 0 and recorded.note):
         return f"{lab_id}: the last grading did not finish: {recorded.note}\n"
     when = datetime.fromtimestamp(results.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
-    lines = [f"{lab_id}: {recorded.score:g}/{recorded.max_score:g} points, "
-             f"{recorded.tests_passed}/{recorded.tests} tests passed (graded {when}; {results})"]
+    lines = [
+        f"{lab_id}: {recorded.score:g}/{recorded.max_score:g} points, "
+        f"{recorded.tests_passed}/{recorded.tests} tests passed (graded {when}; {results})"
+    ]
     if recorded.failing:
         lines.append("still failing:")
         lines += [f"  {check.line()}" for check in recorded.failing]
@@ -84,15 +88,34 @@ def lab_figure(progress: LabProgress):
     for name, score, maximum in progress.test_scores:
         failing = [c.line(80) for c in progress.failing if c.test == name]
         hover.append("<br>".join([f"<b>{name}</b>: {score:g}/{maximum:g}", *failing]))
-    fig = go.Figure([
-        go.Bar(x=names, y=[m for _, _, m in progress.test_scores], name="points", marker_color="#e0e0e0",
-               hoverinfo="skip"),
-        go.Bar(x=names, y=[s for _, s, _ in progress.test_scores], name="earned", marker_color="#2e7d32",
-               hovertext=hover, hoverinfo="text"),
-    ])
-    fig.update_layout(barmode="overlay", height=260, margin=dict(t=40, b=40, l=40, r=20), template="plotly_white",
-                      title=f"{progress.lab_id}: {progress.score:g}/{progress.max_score:g} points",
-                      yaxis_title="points", showlegend=False)
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=names,
+                y=[m for _, _, m in progress.test_scores],
+                name="points",
+                marker_color="#e0e0e0",
+                hoverinfo="skip",
+            ),
+            go.Bar(
+                x=names,
+                y=[s for _, s, _ in progress.test_scores],
+                name="earned",
+                marker_color="#2e7d32",
+                hovertext=hover,
+                hoverinfo="text",
+            ),
+        ]
+    )
+    fig.update_layout(
+        barmode="overlay",
+        height=260,
+        margin=dict(t=40, b=40, l=40, r=20),
+        template="plotly_white",
+        title=f"{progress.lab_id}: {progress.score:g}/{progress.max_score:g} points",
+        yaxis_title="points",
+        showlegend=False,
+    )
     return fig
 
 
@@ -124,18 +147,28 @@ def progress_panel(lab_id: str, notebook: str | Path | None = None) -> widgets.V
     grades = grades_folder(lab_id, notebook.parent)
     output = widgets.Output()
     expected = estimate(lab_id, grades)  # a quiet machine's time: the load is measured when the button is pressed
-    button = widgets.Button(description=BUTTON_LABEL, icon="check", button_style="primary",
-                            layout=widgets.Layout(width="auto"),
-                            tooltip=f"grade the saved notebook in a fresh kernel ({expected})")
+    button = widgets.Button(
+        description=BUTTON_LABEL,
+        icon="check",
+        button_style="primary",
+        layout=widgets.Layout(width="auto"),
+        tooltip=f"grade the saved notebook in a fresh kernel ({expected})",
+    )
 
     def grade(_=None) -> None:
         if not notebook.is_file():
-            show_in(output, text=f"cannot grade: no saved notebook at {notebook}; save it there, "
-                                 f"or run infra-lab grade on the file from a terminal\n")
+            show_in(
+                output,
+                text=f"cannot grade: no saved notebook at {notebook}; save it there, "
+                f"or run infra-lab grade on the file from a terminal\n",
+            )
             return
         button.disabled = True
-        show_in(output, text=f"grading {notebook.name} as saved on disk (a fresh kernel runs the lab: "
-                             f"{estimate(lab_id, grades, load=machine_load())})...\n")
+        show_in(
+            output,
+            text=f"grading {notebook.name} as saved on disk (a fresh kernel runs the lab: "
+            f"{estimate(lab_id, grades, load=machine_load())})...\n",
+        )
         try:
             result = grade_saved_notebook(notebook, grades)
             problem = "" if result.returncode == 0 else f"grading failed:\n{result.stderr[-2000:]}\n\n"

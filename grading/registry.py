@@ -24,10 +24,22 @@ from dataclasses import dataclass
 from typing import Any
 
 # Modules under grading.checks that register checks; a lab adds its module here.
-CHECK_MODULES = ("grading.checks.lab01", "grading.checks.lab02", "grading.checks.lab03", "grading.checks.lab04",
-                 "grading.checks.lab05", "grading.checks.lab06", "grading.checks.lab07", "grading.checks.lab08",
-                 "grading.checks.lab09", "grading.checks.lab10", "grading.checks.lab12",
-                 "grading.checks.lab13", "grading.checks.lab15", "grading.checks.lab16")
+CHECK_MODULES = (
+    "grading.checks.lab01",
+    "grading.checks.lab02",
+    "grading.checks.lab03",
+    "grading.checks.lab04",
+    "grading.checks.lab05",
+    "grading.checks.lab06",
+    "grading.checks.lab07",
+    "grading.checks.lab08",
+    "grading.checks.lab09",
+    "grading.checks.lab10",
+    "grading.checks.lab12",
+    "grading.checks.lab13",
+    "grading.checks.lab15",
+    "grading.checks.lab16",
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +105,9 @@ def register_shortcuts(lab: str, targets: list[str]) -> None:
         module, colon, name = target.partition(":")
         parts = name.split(".")
         if not colon or not module or len(parts) > 2 or not all(part.isidentifier() for part in parts):
-            raise ValueError(f"shortcut target {target!r} must look like 'package.module:function' "
-                             f"or 'package.module:Class.method'")
+            raise ValueError(
+                f"shortcut target {target!r} must look like 'package.module:function' or 'package.module:Class.method'"
+            )
     _SHORTCUTS[lab_key(lab)] = tuple(targets)
 
 

@@ -18,8 +18,14 @@ def table(report: GradeReport) -> str:
     for test in report.tests:
         passed = sum(c.passed for c in test.checks)
         why = ", ".join(dict.fromkeys(c.reason for c in test.checks if not c.passed))
-        rows.append((test.grade_id, f"{_points(test.score)}/{_points(test.max_score)}",
-                     f"{passed}/{len(test.checks)} passed", why))
+        rows.append(
+            (
+                test.grade_id,
+                f"{_points(test.score)}/{_points(test.max_score)}",
+                f"{passed}/{len(test.checks)} passed",
+                why,
+            )
+        )
     rows.append(("total", f"{_points(report.score)}/{_points(report.max_score)}", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     line = "  ".join("-" * w for w in widths)
@@ -45,9 +51,14 @@ def table(report: GradeReport) -> str:
 
 def feedback_markdown(report: GradeReport) -> str:
     """Feedback for the learner: every check's verdict; hidden checks without inputs or answers."""
-    lines = [f"# Feedback: {report.lab_id}", "",
-             f"**Score: {_points(report.score)} / {_points(report.max_score)}**", "",
-             f"Graded `{report.notebook}` in {report.seconds:.0f} s{_when(report)}.", ""]
+    lines = [
+        f"# Feedback: {report.lab_id}",
+        "",
+        f"**Score: {_points(report.score)} / {_points(report.max_score)}**",
+        "",
+        f"Graded `{report.notebook}` in {report.seconds:.0f} s{_when(report)}.",
+        "",
+    ]
     for note in report.notes:
         lines.append(f"> note: {note}")
     if report.notes:
@@ -69,7 +80,7 @@ def feedback_markdown(report: GradeReport) -> str:
 
 
 def _when(report: GradeReport) -> str:
-    """", seed 123, course 0.1.0+g1a2b3c4, 2026-12-03T06:00:00+00:00": what reproduces the run."""
+    """ ", seed 123, course 0.1.0+g1a2b3c4, 2026-12-03T06:00:00+00:00": what reproduces the run."""
     parts = [f"seed {report.seed}"] + ([f"course {report.course_version}"] if report.course_version else [])
     parts += [report.graded_at] if report.graded_at else []
     return " (" + ", ".join(parts) + ")"
@@ -96,14 +107,19 @@ def gradescope_results(report: GradeReport) -> dict:
         ],
         # Which protections held while the notebook ran, and what reproduces the run (the seed, the
         # course and lab versions); Gradescope keeps extra_data as it is.
-        "extra_data": {"protections": report.sandbox, "status": report.status, "seed": report.seed,
-                       "graded_at": report.graded_at, "course_version": report.course_version,
-                       "lab_version": report.lab_version,
-                       # what the instructor should look at (grading.grader.GradeReport.flags): never in the score
-                       **({"flags": report.flags} if report.flags else {}),
-                       **({"attempts": report.attempts} if report.attempts else {}),
-                       **({"measures": report.measures} if report.measures else {}),
-                       **({"unreadable": report.unreadable} if report.unreadable else {})},
+        "extra_data": {
+            "protections": report.sandbox,
+            "status": report.status,
+            "seed": report.seed,
+            "graded_at": report.graded_at,
+            "course_version": report.course_version,
+            "lab_version": report.lab_version,
+            # what the instructor should look at (grading.grader.GradeReport.flags): never in the score
+            **({"flags": report.flags} if report.flags else {}),
+            **({"attempts": report.attempts} if report.attempts else {}),
+            **({"measures": report.measures} if report.measures else {}),
+            **({"unreadable": report.unreadable} if report.unreadable else {}),
+        },
     }
 
 
@@ -115,10 +131,12 @@ def feedback_html(report: GradeReport) -> str:
 
     body = mistune.create_markdown(escape=True)(feedback_markdown(report))
     title = html.escape(f"Feedback: {report.lab_id}")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
-            "<style>body{font-family:sans-serif;max-width:50em;margin:2em auto}"
-            "pre{background:#f4f4f4;padding:.5em;white-space:pre-wrap}</style></head>\n"
-            f"<body>\n{body}</body></html>\n")
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font-family:sans-serif;max-width:50em;margin:2em auto}"
+        "pre{background:#f4f4f4;padding:.5em;white-space:pre-wrap}</style></head>\n"
+        f"<body>\n{body}</body></html>\n"
+    )
 
 
 def default_out_dir(lab_id: str, notebook: Path, grades: Path) -> Path:

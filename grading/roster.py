@@ -11,8 +11,7 @@ import csv
 from pathlib import Path
 
 # A roster's column (lower case, spaces as underscores) -> the Canvas column it fills.
-ROSTER_COLUMNS = {"canvas_id": "ID", "sis_user_id": "SIS User ID", "sis_login_id": "SIS Login ID",
-                  "section": "Section"}
+ROSTER_COLUMNS = {"canvas_id": "ID", "sis_user_id": "SIS User ID", "sis_login_id": "SIS Login ID", "section": "Section"}
 _LEARNER_HEADERS = ("learner", "id", "student")
 
 
@@ -27,8 +26,11 @@ def read_roster_file(path: Path) -> dict[str, dict[str, str]]:
     Raises:
         ValueError: a learner is listed twice with different ids.
     """
-    lines = [line for line in Path(path).read_text(encoding="utf-8-sig").splitlines()
-             if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        line
+        for line in Path(path).read_text(encoding="utf-8-sig").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     rows = list(csv.reader(lines))
     header = [cell.strip().lower().replace(" ", "_") for cell in rows[0]] if rows else []
     if header and header[0] in _LEARNER_HEADERS:
@@ -41,7 +43,9 @@ def read_roster_file(path: Path) -> dict[str, dict[str, str]]:
         learner = row[0].strip() if row else ""
         if not learner:
             continue
-        ids = {column: row[index].strip() for index, column in columns.items() if index < len(row) and row[index].strip()}
+        ids = {
+            column: row[index].strip() for index, column in columns.items() if index < len(row) and row[index].strip()
+        }
         if learner in roster and roster[learner] != ids:
             raise ValueError(f"{path}: {learner} is listed twice with different ids (row {number})")
         roster[learner] = ids

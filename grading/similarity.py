@@ -120,7 +120,9 @@ def _imported(tree: ast.Module) -> dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                names[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 names[alias.asname or alias.name] = alias.name
@@ -188,8 +190,12 @@ def _expression_helpers(tree: ast.Module) -> dict[str, ast.FunctionDef]:
             continue
         body = node.body[1:] if node.body and _is_docstring(node.body[0]) else node.body
         a = node.args
-        if (len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None
-                and not (a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults)):
+        if (
+            len(body) == 1
+            and isinstance(body[0], ast.Return)
+            and body[0].value is not None
+            and not (a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults)
+        ):
             found[node.name] = node
     return found
 
@@ -208,8 +214,13 @@ class _Inline(ast.NodeTransformer):
         self.generic_visit(node)
         helper = self.helpers.get(node.func.id) if isinstance(node.func, ast.Name) else None
         params = [a.arg for a in helper.args.args] if helper else []
-        if (helper is None or node.keywords or len(node.args) != len(params) or self.depth > 8
-                or any(isinstance(arg, ast.Starred) for arg in node.args)):
+        if (
+            helper is None
+            or node.keywords
+            or len(node.args) != len(params)
+            or self.depth > 8
+            or any(isinstance(arg, ast.Starred) for arg in node.args)
+        ):
             return node
         body = helper.body[-1].value
         values = dict(zip(params, node.args))
@@ -261,12 +272,15 @@ def _units(source: str) -> dict[str, _Unit] | None:
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
-    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
-            and isinstance(statement.value.value, str))
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Constant)
+        and isinstance(statement.value.value, str)
+    )
 
 
 def _grams_of(seq: tuple[str, ...]) -> Grams:
-    return frozenset(seq[i:i + K] for i in range(len(seq) - K + 1))
+    return frozenset(seq[i : i + K] for i in range(len(seq) - K + 1))
 
 
 def tokens(source: str) -> list[str] | None:
@@ -359,7 +373,7 @@ def file_fingerprint(path: Path) -> Prints:
 
 
 def reference_prints(lab_id: str) -> dict[str, Prints]:
-    """"reference module.function" -> the fingerprint of one of the lab's reference functions (with the
+    """ "reference module.function" -> the fingerprint of one of the lab's reference functions (with the
     functions of its module it calls), for each function ``register_shortcuts`` names."""
     from grading.registry import shortcut_functions
 
@@ -376,20 +390,34 @@ def reference_prints(lab_id: str) -> dict[str, Prints]:
 
 
 def course_prints(folder: Path = CHECKS) -> dict[str, Prints]:
-    """"course grading.checks.<module>" -> the fingerprint of that check module (the grader's own code),
+    """ "course grading.checks.<module>" -> the fingerprint of that check module (the grader's own code),
     a lab's package included module by module ("course grading.checks.lab05.task3_ring_all_reduce")."""
     folder = Path(folder)
-    return {"course grading.checks." + ".".join(path.relative_to(folder).with_suffix("").parts): file_fingerprint(path)
-            for path in sorted(folder.rglob("*.py")) if "__pycache__" not in path.parts}
+    return {
+        "course grading.checks." + ".".join(path.relative_to(folder).with_suffix("").parts): file_fingerprint(path)
+        for path in sorted(folder.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
 
 
 def _short(other: str) -> str:
-    return "solution" if other == SOLUTION else other.split(" ", 1)[0] if other.startswith(("reference ", "course ")) else other
+    return (
+        "solution"
+        if other == SOLUTION
+        else other.split(" ", 1)[0]
+        if other.startswith(("reference ", "course "))
+        else other
+    )
 
 
-def compare_class(answers: dict[str, dict[str, str]], solution: dict[str, str], stubs: dict[str, str],
-                  references: dict[str, Prints], threshold: float = THRESHOLD,
-                  course: dict[str, Prints] | None = None) -> list[Match]:
+def compare_class(
+    answers: dict[str, dict[str, str]],
+    solution: dict[str, str],
+    stubs: dict[str, str],
+    references: dict[str, Prints],
+    threshold: float = THRESHOLD,
+    course: dict[str, Prints] | None = None,
+) -> list[Match]:
     """Close matches, highest first; at most one per learner, answer and other (its best pair of units:
     the answers' and the solution's entry functions, the reference function, each course function).
 
@@ -413,17 +441,20 @@ def compare_class(answers: dict[str, dict[str, str]], solution: dict[str, str], 
 
     for gid in stubs:
         base = grams(stubs[gid]) or frozenset()
-        prints = {learner: fingerprint(cells[gid], base, entries=True) for learner, cells in answers.items()
-                  if gid in cells}
+        prints = {
+            learner: fingerprint(cells[gid], base, entries=True) for learner, cells in answers.items() if gid in cells
+        }
         prints = {learner: p for learner, p in prints.items() if p}
         # the stub's grams leave every side once here, not once per pair compared
-        others = {SOLUTION: fingerprint(solution.get(gid, ""), base, entries=True) or {},
-                  **{name: {unit: unit_grams - base for unit, unit_grams in p.items()} for name, p in known.items()}}
+        others = {
+            SOLUTION: fingerprint(solution.get(gid, ""), base, entries=True) or {},
+            **{name: {unit: unit_grams - base for unit, unit_grams in p.items()} for name, p in known.items()},
+        }
         learners = sorted(prints)
         for i, learner in enumerate(learners):
             for other, theirs in others.items():
                 add(learner, gid, other, best_pair(prints[learner], theirs), _short(other))
-            for peer in learners[i + 1:]:
+            for peer in learners[i + 1 :]:
                 found = best_pair(prints[learner], prints[peer])
                 add(learner, gid, peer, found, peer)
                 if found is not None:
@@ -431,8 +462,9 @@ def compare_class(answers: dict[str, dict[str, str]], solution: dict[str, str], 
     return sorted(matches, key=lambda m: (-m.score, m.learner, m.answer, m.other))
 
 
-def class_matches(notebooks: dict[str, Path], lab_id: str, source_dir: Path,
-                  threshold: float = THRESHOLD) -> list[Match]:
+def class_matches(
+    notebooks: dict[str, Path], lab_id: str, source_dir: Path, threshold: float = THRESHOLD
+) -> list[Match]:
     """Close matches among a class's notebooks (learner -> notebook) for one lab; an unreadable
     notebook is left out (its grading says why)."""
     from grading.notebook import NotebookError, clear_solutions, grade_id, is_solution_cell, read_notebook, splice
@@ -455,20 +487,26 @@ def flags(matches: list[Match]) -> dict[str, str]:
     grouped: dict[str, dict[str, list[str]]] = {}
     for m in matches:
         grouped.setdefault(m.learner, {}).setdefault(m.answer, []).append(f"{m.other} {m.score:.2f}")
-    return {learner: "; ".join(f"{answer}: {', '.join(others)}" for answer, others in sorted(answers.items()))
-            for learner, answers in grouped.items()}
+    return {
+        learner: "; ".join(f"{answer}: {', '.join(others)}" for answer, others in sorted(answers.items()))
+        for learner, answers in grouped.items()
+    }
 
 
 def report(matches: list[Match], lab_id: str, learners: int) -> str:
     """The similarity report, as Markdown."""
-    lines = [f"# Similar answers: {lab_id}", "",
-             f"{learners} learners' answer cells compared with the course's solution, the lab's reference "
-             f"functions, the grader's own code and each other, function by function, on their structure "
-             f"(names, constants, comments, layout, the order of the functions and helpers split out or "
-             f"pasted in do not count). A score is the share of the smaller function found in the larger; "
-             f"pairs at {THRESHOLD:.2f} or more are listed, with the two functions that matched. This is a "
-             f"signal to look at, not a verdict: short answers are not compared, and two learners can reach "
-             f"the same code honestly.", ""]
+    lines = [
+        f"# Similar answers: {lab_id}",
+        "",
+        f"{learners} learners' answer cells compared with the course's solution, the lab's reference "
+        f"functions, the grader's own code and each other, function by function, on their structure "
+        f"(names, constants, comments, layout, the order of the functions and helpers split out or "
+        f"pasted in do not count). A score is the share of the smaller function found in the larger; "
+        f"pairs at {THRESHOLD:.2f} or more are listed, with the two functions that matched. This is a "
+        f"signal to look at, not a verdict: short answers are not compared, and two learners can reach "
+        f"the same code honestly.",
+        "",
+    ]
     if not matches:
         return "\n".join(lines + ["No close matches."]) + "\n"
     lines += ["| learner | answer | close to | score | functions |", "|---|---|---|---|---|"]

@@ -13,79 +13,83 @@ from __future__ import annotations
 ALSO_CHECKS = "the grader also checks: "
 NOTHING_HIDDEN = "this cell has no hidden checks: the grader reruns this check on new random inputs"
 
-_SOFTMAX = ("logits of the order of ±10^4, where exp overflows unless each row is shifted by its own maximum, and "
-            "rows that are mostly -inf or -inf in all but one place")
-_CACHED_ATTENTION = ("several new tokens on top of a filled cache (t > 1 after a prefill), with one KV head shared by "
-                     "every query head (MQA) and one KV head per query head (MHA)")
+_SOFTMAX = (
+    "logits of the order of ±10^4, where exp overflows unless each row is shifted by its own maximum, and "
+    "rows that are mostly -inf or -inf in all but one place"
+)
+_CACHED_ATTENTION = (
+    "several new tokens on top of a filled cache (t > 1 after a prefill), with one KV head shared by "
+    "every query head (MQA) and one KV head per query head (MHA)"
+)
 _SIMULATED_TRACES = "request timings from the simulated serving engine, some failed, some with several tokens per chunk"
 
 _TEXTS: dict[str, str | None] = {
     # lab 01
     "lab01.gemm_flops": "shapes whose count does not fit in 32 bits, a single row (a decode GEMV), a reduction of "
-                        "length one, and an empty dimension",
+    "length one, and an empty dimension",
     "lab01.time_op_warmup": "an operation that only queues its work, as a GPU launch does, timed with a sync function, "
-                            "over an even number of timed calls",
+    "over an even number of timed calls",
     "lab01.dominant_op_real": "made-up profiles where a wrapper's total time nearly equals its child's, and GPU "
-                              "profiles where the kernels' device time, not the CPU's launch time, decides",
+    "profiles where the kernels' device time, not the CPU's launch time, decides",
     "lab01.achieved_tflops": "a measured time of zero or below, which must raise ValueError",
     # lab 02
     "lab02.arithmetic_intensity": "one-row and small-batch shapes (decode) and other element sizes: 1 byte (fp8), "
-                                  "4 (fp32) and half a byte (int4)",
+    "4 (fp32) and half a byte (int4)",
     "lab02.attainable_flops": "the edges: exactly on the ridge point, just left of it, intensity 0, and far to the "
-                              "right",
+    "right",
     "lab02.kv_bytes_per_token": "grouped-query and multi-query models (fewer KV heads than query heads), and 1- and "
-                                "4-byte elements",
+    "4-byte elements",
     "lab02.max_concurrency": "tight fits: weights or a reserve that alone overflow memory, exactly nothing left, one "
-                             "byte short of one more sequence, and contexts from 1 to 10 million tokens",
+    "byte short of one more sequence, and contexts from 1 to 10 million tokens",
     # lab 03
     "lab03.softmax_odd_shapes": _SOFTMAX,
     "lab03.softmax_in_bounds": _SOFTMAX,
     "lab03.softmax_reads_once": None,
     "lab03.matmul_odd_shapes": "transposed (column-major) A, B and C, and tiles whose BLOCK_M and BLOCK_N differ",
     "lab03.matmul_in_bounds": "the bytes your kernel loads on these shapes: a lane that reads outside A or B fails "
-                              "even when C comes out right (counted when Triton runs in its interpreter)",
+    "even when C comes out right (counted when Triton runs in its interpreter)",
     "lab03.rmsnorm_odd_shapes": "the bytes your kernel loads: each row of x and the weights once, no lane past n_cols "
-                                "read even when its result is never stored (counted when Triton runs in its "
-                                "interpreter)",
+    "read even when its result is never stored (counted when Triton runs in its "
+    "interpreter)",
     # lab 04
     "lab04.op_histogram": "graphs with submodule calls (an nn.Linear) and parameter reads next to the fusion patterns",
     "lab04.fuse_silu": "every spelling of x * sigmoid(x) (function or method, torch.mul, either order), several in one "
-                       "graph, inside longer products and on a Linear's output",
+    "graph, inside longer products and on a Linear's output",
     "lab04.fuse_silu_no_match": "more look-alikes that must stay as they are: x + sigmoid(x), sigmoid(x) * "
-                                "sigmoid(x), x * tanh(x), a sigmoid used twice, a sigmoid or mul whose operand is passed "
-                                "as a keyword, mixed with real matches",
+    "sigmoid(x), x * tanh(x), a sigmoid used twice, a sigmoid or mul whose operand is passed "
+    "as a keyword, mixed with real matches",
     "lab04.fuse_add_relu": "every spelling of relu(a + b) (torch.add, a.add(b), F.relu, F.relu(a + b, "
-                           "inplace=True), .relu()), with a number or a Linear's output as an operand",
+    "inplace=True), .relu()), with a number or a Linear's output as an operand",
     "lab04.fuse_add_relu_no_match": "more look-alikes that must stay as they are: relu(a - b), relu(a * b), "
-                                    "sigmoid(a + b), relu(a) + b, torch.relu(input=a + b), mixed with real matches",
+    "sigmoid(a + b), relu(a) + b, torch.relu(input=a + b), mixed with real matches",
     # lab 05
     "lab05.zero_memory": "other byte counts (plain SGD keeps no optimizer state), no parameters, and invalid "
-                         "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
-                         "parameters) that must raise ValueError, stages given as 1.0, True or False, and a stage of 1.5 "
-                         "or nan or a nan num_params (ValueError too)",
+    "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
+    "parameters) that must raise ValueError, stages given as 1.0, True or False, and a stage of 1.5 "
+    "or nan or a nan num_params (ValueError too)",
     "lab05.shard_bounds": "empty tensors, fewer elements than ranks, a single rank, and a billion elements",
     "lab05.ring_sum": "up to 8 ranks and tensors of thousands of elements",
     "lab05.ring_traffic": "up to 8 ranks, 2-D tensors and float64 elements: one chunk per message, whatever W and the "
-                          "element size",
+    "element size",
     "lab05.ring_any_tensor": "a single rank, empty tensors, int64 tensors, strided and permuted views, and 5 ranks",
     "lab05.softmax_backward": "single-element rows, causal masks with fewer queries than keys, rows masked "
-                              "everywhere but the diagonal, probabilities from logits of the order of 10^4, and "
-                              "non-contiguous tensors, and fully masked rows (all zeros)",
+    "everywhere but the diagonal, probabilities from logits of the order of 10^4, and "
+    "non-contiguous tensors, and fully masked rows (all zeros)",
     "lab05.rms_norm_backward": "d = 1, four leading dims, tiny activations with eps of the order of mean(x^2), large "
-                               "activations, a weight with zeros, and a large eps",
+    "activations, a weight with zeros, and a large eps",
     "lab05.adamw_update": "no weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming at step "
-                          "1000 with moments already there, and 12 steps",
+    "1000 with moments already there, and 12 steps",
     "lab05.train_tiny": "the update's edges: no weight decay, a single step, a large eps, zero gradients, beta1 = 0, "
-                        "and resuming at step 1000",
+    "and resuming at step 1000",
     # lab 06
     "lab06.causal_mask_prefill": "masks with a cache: fewer queries than keys, a decode step (t = 1) included",
     "lab06.repeat_kv": None,
     "lab06.cached_attention_prefill": _CACHED_ATTENTION,
     "lab06.cached_attention_decode": _CACHED_ATTENTION,
     "lab06.cached_attention_in_model": "the real SmolLM2-135M-Instruct model answering a question through your "
-                                       "attention",
+    "attention",
     "lab06.greedy_decode": "a stop token that ends the answer early, with no model call after the last token, on a "
-                           "model whose two highest logits tie at every step",
+    "model whose two highest logits tie at every step",
     # lab 07
     "lab07.allocate": "random sequences of calls on pools of 1 to 14 blocks",
     "lab07.free_lru": "random sequences of allocate and free on pools of 1 to 14 blocks, double frees included",
@@ -94,28 +98,28 @@ _TEXTS: dict[str, str | None] = {
     "lab07.pool_in_model": "forked samples of one prompt on the real SmolLM2-135M-Instruct model, through your pool",
     # lab 08
     "lab08.decode_first": "random configurations (1 to 8 running sequences, budgets of 3 to 128 tokens, blocks of 1 "
-                          "to 16 tokens) and requests that arrive over time",
+    "to 16 tokens) and requests that arrive over time",
     "lab08.chunked_prefill": "random budgets and prompt lengths, with chunked prefill on and off, and requests that "
-                             "arrive over time",
+    "arrive over time",
     "lab08.preemption": "random pools of one to two times the blocks of the longest request, some with prefix "
-                        "caching, and the real engine on pools small enough to force preemptions, where every "
-                        "request must finish with greedy decoding's tokens",
+    "caching, and the real engine on pools small enough to force preemptions, where every "
+    "request must finish with greedy decoding's tokens",
     "lab08.records": "random budgets with prefix caching, over longer runs",
     "lab08.engine_tiny_model": "prefix caching and whole prompts (chunked prefill off) on the real engine",
     # lab 09
     "lab09.quantize_int8": "group size 1, whole rows of zeros, float64, float16 and bfloat16 weights, invalid "
-                           "arguments that must raise ValueError (weights holding nan or ±inf, a group_size that is "
-                           "a bool, zero, negative or a float), and rows as long as SmolLM2's projections with "
-                           "outlier input channels",
+    "arguments that must raise ValueError (weights holding nan or ±inf, a group_size that is "
+    "a bool, zero, negative or a float), and rows as long as SmolLM2's projections with "
+    "outlier input channels",
     "lab09.dequantize_int8": "a round trip through quantisation with long rows, group size 1 and all-zero groups, and "
-                             "scales of the wrong shape, a group size that does not divide the row, or a q that is not "
-                             "int8, which must raise ValueError",
+    "scales of the wrong shape, a group size that does not divide the row, or a q that is not "
+    "int8, which must raise ValueError",
     "lab09.expected_tokens": "the edges: acceptance rates of 0 and 1 (the int 1 too), gamma = 0, a rate very close "
-                             "to 1, rates outside [0, 1], a negative gamma, and a result that must be a float",
+    "to 1, rates outside [0, 1], a negative gamma, and a result that must be a float",
     "lab09.accept_greedy": None,
     "lab09.accept_distribution": "one-hot drafts under a sampling target, a draft row equal to the target's, tokens "
-                                 "the draft never proposes, gamma = 4, and whether a run seeded through your "
-                                 "generator is reproducible whatever torch's global generator holds",
+    "the draft never proposes, gamma = 4, and whether a run seeded through your "
+    "generator is reproducible whatever torch's global generator holds",
     "lab09.speculative_greedy": "gamma from 1 to 8, a one-token prompt, and a step cut short by max_new_tokens",
     # lab 10
     "lab10.ttft": _SIMULATED_TRACES,
@@ -124,56 +128,58 @@ _TEXTS: dict[str, str | None] = {
     "lab10.itl": _SIMULATED_TRACES,
     "lab10.percentile": "about a thousand values, ties, integers, p = 99.9, empty lists and invalid p",
     "lab10.latency_percentiles": "whole traces of the simulated engine, p = 99.9 and 50, a run where nothing "
-                                 "succeeded, one of single-token answers, and an empty run",
+    "succeeded, one of single-token answers, and an empty run",
     "lab10.goodput": "latencies exactly at their limits, single tokens, a failed fast request, a success without a "
-                     "chunk, no requests, a duration of zero or below, and a trace of the simulated engine",
+    "chunk, no requests, a duration of zero or below, and a trace of the simulated engine",
     "lab10.diagnose_scenarios": "windows on and just past each rule's threshold, windows where two rules hold at "
-                                "once, and more seeds of every scenario",
+    "once, and more seeds of every scenario",
     "lab10.passes_gate": "scores exactly on their limits (16.8 against 16.0 at 5%), nan, infinite and zero scores, "
-                         "tolerances of 0 and 1, and invalid tolerances and current scores",
+    "tolerances of 0 and 1, and invalid tolerances and current scores",
     "lab10.canary_verdict": "windows exactly on each limit, failed requests that timed out, a single slow outlier, no "
-                            "production requests, policies other than the default, and whole simulated rollouts of "
-                            "every behaviour",
+    "production requests, policies other than the default, and whole simulated rollouts of "
+    "every behaviour",
     # lab 12
     "lab12.chunk_text": "texts exactly one window long or ending exactly on a window, one character, a step of one "
-                        "character, non-ASCII and empty texts, invalid sizes (with an empty text too), and documents of "
-                        "the shipped corpus",
+    "character, non-ASCII and empty texts, invalid sizes (with an empty text too), and documents of "
+    "the shipped corpus",
     "lab12.top_k_cosine": "a 1-D query, k above the number of rows, an all-zero row, zero queries (in a batch "
-                          "and as one 1-D query), k = 0 (ValueError) and a single row",
+    "and as one 1-D query), k = 0 (ValueError) and a single row",
     "lab12.recall_at_k": "k beyond every list, a query that retrieved nothing, and invalid inputs",
     "lab12.pipeline": None,
     # lab 13
     "lab13.next_node": "a router that names a node the graph lacks or an answer its mapping lacks, a node "
-                       "with no outgoing edge, whether each error names the bad value, and a mapped router "
-                       "exactly at its limit",
+    "with no outgoing edge, whether each error names the bad value, and a mapped router "
+    "exactly at its limit",
     "lab13.call_with_retry": "two retried error types, a fatal error after a retry, a single attempt, and a long run "
-                             "of failures against the backoff cap, and a predicate retry_on that runs out of attempts",
+    "of failures against the backoff cap, and a predicate retry_on that runs out of attempts",
     "lab13.run_graph": "a loop that outlasts max_steps, runs that need exactly max_steps steps and one step "
-                        "more, and a node whose retries run out",
+    "more, and a node whose retries run out",
     "lab13.run_graph_resume": "a crash at every step of a graph with a flaky node, resumed from SQLite checkpoints "
-                              "by a new checkpointer",
+    "by a new checkpointer",
     # lab 15
     "lab15.softmax_long_rows": "logits near +10^4 and near -10^4, rows that begin with whole blocks of -inf, and "
-                               "rows with a single finite logit",
+    "rows with a single finite logit",
     "lab15.softmax_two_passes": None,
     "lab15.flash_odd_shapes": "scores of the order of 10^4, scores near -300 for every visible key, scores that grow "
-                              "along the keys, tiles with BLOCK_M != BLOCK_N, head_dim 64 with SmolLM2's three "
-                              "query heads per KV head, and a head dimension that is not contiguous with out a "
-                              "transposed view whose rows are padded",
+    "along the keys, tiles with BLOCK_M != BLOCK_N, head_dim 64 with SmolLM2's three "
+    "query heads per KV head, and a head dimension that is not contiguous with out a "
+    "transposed view whose rows are padded",
     "lab15.flash_traffic": None,
     "lab15.flash_in_tiny_model": "the real SmolLM2-135M-Instruct model reading a short prompt through your kernel "
-                                 "(its logits and first greedy token)",
+    "(its logits and first greedy token)",
     "lab15.paged_ragged": "blocks of 6 slots, SmolLM2's 9 query heads over 3 KV heads with head_dim 64 and the "
-                          "rows of q, out and the caches padded past head_dim (out's by another amount than q's), scores of the order of 10^4, a batch of empty contexts, and the small "
-                          "random decoder decoding through your kernel",
+    "rows of q, out and the caches padded past head_dim (out's by another amount than q's), scores of the order of "
+    "10^4, a batch of empty contexts, and the small "
+    "random decoder decoding through your kernel",
     "lab15.paged_in_place": None,
     "lab15.gemv_q4_odd_shapes": "the bytes your kernel loads, on one row of x against SmolLM2's 576 inputs in groups "
-                                "of 64: the packed bytes and scales of its rows once, x once, no float copy of the "
-                                "weight (counted when Triton runs in its interpreter)",
+    "of 64: the packed bytes and scales of its rows once, x once, no float copy of the "
+    "weight (counted when Triton runs in its interpreter)",
     # lab 16
     "lab16.attention_in_engine": "three requests drawn from the grader's own seed, with other batch limits and budgets",
-    "lab16.pool_in_engine": "three seeded requests on a pool small enough to preempt, two of them aborted in the middle "
-                            "of the run",
+    "lab16.pool_in_engine": "three seeded requests on a pool small enough to preempt, two of them aborted in the "
+    "middle "
+    "of the run",
     "lab16.scheduler_in_engine": "three seeded requests with other batch limits, budgets and pool sizes",
     "lab16.speculative_answers": "another question, another answer length and another gamma",
     "lab16.engine_answers": "a seeded workload of four requests with preemptions and two aborted requests",

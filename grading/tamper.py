@@ -17,20 +17,103 @@ TAMPERING = "tampering detected"
 
 # Modules whose only use in an answer is to reach the notebook, the grader or the interpreter.
 _FORBIDDEN_MODULES = {
-    "grading", "IPython", "ipykernel", "jupyter_client", "nbclient", "nbformat", "papermill", "traitlets",
-    "zmq", "importlib", "builtins", "gc", "inspect", "signal", "atexit", "sysconfig", "site",
+    "grading",
+    "IPython",
+    "ipykernel",
+    "jupyter_client",
+    "nbclient",
+    "nbformat",
+    "papermill",
+    "traitlets",
+    "zmq",
+    "importlib",
+    "builtins",
+    "gc",
+    "inspect",
+    "signal",
+    "atexit",
+    "sysconfig",
+    "site",
 }
-_FORBIDDEN_CALLS = {"exec", "eval", "compile", "__import__", "get_ipython", "globals", "vars", "locals",
-                    "exit", "quit", "breakpoint", "setattr", "delattr"}
-_FORBIDDEN_SYS = {"modules", "excepthook", "displayhook", "settrace", "setprofile", "exit", "meta_path",
-                  "path_hooks", "addaudithook", "breakpointhook", "unraisablehook", "_getframe"}
+_FORBIDDEN_CALLS = {
+    "exec",
+    "eval",
+    "compile",
+    "__import__",
+    "get_ipython",
+    "globals",
+    "vars",
+    "locals",
+    "exit",
+    "quit",
+    "breakpoint",
+    "setattr",
+    "delattr",
+}
+_FORBIDDEN_SYS = {
+    "modules",
+    "excepthook",
+    "displayhook",
+    "settrace",
+    "setprofile",
+    "exit",
+    "meta_path",
+    "path_hooks",
+    "addaudithook",
+    "breakpointhook",
+    "unraisablehook",
+    "_getframe",
+}
 _FORBIDDEN_THREADING = {"settrace", "setprofile", "settrace_all_threads", "setprofile_all_threads", "excepthook"}
-_ALLOWED_DUNDERS = {"__init__", "__name__", "__doc__", "__len__", "__iter__", "__next__", "__getitem__",
-                    "__setitem__", "__contains__", "__repr__", "__str__", "__enter__", "__exit__", "__call__",
-                    "__post_init__", "__slots__", "__future__", "__all__", "__hash__", "__lt__", "__le__",
-                    "__gt__", "__ge__", "__add__", "__mul__", "__bool__"}
-_COMMON_MODULES = {"torch", "np", "numpy", "math", "statistics", "time", "os", "sys", "json", "random",
-                   "functools", "operator", "itertools", "collections", "threading", "typing", "re", "F", "nn"}
+_ALLOWED_DUNDERS = {
+    "__init__",
+    "__name__",
+    "__doc__",
+    "__len__",
+    "__iter__",
+    "__next__",
+    "__getitem__",
+    "__setitem__",
+    "__contains__",
+    "__repr__",
+    "__str__",
+    "__enter__",
+    "__exit__",
+    "__call__",
+    "__post_init__",
+    "__slots__",
+    "__future__",
+    "__all__",
+    "__hash__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__add__",
+    "__mul__",
+    "__bool__",
+}
+_COMMON_MODULES = {
+    "torch",
+    "np",
+    "numpy",
+    "math",
+    "statistics",
+    "time",
+    "os",
+    "sys",
+    "json",
+    "random",
+    "functools",
+    "operator",
+    "itertools",
+    "collections",
+    "threading",
+    "typing",
+    "re",
+    "F",
+    "nn",
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +140,9 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
-         module_names: set[str] = frozenset()) -> list[Finding]:
+def scan(
+    source: str, shortcut_modules: set[str], shortcut_names: set[str], module_names: set[str] = frozenset()
+) -> list[Finding]:
     """Findings in one answer cell's source, in line order.
 
     Args:
@@ -105,7 +189,8 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
             check_module(node.module, node)
             for alias in node.names:
                 if f"{node.module}.{alias.name}" in shortcut_modules or (
-                        node.module.startswith("infra_lib") and alias.name in shortcut_names):
+                    node.module.startswith("infra_lib") and alias.name in shortcut_names
+                ):
                     flag(SHORTCUT, f"imports {alias.name} from {node.module}", node)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FORBIDDEN_CALLS:
             flag(TAMPERING, f"calls {node.func.id}()", node)
@@ -115,8 +200,11 @@ def scan(source: str, shortcut_modules: set[str], shortcut_names: set[str],
                 flag(TAMPERING, f"uses {dotted}", node)
             elif dotted.startswith("threading.") and node.attr in _FORBIDDEN_THREADING:
                 flag(TAMPERING, f"uses {dotted}", node)
-            elif node.attr in shortcut_names and _root(node) not in outside and not (
-                    _root(node) in values and _root(node) not in modules):
+            elif (
+                node.attr in shortcut_names
+                and _root(node) not in outside
+                and not (_root(node) in values and _root(node) not in modules)
+            ):
                 flag(SHORTCUT, f"uses {dotted or '...'}.{node.attr}" if not dotted else f"uses {dotted}", node)
             elif node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in _ALLOWED_DUNDERS:
                 flag(TAMPERING, f"reaches into {node.attr}", node)
@@ -175,8 +263,9 @@ PROCESS = "another process"
 UNWRITABLE = "a place it may not write"
 
 
-def watch_config(record: str, names: dict[str, str], paths: dict[str, str], write_paths: dict[str, str],
-                 sandboxed: bool = False) -> str:
+def watch_config(
+    record: str, names: dict[str, str], paths: dict[str, str], write_paths: dict[str, str], sandboxed: bool = False
+) -> str:
     """The value of ``WATCH_ENV`` for a graded kernel.
 
     Args:
@@ -191,8 +280,9 @@ def watch_config(record: str, names: dict[str, str], paths: dict[str, str], writ
             finds or writes there (a course that lives under ``/tmp`` has its paths there too) is a
             file the kernel made in its own copy, never the course's.
     """
-    return json.dumps({"record": record, "names": names, "paths": paths, "write_paths": write_paths,
-                       "sandboxed": sandboxed})
+    return json.dumps(
+        {"record": record, "names": names, "paths": paths, "write_paths": write_paths, "sandboxed": sandboxed}
+    )
 
 
 def watch(config: str | None = None) -> bool:
@@ -214,8 +304,13 @@ def watch(config: str | None = None) -> bool:
     from grading.course import GRADER_PACKAGES, REPO_ROOT
 
     course = str(REPO_ROOT)
-    folders = lambda *keys: tuple(dict.fromkeys(os.path.join(resolve(sysconfig.get_paths()[key]), "")
-                                                for key in keys for resolve in (os.path.abspath, os.path.realpath)))
+    folders = lambda *keys: tuple(
+        dict.fromkeys(
+            os.path.join(resolve(sysconfig.get_paths()[key]), "")
+            for key in keys
+            for resolve in (os.path.abspath, os.path.realpath)
+        )
+    )
     stdlib, library = folders("stdlib", "platstdlib"), folders("stdlib", "platstdlib", "purelib", "platlib")
     ours = tuple(os.path.join(course, package, "") for package in GRADER_PACKAGES)
     real_stat, real_lstat, getpid = os.stat, os.lstat, os.getpid
@@ -298,10 +393,16 @@ def watch(config: str | None = None) -> bool:
             if not learners(frame, library):
                 return
             if outcome is None:
-                outcome = (ALLOWED if writable(path) else REFUSED) if writing else \
-                    (FOUND if os.path.lexists(path) else NOT_FOUND)
-            if sandboxed and outcome in (FOUND, ALLOWED) and (
-                    what.startswith(PROCESS) or (path + os.sep).startswith(private)):
+                outcome = (
+                    (ALLOWED if writable(path) else REFUSED)
+                    if writing
+                    else (FOUND if os.path.lexists(path) else NOT_FOUND)
+                )
+            if (
+                sandboxed
+                and outcome in (FOUND, ALLOWED)
+                and (what.startswith(PROCESS) or (path + os.sep).startswith(private))
+            ):
                 outcome = SANDBOX_ONLY
             note(what, op, path, outcome)
         except Exception:  # noqa: BLE001 - the watch must never break the learner's code
@@ -312,8 +413,9 @@ def watch(config: str | None = None) -> bool:
     def hook(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
-            writing = (isinstance(flags, int) and bool(flags & write_flags)) or \
-                (isinstance(mode, str) and any(c in mode for c in "wax+"))
+            writing = (isinstance(flags, int) and bool(flags & write_flags)) or (
+                isinstance(mode, str) and any(c in mode for c in "wax+")
+            )
             seen_path(path, WROTE if writing else OPENED, writing, sys._getframe(1))
         elif event in ("os.listdir", "os.scandir") and args:
             seen_path(args[0] if args[0] is not None else ".", LISTED, False, sys._getframe(1))
@@ -327,8 +429,11 @@ def watch(config: str | None = None) -> bool:
     def looking(real):
         def stat(path, *, dir_fd=None, follow_symlinks=True):
             try:
-                found = real(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) if real is real_stat \
+                found = (
+                    real(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+                    if real is real_stat
                     else real(path, dir_fd=dir_fd)
+                )
             except OSError:
                 if dir_fd is None:
                     seen_path(path, LOOKED, False, sys._getframe(1), NOT_FOUND)

@@ -103,10 +103,16 @@ class Backend:
 
     def summary(self) -> dict[str, str]:
         """The backend's facts as strings, one row of a table."""
-        return {"name": self.name, "vendor": self.vendor, "available": "yes" if self.is_available() else "no",
-                "collectives": self.collective_backend or "-", "kernel path": self.kernel_path,
-                "libraries": self.vendor_libraries, "plugin": self.plugin or "(torch itself)",
-                "why not": self.unavailable_reason() or ""}
+        return {
+            "name": self.name,
+            "vendor": self.vendor,
+            "available": "yes" if self.is_available() else "no",
+            "collectives": self.collective_backend or "-",
+            "kernel path": self.kernel_path,
+            "libraries": self.vendor_libraries,
+            "plugin": self.plugin or "(torch itself)",
+            "why not": self.unavailable_reason() or "",
+        }
 
 
 class CPUBackend(Backend):
@@ -117,8 +123,11 @@ class CPUBackend(Backend):
         import psutil
 
         memory = psutil.virtual_memory()
-        return {"total": int(memory.total), "free": int(memory.available),
-                "allocated": int(psutil.Process().memory_info().rss)}
+        return {
+            "total": int(memory.total),
+            "free": int(memory.available),
+            "allocated": int(psutil.Process().memory_info().rss),
+        }
 
     def describe(self, device=None) -> str:
         return f"cpu ({torch.get_num_threads()} torch threads)"
@@ -172,9 +181,11 @@ class NPUBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch_npu") is None:
-            return ("torch_npu is not installed: Ascend NPUs reach PyTorch through the torch_npu plugin, "
-                    "which needs Huawei's CANN toolkit and an Ascend driver (install the torch-npu release "
-                    f"that matches torch {torch.__version__.split('+')[0]} and your CANN version)")
+            return (
+                "torch_npu is not installed: Ascend NPUs reach PyTorch through the torch_npu plugin, "
+                "which needs Huawei's CANN toolkit and an Ascend driver (install the torch-npu release "
+                f"that matches torch {torch.__version__.split('+')[0]} and your CANN version)"
+            )
         try:
             self._torch_npu()
         except Exception as exc:  # a broken install says why in its own words
@@ -239,21 +250,46 @@ def available_backends() -> list[Backend]:
     return sorted((b for b in _REGISTRY.values() if b.is_available()), key=lambda b: b.rank)
 
 
-register_backend(CPUBackend(
-    "cpu", "any", rank=9, collective_backend="gloo",
-    kernel_path="Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1), one program at a time in "
-                "Python; torch.compile emits C++/OpenMP",
-    vendor_libraries="oneDNN, MKL or OpenBLAS under ATen"))
-register_backend(CUDABackend(
-    "cuda", "NVIDIA", rank=0, collective_backend="nccl",
-    kernel_path="Triton compiles kernels to PTX for the GPU; torch.compile (Inductor) emits Triton",
-    vendor_libraries="CUDA runtime, cuBLAS, cuDNN, NCCL"))
-register_backend(MPSBackend(
-    "mps", "Apple", rank=2, collective_backend=None,
-    kernel_path="Metal shaders; no Triton backend",
-    vendor_libraries="Metal Performance Shaders"))
-register_backend(NPUBackend(
-    "npu", "Huawei Ascend", rank=1, collective_backend="hccl",
-    kernel_path="custom kernels rewritten in Ascend C (formerly TBE) and built by CANN; "
-                "an Ascend backend for Triton exists, with tuning of its own",
-    vendor_libraries="CANN: ACL runtime, aclnn operators, HCCL", plugin="torch_npu"))
+register_backend(
+    CPUBackend(
+        "cpu",
+        "any",
+        rank=9,
+        collective_backend="gloo",
+        kernel_path="Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1), one program at a time in "
+        "Python; torch.compile emits C++/OpenMP",
+        vendor_libraries="oneDNN, MKL or OpenBLAS under ATen",
+    )
+)
+register_backend(
+    CUDABackend(
+        "cuda",
+        "NVIDIA",
+        rank=0,
+        collective_backend="nccl",
+        kernel_path="Triton compiles kernels to PTX for the GPU; torch.compile (Inductor) emits Triton",
+        vendor_libraries="CUDA runtime, cuBLAS, cuDNN, NCCL",
+    )
+)
+register_backend(
+    MPSBackend(
+        "mps",
+        "Apple",
+        rank=2,
+        collective_backend=None,
+        kernel_path="Metal shaders; no Triton backend",
+        vendor_libraries="Metal Performance Shaders",
+    )
+)
+register_backend(
+    NPUBackend(
+        "npu",
+        "Huawei Ascend",
+        rank=1,
+        collective_backend="hccl",
+        kernel_path="custom kernels rewritten in Ascend C (formerly TBE) and built by CANN; "
+        "an Ascend backend for Triton exists, with tuning of its own",
+        vendor_libraries="CANN: ACL runtime, aclnn operators, HCCL",
+        plugin="torch_npu",
+    )
+)

@@ -12,7 +12,6 @@ import contextlib
 import os
 from pathlib import Path
 
-
 CACHE_ENV = "INFRA_LIB_CACHE"
 
 

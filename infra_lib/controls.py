@@ -29,8 +29,10 @@ def show_in(output: widgets.Output, text: str | None = None, figure=None) -> Non
     if text is not None:
         output.append_stdout(text)
     if figure is not None and hasattr(figure, "to_json"):  # a plotly figure: its own mimetype, plain JSON
-        bundle = {"application/vnd.plotly.v1+json": {**json.loads(figure.to_json()), "config": {}},
-                  "text/plain": f"<{type(figure).__name__}>"}
+        bundle = {
+            "application/vnd.plotly.v1+json": {**json.loads(figure.to_json()), "config": {}},
+            "text/plain": f"<{type(figure).__name__}>",
+        }
         output.outputs += ({"output_type": "display_data", "data": bundle, "metadata": {}},)
     elif figure is not None:
         output.append_display_data(figure)

@@ -90,8 +90,14 @@ def score(model: Llama, sequence: list[int]) -> torch.Tensor:
     return model(torch.tensor([sequence], device=weight.device))[0].float().cpu()
 
 
-def run_greedy(model: Llama, prompt_ids: list[int], max_new_tokens: int, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, stop_id: int | None = None) -> DeviceRun:
+def run_greedy(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    stop_id: int | None = None,
+) -> DeviceRun:
     """Copy ``model`` to ``device``/``dtype`` (if needed) and decode ``prompt_ids`` greedily there."""
     placed = model_on(model, device, dtype)
     sync = get_backend(device).synchronizer()
@@ -131,7 +137,16 @@ def tiny_llama(seed: int = 0) -> Llama:
     """A small Llama with random weights (2 layers, d_model 64, vocab 256): fast on any device."""
     from infra_lib.model.config import LlamaConfig
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                         intermediate_size=128, max_position=256, tie_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position=256,
+        tie_embeddings=False,
+    )
     torch.manual_seed(seed)
     return Llama(config).eval()

@@ -9,7 +9,8 @@ device, in three kinds:
                 ``.cuda()`` / ``.npu()`` calls, device strings such as "cuda" or "npu:0"
 
 A module with any marker is device-specific: a kernel module if any marker is a kernel, else
-a collective or device module, whichever kind has more markers; a module with none is portable. Docstrings and comments do not count, only code. Imports of the course's own
+a collective or device module, whichever kind has more markers; a module with none is portable. Docstrings
+and comments do not count, only code. Imports of the course's own
 device layer (``infra_lib.device``) do not count either: going through it is what keeps a
 module portable. The census cannot see assumptions that name no device (a tensor created on the
 CPU by default, a block size tuned for one GPU): it is a lower bound on the work of a port.
@@ -28,9 +29,9 @@ CATEGORIES = ("kernel", "collective", "device", "portable")
 # What moving from NVIDIA GPUs to Ascend NPUs asks of each kind of module.
 ASCEND_PORT = {
     "kernel": "rewrite: Triton/CUDA kernels become Ascend C kernels built by CANN (or go through an Ascend "
-              "Triton backend and are tuned again); the reference torch code they replace carries over",
+    "Triton backend and are tuned again); the reference torch code they replace carries over",
     "collective": "adapt: the process group's backend changes from NCCL (gloo here) to HCCL; the algorithms "
-                  "(ring all-reduce, DDP buckets, ZeRO shards) carry over, their tuning does not",
+    "(ring all-reduce, DDP buckets, ZeRO shards) carry over, their tuning does not",
     "device": "adapt: each branch on 'cuda' gains an 'npu' one, or better, goes through a registered Backend",
     "portable": "carries over unchanged: it speaks only torch operators and Python",
 }
@@ -63,7 +64,7 @@ class ModuleCensus:
 
     @property
     def category(self) -> str:
-        """"kernel" if any marker is a kernel (the costliest to port), else the more frequent of
+        """ "kernel" if any marker is a kernel (the costliest to port), else the more frequent of
         collective and device (a tie: collective), else "portable"."""
         counts = {kind: sum(m.kind == kind for m in self.markers) for kind in CATEGORIES[:3]}
         if counts["kernel"]:
@@ -94,8 +95,11 @@ def _dotted(node: ast.AST) -> str | None:
 
 def _docstring_nodes(tree: ast.AST) -> set[int]:
     """ids of the string constants that are docstrings or bare string statements (prose, not code)."""
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
 
 
 def _import_markers(node: ast.AST) -> list[Marker]:
@@ -126,8 +130,9 @@ def scan_source(source: str, filename: str = "<source>") -> list[Marker]:
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
-        raise ValueError(f"cannot parse {filename} (line {exc.lineno}): {exc.msg}; the census reads only "
-                         "valid Python") from None
+        raise ValueError(
+            f"cannot parse {filename} (line {exc.lineno}): {exc.msg}; the census reads only valid Python"
+        ) from None
     prose = _docstring_nodes(tree)
     inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}  # not a chain's end
     markers: list[Marker] = []
@@ -143,7 +148,9 @@ def scan_source(source: str, filename: str = "<source>") -> list[Marker]:
             name = _dotted(node)
             if name and _matches(name, _DEVICE_ATTRIBUTES):
                 markers.append(Marker(node.lineno, "device", name))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _DEVICE_STRING.match(node.func.attr):
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _DEVICE_STRING.match(node.func.attr)
+        ):
             markers.append(Marker(node.lineno, "device", f".{node.func.attr}()"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             if _DEVICE_STRING.match(node.value):

@@ -113,8 +113,10 @@ def choose_threads(load: MachineLoad, most: int) -> tuple[int, str]:
     if free >= most:
         limit = f" ({most} is the most this section uses)" if most < load.cores else ""
         return threads, f"{load.describe()}, so each thread gets a core of its own{limit}"
-    return threads, (f"{load.describe()}; more threads than free cores would make every operation wait "
-                     "for a thread that is waiting for a core")
+    return threads, (
+        f"{load.describe()}; more threads than free cores would make every operation wait "
+        "for a thread that is waiting for a core"
+    )
 
 
 @dataclass
@@ -168,13 +170,17 @@ class TimedSection:
         load = "" if self.before.load_average is None else f", load average {self.before.load_average:.1f}"
         head = f"⚠ Unexpected result: expected {expected}, but this run measured {measured}."
         if busy >= QUIET_BUSY_CORES:
-            return (f"{head} The run was disturbed: other programs kept up to {busy:.1f} of {cores} cores busy "
-                    f"while it was timed ({threads}{load}). Close other programs or let background jobs finish, "
-                    "then rerun this cell.")
-        return (f"{head} The machine looked quiet (other programs used {busy:.1f} of {cores} cores; "
-                f"{threads}{load}), so a short disturbance or this machine itself is the "
-                "cause. Rerun this cell; if the result repeats on a quiet machine, the expectation does not "
-                "hold here, and the text explains what it depends on.")
+            return (
+                f"{head} The run was disturbed: other programs kept up to {busy:.1f} of {cores} cores busy "
+                f"while it was timed ({threads}{load}). Close other programs or let background jobs finish, "
+                "then rerun this cell."
+            )
+        return (
+            f"{head} The machine looked quiet (other programs used {busy:.1f} of {cores} cores; "
+            f"{threads}{load}), so a short disturbance or this machine itself is the "
+            "cause. Rerun this cell; if the result repeats on a quiet machine, the expectation does not "
+            "hold here, and the text explains what it depends on."
+        )
 
     def check(self, holds: bool, expected: str, measured: str) -> bool:
         """Print ``note(holds, expected, measured)``, record it, and return ``holds``."""
@@ -185,8 +191,9 @@ class TimedSection:
 
 
 @contextmanager
-def timed_section(most_threads: int | None = None, *, sample_s: float = 0.2,
-                  show: bool = True) -> Iterator[TimedSection]:
+def timed_section(
+    most_threads: int | None = None, *, sample_s: float = 0.2, show: bool = True
+) -> Iterator[TimedSection]:
     """Run a block of timed code with a thread count chosen for the machine's load; restore it after.
 
     Args:

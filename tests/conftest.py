@@ -22,6 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from grading.course import REPO_ROOT as REPO  # noqa: E402 (after the thread settings above)
+
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SOLUTIONS = sorted(p for p in (REPO / "solutions").glob("*/*.ipynb") if p.stem == p.parent.name)
 LABS = sorted(p for p in (REPO / "labs").glob("*/*.ipynb") if p.stem == p.parent.name)
@@ -60,8 +61,12 @@ def parameters_cell(path: Path) -> str:
 
 def error_outputs(notebook) -> list[str]:
     """``ename: evalue`` of every error output in an executed notebook."""
-    return [f"cell {i + 1}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(notebook["cells"])
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    return [
+        f"cell {i + 1}: {o.get('ename')}: {o.get('evalue')}"
+        for i, c in enumerate(notebook["cells"])
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,8 +95,12 @@ def run_benchmark(name: str, out: Path) -> dict:
 
     # A guard against a hung script, not a speed check: on a slow 2-core machine, in a suite of four
     # workers and with Inductor's cache cold, the decode benchmark's quick run has taken over 300 s.
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout  # the table was printed, then the file written
     data = json.loads(out.read_text())
@@ -147,10 +156,25 @@ def check_fails(check_id: str, implementation) -> str:
 SLOW_FIXTURES = {"smollm2", "hf_tokenizer", "minilm", "server", "client", "quick_site", "unexecuted_site", "course"}
 SLOW_GROUPS = {"minilm", "site", "progress"}
 SLOW_MARKERS = {"smollm2"}
-SLOW_MODULES = {"test_adversarial", "test_browser", "test_labs", "test_notebooks", "test_timing_notes",
-                "test_instructor_steps"}
-SLOW_CALLS = ("grade_notebook", "grade_batch", "_grade_class", "run_benchmark", "run_workers", "execute_notebook",
-              "_run(\"grade", "_run(\"progress", "\"make\"")
+SLOW_MODULES = {
+    "test_adversarial",
+    "test_browser",
+    "test_labs",
+    "test_notebooks",
+    "test_timing_notes",
+    "test_instructor_steps",
+}
+SLOW_CALLS = (
+    "grade_notebook",
+    "grade_batch",
+    "_grade_class",
+    "run_benchmark",
+    "run_workers",
+    "execute_notebook",
+    '_run("grade',
+    '_run("progress',
+    '"make"',
+)
 
 
 # The longest tests (minutes on two cores) start first, so that no worker is left finishing one
@@ -192,8 +216,9 @@ LONGEST_FIRST = (
 
 
 def _start_rank(item) -> int:
-    return next((rank for rank, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
-                len(LONGEST_FIRST))
+    return next(
+        (rank for rank, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST)
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -208,8 +233,13 @@ def pytest_collection_modifyitems(config, items):
         except (OSError, TypeError):
             source = ""
         markers = {mark.name for mark in item.iter_markers()}
-        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or SLOW_GROUPS & groups or module in SLOW_MODULES
-                or SLOW_MARKERS & markers or any(call in source for call in SLOW_CALLS)):
+        if (
+            SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or SLOW_GROUPS & groups
+            or module in SLOW_MODULES
+            or SLOW_MARKERS & markers
+            or any(call in source for call in SLOW_CALLS)
+        ):
             item.add_marker(pytest.mark.slow)
 
 

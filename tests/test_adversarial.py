@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from grading.run import warm
 from grading.batch import grade_batch
 from grading.grader import DEFAULT_SOURCE, grade_notebook
 from grading.report import gradescope_results, write_reports
+from grading.run import warm
 from grading.run.sandbox import Limits
 
 CORPUS = Path(__file__).resolve().parent / "adversarial"
@@ -51,8 +51,12 @@ def test_corpus_entry_scores_what_its_honest_content_deserves(case, tmp_path):
             assert test.passed, (case["name"], test.grade_id, [c.message for c in test.checks])
         else:
             assert test.score == 0, (case["name"], summary)
-            assert {c.reason for c in test.checks} == {want}, (case["name"], test.grade_id, summary,
-                                                              [c.message for c in test.checks])
+            assert {c.reason for c in test.checks} == {want}, (
+                case["name"],
+                test.grade_id,
+                summary,
+                [c.message for c in test.checks],
+            )
     assert report.score == expected["score"], (case["name"], summary, report.notes)
     if case["note"]:
         assert any(case["note"] in note for note in report.notes), report.notes
@@ -68,10 +72,12 @@ def test_hidden_check_feedback_never_shows_inputs_or_error_text(tmp_path):
     source = json.loads((CORPUS / _file("honest_full")).read_text())
     for cell in source["cells"]:
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "task1_gemm_flops":
-            cell["source"] = ("def gemm_flops(m, n, k):\n"
-                              "    if m > 1000:\n"
-                              "        raise ValueError(f'secret input m={m}, n={n}, k={k}')\n"
-                              "    return 2 * m * n * k\n")
+            cell["source"] = (
+                "def gemm_flops(m, n, k):\n"
+                "    if m > 1000:\n"
+                "        raise ValueError(f'secret input m={m}, n={n}, k={k}')\n"
+                "    return 2 * m * n * k\n"
+            )
     path = tmp_path / "lab01_gemm.ipynb"
     path.write_text(json.dumps(source))
     report = grade_notebook(path, seed=4, limits=LIMITS)
@@ -85,22 +91,33 @@ def test_hidden_check_feedback_never_shows_inputs_or_error_text(tmp_path):
 
 def test_batch_grading_a_class_with_a_cache(tmp_path):
     submissions = tmp_path / "submitted"
-    picks = {"alice": "honest_full", "bob": "wrong_answer", "carol": "os_exit", "dave": "malformed_json",
-             "erin": "patched_grading"}
+    picks = {
+        "alice": "honest_full",
+        "bob": "wrong_answer",
+        "carol": "os_exit",
+        "dave": "malformed_json",
+        "erin": "patched_grading",
+    }
     for learner, name in picks.items():
         (submissions / learner).mkdir(parents=True)
         shutil.copy(CORPUS / _file(name), submissions / learner / "lab01_gemm.ipynb")
     out = tmp_path / "grades"
     limits = Limits(check_timeout=30, cell_timeout=60, budget=300, max_processes=16)
-    rows = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
-                       progress=False)
+    rows = grade_batch(
+        submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2, progress=False
+    )
     scores = {r.learner: r.score for r in rows}
     expected = {learner: next(c["score"] for c in EXPECTED if c["name"] == name) for learner, name in picks.items()}
     assert scores == expected, {r.learner: _failures(out / r.learner) for r in rows}
     # the corpus is built from the solution, so its graded answers are flagged; dave's file is unreadable;
     # erin's task 1 was refused by the static scan, which her status and flags say before the copies
-    assert {r.learner: r.status for r in rows} == {"alice": "flagged", "bob": "flagged", "carol": "flagged",
-                                                   "dave": "unreadable", "erin": "refused"}
+    assert {r.learner: r.status for r in rows} == {
+        "alice": "flagged",
+        "bob": "flagged",
+        "carol": "flagged",
+        "dave": "unreadable",
+        "erin": "refused",
+    }
     with open(out / "scores.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [row["learner"] for row in table] == list(picks)
@@ -122,8 +139,9 @@ def test_batch_grading_a_class_with_a_cache(tmp_path):
 
     # A re-run grades only what changed.
     shutil.copy(CORPUS / _file("honest_full"), submissions / "bob" / "lab01_gemm.ipynb")
-    again = grade_batch(submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2,
-                        progress=False)
+    again = grade_batch(
+        submissions, "lab01_gemm", out, source_dir=DEFAULT_SOURCE, limits=limits, workers=2, progress=False
+    )
     cached = {r.learner: r.cached for r in again}
     assert cached == {"alice": True, "bob": False, "carol": True, "dave": True, "erin": True}
     assert {r.learner: r.score for r in again}["bob"] == 10, _failures(out / "bob")
@@ -153,12 +171,22 @@ def _nbgrader_scores(names: list[str], course: Path) -> tuple[dict[str, float | 
     (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
     # nbgrader's kernels fork from this worker's template (grading.run.warm), as nbgrader_config.py
     # has them fork from a template of nbgrader's own.
-    env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        **warm.plain_kernel_env(),
+        "INFRA_COURSE_ROOT": str(course),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
     def nbgrader(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,
-                              capture_output=True, text=True, timeout=1200)
+        return subprocess.run(
+            [sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"],
+            cwd=course,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
 
     assert nbgrader("generate_assignment", "lab01_gemm", "--force").returncode == 0
     for name in names:
@@ -202,8 +230,10 @@ def test_corpus_is_what_make_corpus_builds_from_the_current_lab(tmp_path):
     committed = sorted(p.name for p in CORPUS.iterdir() if p.name.endswith((".ipynb", ".broken", ".json")))
     assert built == committed
     stale = [name for name in built if (tmp_path / name).read_bytes() != (CORPUS / name).read_bytes()]
-    assert not stale, (f"{stale} differ from what tests/adversarial/make_corpus.py builds from the current lab; "
-                       "rerun it (.venv/bin/python tests/adversarial/make_corpus.py) and check the scores")
+    assert not stale, (
+        f"{stale} differ from what tests/adversarial/make_corpus.py builds from the current lab; "
+        "rerun it (.venv/bin/python tests/adversarial/make_corpus.py) and check the scores"
+    )
 
 
 def test_readme_table_matches_the_corpus():
@@ -213,5 +243,6 @@ def test_readme_table_matches_the_corpus():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{case['name']}` |")), "")
         unsandboxed = case["unsandboxed"]
         unsandboxed = f"{unsandboxed['score']:g}" if isinstance(unsandboxed, dict) else "not run"
-        assert f"| {case['score']:g} | {unsandboxed} | {nbgrader} |" in row, \
+        assert f"| {case['score']:g} | {unsandboxed} | {nbgrader} |" in row, (
             f"README's corpus row for {case['name']} is wrong: {row!r}"
+        )

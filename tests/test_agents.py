@@ -14,11 +14,37 @@ from typing import Annotated, TypedDict
 import pytest
 from conftest import REPO, SMOLLM2
 
-from infra_lib.apps.agents import (END, START, ChatReply, Checkpoint, Command, GraphInterrupt, GraphRecursionError,
-                                   MemoryCheckpointer, NodeTimeout, Price, RetryPolicy, Router, ScriptedModel,
-                                   SqliteCheckpointer, StateGraph, ToolAgent, ToolCall, TraceEvent, backoff_delays,
-                                   call_with_retry, interrupt, keyword_rule, length_rule, merge_update, next_node,
-                                   parse_tool_calls, run_graph, run_tool_call, tool)
+from infra_lib.apps.agents import (
+    END,
+    START,
+    ChatReply,
+    Checkpoint,
+    Command,
+    GraphInterrupt,
+    GraphRecursionError,
+    MemoryCheckpointer,
+    NodeTimeout,
+    Price,
+    RetryPolicy,
+    Router,
+    ScriptedModel,
+    SqliteCheckpointer,
+    StateGraph,
+    ToolAgent,
+    ToolCall,
+    TraceEvent,
+    backoff_delays,
+    call_with_retry,
+    interrupt,
+    keyword_rule,
+    length_rule,
+    merge_update,
+    next_node,
+    parse_tool_calls,
+    run_graph,
+    run_tool_call,
+    tool,
+)
 from infra_lib.apps.agents.models import to_wire, tool_example
 
 
@@ -31,7 +57,7 @@ class Job(TypedDict):
 
 # A multi-step graph, also written to a file for the killed-process test: fetch, then work on one
 # item per step (a loop with a counter and an exit), then summarise. Eight steps for three items.
-JOB_GRAPH = '''
+JOB_GRAPH = """
 import operator
 from typing import Annotated, TypedDict
 
@@ -72,7 +98,7 @@ def build(wrap=lambda name, fn: fn):
     graph.add_conditional_edges("check", lambda s: "work" if len(s["done"]) < len(s["items"]) else "summarise")
     graph.add_edge("summarise", END)
     return graph
-'''
+"""
 job = sys.modules.setdefault("test_agents_job_graph", type(sys)("test_agents_job_graph"))
 exec(JOB_GRAPH, job.__dict__)  # the TypedDict's annotations resolve through sys.modules
 FULL_RUN = ["fetch", "work", "check", "work", "check", "work", "check", "summarise"]
@@ -93,7 +119,9 @@ def crash_at(k: int):
             if calls[0] == k:
                 raise Crash(f"injected at call {k} ({name})")
             return fn(state)
+
         return node
+
     return wrap
 
 
@@ -106,6 +134,7 @@ def make_checkpointer(kind: str, tmp_path):
 
 
 # --- the graph and its checks -----------------------------------------------------------------------
+
 
 def test_uninterrupted_run_visits_every_step_and_checkpoints_each():
     saver, trace = MemoryCheckpointer(), []
@@ -191,6 +220,7 @@ def test_next_node_follows_edges_routers_and_mappings():
 def test_a_node_that_changes_its_state_in_place_changes_neither_the_run_nor_the_caller():
     """Each node is handed a deep copy: appending to a list of it in place reaches neither the run's state nor
     the caller's dict, in run_graph and in the compiled graph alike; only the returned update counts."""
+
     def meddle(state):
         state["done"].append("in place")
         state["rounds"] += 100
@@ -198,8 +228,10 @@ def test_a_node_that_changes_its_state_in_place_changes_neither_the_run_nor_the_
 
     graph = StateGraph(Job).add_node("meddle", meddle).add_node("again", meddle)
     graph.add_edge(START, "meddle").add_edge("meddle", "again").add_edge("again", END)
-    for run in (lambda given: run_graph(graph, given, checkpointer=MemoryCheckpointer(), thread_id="t"),
-                lambda given: graph.compile().invoke(given)):
+    for run in (
+        lambda given: run_graph(graph, given, checkpointer=MemoryCheckpointer(), thread_id="t"),
+        lambda given: graph.compile().invoke(given),
+    ):
         given = {"done": ["first"], "rounds": 1}
         assert run(given) == {"done": ["first", "returned", "returned"], "rounds": 1}
         assert given == {"done": ["first"], "rounds": 1}
@@ -223,13 +255,14 @@ def test_stream_yields_each_step_as_it_finishes():
 
 # --- crash at every step, resume, same result ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_crash_at_every_step_then_resume_gives_the_uninterrupted_run(kind, tmp_path):
     for k in range(1, len(FULL_RUN) + 1):
         saver, first, second = make_checkpointer(kind, tmp_path), [], []
         with pytest.raises(Crash):
             run_graph(job.build(crash_at(k)), {}, checkpointer=saver, thread_id=f"k{k}", trace=first)
-        assert visited(first) == FULL_RUN[:k - 1]
+        assert visited(first) == FULL_RUN[: k - 1]
         assert run_graph(job.build(), {}, checkpointer=saver, thread_id=f"k{k}", trace=second) == FINAL
         assert visited(first) + visited(second) == FULL_RUN, f"crash at step {k}"
         assert [c.step for c in saver.history(f"k{k}")] == list(range(1, 9))
@@ -246,7 +279,7 @@ def test_compiled_graph_resumes_a_crashed_thread_with_invoke_none():
     assert visited(app.trace) == FULL_RUN[3:]
 
 
-KILLER = '''
+KILLER = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 from job_graph import build
@@ -262,39 +295,52 @@ def wrap(name, fn):
     return node
 
 run_graph(build(wrap), {}, checkpointer=SqliteCheckpointer(sys.argv[2]), thread_id="job")
-'''
+"""
 
 
 @pytest.mark.parametrize("k", [1, 5])
 def test_a_killed_process_resumes_from_its_sqlite_checkpoints(tmp_path, k):
     (tmp_path / "job_graph.py").write_text(JOB_GRAPH)
     db = tmp_path / "runs.db"
-    done = subprocess.run([sys.executable, "-c", KILLER, str(tmp_path), str(db), str(k)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tmp_path), str(db), str(k)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -9, done.stderr  # SIGKILL: no handler, no clean-up ran
     saver = SqliteCheckpointer(db)
-    assert [c.node for c in saver.history("job")] == FULL_RUN[:k - 1]
+    assert [c.node for c in saver.history("job")] == FULL_RUN[: k - 1]
     trace = []
     assert run_graph(job.build(), {}, checkpointer=saver, thread_id="job", trace=trace) == FINAL
-    assert FULL_RUN[:k - 1] + visited(trace) == FULL_RUN
+    assert FULL_RUN[: k - 1] + visited(trace) == FULL_RUN
 
 
 # --- retries and timeouts -----------------------------------------------------------------------------
 
+
 def flaky(failures: int, error=ConnectionError):
     """fn(state) that raises ``error`` on its first ``failures`` calls; ``calls`` counts the calls."""
+
     def fn(state):
         fn.calls += 1
         if fn.calls <= failures:
             raise error(f"failure {fn.calls}")
         return {"rounds": fn.calls}
+
     fn.calls = 0
     return fn
 
 
 def test_backoff_delays_are_exact_and_capped():
-    assert backoff_delays(RetryPolicy(max_attempts=6, initial_interval=0.5, backoff_factor=2.0, max_interval=3.0)) \
-        == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert backoff_delays(RetryPolicy(max_attempts=6, initial_interval=0.5, backoff_factor=2.0, max_interval=3.0)) == [
+        0.5,
+        1.0,
+        2.0,
+        3.0,
+        3.0,
+    ]
     assert backoff_delays(RetryPolicy(max_attempts=1)) == []
     for bad in (dict(max_attempts=0), dict(initial_interval=-1), dict(backoff_factor=0.5), dict(retry_on=("x",))):
         with pytest.raises(ValueError):
@@ -305,8 +351,9 @@ def test_backoff_delays_are_exact_and_capped():
 def test_retries_sleep_the_backoff_sequence(failures):
     policy = RetryPolicy(max_attempts=4, initial_interval=0.25, backoff_factor=3.0, max_interval=2.0)
     fn, sleeps, attempts = flaky(failures), [], []
-    assert call_with_retry(fn, {}, policy, sleep=sleeps.append,
-                           on_attempt=lambda n, e: attempts.append((n, type(e).__name__))) == {"rounds": failures + 1}
+    assert call_with_retry(
+        fn, {}, policy, sleep=sleeps.append, on_attempt=lambda n, e: attempts.append((n, type(e).__name__))
+    ) == {"rounds": failures + 1}
     assert fn.calls == failures + 1
     assert sleeps == backoff_delays(policy)[:failures] == [0.25, 0.75, 2.0][:failures]
     assert attempts == [(n, "ConnectionError") for n in range(1, failures + 1)] + [(failures + 1, "NoneType")]
@@ -329,7 +376,9 @@ def test_only_matching_errors_are_retried():
         assert fn.calls == 1
     assert sleeps == []
     fn = flaky(2, error=lambda m: ValueError(f"{m}: try again"))
-    assert call_with_retry(fn, {}, RetryPolicy(retry_on=lambda e: "again" in str(e)), sleep=sleeps.append) == {"rounds": 3}
+    assert call_with_retry(fn, {}, RetryPolicy(retry_on=lambda e: "again" in str(e)), sleep=sleeps.append) == {
+        "rounds": 3
+    }
 
 
 def test_retries_inside_a_graph_are_traced():
@@ -351,14 +400,19 @@ def test_a_slow_node_times_out_and_is_retried_when_configured():
         if slow_once.calls == 1:
             release.wait(5)
         return {"rounds": slow_once.calls}
+
     slow_once.calls = 0
     try:
         once = StateGraph(Job).add_node("n", slow_once, timeout=0.05).add_edge(START, "n").add_edge("n", END)
         with pytest.raises(NodeTimeout, match="'n' ran longer than its timeout of 0.05 s"):
             once.compile().invoke({})
         slow_once.calls, sleeps = 0, []
-        retried = StateGraph(Job).add_node("n", slow_once, timeout=0.05,
-                                           retry=RetryPolicy(max_attempts=2, initial_interval=0.0, retry_on=(NodeTimeout,)))
+        retried = StateGraph(Job).add_node(
+            "n",
+            slow_once,
+            timeout=0.05,
+            retry=RetryPolicy(max_attempts=2, initial_interval=0.0, retry_on=(NodeTimeout,)),
+        )
         app = retried.add_edge(START, "n").add_edge("n", END).compile()
         assert app.invoke({}, sleep=sleeps.append) == {"rounds": 2}
         assert sleeps == [0.0] and app.trace[0].error.startswith("NodeTimeout")
@@ -367,6 +421,7 @@ def test_a_slow_node_times_out_and_is_retried_when_configured():
 
 
 # --- human in the loop ----------------------------------------------------------------------------------
+
 
 def approval_graph(checkpointer):
     def draft(state):
@@ -415,11 +470,14 @@ def test_interrupt_outside_a_graph_or_without_checkpointer_is_an_error():
 
 # --- checkpointers -------------------------------------------------------------------------------------
 
+
 def test_sqlite_checkpoints_read_back_equal_and_clear(tmp_path):
     saver = SqliteCheckpointer(tmp_path / "c.db")
-    written = [Checkpoint(1, "a", "b", {"x": [1, 2.5, None, True], "y": {"k": "ü"}}),
-               Checkpoint(1, "b", "b", {"x": []}, pending_interrupt={"q": 1}, resume_values=(0, "")),
-               Checkpoint(2, "b", END, {"x": [3]})]
+    written = [
+        Checkpoint(1, "a", "b", {"x": [1, 2.5, None, True], "y": {"k": "ü"}}),
+        Checkpoint(1, "b", "b", {"x": []}, pending_interrupt={"q": 1}, resume_values=(0, "")),
+        Checkpoint(2, "b", END, {"x": [3]}),
+    ]
     for checkpoint in written:
         saver.put("t", checkpoint)
     saver.put("other", written[0])
@@ -447,13 +505,16 @@ def test_memory_checkpoints_are_not_changed_by_later_mutation():
 
 def test_sqlite_checkpoints_survive_the_process(tmp_path):
     db = tmp_path / "c.db"
-    code = ("import sys; from infra_lib.apps.agents import Checkpoint, SqliteCheckpointer; "
-            "SqliteCheckpointer(sys.argv[1]).put('t', Checkpoint(3, 'a', 'b', {'x': [1, 'two'], 'y': None}))")
+    code = (
+        "import sys; from infra_lib.apps.agents import Checkpoint, SqliteCheckpointer; "
+        "SqliteCheckpointer(sys.argv[1]).put('t', Checkpoint(3, 'a', 'b', {'x': [1, 'two'], 'y': None}))"
+    )
     subprocess.run([sys.executable, "-c", code, str(db)], cwd=REPO, check=True, timeout=60)
     assert SqliteCheckpointer(db).latest("t") == Checkpoint(3, "a", "b", {"x": [1, "two"], "y": None})
 
 
 # --- tools ----------------------------------------------------------------------------------------------
+
 
 @tool
 def multiply(a: int, b: int) -> int:
@@ -475,25 +536,48 @@ def price(item: str, currency: str = "USD") -> float:
 
 def test_tool_schema_comes_from_type_hints_and_docstring():
     assert multiply.schema() == {
-        "name": "multiply", "description": "Multiply two integers.",
-        "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"], "properties": {
-            "a": {"type": "integer", "description": "the first factor."},
-            "b": {"type": "integer", "description": "the second factor, which may be negative."}}}}
+        "name": "multiply",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["a", "b"],
+            "properties": {
+                "a": {"type": "integer", "description": "the first factor."},
+                "b": {"type": "integer", "description": "the second factor, which may be negative."},
+            },
+        },
+    }
     assert price.name == "price_of" and price.parameters["required"] == ["item"]
     with pytest.raises(TypeError, match="needs a type hint"):
         tool(lambda x: x)
 
 
-@pytest.mark.parametrize("call, expected", [
-    (ToolCall("multiply", {"a": 6, "b": 7}, "c1"), "42"),
-    (ToolCall("multiply", {"a": "six", "b": 7}, "c1"), "error: bad arguments for multiply: a: 'six' is not of type 'integer'"),
-    (ToolCall("multiply", {"a": 6}, "c1"), "error: bad arguments for multiply: arguments: 'b' is a required property"),
-    (ToolCall("multiply", {"a": 6, "b": 7, "c": 1}, "c1"), "error: bad arguments for multiply: arguments: Additional"),
-    (ToolCall("multiply", [6, 7], "c1"), "error: bad arguments for multiply: arguments must be a JSON object"),
-    (ToolCall("divide", {"a": 6}, "c1"), "error: there is no tool named 'divide'; available tools: multiply, price_of"),
-    (ToolCall("price_of", {"item": "pear"}, "c1"), "error: price_of raised KeyError: 'pear'"),
-    (ToolCall("price_of", {"item": "apple"}, "c1"), "3.0"),
-])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (ToolCall("multiply", {"a": 6, "b": 7}, "c1"), "42"),
+        (
+            ToolCall("multiply", {"a": "six", "b": 7}, "c1"),
+            "error: bad arguments for multiply: a: 'six' is not of type 'integer'",
+        ),
+        (
+            ToolCall("multiply", {"a": 6}, "c1"),
+            "error: bad arguments for multiply: arguments: 'b' is a required property",
+        ),
+        (
+            ToolCall("multiply", {"a": 6, "b": 7, "c": 1}, "c1"),
+            "error: bad arguments for multiply: arguments: Additional",
+        ),
+        (ToolCall("multiply", [6, 7], "c1"), "error: bad arguments for multiply: arguments must be a JSON object"),
+        (
+            ToolCall("divide", {"a": 6}, "c1"),
+            "error: there is no tool named 'divide'; available tools: multiply, price_of",
+        ),
+        (ToolCall("price_of", {"item": "pear"}, "c1"), "error: price_of raised KeyError: 'pear'"),
+        (ToolCall("price_of", {"item": "apple"}, "c1"), "3.0"),
+    ],
+)
 def test_tool_calls_never_raise(call, expected):
     message = run_tool_call([multiply, price], call)
     assert message["role"] == "tool" and message["tool_call_id"] == "c1" and message["name"] == call.name
@@ -510,22 +594,31 @@ def test_parse_tool_calls_finds_the_first_json_object():
 
 
 def test_the_wire_format_has_only_roles_the_server_knows():
-    conversation = [{"role": "system", "content": "Be brief."}, *tool_example("What is 2 times 3?",
-                    ToolCall("multiply", {"a": 2, "b": 3}, "e1"), "6", "The answer is 6.")]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        *tool_example("What is 2 times 3?", ToolCall("multiply", {"a": 2, "b": 3}, "e1"), "6", "The answer is 6."),
+    ]
     wire = to_wire(conversation, [multiply])
     assert [m["role"] for m in wire] == ["system", "user", "assistant", "user", "assistant"]
-    assert wire[0]["content"].startswith("Be brief.\nYou can call tools.") and '"name": "multiply"' in wire[0]["content"]
+    assert (
+        wire[0]["content"].startswith("Be brief.\nYou can call tools.") and '"name": "multiply"' in wire[0]["content"]
+    )
     assert wire[2]["content"] == '{"name": "multiply", "arguments": {"a": 2, "b": 3}}'
     assert wire[3]["content"] == "Tool result (multiply): 6"
 
 
 # --- the agent, scripted ------------------------------------------------------------------------------
 
+
 def test_agent_turns_bad_calls_into_messages_and_recovers():
-    model = ScriptedModel(['{"name": "multiply", "arguments": {"a": "six", "b": 7}}',
-                           '{"name": "times", "arguments": {"a": 6, "b": 7}}',
-                           'Let me fix that: {"name": "multiply", "arguments": {"a": 6, "b": 7}}',
-                           "The answer is 42."])
+    model = ScriptedModel(
+        [
+            '{"name": "multiply", "arguments": {"a": "six", "b": 7}}',
+            '{"name": "times", "arguments": {"a": 6, "b": 7}}',
+            'Let me fix that: {"name": "multiply", "arguments": {"a": 6, "b": 7}}',
+            "The answer is 42.",
+        ]
+    )
     result = ToolAgent(model, [multiply], system_prompt="Use tools.").run("What is 6 times 7?")
     assert result.answer == "The answer is 42."
     assert [c["arguments"] for c in result.tool_calls] == [{"a": "six", "b": 7}, {"a": 6, "b": 7}, {"a": 6, "b": 7}]
@@ -556,8 +649,9 @@ def test_agent_retries_a_flaky_model_and_keeps_a_thread():
             return self.inner.chat(messages, tools)
 
     sleeps = []
-    agent = ToolAgent(Flaky(), [multiply], retry=RetryPolicy(max_attempts=2, initial_interval=0.5),
-                      checkpointer=MemoryCheckpointer())
+    agent = ToolAgent(
+        Flaky(), [multiply], retry=RetryPolicy(max_attempts=2, initial_interval=0.5), checkpointer=MemoryCheckpointer()
+    )
     assert agent.run("hi", thread_id="u", sleep=sleeps.append).answer == "first answer" and sleeps == [0.5]
     again = agent.run("and now?", thread_id="u")
     assert again.answer == "second answer"
@@ -566,17 +660,21 @@ def test_agent_retries_a_flaky_model_and_keeps_a_thread():
 
 # --- routing ---------------------------------------------------------------------------------------------
 
+
 def test_router_sends_requests_by_rule_and_counts_cost():
     cheap = ScriptedModel([ChatReply("c1", [], 100, 10, "small"), ChatReply("c2", [], 200, 20, "small")])
     strong = ScriptedModel([ChatReply("s1", [], 1000, 100, "big")])
-    router = Router(cheap, strong, keyword_rule(["prove"]),
-                    {"cheap": Price(0.1, 0.2), "strong": Price(3.0, 15.0)})
+    router = Router(cheap, strong, keyword_rule(["prove"]), {"cheap": Price(0.1, 0.2), "strong": Price(3.0, 15.0)})
     for question in ("hi", "please prove it", "what time is it"):
         router.chat([{"role": "user", "content": question}])
     assert [r["route"] for r in router.records] == ["cheap", "strong", "cheap"]
     summary = router.summary()
-    assert summary["cheap"] == {"requests": 2, "prompt_tokens": 300, "completion_tokens": 30,
-                                "cost": pytest.approx((300 * 0.1 + 30 * 0.2) / 1e6)}
+    assert summary["cheap"] == {
+        "requests": 2,
+        "prompt_tokens": 300,
+        "completion_tokens": 30,
+        "cost": pytest.approx((300 * 0.1 + 30 * 0.2) / 1e6),
+    }
     assert summary["strong"]["cost"] == pytest.approx((1000 * 3.0 + 100 * 15.0) / 1e6)
     assert summary["all_strong_cost_same_tokens"] == pytest.approx((1300 * 3.0 + 130 * 15.0) / 1e6)
     assert summary["saving"] == pytest.approx(1 - summary["total_cost"] / summary["all_strong_cost_same_tokens"])
@@ -588,6 +686,7 @@ def test_router_sends_requests_by_rule_and_counts_cost():
 
 # --- the agent on SmolLM2, through the course's server ----------------------------------------------------
 
+
 @SMOLLM2
 def test_smollm2_agent_calls_the_calculator_and_answers(smollm2):
     from infra_lib.apps.agents import OpenAIChatModel
@@ -598,7 +697,9 @@ def test_smollm2_agent_calls_the_calculator_and_answers(smollm2):
         create_app,
     )
 
-    example = tool_example("What is 6 times 7?", ToolCall("multiply", {"a": 6, "b": 7}, "ex"), "42", "The answer is 42.")
+    example = tool_example(
+        "What is 6 times 7?", ToolCall("multiply", {"a": 6, "b": 7}, "ex"), "42", "The answer is 42."
+    )
     engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=128)
     with ServerThread(create_app(engine, DEFAULT_MODEL_NAME)) as server:
         model = OpenAIChatModel(server.url + "/v1", DEFAULT_MODEL_NAME, temperature=0, max_tokens=40, examples=example)

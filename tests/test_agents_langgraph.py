@@ -29,11 +29,13 @@ class State(TypedDict):
 
 def step(name: str, flag: str | None = None):
     """A node that counts, logs its name, records it in ``seen`` and may set ``flag``."""
+
     def fn(state: dict) -> dict:
         update = {"count": state["count"] + 1, "log": [name], "seen": [name]}
         if flag is not None:
             update["flag"] = flag
         return update
+
     return fn
 
 
@@ -79,14 +81,30 @@ START_STATE = {"count": 0, "flag": "", "log": [], "seen": []}
 
 GRAPHS = {
     "linear": (dict(a=step("a"), b=step("b"), c=step("c")), [("a", "b"), ("b", "c"), ("c", "END")], {}, "a"),
-    "branch": (dict(classify=step("classify", flag="long"), short=step("short"), long=step("long")),
-               [("short", "END"), ("long", "END")], {"classify": (lambda s: s["flag"], None)}, "classify"),
-    "loop_with_counter": (dict(work=step("work"), check=step("check")), [("work", "check")],
-                          {"check": (lambda s: "END" if s["count"] >= 7 else "work", None)}, "work"),
-    "mapping_router": (dict(a=step("a"), b=step("b"), c=step("c")), [("b", "a"), ("c", "END")],
-                       {"a": (lambda s: s["count"] % 3, {0: "b", 1: "b", 2: "c"})}, "a"),
-    "bool_mapping": (dict(a=step("a", flag="x"), b=step("b")), [("b", "a")],
-                     {"a": (lambda s: s["count"] < 4, {True: "b", False: "END"})}, "a"),
+    "branch": (
+        dict(classify=step("classify", flag="long"), short=step("short"), long=step("long")),
+        [("short", "END"), ("long", "END")],
+        {"classify": (lambda s: s["flag"], None)},
+        "classify",
+    ),
+    "loop_with_counter": (
+        dict(work=step("work"), check=step("check")),
+        [("work", "check")],
+        {"check": (lambda s: "END" if s["count"] >= 7 else "work", None)},
+        "work",
+    ),
+    "mapping_router": (
+        dict(a=step("a"), b=step("b"), c=step("c")),
+        [("b", "a"), ("c", "END")],
+        {"a": (lambda s: s["count"] % 3, {0: "b", 1: "b", 2: "c"})},
+        "a",
+    ),
+    "bool_mapping": (
+        dict(a=step("a", flag="x"), b=step("b")),
+        [("b", "a")],
+        {"a": (lambda s: s["count"] < 4, {True: "b", False: "END"})},
+        "a",
+    ),
     # a router that never says END: compile cannot see it, max_steps / recursion_limit stop it
     "endless_loop": (dict(a=step("a"), b=step("b")), [("a", "b")], {"b": (lambda s: "a", None)}, "a"),
 }
@@ -172,8 +190,9 @@ def test_interrupt_and_resume_like_langgraph():
 
     assert strip(ours.invoke(dict(START_STATE), thread_id="t")) == strip(theirs.invoke(dict(START_STATE), config))
     for answer in answers:
-        assert strip(ours.invoke(Command(resume=answer), thread_id="t")) == \
-            strip(theirs.invoke(LGCommand(resume=answer), config))
+        assert strip(ours.invoke(Command(resume=answer), thread_id="t")) == strip(
+            theirs.invoke(LGCommand(resume=answer), config)
+        )
     final = ours.get_state("t").state
     assert final["log"] == ["a", "0", "''"] and final["count"] == 2
     # a new input on the finished thread: merged into its state, as LangGraph does

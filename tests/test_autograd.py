@@ -12,8 +12,20 @@ import torch.nn.functional as F
 
 from infra_lib.model import Llama, LlamaConfig
 from infra_lib.model.attention import causal_mask
-from infra_lib.training.autograd import (Value, cat, cross_entropy, embedding, llama_loss, matmul, numeric_gradient,
-                                         repeat_kv, rms_norm, silu, softmax, transpose)
+from infra_lib.training.autograd import (
+    Value,
+    cat,
+    cross_entropy,
+    embedding,
+    llama_loss,
+    matmul,
+    numeric_gradient,
+    repeat_kv,
+    rms_norm,
+    silu,
+    softmax,
+    transpose,
+)
 
 # float32: torch.testing's defaults for float32; float64: tight, only summation order differs.
 TOLERANCE = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -53,10 +65,16 @@ OP_CASES = {
     "divide by constant": (lambda x: x / 3, lambda x: x / 3, [(3, 4)]),
     "number minus": (lambda x: 1 - x, lambda x: 1 - x, [(3, 4)]),
     "neg": (lambda x: -x, lambda x: -x, [(3, 4)]),
-    "tensor constant * Value": (lambda x: torch.linspace(-1, 1, 4, dtype=x.data.dtype) * x,
-                                lambda x: torch.linspace(-1, 1, 4, dtype=x.dtype) * x, [(3, 4)]),
-    "tensor constant @ Value": (lambda x: torch.eye(3, dtype=x.data.dtype).flip(0) @ x,
-                                lambda x: torch.eye(3, dtype=x.dtype).flip(0) @ x, [(2, 3, 4)]),
+    "tensor constant * Value": (
+        lambda x: torch.linspace(-1, 1, 4, dtype=x.data.dtype) * x,
+        lambda x: torch.linspace(-1, 1, 4, dtype=x.dtype) * x,
+        [(3, 4)],
+    ),
+    "tensor constant @ Value": (
+        lambda x: torch.eye(3, dtype=x.data.dtype).flip(0) @ x,
+        lambda x: torch.eye(3, dtype=x.dtype).flip(0) @ x,
+        [(2, 3, 4)],
+    ),
     "reshape": (lambda x: x.reshape(6, 4), lambda x: x.reshape(6, 4), [(2, 3, 4)]),
     "transpose": (lambda x: transpose(x, 1, 3), lambda x: x.transpose(1, 3), [(2, 3, 4, 5)]),
     "slice last dim": (lambda x: x[..., 1:4], lambda x: x[..., 1:4], [(2, 3, 6)]),
@@ -93,6 +111,7 @@ def test_op_matches_torch_autograd(case, dtype):
 
 
 # --- the graph walk -----------------------------------------------------------------------------
+
 
 def test_a_value_used_twice_gets_the_sum_of_its_gradients():
     x = Value(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
@@ -138,6 +157,7 @@ def test_each_value_owns_its_gradient_tensor():
 
 
 # --- the ops' special cases ---------------------------------------------------------------------
+
 
 def test_causal_softmax_masked_entries_are_zero_with_zero_gradient():
     torch.manual_seed(0)
@@ -197,6 +217,7 @@ def test_cross_entropy_stays_finite_for_huge_logits():
 
 # --- central differences --------------------------------------------------------------------------
 
+
 def test_numeric_gradient_of_a_known_function():
     x, y = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 0.25, -1.0])
     grad_x, grad_y = numeric_gradient(lambda a, b: (a * a * b).sum(), [x, y])
@@ -235,9 +256,11 @@ def test_op_gradient_matches_central_differences(case):
 
 # --- the course's Llama ---------------------------------------------------------------------------
 
+
 def _tiny_llama(dtype=torch.float32, **changes) -> Llama:
-    config = LlamaConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                         intermediate_size=48).replace(**changes)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48
+    ).replace(**changes)
     torch.manual_seed(0)
     model = Llama(config).to(dtype)
     with torch.no_grad():  # norm weights start at 1, which would hide a missing weight in rms_norm's backward
@@ -302,6 +325,7 @@ def test_llama_loss_gradient_matches_central_differences_in_float64():
 
 
 # --- errors a user meets --------------------------------------------------------------------------
+
 
 def test_matmul_shape_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"\(2, 3\) @ \(4, 5\)"):

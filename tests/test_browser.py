@@ -45,14 +45,32 @@ def _seed_grade(grades: Path) -> None:
     from grading.report import write_reports
 
     wrong = Verdict("lab01.dominant_op_real", False, "dominant_op returned 'aten::matmul'", "", "wrong result")
-    report = GradeReport("lab01_gemm", "lab01_gemm.ipynb", 1, [
-        TestResult("test_task1_gemm_flops", 2, 2, [CheckResult("lab01.gemm_flops", False, True, "passed")]),
-        TestResult("test_task2_time_op", 3, 3, [CheckResult("lab01.time_op_warmup", False, True, "passed")]),
-        TestResult("test_task3_dominant_op", 0, 3, [CheckResult(
-            "lab01.dominant_op_real", False, False, wrong.message(get_check("lab01.dominant_op_real"), hidden=False),
-            "wrong result")]),
-        TestResult("test_task4_achieved_tflops", 2, 2, [CheckResult("lab01.achieved_tflops", False, True, "passed")]),
-    ])
+    report = GradeReport(
+        "lab01_gemm",
+        "lab01_gemm.ipynb",
+        1,
+        [
+            TestResult("test_task1_gemm_flops", 2, 2, [CheckResult("lab01.gemm_flops", False, True, "passed")]),
+            TestResult("test_task2_time_op", 3, 3, [CheckResult("lab01.time_op_warmup", False, True, "passed")]),
+            TestResult(
+                "test_task3_dominant_op",
+                0,
+                3,
+                [
+                    CheckResult(
+                        "lab01.dominant_op_real",
+                        False,
+                        False,
+                        wrong.message(get_check("lab01.dominant_op_real"), hidden=False),
+                        "wrong result",
+                    )
+                ],
+            ),
+            TestResult(
+                "test_task4_achieved_tflops", 2, 2, [CheckResult("lab01.achieved_tflops", False, True, "passed")]
+            ),
+        ],
+    )
     write_reports(report, grades / "lab01_gemm")
 
 
@@ -67,8 +85,13 @@ def _write_settings(folder: Path) -> None:
 
 def _make_lab_environment(target: str) -> dict[str, str]:
     """The variables `make <target>` starts JupyterLab with (the assignments before its command)."""
-    printed = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+    printed = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert printed.returncode == 0, printed.stderr
     command = [line for line in printed.stdout.splitlines() if "jupyter lab " in line]
     assert len(command) == 1, f"make {target} should run one `jupyter lab` command:\n{printed.stdout}"
@@ -84,14 +107,25 @@ def _make_lab_environment(target: str) -> dict[str, str]:
 
 def _start_lab(root: Path, port: int, token: str, target: str = "lab") -> subprocess.Popen:
     """JupyterLab on ``root``, configured as ``make <target>`` configures it."""
-    args = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-            f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}"]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        f"--LabApp.user_settings_dir={root / '.settings'}",
+        f"--LabApp.workspaces_dir={root / '.workspaces'}",
+    ]
     if os.geteuid() == 0:
         args.append("--allow-root")
     env = {**os.environ, **_make_lab_environment(target), "JUPYTER_RUNTIME_DIR": str(root / ".runtime")}
-    return subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _wait_for_server(proc: subprocess.Popen, port: int, token: str, deadline: float) -> None:
@@ -112,8 +146,15 @@ def _browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
@@ -148,16 +189,24 @@ def _run_all_cells(driver, deadline: float) -> None:
     css = lambda selector: driver.find_elements(By.CSS_SELECTOR, selector)  # noqa: E731
     idle = lambda: css(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # noqa: E731
     _until("the notebook to open", lambda: css(".jp-NotebookPanel .jp-Cell"), deadline)
-    _until("the kernel to start", lambda: idle() and "| Idle" in driver.find_element(By.ID, "jp-main-statusbar").text,
-           deadline)
+    _until(
+        "the kernel to start",
+        lambda: idle() and "| Idle" in driver.find_element(By.ID, "jp-main-statusbar").text,
+        deadline,
+    )
     [item.click() for item in css(".lm-MenuBar-item") if item.text.strip() == "Run"]
-    _until("Run > Run All Cells", lambda: [item for item in css(".lm-Menu .lm-Menu-item")
-                                           if item.text.strip() == "Run All Cells"], deadline)[0].click()
+    _until(
+        "Run > Run All Cells",
+        lambda: [item for item in css(".lm-Menu .lm-Menu-item") if item.text.strip() == "Run All Cells"],
+        deadline,
+    )[0].click()
 
     def cells() -> str:
-        return "".join(f"\n  {c.find_element(By.CSS_SELECTOR, '.jp-InputPrompt').text} "
-                       f"{[o.text[:300] for o in c.find_elements(By.CSS_SELECTOR, '.jp-OutputArea-output')]}"
-                       for c in css(".jp-CodeCell"))
+        return "".join(
+            f"\n  {c.find_element(By.CSS_SELECTOR, '.jp-InputPrompt').text} "
+            f"{[o.text[:300] for o in c.find_elements(By.CSS_SELECTOR, '.jp-OutputArea-output')]}"
+            for c in css(".jp-CodeCell")
+        )
 
     def finished() -> bool:
         prompts = [p.text.strip() for p in css(".jp-CodeCell .jp-InputPrompt")]
@@ -175,9 +224,15 @@ def _progress_panel(driver, deadline: float):
     """The progress cell's widget box (found through its button)."""
     from selenium.webdriver.common.by import By
 
-    buttons = _until("the progress cell's button", lambda: [
-        b for b in driver.find_elements(By.CSS_SELECTOR, ".jupyter-widgets.widget-button")
-        if b.text.strip() == "Grade this lab now"], deadline)
+    buttons = _until(
+        "the progress cell's button",
+        lambda: [
+            b
+            for b in driver.find_elements(By.CSS_SELECTOR, ".jupyter-widgets.widget-button")
+            if b.text.strip() == "Grade this lab now"
+        ],
+        deadline,
+    )
     return buttons[0].find_element(By.XPATH, "./ancestor::div[contains(@class, 'widget-vbox')][1]")
 
 
@@ -213,8 +268,11 @@ def _instructor_sees_create_assignment(driver, port: int, token: str, deadline: 
     from selenium.webdriver.common.by import By
 
     driver.get(f"http://127.0.0.1:{port}/lab?token={token}")
-    tab = _until("the instructor's Create Assignment sidebar", lambda: driver.find_elements(
-        By.CSS_SELECTOR, ".lm-TabBar-tab[data-id^='nbgrader-create']"), deadline)
+    tab = _until(
+        "the instructor's Create Assignment sidebar",
+        lambda: driver.find_elements(By.CSS_SELECTOR, ".lm-TabBar-tab[data-id^='nbgrader-create']"),
+        deadline,
+    )
     assert tab[0].get_attribute("title") or tab[0].text, tab[0].get_attribute("outerHTML")[:300]
     assert "Nbgrader" in [item.text.strip() for item in driver.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-item")]
 
@@ -223,8 +281,9 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
     from selenium.webdriver.common.by import By
 
     deadline = time.monotonic() + DEADLINE_S
-    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), \
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), (
         "install Chromium and its driver: apt-get install -y chromium chromium-driver (make test does it as root)"
+    )
     write_learner_notebook(tmp_path / "lab01_gemm.ipynb", answer_cells(SOLUTION01))
     _seed_grade(tmp_path / "grades")
     _write_settings(tmp_path / ".settings")
@@ -248,15 +307,20 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
         # merely names an exception (a check saying what must raise ValueError) is not one.
         failed = [o for o in outputs if "Traceback" in o or re.search(r"^\w+(Error|Exception): ", o, re.M)]
         assert not failed, f"a cell failed (screenshot: {SCREENSHOT}): {failed}"
-        passed = [o for o in outputs if re.fullmatch(r"\N{CHECK MARK} lab01\.\w+ passed", o.strip().splitlines()[0])
-                  and "the grader also checks" in o]
+        passed = [
+            o
+            for o in outputs
+            if re.fullmatch(r"\N{CHECK MARK} lab01\.\w+ passed", o.strip().splitlines()[0])
+            and "the grader also checks" in o
+        ]
         assert len(passed) == 4, outputs  # the four visible checks, each saying what the grader still checks
         assert any("GFLOP/s" in o for o in outputs)  # the last cell measured a GEMM with the learner's tools
 
         panel = _progress_panel(driver, deadline)  # a rendered ipywidgets box: text, chart, button
         assert "lab01_gemm: 7/10 points" in panel.text and "lab01.dominant_op_real (wrong result)" in panel.text
-        chart = _until("the progress chart", lambda: panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg"),
-                       deadline)
+        chart = _until(
+            "the progress chart", lambda: panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg"), deadline
+        )
         assert chart[0].size["width"] > 200 and chart[0].size["height"] > 100
         assert len(panel.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .bars .point")) == 8  # 4 tests, 2 bars each
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", panel)
@@ -269,9 +333,11 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
     finally:
         try:
             if driver is not None:
-                driver.save_screenshot(str(SCREENSHOT.with_name("browser_lab_instructor.png"))
-                                       if driver.current_url.startswith(f"http://127.0.0.1:{instructor_port}")
-                                       else str(SCREENSHOT))
+                driver.save_screenshot(
+                    str(SCREENSHOT.with_name("browser_lab_instructor.png"))
+                    if driver.current_url.startswith(f"http://127.0.0.1:{instructor_port}")
+                    else str(SCREENSHOT)
+                )
                 print(f"screenshots: {SCREENSHOT.parent}")
         finally:
             if driver is not None:
@@ -283,8 +349,9 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
 
 def _make_browser(**variables: str) -> subprocess.CompletedProcess:
     args = [f"{name}={value}" for name, value in variables.items()]
-    return subprocess.run(["make", "--no-print-directory", "browser", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        ["make", "--no-print-directory", "browser", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_make_test_gets_the_browser_first(tmp_path):
@@ -313,8 +380,9 @@ def test_site_formulas_render_as_mathml_in_chromium(tmp_path):
 
     from course_tools.site.build import build_site
 
-    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), \
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), (
         "install Chromium and its driver: apt-get install -y chromium chromium-driver (make test does it as root)"
+    )
     (lesson,), _ = build_site(REPO / "notebooks", tmp_path, only={"02"}, execute=False, progress=False)
     screenshot = SCREENSHOT.with_name("browser_site_maths.png")
     screenshot.parent.mkdir(parents=True, exist_ok=True)
@@ -322,15 +390,19 @@ def test_site_formulas_render_as_mathml_in_chromium(tmp_path):
     try:
         driver.get((tmp_path / lesson.page).as_uri())
         formulas = driver.find_elements(By.CSS_SELECTOR, "math[display='block']")
-        written = sum(c.source.count("$$") // 2 for c in nbformat.read(lesson.path, as_version=4).cells
-                      if c.cell_type == "markdown")
+        written = sum(
+            c.source.count("$$") // 2
+            for c in nbformat.read(lesson.path, as_version=4).cells
+            if c.cell_type == "markdown"
+        )
         assert len(formulas) == written > 0, f"{written} display formulas in {lesson.path.name}, {len(formulas)} shown"
         for formula in formulas:
             assert driver.execute_script("return getComputedStyle(arguments[0]).display", formula) == "block math"
             assert formula.size["width"] > 0 and formula.size["height"] > 0, formula.get_attribute("outerHTML")
         fraction = driver.find_element(By.CSS_SELECTOR, "math[display='block'] mfrac")
         numerator, denominator = driver.execute_script(
-            "return Array.from(arguments[0].children, c => c.getBoundingClientRect().toJSON())", fraction)
+            "return Array.from(arguments[0].children, c => c.getBoundingClientRect().toJSON())", fraction
+        )
         assert numerator["bottom"] <= denominator["top"] and numerator["height"] > 0, (numerator, denominator)
         assert abs(numerator["left"] + numerator["width"] / 2 - denominator["left"] - denominator["width"] / 2) < 5
         shown = driver.find_element(By.TAG_NAME, "body").text

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import REPO
+
 from grading.course import PACKAGES
 from grading.run import warm
 from grading.run.execute import execute
 from grading.run.sandbox import Limits
 
-PROBE = '''
+PROBE = """
 import json, os, socket, threading
 from pathlib import Path
 
@@ -63,7 +63,8 @@ status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text
 seen["identity"] = {{**{{k: status[k].split() for k in ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd",
                                                    "CapAmb", "NoNewPrivs", "Seccomp")}},
                     "host": socket.gethostname(), "root": sorted(os.listdir("/")),
-                    "mounts": sorted(line.split()[4].replace(OUTSIDE_ROOT, "<tmp>") + " " + line.split(" - ")[1].split()[0]
+                    "mounts": sorted(line.split()[4].replace(OUTSIDE_ROOT, "<tmp>") + " "
+                                     + line.split(" - ")[1].split()[0]
                                      for line in Path("/proc/self/mountinfo").read_text().splitlines())}}
 release, started = threading.Event(), 0
 try:
@@ -75,7 +76,7 @@ except RuntimeError:
 release.set()
 seen["threads started"] = started
 print("PROBE " + json.dumps({{"seen": seen, "wrote": wrote}}))
-'''
+"""
 
 
 def _probe(tmp_path: Path, limits: Limits, template: Path | None = None) -> dict:
@@ -90,9 +91,17 @@ def _probe(tmp_path: Path, limits: Limits, template: Path | None = None) -> dict
         server.bind(("127.0.0.1", 0))
         server.listen()
         nb = nbformat.v4.new_notebook()
-        nb.cells.append(nbformat.v4.new_code_cell(PROBE.format(repo=str(REPO), outside=str(outside),
-                                                               grader_pid=os.getpid(), template=template,
-                                                               port=server.getsockname()[1])))
+        nb.cells.append(
+            nbformat.v4.new_code_cell(
+                PROBE.format(
+                    repo=str(REPO),
+                    outside=str(outside),
+                    grader_pid=os.getpid(),
+                    template=template,
+                    port=server.getsockname()[1],
+                )
+            )
+        )
         work = tmp_path / "work"
         work.mkdir()
         run = execute(nb, work, parameters={}, env={}, limits=limits, budget=120)
@@ -106,16 +115,25 @@ def _assert_confined(found: dict, tmp_path: Path) -> None:
     seen, wrote = found["seen"], found["wrote"]
     assert not seen["solutions"], "the answer key is visible to the graded kernel"
     assert not seen["other learner"] and not seen["grades"], "other learners' work or the grades are visible"
-    assert seen["course folder"] == sorted([".venv", "grading", "infra_lib"]) or \
-        set(seen["course folder"]) <= {".venv", "grading", "infra_lib"}, seen["course folder"]
+    assert seen["course folder"] == sorted([".venv", "grading", "infra_lib"]) or set(seen["course folder"]) <= {
+        ".venv",
+        "grading",
+        "infra_lib",
+    }, seen["course folder"]
     assert seen["home"] in ([], [".pyenv"]), f"the instructor's home is visible: {seen['home']}"
     # The course root itself is a folder bubblewrap made to hold the read-only parts: read-only when it
     # sits on the view's root, on the kernel's private /tmp when the course lives under /tmp. Either
     # way nothing reaches the real folder (asserted below).
     wrote.pop("_probe.py")
-    assert wrote == {"infra_lib/_probe.py": False, "grading/_probe.py": False, "solutions/_probe.py": False,
-                     "/etc/_probe": False, "/usr/_probe": False, str(tmp_path / "outside" / "_probe"): False,
-                     "scratch": True}
+    assert wrote == {
+        "infra_lib/_probe.py": False,
+        "grading/_probe.py": False,
+        "solutions/_probe.py": False,
+        "/etc/_probe": False,
+        "/usr/_probe": False,
+        str(tmp_path / "outside" / "_probe"): False,
+        "scratch": True,
+    }
     assert (found["work"] / "kernel" / "scratch_file").read_text() == "mine"  # the scratch is the real folder
     for written in ("infra_lib/_probe.py", "grading/_probe.py", "solutions/_probe.py", "_probe.py"):
         assert not (REPO / written).exists(), f"the graded kernel wrote {written} in the course"
@@ -158,15 +176,21 @@ EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 
 
 def _tracked_files() -> dict[str, bytes]:
-    listed = subprocess.run(["git", "ls-files", "-z", *PACKAGES, "solutions", "labs"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", *PACKAGES, "solutions", "labs"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
     return {name: (REPO / name).read_bytes() for name in listed if name and (REPO / name).is_file()}
 
 
 def _git_status() -> str:
     """What git sees changed or added in the course's own folders (a file a kernel wrote shows here)."""
-    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *PACKAGES,
-                           "solutions", "labs"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "--", *PACKAGES, "solutions", "labs"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 def _submit(folder: Path, names: list[str]) -> None:
@@ -179,10 +203,36 @@ def _submit(folder: Path, names: list[str]) -> None:
 def _grade_class(submitted: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # Tight limits keep the hostile entries short (as in tests/test_adversarial.py); most of the
     # corpus's time is waiting on time-outs and sleeping processes, hence more workers than cores.
-    return subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "--submissions", str(submitted),
-                           "--lab", "lab01_gemm", "--out", str(out), "--workers", "3", "--check-timeout", "5",
-                           "--cell-timeout", "15", "--budget", "300", "--max-processes", "16", *extra],
-                          cwd=submitted.parent, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_tools.cli",
+            "grade",
+            "--submissions",
+            str(submitted),
+            "--lab",
+            "lab01_gemm",
+            "--out",
+            str(out),
+            "--workers",
+            "3",
+            "--check-timeout",
+            "5",
+            "--cell-timeout",
+            "15",
+            "--budget",
+            "300",
+            "--max-processes",
+            "16",
+            *extra,
+        ],
+        cwd=submitted.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _flag_problems(row: dict[str, str], expected: dict) -> list[str]:
@@ -191,14 +241,22 @@ def _flag_problems(row: dict[str, str], expected: dict) -> list[str]:
     the classmate named in its copy flag for each task."""
     flags = [flag for flag in row["flags"].split(" | ") if flag]
     problems = [] if row["status"] == expected["status"] else [f"status {row['status']}, not {expected['status']}"]
-    problems += [f"no flag starting {want!r}" for want in expected["flags"] if not any(f.startswith(want) for f in flags)]
+    problems += [
+        f"no flag starting {want!r}" for want in expected["flags"] if not any(f.startswith(want) for f in flags)
+    ]
     kinds = {flag.split(":", 1)[0] for flag in flags}
-    problems += [f"flags of kind {sorted(kinds - {w.split(':', 1)[0] for w in expected['flags']})}"] \
-        if kinds - {w.split(":", 1)[0] for w in expected["flags"]} else []
-    copies = next((flag[len("copy: "):] for flag in flags if flag.startswith("copy: ")), "")
+    problems += (
+        [f"flags of kind {sorted(kinds - {w.split(':', 1)[0] for w in expected['flags']})}"]
+        if kinds - {w.split(":", 1)[0] for w in expected["flags"]}
+        else []
+    )
+    copies = next((flag[len("copy: ") :] for flag in flags if flag.startswith("copy: ")), "")
     by_task = dict(part.split(": ", 1) for part in copies.split("; ") if ": " in part)
-    problems += [f"{task} not flagged as a copy of {other}" for task, other in expected["copy_of"].items()
-                 if f"{other} " not in by_task.get(task, "")]
+    problems += [
+        f"{task} not flagged as a copy of {other}"
+        for task, other in expected["copy_of"].items()
+        if f"{other} " not in by_task.get(task, "")
+    ]
     return problems
 
 
@@ -251,14 +309,18 @@ def test_the_corpus_is_graded_exactly_in_bubblewrap_and_leaves_the_course_untouc
 
     with open(out / "scores.csv", newline="", encoding="utf-8") as f:
         rows = {row["learner"]: row for row in csv.DictReader(f)}
-    wrong_rows = {case["name"]: (problems, rows[case["name"]]["flags"][:400]) for case in EXPECTED
-                  if (problems := _flag_problems(rows[case["name"]], case["class"]))}
+    wrong_rows = {
+        case["name"]: (problems, rows[case["name"]]["flags"][:400])
+        for case in EXPECTED
+        if (problems := _flag_problems(rows[case["name"]], case["class"]))
+    }
     assert not wrong_rows, wrong_rows
     _, (book_path, _) = build_gradebook(tmp_path / "grades")
     with open(book_path, newline="", encoding="utf-8") as f:
         book = {row["learner"]: row for row in csv.DictReader(f)}
-    assert {name: (row["status"], row["flags"]) for name, row in book.items()} == \
-        {name: (row["status"], row["flags"]) for name, row in rows.items()}
+    assert {name: (row["status"], row["flags"]) for name, row in book.items()} == {
+        name: (row["status"], row["flags"]) for name, row in rows.items()
+    }
     assert "blocked" in result.stdout and "flags to look at" in result.stdout
 
 
@@ -283,9 +345,14 @@ def test_what_the_sandbox_takes_away(tmp_path):
 
 def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no bwrap on the PATH
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "--submissions",
-                                         str(tmp_path), "--lab", "lab99", *extra],
-                                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "grade", "--submissions", str(tmp_path), "--lab", "lab99", *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     refused = run()
     assert refused.returncode == 1 and "bwrap (bubblewrap) is not installed" in refused.stderr
     assert "apt-get install bubblewrap" in refused.stderr and "--no-sandbox" in refused.stderr
@@ -294,8 +361,7 @@ def test_submissions_refuse_without_bubblewrap_unless_told(tmp_path):
     assert unsandboxed.returncode == 2 and "no lab named 'lab99'" in unsandboxed.stderr
 
 
-
-REFERENCE_PROBE = '''
+REFERENCE_PROBE = """
 import json, subprocess, sys
 from pathlib import Path
 import infra_lib.timing as timing
@@ -316,7 +382,7 @@ child = subprocess.run([sys.executable, "-c", "import infra_lib.timing as t; t.t
 found["another process"] = (child.stderr.strip().splitlines() or [""])[-1]
 found["rest of the module"] = profiling.profile_op.__name__  # not a reference: unchanged
 print("PROBE " + json.dumps(found))
-'''
+"""
 
 
 def test_the_labs_reference_is_a_stub_in_the_sandbox(tmp_path):
@@ -331,13 +397,21 @@ def test_the_labs_reference_is_a_stub_in_the_sandbox(tmp_path):
     nb.cells.append(nbformat.v4.new_code_cell(REFERENCE_PROBE))
     work = tmp_path / "work"
     work.mkdir()
-    run = execute(nb, work, parameters={}, env={}, limits=Limits(bwrap=True), budget=120,
-                  hidden=hidden_files("lab01_gemm", tmp_path / "hidden"))
+    run = execute(
+        nb,
+        work,
+        parameters={},
+        env={},
+        limits=Limits(bwrap=True),
+        budget=120,
+        hidden=hidden_files("lab01_gemm", tmp_path / "hidden"),
+    )
     assert run.complete, run.reason
     text = "".join(o.get("text", "") for o in run.notebook.cells[0].outputs)
     found = json.loads(text.split("PROBE ", 1)[1])
-    assert found["call"] == ("infra_lib.timing.time_op is the reference for lab01_gemm: it is not available while "
-                             "lab01_gemm is graded"), found
+    assert found["call"] == (
+        "infra_lib.timing.time_op is the reference for lab01_gemm: it is not available while lab01_gemm is graded"
+    ), found
     assert not found["body in the source"] and found["lines"] == len(before.decode().splitlines())
     assert set(found["cached bytecode"]) <= {0}, found
     assert "RuntimeError: infra_lib.timing.time_op is the reference for lab01_gemm" in found["another process"]

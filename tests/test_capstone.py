@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SMOLLM2, wait_until_serving
+
 from course_tools import capstone
 from grading.check import check
 from grading.notebook import BEGIN_SOLUTION, END_SOLUTION, grade_id, is_solution_cell, read_notebook
@@ -51,8 +51,13 @@ def solved_labs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def solved_build(solved_labs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("build") / "capstone"
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "capstone", "build", "--labs", str(solved_labs),
-                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "capstone", "build", "--labs", str(solved_labs), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(" yours ") == 4 and "serve --engine learner" in result.stdout, result.stdout
     return out
@@ -111,8 +116,9 @@ def test_an_unfinished_piece_falls_back_naming_its_task():
         def free(self, ids):
             raise NotImplementedError("lab07 task 2: BlockPool.free")
 
-    pieces, rows = capstone.pieces_from_functions({"lab07_paged_kv": lambda: {"BlockPool": HalfPool}},
-                                                  {"lab07_paged_kv": ("yours", "")})
+    pieces, rows = capstone.pieces_from_functions(
+        {"lab07_paged_kv": lambda: {"BlockPool": HalfPool}}, {"lab07_paged_kv": ("yours", "")}
+    )
     assert "BlockPool" not in pieces
     row = next(r for r in rows if r.piece == "BlockPool")
     assert row.owner == "course" and row.why == "not finished: lab07 task 2: BlockPool.free"
@@ -122,7 +128,9 @@ def test_a_flagged_answer_gives_no_piece(tmp_path):
     labs = tmp_path / "labs"
     (labs / "lab09_spec_quant").mkdir(parents=True)
     nb = json.loads((REPO / "solutions" / "lab09_spec_quant" / "lab09_spec_quant.ipynb").read_text())
-    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "task4_accept_or_resample")
+    cell = next(
+        c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "task4_accept_or_resample"
+    )
     cell["source"] = "from infra_lib.serving.speculative import accept_or_resample\n"
     (labs / "lab09_spec_quant" / "lab09_spec_quant.ipynb").write_text(json.dumps(nb))
     answers = capstone.extract_lab("lab09_spec_quant", labs)
@@ -130,14 +138,43 @@ def test_a_flagged_answer_gives_no_piece(tmp_path):
 
 
 def test_capstone_build_refuses_a_missing_labs_folder(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "capstone", "build", "--labs", str(tmp_path / "no"),
-                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_tools.cli",
+            "capstone",
+            "build",
+            "--labs",
+            str(tmp_path / "no"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "no folder" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serving_the_learner_engine_needs_a_build(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--engine", "learner", "--capstone-dir",
-                             str(tmp_path / "none")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_tools.cli",
+            "serve",
+            "--engine",
+            "learner",
+            "--capstone-dir",
+            str(tmp_path / "none"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "capstone build" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -148,23 +185,52 @@ def test_the_learner_engine_serves_the_openai_client_as_the_course_does(solved_b
     from infra_lib.serving.server import DEFAULT_MODEL_NAME, ServerThread, build_engine, create_app, free_port
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    with ServerThread(create_app(build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=64,
-                                              enable_prefix_caching=False))) as course:
+    with ServerThread(
+        create_app(
+            build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=64, enable_prefix_caching=False)
+        )
+    ) as course:
         client = OpenAI(base_url=f"{course.url}/v1", api_key="unused", max_retries=0)
-        expected = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
-                                                  max_tokens=12).choices[0].message.content
+        expected = (
+            client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0, max_tokens=12)
+            .choices[0]
+            .message.content
+        )
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "course_tools.cli", "serve", "--engine", "learner", "--capstone-dir",
-                                str(solved_build), "--port", str(port), "--max-num-seqs", "4", "--kv-blocks", "64"],
-                               cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "course_tools.cli",
+            "serve",
+            "--engine",
+            "learner",
+            "--capstone-dir",
+            str(solved_build),
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "4",
+            "--kv-blocks",
+            "64",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_until_serving(process, port, tmp_path / "serve.log", "infra-lab serve --engine learner")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        whole = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
-                                               max_tokens=12).choices[0].message.content
-        stream = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0,
-                                                max_tokens=12, stream=True)
+        whole = (
+            client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=question, temperature=0, max_tokens=12)
+            .choices[0]
+            .message.content
+        )
+        stream = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=question, temperature=0, max_tokens=12, stream=True
+        )
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert whole == streamed == expected and "Paris" in whole
         text = (tmp_path / "serve.log").read_text()
@@ -233,16 +299,20 @@ def test_a_grading_reports_the_measured_ratio_and_progress_keeps_its_history(tmp
     for when, ratio in (("2026-12-01T10:00:00+00:00", 0.41), ("2026-12-02T10:00:00+00:00", 0.63)):
         folder = lab / "history" / when.replace(":", "")
         folder.mkdir(parents=True)
-        (folder / "results.json").write_text(json.dumps({"extra_data": {"graded_at": when,
-                                                                        "measures": {"throughput_ratio": ratio}}}))
-    (lab / "results.json").write_text(json.dumps({"extra_data": {"graded_at": "2026-12-03T10:00:00+00:00",
-                                                                 "measures": {"throughput_ratio": 0.85}}}))
+        (folder / "results.json").write_text(
+            json.dumps({"extra_data": {"graded_at": when, "measures": {"throughput_ratio": ratio}}})
+        )
+    (lab / "results.json").write_text(
+        json.dumps({"extra_data": {"graded_at": "2026-12-03T10:00:00+00:00", "measures": {"throughput_ratio": 0.85}}})
+    )
     history = measure_history(lab)
     assert [m["throughput_ratio"] for _, m in history] == [0.41, 0.63, 0.85]
     row = LabProgress("lab16_capstone", 15, 15, 9, 9, measured=history)
     assert "lab16_capstone throughput_ratio: 0.41 -> 0.63 -> 0.85" in progress_table([row])
-    rows = [BatchRow("ada", 15, 15, "graded", 60.0, {"t": 1.0}, measures={"throughput_ratio": 0.853}),
-            BatchRow("bob", 10, 15, "graded", 61.0, {"t": 0.0})]
+    rows = [
+        BatchRow("ada", 15, 15, "graded", 60.0, {"t": 1.0}, measures={"throughput_ratio": 0.853}),
+        BatchRow("bob", 10, 15, "graded", 61.0, {"t": 0.0}),
+    ]
     write_csv(rows, tmp_path / "scores.csv")
     lines = (tmp_path / "scores.csv").read_text().splitlines()
     header = lines[0].split(",")

@@ -52,8 +52,10 @@ def _not_implemented_stub(registered, folder):
     name = registered.task.rsplit(": ", 1)[1]
     params = ", ".join(f"{p}: tl.constexpr" if p.startswith("BLOCK") else p for p in reference.arg_names)
     path = folder / f"stub_{name}.py"  # Triton reads a kernel's source from its file
-    path.write_text(f"import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef {name}({params}):\n"
-                    f"    raise NotImplementedError({registered.task!r})\n")
+    path.write_text(
+        f"import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef {name}({params}):\n"
+        f"    raise NotImplementedError({registered.task!r})\n"
+    )
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -124,12 +126,15 @@ def _right_timer(fn, *, warmup, iters, sync):
     return _no_warmup(fn, warmup=0, iters=iters, sync=sync)
 
 
-@pytest.mark.parametrize("check_id, wrong", [
-    ("lab01.time_op_sync", _median_no_sync),
-    ("lab01.time_op_warmup", _mean_timer),
-    ("lab01.time_op_sync", _mean_timer),
-    ("lab01.time_op_warmup", _no_warmup),
-])
+@pytest.mark.parametrize(
+    "check_id, wrong",
+    [
+        ("lab01.time_op_sync", _median_no_sync),
+        ("lab01.time_op_warmup", _mean_timer),
+        ("lab01.time_op_sync", _mean_timer),
+        ("lab01.time_op_warmup", _no_warmup),
+    ],
+)
 def test_timer_checks_catch_the_classic_mistakes(check_id, wrong):
     with pytest.raises(AssertionError, match="time_op"):
         check(check_id, wrong)
@@ -252,8 +257,9 @@ def _recorded(tmp_path, monkeypatch, check_id, implementation, timeout="60"):
 def test_calling_the_reference_is_recorded_as_a_shortcut(tmp_path, monkeypatch):
     row = _recorded(tmp_path, monkeypatch, "lab01.gemm_flops", profiling.gemm_flops)
     assert row["kind"] == "reference shortcut" and "infra_lib.hardware.flops.gemm_flops" in row["error"]
-    wrapped = _recorded(tmp_path, monkeypatch, "lab01.achieved_tflops",
-                        lambda m, n, k, s: profiling.gemm_flops(m, n, k) / s / 1e12)
+    wrapped = _recorded(
+        tmp_path, monkeypatch, "lab01.achieved_tflops", lambda m, n, k, s: profiling.gemm_flops(m, n, k) / s / 1e12
+    )
     assert wrapped["kind"] == "reference shortcut"
 
 
@@ -279,6 +285,7 @@ def test_a_class_registered_as_reference_stands_for_all_its_methods(tmp_path, mo
 
 def test_a_slow_answer_is_stopped_by_the_check_time_limit(tmp_path, monkeypatch):
     """An answer that waits is stopped by the wall-time limit (three times the processor-time one)."""
+
     def slow(m, n, k):
         try:
             time.sleep(30)
@@ -434,18 +441,25 @@ def test_an_answer_that_raised_is_judged_without_running_the_reference(monkeypat
         calls.append(1)
         return original.reference()
 
-    monkeypatch.setitem(registry._REGISTRY, "lab01.gemm_flops",
-                        dataclasses.replace(original, reference=counted_reference))
+    monkeypatch.setitem(
+        registry._REGISTRY, "lab01.gemm_flops", dataclasses.replace(original, reference=counted_reference)
+    )
 
     def stub(m, n, k):
         raise NotImplementedError("lab01 task 1: gemm_flops")
 
     with pytest.raises(AssertionError, match="not started yet"):
         check("lab01.gemm_flops", stub)
-    cell = TestCell("test_task1_gemm_flops", 2.0, [CheckCall("lab01.gemm_flops", False)], index=6,
-                    answer="task1_gemm_flops")
-    [result] = evaluate([cell], {"lab01.gemm_flops": [Outcome(error="NotImplementedError: lab01 task 1: gemm_flops",
-                                                              kind="error")]}, 0, {}, {})
+    cell = TestCell(
+        "test_task1_gemm_flops", 2.0, [CheckCall("lab01.gemm_flops", False)], index=6, answer="task1_gemm_flops"
+    )
+    [result] = evaluate(
+        [cell],
+        {"lab01.gemm_flops": [Outcome(error="NotImplementedError: lab01 task 1: gemm_flops", kind="error")]},
+        0,
+        {},
+        {},
+    )
     assert result.score == 0 and "not started yet" in result.checks[0].message
     assert calls == [], "the reference ran although no answer produced data"
 
@@ -454,7 +468,7 @@ def test_an_answer_that_raised_is_judged_without_running_the_reference(monkeypat
     assert len(calls) == 2 and result.score == 0, "data is compared with the reference's"
 
 
-_METHOD_SHORTCUT = r'''
+_METHOD_SHORTCUT = r"""
 import sys, tempfile
 from pathlib import Path
 
@@ -512,11 +526,11 @@ except TypeError as error:
 else:
     raise AssertionError("a property was taken for a method")
 print("ok")
-'''
+"""
 
 
 def test_a_shortcut_can_name_one_method_of_a_class_resolved_only_when_used():
-    """"module:Class.method" names that method alone (plain or class method): registering it imports
+    """ "module:Class.method" names that method alone (plain or class method): registering it imports
     nothing, the call monitor and the static scan flag it and not the class's other methods, and the
     sandbox's stub replaces its body alone."""
     import subprocess
@@ -524,6 +538,7 @@ def test_a_shortcut_can_name_one_method_of_a_class_resolved_only_when_used():
 
     from grading.course import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "-c", _METHOD_SHORTCUT], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _METHOD_SHORTCUT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

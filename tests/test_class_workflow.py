@@ -10,10 +10,10 @@ import shutil
 from pathlib import Path
 
 import nbformat
-
 from conftest import LAB01, REPO, SOLUTION01, answer_cells, write_learner_notebook
-from grading.batch import grade_batch
+
 from course_tools.gradebook import build_gradebook
+from grading.batch import grade_batch
 from grading.lab_version import lab_files, lab_version, lab_version_parts
 from grading.run.sandbox import Limits
 
@@ -37,8 +37,16 @@ def test_scores_csv_and_gradebook_for_a_class_of_two_labs(tmp_path):
     (submitted / "dan").mkdir()  # a folder, no notebook
     grades = tmp_path / "grades"
     roster = ["alice", "bob", "carol", "dan"]
-    rows = grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm", source_dir=REPO / "solutions",
-                       limits=LIMITS, workers=2, progress=False, roster=roster)
+    rows = grade_batch(
+        submitted,
+        "lab01_gemm",
+        grades / "lab01_gemm",
+        source_dir=REPO / "solutions",
+        limits=LIMITS,
+        workers=2,
+        progress=False,
+        roster=roster,
+    )
     status = {r.learner: r.status for r in rows}
     assert [r.learner for r in rows] == roster
     assert status == {"alice": "flagged", "bob": "unreadable", "carol": "not submitted", "dan": "not submitted"}
@@ -53,30 +61,63 @@ def test_scores_csv_and_gradebook_for_a_class_of_two_labs(tmp_path):
     assert f"seed {seed}" in (grades / "lab01_gemm" / "alice" / "feedback.md").read_text()
     assert table["alice"]["seed"] == str(seed)
 
-    again = {r.learner: r for r in grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm",
-                                               source_dir=REPO / "solutions", limits=LIMITS, workers=2,
-                                               progress=False, roster=roster)}
+    again = {
+        r.learner: r
+        for r in grade_batch(
+            submitted,
+            "lab01_gemm",
+            grades / "lab01_gemm",
+            source_dir=REPO / "solutions",
+            limits=LIMITS,
+            workers=2,
+            progress=False,
+            roster=roster,
+        )
+    }
     assert again["alice"].cached and again["alice"].seed == seed and again["alice"].seconds > 0
     assert again["bob"].cached and again["bob"].status == "unreadable" and "JSON" in again["bob"].note
-    reseeded = {r.learner: r for r in grade_batch(submitted, "lab01_gemm", grades / "lab01_gemm",
-                                                  source_dir=REPO / "solutions", limits=LIMITS, workers=1,
-                                                  progress=False, seed=seed, roster=roster)}
+    reseeded = {
+        r.learner: r
+        for r in grade_batch(
+            submitted,
+            "lab01_gemm",
+            grades / "lab01_gemm",
+            source_dir=REPO / "solutions",
+            limits=LIMITS,
+            workers=1,
+            progress=False,
+            seed=seed,
+            roster=roster,
+        )
+    }
     assert not reseeded["alice"].cached and reseeded["alice"].seed == seed and reseeded["alice"].score == 10
     kept = sorted((grades / "lab01_gemm" / "alice" / "history").iterdir())
     assert len(kept) == 1 and json.loads((kept[0] / "results.json").read_text())["extra_data"]["seed"] == seed
 
     # A second lab, graded for one learner: the gradebook has every learner for both labs.
     lab02 = REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb"
-    write_learner_notebook(tmp_path / "submitted02" / "alice.ipynb", answer_cells(lab02),
-                           base=REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb")
-    grade_batch(tmp_path / "submitted02", "lab02_roofline", grades / "lab02_roofline", source_dir=REPO / "solutions",
-                limits=LIMITS, workers=1, progress=False)
+    write_learner_notebook(
+        tmp_path / "submitted02" / "alice.ipynb",
+        answer_cells(lab02),
+        base=REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb",
+    )
+    grade_batch(
+        tmp_path / "submitted02",
+        "lab02_roofline",
+        grades / "lab02_roofline",
+        source_dir=REPO / "solutions",
+        limits=LIMITS,
+        workers=1,
+        progress=False,
+    )
     book, written = build_gradebook(grades)
     assert book.labs == ["lab01_gemm", "lab02_roofline"] and book.learners == ["alice", "bob", "carol", "dan"]
     merged = {(row["learner"], row["lab"]): row for row in _csv(written[0])}
     assert len(merged) == 8
     assert merged[("alice", "lab02_roofline")]["status"] in ("graded", "flagged")
-    assert float(merged[("alice", "lab02_roofline")]["score"]) == float(merged[("alice", "lab02_roofline")]["max_score"])
+    assert float(merged[("alice", "lab02_roofline")]["score"]) == float(
+        merged[("alice", "lab02_roofline")]["max_score"]
+    )
     assert merged[("bob", "lab02_roofline")]["status"] == "not submitted"
     with open(written[1], newline="", encoding="utf-8") as f:
         canvas = list(csv.reader(f))
@@ -85,8 +126,14 @@ def test_scores_csv_and_gradebook_for_a_class_of_two_labs(tmp_path):
     assert canvas[2][:6] == ["alice", "", "", "alice", "", "10"] and canvas[3][5:] == ["0", "0"]
 
 
-def _release(source: Path, *, points: float | None = None, rename: tuple[str, str] | None = None,
-             prose: str | None = None, test_code: str | None = None) -> None:
+def _release(
+    source: Path,
+    *,
+    points: float | None = None,
+    rename: tuple[str, str] | None = None,
+    prose: str | None = None,
+    test_code: str | None = None,
+) -> None:
     """Re-release lab 01 in a copy of the instructor notebooks: task 1's points, an answer cell's id,
     a sentence added to the introduction's prose, a line added to task 1's test cell."""
     path = source / "lab01_gemm" / "lab01_gemm.ipynb"
@@ -116,8 +163,10 @@ def test_a_lab_changed_mid_course_regrades_as_described(tmp_path):
     submitted = tmp_path / "submitted"
     write_learner_notebook(submitted / "alice.ipynb", answers)
     out = tmp_path / "grades"
-    grade = lambda: {r.learner: r for r in grade_batch(submitted, "lab01_gemm", out, source_dir=source,
-                                                       limits=LIMITS, workers=1, progress=False)}
+    grade = lambda: {
+        r.learner: r
+        for r in grade_batch(submitted, "lab01_gemm", out, source_dir=source, limits=LIMITS, workers=1, progress=False)
+    }
     assert grade()["alice"].score == 10
     version = lab_version("lab01_gemm", source)
 
@@ -139,8 +188,9 @@ def test_a_lab_changed_mid_course_regrades_as_described(tmp_path):
     feedback = (out / "alice" / "feedback.md").read_text()
     assert "made for an earlier release of this lab" in feedback and "is missing from your notebook" not in feedback
 
-    (source / "lab01_gemm" / "release_notes.json").write_text(json.dumps({"renamed": {"task1_gemm_flops":
-                                                                                      "task1_flops"}}))
+    (source / "lab01_gemm" / "release_notes.json").write_text(
+        json.dumps({"renamed": {"task1_gemm_flops": "task1_flops"}})
+    )
     row = grade()["alice"]
     assert row.status == "flagged" and row.score == 12, row  # flagged: the answers are the solution's
     assert "graded as 'task1_flops'" in (out / "alice" / "feedback.md").read_text()
@@ -156,8 +206,12 @@ def test_the_cache_key_follows_what_a_lab_runs_and_nothing_else(tmp_path):
     key = lambda lab: lab_version(lab, tmp_path / "solutions", root=tmp_path)
     before = {lab: key(lab) for lab in ("lab01_gemm", "lab08_scheduler")}
     files = {str(p.relative_to(tmp_path)) for p in lab_files("lab01_gemm", tmp_path / "solutions", root=tmp_path)}
-    assert {"grading/checks/lab01.py", "infra_lib/timing.py", "infra_lib/hardware/flops.py",
-            "grading/grader.py"} <= files
+    assert {
+        "grading/checks/lab01.py",
+        "infra_lib/timing.py",
+        "infra_lib/hardware/flops.py",
+        "grading/grader.py",
+    } <= files
     assert "infra_lib/serving/engine.py" not in files
 
     engine = tmp_path / "infra_lib" / "serving" / "engine.py"
@@ -169,8 +223,9 @@ def test_the_cache_key_follows_what_a_lab_runs_and_nothing_else(tmp_path):
 
     # A lab's checks may be a package: a course module named only in a string of one of its task
     # modules (a reference target, "module:name") is part of the lab's key too.
-    named = lambda: {str(p.relative_to(tmp_path)) for p in lab_files("lab08_scheduler", tmp_path / "solutions",
-                                                                      root=tmp_path)}
+    named = lambda: {
+        str(p.relative_to(tmp_path)) for p in lab_files("lab08_scheduler", tmp_path / "solutions", root=tmp_path)
+    }
     task = sorted(p for p in (tmp_path / "grading" / "checks" / "lab08").glob("*.py") if p.name != "__init__.py")[-1]
     assert "infra_lib/apps/rag/chunking.py" not in named()
     task.write_text(task.read_text() + '\nNAMED = "infra_lib.apps.rag.chunking:chunk_text"\n')
@@ -220,21 +275,26 @@ def test_canvas_csv_takes_ids_and_sections_from_a_roster(tmp_path, capsys):
         "learner,score,max_score,status,flags,note\n"
         "alice,10,10,flagged,copy: task2_time_op: bob 1.00,\n"
         "bob,0,10,blocked,blocked: the answer key (looked for not found; /solutions/x.ipynb),\n"
-        "zed,4,10,graded,,\n")
+        "zed,4,10,graded,,\n"
+    )
     roster = tmp_path / "roster.csv"
-    roster.write_text("learner,canvas_id,sis_user_id,sis_login_id,section\n"
-                      "bob,1002,S-2,bob@uni.example,Lab B\n"
-                      "alice,1001,S-1,alice@uni.example,Lab A\n"
-                      "carol,1003,,,Lab A\n")
+    roster.write_text(
+        "learner,canvas_id,sis_user_id,sis_login_id,section\n"
+        "bob,1002,S-2,bob@uni.example,Lab B\n"
+        "alice,1001,S-1,alice@uni.example,Lab A\n"
+        "carol,1003,,,Lab A\n"
+    )
     assert main(["gradebook", str(grades), "--roster", str(roster)]) == 0
     said = capsys.readouterr().out
     assert "4 learners x 1 labs" in said and "3 learners, 3 with Canvas or SIS ids" in said, said
     canvas = list(csv.reader((grades / "canvas.csv").open(newline="", encoding="utf-8")))
     assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "lab01_gemm"]
-    assert canvas[2:] == [["bob", "1002", "S-2", "bob@uni.example", "Lab B", "0"],
-                          ["alice", "1001", "S-1", "alice@uni.example", "Lab A", "10"],
-                          ["carol", "1003", "", "carol", "Lab A", "0"],
-                          ["zed", "", "", "zed", "", "4"]]
+    assert canvas[2:] == [
+        ["bob", "1002", "S-2", "bob@uni.example", "Lab B", "0"],
+        ["alice", "1001", "S-1", "alice@uni.example", "Lab A", "10"],
+        ["carol", "1003", "", "carol", "Lab A", "0"],
+        ["zed", "", "", "zed", "", "4"],
+    ]
     book = {row["learner"]: row for row in _csv(grades / "gradebook.csv")}
     assert book["carol"]["status"] == "not submitted" and book["carol"]["score"] == "0"
     assert book["bob"]["flags"].startswith("blocked: the answer key") and book["zed"]["flags"] == ""
@@ -245,8 +305,14 @@ def test_canvas_csv_takes_ids_and_sections_from_a_roster(tmp_path, capsys):
 
     assert read_roster(plain) == ["alice", "bob"] and read_roster(roster) == ["bob", "alice", "carol"]
     assert main(["gradebook", str(grades), "--roster", str(plain)]) == 0
-    assert list(csv.reader((grades / "canvas.csv").open(newline="", encoding="utf-8")))[2] == \
-        ["alice", "", "", "alice", "", "10"]
+    assert list(csv.reader((grades / "canvas.csv").open(newline="", encoding="utf-8")))[2] == [
+        "alice",
+        "",
+        "",
+        "alice",
+        "",
+        "10",
+    ]
     roster.write_text("learner,canvas_id\nbob,1\nbob,2\n")
     assert main(["gradebook", str(grades), "--roster", str(roster)]) != 0
     assert "bob is listed twice with different ids" in capsys.readouterr().err

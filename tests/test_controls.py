@@ -36,4 +36,6 @@ def test_notebooks_never_capture_output_into_widgets():
     for path in NOTEBOOKS + SOLUTIONS + LABS:
         for cell in read_notebook(path).cells:
             if cell.cell_type == "code":
-                assert not capture.search(cell.source), f"{path.name} captures output into a widget:\n{cell.source[:300]}"
+                assert not capture.search(cell.source), (
+                    f"{path.name} captures output into a widget:\n{cell.source[:300]}"
+                )

@@ -7,18 +7,24 @@ import ast
 import importlib.metadata
 import json
 import os
-import subprocess
 import re
+import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from conftest import REPO
+
 from grading.course import PACKAGES
 
 # Imported by none of the course's files but needed all the same: each is a tool the course runs.
-TOOLS = {"jupyterlab": "make lab", "ipykernel": "the notebooks' kernel", "nbgrader": "the instructor's grader",
-         "faiss-cpu": "imported as faiss", "triton": "loaded through infra_lib.kernels.triton_env"}
+TOOLS = {
+    "jupyterlab": "make lab",
+    "ipykernel": "the notebooks' kernel",
+    "nbgrader": "the instructor's grader",
+    "faiss-cpu": "imported as faiss",
+    "triton": "loaded through infra_lib.kernels.triton_env",
+}
 
 
 def _name(requirement: str) -> str:
@@ -72,8 +78,11 @@ def test_every_imported_package_is_declared_and_pinned():
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     runtime = {_name(r) for r in project["dependencies"]}
     test_extra = {_name(r) for r in project["optional-dependencies"]["test"]}
-    pinned = {_name(line) for line in (REPO / "constraints.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")}
+    pinned = {
+        _name(line)
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     course = _distributions(_modules_used([*PACKAGES, "notebooks", "solutions", "benchmarks"]), runtime)
     assert course <= runtime, f"imported by the course but not in [project] dependencies: {sorted(course - runtime)}"
     tests = _distributions(_modules_used(["tests"]), runtime | test_extra)
@@ -100,8 +109,14 @@ def test_make_hands_pips_find_links_to_uv_and_falls_back_to_pip(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     env = {**os.environ, "PIP_FIND_LINKS": str(wheels)}
-    out = subprocess.run(["make", "--dry-run", "--always-make", "--no-print-directory", ".venv"],
-                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "--dry-run", "--always-make", "--no-print-directory", ".venv"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     course = next(line for line in out.splitlines() if '-e ".[test]"' in line)
     uv_part, _, pip_part = course.partition("||")
     assert uv_part.lstrip().startswith(".venv/bin/uv pip install"), course

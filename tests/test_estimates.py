@@ -9,8 +9,8 @@ import math
 import re
 
 import pytest
-
 from conftest import NOTEBOOKS, REPO, SOLUTIONS
+
 from grading.notebook import BEGIN_SOLUTION, END_SOLUTION, grade_id, is_solution_cell, read_notebook
 
 MINUTES_PER_TASK = 10
@@ -76,7 +76,8 @@ def test_a_lab_states_one_estimate_everywhere_by_the_readme_rule(solution):
     lesson, lab = readme_times()[chapter]
     assert intro_minutes(notebook) == want, (
         f"{solution.relative_to(REPO)}: the intro's last line must be 'Estimated time: {want} minutes.' "
-        f"({tasks(notebook)} tasks, {answer_lines(notebook)} lines of reference answer)")
+        f"({tasks(notebook)} tasks, {answer_lines(notebook)} lines of reference answer)"
+    )
     assert lab == want, f"README, chapter {chapter}: the lab's time must be {want} min ('{lesson} + {want} min')"
     released = REPO / "labs" / solution.parent.name / solution.name
     assert intro_minutes(read_notebook(released)) == want, f"{released.relative_to(REPO)}: run `make labs`"
@@ -84,8 +85,9 @@ def test_a_lab_states_one_estimate_everywhere_by_the_readme_rule(solution):
 
 def test_the_readme_states_the_rule_it_is_checked_against():
     readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
-    assert (f"{MINUTES_PER_TASK} minutes per task plus {MINUTES_PER_LINE} minute per line of its reference answer"
-            in readme)
+    assert (
+        f"{MINUTES_PER_TASK} minutes per task plus {MINUTES_PER_LINE} minute per line of its reference answer" in readme
+    )
 
 
 def test_readme_lesson_times_are_the_lessons_own():
@@ -99,14 +101,16 @@ def test_readme_lesson_times_are_the_lessons_own():
         assert lesson == stated, f"README, chapter {path.stem[:2]}: the lesson takes {stated} min, as {path.name} says"
         has_lab = any(p.stem[3:5] == path.stem[:2] for p in SOLUTIONS)
         assert (lab is not None) == has_lab, (
-            f"README, chapter {path.stem[:2]}: 'lesson + lab' for a chapter with a lab, else the lesson's time alone")
+            f"README, chapter {path.stem[:2]}: 'lesson + lab' for a chapter with a lab, else the lesson's time alone"
+        )
 
 
 _HEADER_LAB = re.compile(r"lab: `(lab\d\d_\w+)`(?: \(with chapter \d+\))?, about (\d+) minutes\*")
 
 
-@pytest.mark.parametrize("lesson", [p for p in NOTEBOOKS if "· no lab*" not in p.read_text(encoding="utf-8")],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "lesson", [p for p in NOTEBOOKS if "· no lab*" not in p.read_text(encoding="utf-8")], ids=lambda p: p.stem
+)
 def test_a_lesson_names_its_lab_with_the_same_estimate(lesson):
     """The lesson's header line names its lab and that lab's one estimate (the README rule's)."""
     found = _HEADER_LAB.search(read_notebook(lesson).cells[0].source)
@@ -117,6 +121,7 @@ def test_a_lesson_names_its_lab_with_the_same_estimate(lesson):
 
 
 # --- how long grading takes: a quiet machine's time, scaled to the load the grader sees ----------------------
+
 
 def test_a_grading_estimate_is_a_quiet_machines_and_scales_with_the_load_at_start(tmp_path):
     from grading.grading_times import Load, estimate, record
@@ -129,7 +134,8 @@ def test_a_grading_estimate_is_a_quiet_machines_and_scales_with_the_load_at_star
     busier = estimate("lab15_serving_kernels", grades, table, load=Load(busy=8, cores=2))
     assert busier.endswith("about 35 s at this load (8.0 busy processes on 2 cores)")
     assert estimate("lab15_serving_kernels", grades, table, load=Load(busy=4, cores=16)).endswith(
-        "about 9 s at this load (4.0 busy processes on 16 cores)")  # the same processes weigh less on more cores
+        "about 9 s at this load (4.0 busy processes on 16 cores)"
+    )  # the same processes weigh less on more cores
     quiet = estimate("lab15_serving_kernels", grades, table, load=Load(busy=0.2, cores=2))
     assert quiet == f"{said}; this machine is quiet now (0.2 busy processes on 2 cores)"
 
@@ -137,12 +143,16 @@ def test_a_grading_estimate_is_a_quiet_machines_and_scales_with_the_load_at_star
 def test_a_time_measured_at_load_is_scaled_to_a_quiet_machine_and_the_table_says_how_busy_it_was(tmp_path):
     from grading.grading_times import Load, Measured, estimate, record
 
-    table = record({"lab16_capstone": Measured(120.0, Load(4, 2)), "lab02_roofline": Measured(8.0, Load(0.1, 2))},
-                   tmp_path / "times.json")
+    table = record(
+        {"lab16_capstone": Measured(120.0, Load(4, 2)), "lab02_roofline": Measured(8.0, Load(0.1, 2))},
+        tmp_path / "times.json",
+    )
     written = json.loads(table.read_text())
     assert written["seconds"] == {"lab02_roofline": 8.0, "lab16_capstone": 120.0}
-    assert written["load"] == {"lab02_roofline": {"busy": 0.1, "cores": 2, "quiet": True},
-                               "lab16_capstone": {"busy": 4.0, "cores": 2, "quiet": False}}
+    assert written["load"] == {
+        "lab02_roofline": {"busy": 0.1, "cores": 2, "quiet": True},
+        "lab16_capstone": {"busy": 4.0, "cores": 2, "quiet": False},
+    }
     assert estimate("lab16_capstone", tmp_path, table) == "about 40 s on a quiet machine (as measured for the course)"
     assert estimate("lab02_roofline", tmp_path, table).startswith("about 8 s on a quiet machine")
     record({"lab16_capstone": 45.0}, table)  # a run without a recorded load drops the old run's load
@@ -154,8 +164,11 @@ def test_the_last_grading_here_is_scaled_by_the_load_it_began_at(tmp_path):
 
     table, lab = record({}, tmp_path / "times.json"), tmp_path / "grades" / "lab01_gemm"
     lab.mkdir(parents=True)
-    results = {"execution_time": 60.0, "tests": [{"name": "test_task1", "tags": []}],
-               "extra_data": {"graded_at": "2026-12-06T02:00:00+00:00"}}
+    results = {
+        "execution_time": 60.0,
+        "tests": [{"name": "test_task1", "tags": []}],
+        "extra_data": {"graded_at": "2026-12-06T02:00:00+00:00"},
+    }
     (lab / "results.json").write_text(json.dumps(results))
     assert estimate("lab01_gemm", lab.parent, table) == "about 60 s on a quiet machine (from its last grading here)"
     remember_load(lab, results, Load(2, 2))

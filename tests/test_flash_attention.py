@@ -16,19 +16,25 @@ from infra_lib.kernels.triton_env import interpreter_active, kernel_device, load
 
 triton, tl = load_triton()
 
+from conftest import run_benchmark  # noqa: E402
+
 import infra_lib.kernels.flash_attention as flash_module  # noqa: E402
-from infra_lib.kernels.flash_attention import (attention_reference, flash_attention,  # noqa: E402
-                                               flash_attention_bytes, flash_cached_attention, naive_attention,
-                                               naive_attention_bytes)
+from infra_lib.kernels.flash_attention import (  # noqa: E402
+    attention_reference,
+    flash_attention,
+    flash_attention_bytes,
+    flash_cached_attention,
+    naive_attention,
+    naive_attention_bytes,
+)
 from infra_lib.kernels.oob import check_bounds  # noqa: E402
 from infra_lib.kernels.traffic import count_traffic  # noqa: E402
 
-from conftest import run_benchmark  # noqa: E402
-
 DEVICE = kernel_device()
 TOL = 1e-4 if interpreter_active() else 2e-2
-needs_interpreter = pytest.mark.skipif(not interpreter_active(),
-                                       reason="traffic is counted in the interpreter; on a GPU use Nsight Compute")
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_active(), reason="traffic is counted in the interpreter; on a GPU use Nsight Compute"
+)
 
 
 def qkv(batch, n_heads, n_kv_heads, t, s, head_dim, *, seed=0, dtype=torch.float32):
@@ -50,8 +56,18 @@ def assert_matches_reference(q, k, v, *, causal, tol=TOL, **blocks):
 # --- results ----------------------------------------------------------------------------------------
 
 # (t, s, head_dim, n_heads // n_kv_heads): decode-like t < s and prefill t == s, none a multiple of 16
-ODD_SHAPES = [(1, 1, 16, 1), (1, 5, 24, 2), (5, 5, 16, 4), (1, 17, 24, 1), (5, 17, 16, 2), (17, 17, 24, 4),
-              (1, 33, 16, 4), (17, 33, 24, 1), (33, 33, 16, 2), (5, 33, 24, 4)]
+ODD_SHAPES = [
+    (1, 1, 16, 1),
+    (1, 5, 24, 2),
+    (5, 5, 16, 4),
+    (1, 17, 24, 1),
+    (5, 17, 16, 2),
+    (17, 17, 24, 4),
+    (1, 33, 16, 4),
+    (17, 33, 24, 1),
+    (33, 33, 16, 2),
+    (5, 33, 24, 4),
+]
 
 
 @pytest.mark.parametrize("t, s, head_dim, group", ODD_SHAPES)
@@ -111,8 +127,9 @@ def test_non_contiguous_inputs_are_read_through_their_strides():
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous()) and k.stride(-1) != 1
     for causal in (True, False):
         assert_matches_reference(q, k, v, causal=causal)
-        torch.testing.assert_close(naive_attention(q, k, v, causal=causal),
-                                   attention_reference(q, k, v, causal=causal)[0], atol=TOL, rtol=TOL)
+        torch.testing.assert_close(
+            naive_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal)[0], atol=TOL, rtol=TOL
+        )
 
 
 def test_bad_inputs_give_clear_errors():
@@ -155,8 +172,9 @@ def test_every_launch_stays_in_bounds(monkeypatch):
     k, v = (torch.randn(1, 2, 40, 20, generator=generator).to(DEVICE)[:, :, :23] for _ in range(2))
     for causal in (True, False):
         assert_matches_reference(q, k, v, causal=causal)  # results still land in the caller's tensors
-        torch.testing.assert_close(naive_attention(q, k, v, causal=causal),
-                                   attention_reference(q, k, v, causal=causal)[0], atol=TOL, rtol=TOL)
+        torch.testing.assert_close(
+            naive_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal)[0], atol=TOL, rtol=TOL
+        )
     assert_matches_reference(*qkv(1, 2, 1, 1, 17, 24, seed=8), causal=True)
     names = [name for name, _ in reports]
     assert names.count("flash_attention_kernel") == 3 and names.count("softmax_kernel") == 2
@@ -185,6 +203,7 @@ def test_the_model_decodes_the_same_tokens_with_flash_attention():
 
 # --- traffic ----------------------------------------------------------------------------------------
 
+
 def counted(fn, *args, **kwargs):
     with count_traffic() as traffic:
         fn(*args, **kwargs)
@@ -206,9 +225,10 @@ def test_flash_reads_q_once_and_k_v_once_per_query_block():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("batch, t, s, head_dim, group, dtype", [(2, 5, 17, 24, 2, torch.float32),
-                                                                 (1, 17, 33, 16, 4, torch.float16),
-                                                                 (1, 1, 40, 20, 1, torch.float32)])
+@pytest.mark.parametrize(
+    "batch, t, s, head_dim, group, dtype",
+    [(2, 5, 17, 24, 2, torch.float32), (1, 17, 33, 16, 4, torch.float16), (1, 1, 40, 20, 1, torch.float32)],
+)
 def test_counted_bytes_equal_the_formulas(batch, t, s, head_dim, group, dtype):
     q, k, v = qkv(batch, 4, 4 // group, t, s, head_dim, dtype=dtype)
     size = q.element_size()
@@ -239,11 +259,14 @@ def test_naive_traffic_grows_quadratically_and_flash_with_one_query_block_linear
     moved = {}
     for s in (64, 128):
         q, k, v = qkv(1, 1, 1, s, s, 16, seed=s)
-        moved[s] = {"naive": counted(naive_attention, q, k, v, causal=False),
-                    "flash": counted(flash_attention, q, k, v, causal=False),
-                    "one block": counted(flash_attention, q, k, v, causal=False, block_m=128)}
-        assert moved[s]["naive"].bytes_moved == sum(naive_attention_bytes(1, 1, s, s, 16)[key]
-                                                    for key in ("loaded", "stored"))
+        moved[s] = {
+            "naive": counted(naive_attention, q, k, v, causal=False),
+            "flash": counted(flash_attention, q, k, v, causal=False),
+            "one block": counted(flash_attention, q, k, v, causal=False, block_m=128),
+        }
+        assert moved[s]["naive"].bytes_moved == sum(
+            naive_attention_bytes(1, 1, s, s, 16)[key] for key in ("loaded", "stored")
+        )
         assert moved[s]["flash"].bytes_moved < moved[s]["naive"].bytes_moved / 2
     growth = {name: moved[128][name].bytes_moved / moved[64][name].bytes_moved for name in moved[64]}
     assert 3.8 < growth["naive"] <= 4  # the t x s score matrix, written twice and read twice

@@ -13,13 +13,22 @@ import torch
 pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 
 from conftest import SMOLLM2, run_benchmark  # noqa: E402
+
 from infra_lib.kernels.triton_env import interpreter_active, kernel_device, load_triton  # noqa: E402
 
 triton, tl = load_triton()
 
 from infra_lib.kernels import gemv_q4  # noqa: E402
-from infra_lib.kernels.gemv_q4 import (q4_1_matmul, q4_1_matmul_bytes, q4_1_matmul_launch,  # noqa: E402
-                                       q4_matmul, q4_matmul_bytes, q4_matmul_launch, tile_shape, use_fused_q4)
+from infra_lib.kernels.gemv_q4 import (  # noqa: E402
+    q4_1_matmul,
+    q4_1_matmul_bytes,
+    q4_1_matmul_launch,
+    q4_matmul,
+    q4_matmul_bytes,
+    q4_matmul_launch,
+    tile_shape,
+    use_fused_q4,
+)
 from infra_lib.kernels.matmul import matmul, tiled_matmul_bytes  # noqa: E402
 from infra_lib.kernels.oob import check_bounds  # noqa: E402
 from infra_lib.kernels.traffic import count_traffic  # noqa: E402
@@ -28,8 +37,9 @@ from infra_lib.model.quant import LINEAR_NAMES, Q4_1Linear, QuantLinear, quantiz
 DEVICE = kernel_device()
 TOL = dict(atol=2e-5, rtol=1e-5)  # float32 sums in another order
 HALF_TOL = dict(atol=2e-2, rtol=1e-2)
-needs_interpreter = pytest.mark.skipif(not interpreter_active(),
-                                       reason="traffic is counted in the interpreter; on a GPU use Nsight Compute")
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_active(), reason="traffic is counted in the interpreter; on a GPU use Nsight Compute"
+)
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -67,21 +77,26 @@ def run_checked(launch):
 
 # --- equality with the dequantise-then-matmul layers ---------------------------------------------------
 
+
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("n, k, group_size, bias, block_n", [(48, 96, 32, False, 32), (37, 96, 16, True, 16),
-                                                             (5, 64, 64, False, 64), (37, 96, 6, True, 32)])
+@pytest.mark.parametrize(
+    "n, k, group_size, bias, block_n",
+    [(48, 96, 32, False, 32), (37, 96, 16, True, 16), (5, 64, 64, False, 64), (37, 96, 6, True, 32)],
+)
 def test_q4_matmul_matches_quant_linear(m, n, k, group_size, bias, block_n):
     layer, x = int4_layer(n, k, group_size, bias), randn(m, k, seed=2)
-    torch.testing.assert_close(q4_matmul(x, layer.qweight, layer.scales, group_size, layer.bias, block_n=block_n),
-                               layer(x), **TOL)
+    torch.testing.assert_close(
+        q4_matmul(x, layer.qweight, layer.scales, group_size, layer.bias, block_n=block_n), layer(x), **TOL
+    )
 
 
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("n, k, block_n, k_groups", [(48, 96, 32, None), (37, 96, 16, 2), (37, 64, 64, 1)])
 def test_q4_1_matmul_matches_q4_1_linear(m, n, k, block_n, k_groups):
     layer, x = q4_1_layer(n, k), randn(m, k, seed=3)
-    torch.testing.assert_close(q4_1_matmul(x, layer.d, layer.m, layer.qs, block_n=block_n, k_groups=k_groups),
-                               layer(x), **TOL)
+    torch.testing.assert_close(
+        q4_1_matmul(x, layer.d, layer.m, layer.qs, block_n=block_n, k_groups=k_groups), layer(x), **TOL
+    )
 
 
 def test_multiplying_the_identity_reads_back_each_layers_dequantized_weight():
@@ -114,19 +129,32 @@ def test_half_precision_x():
 
 # --- errors ------------------------------------------------------------------------------------------
 
+
 def test_q4_matmul_errors():
     layer, x = int4_layer(48, 96, 32), randn(1, 96)
     packed, scales = layer.qweight, layer.scales
     cases = [
-        (lambda: q4_matmul(randn(1, 90), packed[:, :45], scales, 32), ValueError,
-         r"x has 90 columns, not a multiple of group_size 32"),
+        (
+            lambda: q4_matmul(randn(1, 90), packed[:, :45], scales, 32),
+            ValueError,
+            r"x has 90 columns, not a multiple of group_size 32",
+        ),
         (lambda: q4_matmul(x, packed, scales, 3), ValueError, r"group_size must be a positive even integer.*got 3"),
-        (lambda: q4_matmul(x, packed.to(torch.int8), scales, 32), TypeError,
-         r"packed has dtype int8; it must be uint8"),
-        (lambda: q4_matmul(randn(1, 64), packed, scales, 32), ValueError,
-         r"packed \[48, 48\] holds 96 weights per row but x has 64 columns"),
-        (lambda: q4_matmul(x, packed, scales[:, :2], 32), ValueError,
-         r"scales has shape \[48, 2\]; expected \[48, 3\]"),
+        (
+            lambda: q4_matmul(x, packed.to(torch.int8), scales, 32),
+            TypeError,
+            r"packed has dtype int8; it must be uint8",
+        ),
+        (
+            lambda: q4_matmul(randn(1, 64), packed, scales, 32),
+            ValueError,
+            r"packed \[48, 48\] holds 96 weights per row but x has 64 columns",
+        ),
+        (
+            lambda: q4_matmul(x, packed, scales[:, :2], 32),
+            ValueError,
+            r"scales has shape \[48, 2\]; expected \[48, 3\]",
+        ),
         (lambda: q4_matmul(x, packed, scales, 32, randn(47)), ValueError, r"bias has 47 elements.*48 output rows"),
         (lambda: q4_matmul(x[0], packed, scales, 32), ValueError, r"x must have 2 dimension\(s\), got shape \[96\]"),
         (lambda: q4_matmul(x.long(), packed, scales, 32), TypeError, r"x has dtype int64"),
@@ -143,10 +171,16 @@ def test_q4_1_matmul_errors():
     layer, x = q4_1_layer(48, 96), randn(1, 96)
     d, m_min, qs = layer.d, layer.m, layer.qs
     cases = [
-        (lambda: q4_1_matmul(randn(1, 48), d, m_min, qs), ValueError,
-         r"x has 48 columns, not a multiple of the Q4_1 block \(32 weights\)"),
-        (lambda: q4_1_matmul(randn(1, 64), d, m_min, qs), ValueError,
-         r"qs has shape \[48, 3, 16\]; for x with 64 columns expected \[n, 2, 16\]"),
+        (
+            lambda: q4_1_matmul(randn(1, 48), d, m_min, qs),
+            ValueError,
+            r"x has 48 columns, not a multiple of the Q4_1 block \(32 weights\)",
+        ),
+        (
+            lambda: q4_1_matmul(randn(1, 64), d, m_min, qs),
+            ValueError,
+            r"qs has shape \[48, 3, 16\]; for x with 64 columns expected \[n, 2, 16\]",
+        ),
         (lambda: q4_1_matmul(x, d[:, :2], m_min, qs), ValueError, r"d has shape \[48, 2\]; expected \[48, 3\]"),
         (lambda: q4_1_matmul(x, d, m_min[:47], qs), ValueError, r"m_min has shape \[47, 3\]; expected \[48, 3\]"),
         (lambda: q4_1_matmul(x, d, m_min, qs.reshape(48, -1)), ValueError, r"qs must have 3 dimension\(s\)"),
@@ -161,6 +195,7 @@ def test_q4_1_matmul_errors():
 
 
 # --- bounds ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_every_launch_stays_in_bounds(m):
@@ -177,6 +212,7 @@ def test_every_launch_stays_in_bounds(m):
 
 
 # --- traffic -----------------------------------------------------------------------------------------
+
 
 @needs_interpreter
 @pytest.mark.parametrize("m", [1, 3])
@@ -224,6 +260,7 @@ def test_q4_1_traffic_is_twenty_bytes_per_block_plus_x(m):
 
 # --- the forward switch ------------------------------------------------------------------------------
 
+
 def tiny_q4_1_model(seed: int):
     """A small random decoder with widths that are whole Q4_1 blocks, its linears in Q4_1."""
     from infra_lib.model.config import LlamaConfig
@@ -231,8 +268,19 @@ def tiny_q4_1_model(seed: int):
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Llama(LlamaConfig(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                                  intermediate_size=128, max_position=64, rope_theta=1000.0))
+        model = Llama(
+            LlamaConfig(
+                vocab_size=96,
+                hidden_size=64,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                head_dim=16,
+                intermediate_size=128,
+                max_position=64,
+                rope_theta=1000.0,
+            )
+        )
         for p in model.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.35)
@@ -303,7 +351,7 @@ def test_smollm2_q4_1_layers_as_stored_match_their_dequantised_forward():
     x = randn(1, 1536, seed=9)
     for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.29.ffn_down.weight"):
         layer = Q4_1Linear.from_gguf_rows(blocks[name]).to(DEVICE)
-        row = x[:, :layer.in_features]
+        row = x[:, : layer.in_features]
         torch.testing.assert_close(q4_1_matmul(row, layer.d, layer.m, layer.qs), layer(row), atol=1e-4, rtol=1e-4)
 
 
@@ -332,6 +380,7 @@ def test_smollm2_decodes_the_same_tokens_through_the_fused_q4_1_kernel(monkeypat
 
 
 # --- the benchmark -----------------------------------------------------------------------------------
+
 
 def test_traffic_benchmark_writes_json(tmp_path):
     result = run_benchmark("q4_gemv_traffic", tmp_path / "q4_gemv_traffic.json")

@@ -19,18 +19,31 @@ from course_tools.gpu.steps import Step, StepFailed, StepSkipped
 
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 GPU_BRANCHES = {
-    "profiling.timing", "profiling.kernels",  # chapter 01: CUDA timing, kernel names in a profile
-    "triton.vector_add", "triton.softmax", "triton.matmul", "triton.rmsnorm",  # chapter 03, compiled
-    "triton.flash_attention", "triton.paged_decode", "triton.gemv_q4",  # the serving kernels, compiled
-    "model.greedy_cuda", "serving.engine_cuda",  # SmolLM2 and the engine on cuda, torch and triton attention
+    "profiling.timing",
+    "profiling.kernels",  # chapter 01: CUDA timing, kernel names in a profile
+    "triton.vector_add",
+    "triton.softmax",
+    "triton.matmul",
+    "triton.rmsnorm",  # chapter 03, compiled
+    "triton.flash_attention",
+    "triton.paged_decode",
+    "triton.gemv_q4",  # the serving kernels, compiled
+    "model.greedy_cuda",
+    "serving.engine_cuda",  # SmolLM2 and the engine on cuda, torch and triton attention
     "training.nccl_all_reduce",  # a collective over NCCL
 }
 
 
 def test_without_a_gpu_it_runs_nothing_says_so_and_exits_0(tmp_path):
     out = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "course_tools.gpu.check", "--out", str(out)], cwd=REPO, env=NO_GPU,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.gpu.check", "--out", str(out)],
+        cwd=REPO,
+        env=NO_GPU,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and "no GPU is present" in lines[0] and "nothing was run" in lines[0], result.stdout
@@ -69,9 +82,13 @@ def _skips(facts, quick):
 
 
 def test_a_failing_step_is_recorded_and_the_steps_after_it_still_run():
-    steps = [Step("first", "passes", _passes, 5), Step("second", "raises", _raises_half_way, 5),
-             Step("third", "fails a check", _fails_a_check, 5), Step("fourth", "skips", _skips, 5),
-             Step("fifth", "passes", _passes, 5)]
+    steps = [
+        Step("first", "passes", _passes, 5),
+        Step("second", "raises", _raises_half_way, 5),
+        Step("third", "fails a check", _fails_a_check, 5),
+        Step("fourth", "skips", _skips, 5),
+        Step("fifth", "passes", _passes, 5),
+    ]
     seen = []
     records = run_steps(steps, quick=True, run_one=run_here, on_record=seen.append)
     assert seen == records
@@ -149,7 +166,10 @@ def test_a_tile_sweep_keeps_the_fastest_config_that_is_right(monkeypatch):
     assert best == {"block": 32}
     sweep = facts["tile_sweep"]["demo"]
     assert sweep["best"] == "demo.tiles(block=32)" and set(sweep["ms"]) == {
-        "demo.tiles(block=16)", "demo.tiles(block=32)", "demo.tiles(block=128)"}
+        "demo.tiles(block=16)",
+        "demo.tiles(block=32)",
+        "demo.tiles(block=128)",
+    }
     assert not facts["cases"]["demo.tiles(block=64)"]["ok"]
     with pytest.raises(StepFailed, match=r"demo.tiles\(block=64\)"):
         require_cases_close(facts)

@@ -9,14 +9,21 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import LAB01, REPO, SOLUTION01, write_learner_notebook
-from grading import grading_times
-from grading.grader import CheckResult, GradeReport, GradingError, grade_notebook, infer_lab, trusted_source
-from grading.grader import TestResult as GradedTest  # (not named Test*: pytest would collect it)
-from grading.grader import unreadable_report
-from grading.notebook import clear_solutions, is_solution_cell, read_notebook, splice
+
 from course_tools.release import lab_ids
+from grading import grading_times
+from grading.grader import (
+    CheckResult,
+    GradeReport,
+    GradingError,
+    grade_notebook,
+    infer_lab,
+    trusted_source,
+    unreadable_report,
+)
+from grading.grader import TestResult as GradedTest  # (not named Test*: pytest would collect it)
+from grading.notebook import clear_solutions, is_solution_cell, read_notebook, splice
 from grading.report import default_out_dir, feedback_markdown, gradescope_results, table, write_reports
 from grading.run.sandbox import Limits
 
@@ -68,10 +75,16 @@ def test_an_answer_that_ignores_the_interrupt_is_stopped(tmp_path, solution_answ
         "        except KeyboardInterrupt:\n"
         "            pass\n"
     )
-    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task4_achieved_tflops=stubborn))
+    path = write_learner_notebook(
+        tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task4_achieved_tflops=stubborn)
+    )
     report = grade_notebook(path, seed=5, limits=Limits(cell_timeout=4, check_timeout=120))
-    assert _scores(report) == {"test_task1_gemm_flops": 2, "test_task2_time_op": 3,
-                               "test_task3_dominant_op": 3, "test_task4_achieved_tflops": 0}
+    assert _scores(report) == {
+        "test_task1_gemm_flops": 2,
+        "test_task2_time_op": 3,
+        "test_task3_dominant_op": 3,
+        "test_task4_achieved_tflops": 0,
+    }
     assert "ignored the interrupt" in report.tests[3].checks[0].message
     assert report.tests[3].checks[0].reason == "time-out"
 
@@ -113,20 +126,29 @@ def test_missing_answer_cell_is_graded_as_the_stub(tmp_path, solution_answers):
 
 
 def test_clear_solutions_matches_what_nbgrader_releases():
-    released = {c.metadata["nbgrader"]["grade_id"]: c.source for c in read_notebook(LAB01).cells
-                if c.metadata.get("nbgrader", {}).get("solution")}
-    trusted = {c.metadata["nbgrader"]["grade_id"]: c.source for c in read_notebook(SOLUTION01).cells
-               if c.metadata.get("nbgrader", {}).get("solution")}
+    released = {
+        c.metadata["nbgrader"]["grade_id"]: c.source
+        for c in read_notebook(LAB01).cells
+        if c.metadata.get("nbgrader", {}).get("solution")
+    }
+    trusted = {
+        c.metadata["nbgrader"]["grade_id"]: c.source
+        for c in read_notebook(SOLUTION01).cells
+        if c.metadata.get("nbgrader", {}).get("solution")
+    }
     assert released.keys() == trusted.keys()
     for gid, source in trusted.items():
         assert clear_solutions(source) == released[gid]
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "not valid notebook JSON"),
-    ('{"cells": 3, "nbformat": 4, "nbformat_minor": 5, "metadata": {}}', "notebook"),
-    ("", "not valid notebook JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid notebook JSON"),
+        ('{"cells": 3, "nbformat": 4, "nbformat_minor": 5, "metadata": {}}', "notebook"),
+        ("", "not valid notebook JSON"),
+    ],
+)
 def test_malformed_notebooks_score_zero_with_a_clear_reason(tmp_path, content, message):
     path = tmp_path / "lab01_gemm.ipynb"
     path.write_text(content)
@@ -173,16 +195,25 @@ def test_lab_is_inferred_from_the_cells_grade_ids_when_no_name_says_it(tmp_path)
         infer_lab(tmp_path / "both.ipynb")
 
     shared = read_notebook(copy)  # only cells whose grade_ids every lab has ("setup", "progress", ...)
-    shared.cells = [cell for cell in shared.cells if cell.metadata.get("nbgrader", {}).get("grade_id") in
-                    {"setup", "progress", "intro"}]
+    shared.cells = [
+        cell
+        for cell in shared.cells
+        if cell.metadata.get("nbgrader", {}).get("grade_id") in {"setup", "progress", "intro"}
+    ]
     nbformat.write(shared, tmp_path / "shared.ipynb")
-    with pytest.raises(GradingError, match=r"none of its cells' grade_ids belong to a lab \(labs: lab01_gemm, .*"
-                                           r"lab16_capstone\); pass --lab LAB_ID"):
+    with pytest.raises(
+        GradingError,
+        match=r"none of its cells' grade_ids belong to a lab \(labs: lab01_gemm, .*"
+        r"lab16_capstone\); pass --lab LAB_ID",
+    ):
         infer_lab(tmp_path / "shared.ipynb")
 
     (tmp_path / "broken.ipynb").write_text('{"cells": [')
-    with pytest.raises(GradingError, match=r"names no lab, and its cells cannot be read .*not valid notebook JSON.*"
-                                           r"pass --lab LAB_ID"):
+    with pytest.raises(
+        GradingError,
+        match=r"names no lab, and its cells cannot be read .*not valid notebook JSON.*"
+        r"pass --lab LAB_ID",
+    ):
         infer_lab(tmp_path / "broken.ipynb")
 
 
@@ -196,13 +227,19 @@ def test_reports_of_any_other_file_go_beside_the_labs_own_record():
 def test_time_estimate_comes_from_the_labs_last_grading_else_the_measured_table(tmp_path):
     table_path = grading_times.record({"lab01_gemm": 31.04}, tmp_path / "times.json")
     grades = tmp_path / "grades"
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 31 s on a quiet machine (as measured for the course)"
+    assert (
+        grading_times.estimate("lab01_gemm", grades, table_path)
+        == "about 31 s on a quiet machine (as measured for the course)"
+    )
     assert grading_times.estimate("lab42_new", grades, table_path) == "no time recorded for lab42_new yet"
 
     check = CheckResult("lab01.gemm_flops", False, False, "lab01.gemm_flops failed", "wrong result")
     graded = GradeReport("lab01_gemm", "alice.ipynb", 1, [GradedTest("test_task1", 0.0, 2.0, [check])], seconds=47.2)
     write_reports(graded, grades / "lab01_gemm" / "alice")
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s on a quiet machine (from its last grading here)"
+    assert (
+        grading_times.estimate("lab01_gemm", grades, table_path)
+        == "about 47 s on a quiet machine (from its last grading here)"
+    )
 
     # Newer records that ran no kernel say nothing of the lab's time: an unreadable notebook, a refusal.
     unreadable = unreadable_report("lab01_gemm", Path("lab01_gemm.ipynb"), read_notebook(SOLUTION01), "bad JSON", 0.01)
@@ -211,7 +248,10 @@ def test_time_estimate_comes_from_the_labs_last_grading_else_the_measured_table(
     (grades / "lab01_gemm" / "refused" / "results.json").write_text('{"score": 0, "max_score": 0, "tests": []}')
     for newer in (grades / "lab01_gemm" / "results.json", grades / "lab01_gemm" / "refused" / "results.json"):
         os.utime(newer, (os.path.getmtime(newer) + 60,) * 2)
-    assert grading_times.estimate("lab01_gemm", grades, table_path) == "about 47 s on a quiet machine (from its last grading here)"
+    assert (
+        grading_times.estimate("lab01_gemm", grades, table_path)
+        == "about 47 s on a quiet machine (from its last grading here)"
+    )
 
     grading_times.record({"lab02_roofline": 12}, table_path)
     assert json.loads(table_path.read_text())["seconds"] == {"lab01_gemm": 31.0, "lab02_roofline": 12.0}
@@ -223,7 +263,7 @@ def test_measured_table_has_every_lab():
     assert all(value > 0 for value in seconds.values())
 
 
-LEARNER_SCRIPT = '''
+LEARNER_SCRIPT = """
 import json, os, sys
 from pathlib import Path
 from grading import tamper
@@ -245,7 +285,7 @@ grades_folder("lab01_gemm", here / "submitted")
 sys.path.insert(0, str(here / "course" / "solutions"))
 import helper_module
 print(json.dumps(sorted(os.listdir(here))))
-'''
+"""
 
 
 def _watched_attempts(tmp_path: Path, sandboxed: bool) -> set[tuple[str, str, str, str]]:
@@ -262,12 +302,23 @@ def _watched_attempts(tmp_path: Path, sandboxed: bool) -> set[tuple[str, str, st
     (tmp_path / "course" / "grading" / "check.py").write_text("original")
     (tmp_path / "learner.py").write_text(LEARNER_SCRIPT)
     record = tmp_path / "answers.jsonl"
-    config = json.loads(tamper.watch_config(str(record), {"solutions": "the answer key",
-                                                          "submitted": "classmates' submissions",
-                                                          "grades": "the class's grades"},
-                                            {}, {str(tmp_path / "course"): "the course's files"}, sandboxed=sandboxed))
-    done = subprocess.run([sys.executable, str(tmp_path / "learner.py"), json.dumps({**config, "here": str(tmp_path)})],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    config = json.loads(
+        tamper.watch_config(
+            str(record),
+            {"solutions": "the answer key", "submitted": "classmates' submissions", "grades": "the class's grades"},
+            {},
+            {str(tmp_path / "course"): "the course's files"},
+            sandboxed=sandboxed,
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "learner.py"), json.dumps({**config, "here": str(tmp_path)})],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     attempts = tamper.read_attempts(record.read_text().splitlines())
     return {(a["what"], a["op"], a["path"].replace(str(tmp_path), "<tmp>"), a["outcome"]) for a in attempts}
@@ -310,23 +361,38 @@ def test_flags_and_status_say_what_the_instructor_should_look_at():
     """One flag per protection that did not hold, per thing reached for (blocked or reached), per
     answer the scan refused and per test that caught one while it ran; the status is the first of
     STATUSES that applies, and no flag changes the score."""
-    from grading.grader import STATUSES, NOT_HELD
+    from grading.grader import NOT_HELD, STATUSES
 
     def check(reason: str, message: str = "") -> CheckResult:
         return CheckResult("lab01.gemm_flops", False, reason == "passed", message, reason)
 
-    tests = [GradedTest("test_task1_gemm_flops", 0.0, 2.0, [check("tampering detected", "answer task1 was not run: it "
-                                                                                          "imports grading (line 1)")]),
-             GradedTest("test_task4_achieved_tflops", 0.0, 2.0, [check("reference shortcut", "called the reference")]),
-             GradedTest("test_task2_time_op", 3.0, 3.0, [check("passed")])]
-    key = [{"what": "the answer key", "op": "looked for", "path": f"/k{i}/solutions/x.ipynb", "outcome": "not found"}
-           for i in range(3)]
-    report = GradeReport("lab01_gemm", "x.ipynb", 1, tests, refused={"task1_gemm_flops": "tampering detected: it imports "
-                                                                                          "grading, line 1"},
-                         attempts=key)
-    assert report.flags == ["blocked: the answer key (looked for not found x3; e.g. /k0/solutions/x.ipynb)",
-                            "refused: task1_gemm_flops (tampering detected: it imports grading, line 1)",
-                            "caught: test_task4_achieved_tflops (reference shortcut)"]
+    tests = [
+        GradedTest(
+            "test_task1_gemm_flops",
+            0.0,
+            2.0,
+            [check("tampering detected", "answer task1 was not run: it imports grading (line 1)")],
+        ),
+        GradedTest("test_task4_achieved_tflops", 0.0, 2.0, [check("reference shortcut", "called the reference")]),
+        GradedTest("test_task2_time_op", 3.0, 3.0, [check("passed")]),
+    ]
+    key = [
+        {"what": "the answer key", "op": "looked for", "path": f"/k{i}/solutions/x.ipynb", "outcome": "not found"}
+        for i in range(3)
+    ]
+    report = GradeReport(
+        "lab01_gemm",
+        "x.ipynb",
+        1,
+        tests,
+        refused={"task1_gemm_flops": "tampering detected: it imports grading, line 1"},
+        attempts=key,
+    )
+    assert report.flags == [
+        "blocked: the answer key (looked for not found x3; e.g. /k0/solutions/x.ipynb)",
+        "refused: task1_gemm_flops (tampering detected: it imports grading, line 1)",
+        "caught: test_task4_achieved_tflops (reference shortcut)",
+    ]
     assert report.status == "refused" and report.score == 3
     found = {**key[0], "path": "/course/solutions/x.ipynb", "outcome": "found"}
     report.attempts = [*key, found]

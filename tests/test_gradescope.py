@@ -15,11 +15,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+
 from course_tools.gradescope_bundle import build_bundle
-from grading.gradescope import (ALLOW_UNSANDBOXED, KERNEL_USER, MISCONFIGURED, PYTHON_ENV, ROOT_ENV, VISIBILITIES,
-                                gradescope_tests, submission_results)
+from grading.gradescope import (
+    ALLOW_UNSANDBOXED,
+    KERNEL_USER,
+    MISCONFIGURED,
+    PYTHON_ENV,
+    ROOT_ENV,
+    VISIBILITIES,
+    gradescope_tests,
+    submission_results,
+)
 
 LAB = "lab01_gemm"
 WRONG_TASK1 = "def gemm_flops(m, n, k):\n    return m * n * k\n"
@@ -64,34 +72,66 @@ def test_bundle_holds_the_scripts_the_course_and_only_this_labs_answer_key(bundl
     assert {"setup.sh", "run_autograder", "pyproject.toml", "constraints.txt", "README.md"} <= names
     assert _mode(infos["run_autograder"]) & 0o111 == 0o111, "run_autograder must be executable in the zip"
     assert _mode(infos["setup.sh"]) & 0o111 == 0o111
-    assert sorted(n for n in names if n.startswith("solutions/")) == [f"solutions/{LAB}/{LAB}.ipynb"], \
+    assert sorted(n for n in names if n.startswith("solutions/")) == [f"solutions/{LAB}/{LAB}.ipynb"], (
         "the bundle must hold this lab's instructor notebook and no other lab's"
+    )
     assert not [n for n in names if "__pycache__" in n or ".ipynb_checkpoints" in n or n.endswith(".pyc")]
-    assert {n.split("/")[0] for n in names} == {"setup.sh", "run_autograder", "pyproject.toml", "constraints.txt",
-                                                 "README.md", "infra_lib", "grading", "solutions"}
-    tracked = subprocess.run(["git", "ls-files", "infra_lib", "grading"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    assert {n.split("/")[0] for n in names} == {
+        "setup.sh",
+        "run_autograder",
+        "pyproject.toml",
+        "constraints.txt",
+        "README.md",
+        "infra_lib",
+        "grading",
+        "solutions",
+    }
+    tracked = subprocess.run(
+        ["git", "ls-files", "infra_lib", "grading"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     missing = [n for n in tracked if (REPO / n).is_file() and n not in names]
     assert not missing, f"course files left out of the bundle: {missing}"
-    tooling = subprocess.run(["git", "ls-files", "course_tools"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    tooling = subprocess.run(
+        ["git", "ls-files", "course_tools"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert tooling and not set(tooling) & names, "the course's tooling has no place in a grader's bundle"
 
 
 def test_bundle_leaves_out_checkpoints_caches_and_other_labs(tmp_path):
     course = tmp_path / "course"
-    planted = ["pyproject.toml", "constraints.txt", "README.md", "infra_lib/__init__.py",
-               "infra_lib/__pycache__/__init__.cpython-311.pyc", "grading/__init__.py", "grading/stray.pyc",
-               "course_tools/__init__.py", "course_tools/cli.py",
-               f"solutions/{LAB}/{LAB}.ipynb", f"solutions/{LAB}/.ipynb_checkpoints/{LAB}-checkpoint.ipynb",
-               "solutions/lab02_roofline/lab02_roofline.ipynb", "labs/lab01_gemm/lab01_gemm.ipynb", "tests/t.py"]
+    planted = [
+        "pyproject.toml",
+        "constraints.txt",
+        "README.md",
+        "infra_lib/__init__.py",
+        "infra_lib/__pycache__/__init__.cpython-311.pyc",
+        "grading/__init__.py",
+        "grading/stray.pyc",
+        "course_tools/__init__.py",
+        "course_tools/cli.py",
+        f"solutions/{LAB}/{LAB}.ipynb",
+        f"solutions/{LAB}/.ipynb_checkpoints/{LAB}-checkpoint.ipynb",
+        "solutions/lab02_roofline/lab02_roofline.ipynb",
+        "labs/lab01_gemm/lab01_gemm.ipynb",
+        "tests/t.py",
+    ]
     for name in planted:
         (course / name).parent.mkdir(parents=True, exist_ok=True)
         (course / name).write_text("x")
     with zipfile.ZipFile(build_bundle(LAB, tmp_path / "out", course=course)) as archive:
         names = sorted(archive.namelist())
-    assert names == sorted(["setup.sh", "run_autograder", "pyproject.toml", "constraints.txt", "README.md",
-                            "infra_lib/__init__.py", "grading/__init__.py", f"solutions/{LAB}/{LAB}.ipynb"])
+    assert names == sorted(
+        [
+            "setup.sh",
+            "run_autograder",
+            "pyproject.toml",
+            "constraints.txt",
+            "README.md",
+            "infra_lib/__init__.py",
+            "grading/__init__.py",
+            f"solutions/{LAB}/{LAB}.ipynb",
+        ]
+    )
     with pytest.raises(ValueError, match="no lab named 'lab42'.*lab01_gemm, lab02_roofline"):
         build_bundle("lab42", tmp_path / "out", course=course)
 
@@ -99,10 +139,19 @@ def test_bundle_leaves_out_checkpoints_caches_and_other_labs(tmp_path):
 def _task(visible_passed: bool, hidden_passed: list[bool], points: float = 3.0):
     from grading.grader import CheckResult, TestResult
 
-    checks = [CheckResult("lab01.gemm_flops", False, visible_passed, f"visible {visible_passed}",
-                          "passed" if visible_passed else "wrong result")]
-    checks += [CheckResult(f"lab01.hidden_{i}", True, ok, f"hidden {i} {ok}", "passed" if ok else "time-out")
-               for i, ok in enumerate(hidden_passed)]
+    checks = [
+        CheckResult(
+            "lab01.gemm_flops",
+            False,
+            visible_passed,
+            f"visible {visible_passed}",
+            "passed" if visible_passed else "wrong result",
+        )
+    ]
+    checks += [
+        CheckResult(f"lab01.hidden_{i}", True, ok, f"hidden {i} {ok}", "passed" if ok else "time-out")
+        for i, ok in enumerate(hidden_passed)
+    ]
     passed = all(c.passed for c in checks)
     return TestResult("test_task1_gemm_flops", points if passed else 0.0, points, checks)
 
@@ -113,8 +162,12 @@ def test_hidden_checks_points_are_held_apart_until_grades_are_published():
     each pair adds up to the course grader's all-or-nothing score."""
     from grading.grader import GradeReport
 
-    cases = {"all pass": (True, [True, True]), "hidden fails": (True, [True, False]),
-             "visible fails": (False, [True, True]), "both fail": (False, [False, True])}
+    cases = {
+        "all pass": (True, [True, True]),
+        "hidden fails": (True, [True, False]),
+        "visible fails": (False, [True, True]),
+        "both fail": (False, [False, True]),
+    }
     pairs = {}
     for name, (visible, hidden) in cases.items():
         test = _task(visible, hidden)
@@ -122,8 +175,11 @@ def test_hidden_checks_points_are_held_apart_until_grades_are_published():
         shown, held = pairs[name]
         assert shown["score"] + held["score"] == test.score, name
         assert (shown["name"], shown["max_score"], shown["visibility"]) == ("test_task1_gemm_flops", 1.0, "visible")
-        assert (held["name"], held["max_score"], held["visibility"]) == \
-            ("test_task1_gemm_flops (hidden checks)", 2.0, "after_published")
+        assert (held["name"], held["max_score"], held["visibility"]) == (
+            "test_task1_gemm_flops (hidden checks)",
+            2.0,
+            "after_published",
+        )
         assert "hidden_" not in shown["output"] and "2 hidden check(s)" in shown["output"], shown["output"]
     assert pairs["all pass"][0] == pairs["hidden fails"][0], "the visible test must not tell a hidden failure"
     assert pairs["visible fails"][0] == pairs["both fail"][0]
@@ -148,8 +204,10 @@ def test_results_score_is_the_sum_of_the_tests_and_the_summary_gives_the_visible
         assert results["max_score"] == sum(t["max_score"] for t in results["tests"]) == report.max_score == 5.0
         assert [t["max_score"] for t in results["tests"]] == [0.67, 1.33, 3.0]
         # the visible share (1 check of 3 in task 1, all of task 2): the same line either way
-        assert results["output"] == ("lab01_gemm: 3.67/3.67 from the visible checks; 1.33 more point(s) rest on "
-                                     "hidden checks, whose results show once grades are published")
+        assert results["output"] == (
+            "lab01_gemm: 3.67/3.67 from the visible checks; 1.33 more point(s) rest on "
+            "hidden checks, whose results show once grades are published"
+        )
 
 
 def test_bundle_scripts_parse_and_setup_installs_the_pinned_course(bundle, tmp_path):
@@ -172,8 +230,15 @@ def _unzip(bundle: Path, source: Path) -> None:
             os.chmod(source / info.filename, _mode(info))
 
 
-def _autograder(bundle: Path, root: Path, files: dict[str, bytes], *, unzip: bool = True,
-                python: str | None = sys.executable, path: Path | None = None) -> subprocess.Popen:
+def _autograder(
+    bundle: Path,
+    root: Path,
+    files: dict[str, bytes],
+    *,
+    unzip: bool = True,
+    python: str | None = sys.executable,
+    path: Path | None = None,
+) -> subprocess.Popen:
     """Start the bundle's run_autograder on ``root`` (an emulated /autograder) with these submitted files.
     ``python``: the interpreter (None: the bundle's own source/.venv, as on Gradescope); ``path``: a
     folder put first on PATH."""
@@ -189,8 +254,14 @@ def _autograder(bundle: Path, root: Path, files: dict[str, bytes], *, unzip: boo
     env.update({ROOT_ENV: str(root), **({PYTHON_ENV: python} if python else {})})
     if path is not None:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
-    return subprocess.Popen([str(root / "source" / "run_autograder")], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [str(root / "source" / "run_autograder")],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _results(process: subprocess.Popen, root: Path) -> dict:
@@ -218,8 +289,14 @@ def test_run_autograder_grades_in_the_sandbox_and_always_writes_results(bundle, 
     results = {name: _results(process, tmp_path / name / "autograder") for name, process in running.items()}
 
     scores = {name: (r["score"], r["max_score"]) for name, r in results.items()}
-    assert scores == {"honest": (10, 10), "wrong": (8, 10), "hostile": (0, 10), "empty": (0, 10), "two": (0, 10),
-                      "malformed": (0, 10)}, {n: r["output"] for n, r in results.items()}
+    assert scores == {
+        "honest": (10, 10),
+        "wrong": (8, 10),
+        "hostile": (0, 10),
+        "empty": (0, 10),
+        "two": (0, 10),
+        "malformed": (0, 10),
+    }, {n: r["output"] for n, r in results.items()}
     for name in ("honest", "wrong", "hostile"):
         extra = results[name]["extra_data"]
         assert extra["course"] == str(tmp_path / name / "autograder" / "source"), "graded with the repository's code"
@@ -230,7 +307,9 @@ def test_run_autograder_grades_in_the_sandbox_and_always_writes_results(bundle, 
         assert test["name"].endswith("(hidden checks)") or "is not defined" in test["output"], test
 
     wrong = {t["name"]: t for t in results["wrong"]["tests"]}
-    assert wrong["test_task1_gemm_flops"]["status"] == "failed" and wrong["test_task1_gemm_flops"]["tags"] == ["wrong result"]
+    assert wrong["test_task1_gemm_flops"]["status"] == "failed" and wrong["test_task1_gemm_flops"]["tags"] == [
+        "wrong result"
+    ]
     assert wrong["test_task1_gemm_flops (hidden checks)"]["visibility"] == "after_published"
     assert wrong["test_task2_time_op"]["score"] + wrong["test_task2_time_op (hidden checks)"]["score"] == 3
     for test in results["honest"]["tests"]:
@@ -294,8 +373,9 @@ def test_run_autograder_refuses_where_bubblewrap_cannot_run(bundle, tmp_path):
     instructor's log says why and what to do. No kernel is started."""
     root = tmp_path / "autograder"
     honest = _notebook(tmp_path, answer_cells(SOLUTION01))
-    results, log = _run(_autograder(bundle, root, {f"{LAB}.ipynb": honest}, path=_no_namespaces(tmp_path / "stub")),
-                        root)
+    results, log = _run(
+        _autograder(bundle, root, {f"{LAB}.ipynb": honest}, path=_no_namespaces(tmp_path / "stub")), root
+    )
     assert results["score"] == 0 and results["max_score"] == 10
     assert results["tests"] and all(t["score"] == 0 and t["status"] == "failed" for t in results["tests"])
     assert {t["output"] for t in results["tests"]} == {results["output"]} == {MISCONFIGURED}
@@ -387,18 +467,32 @@ def test_bubblewrap_hides_the_answer_key_in_the_gradescope_layout(bundle, open_t
     python = _bundle_venv(root / "source", sys.executable)
     scratch = open_tmp / "kernel"
     prefix = subprocess.run(
-        [str(python), "-c", "import json, sys; from grading.run import bwrap; "
-                            "print(json.dumps([sys.prefix, bwrap.kernel_prefix(sys.argv[1])]))", str(scratch)],
-        cwd=root / "source", env={**os.environ, "PYTHONPATH": str(root / "source")},
-        capture_output=True, text=True, check=True)
+        [
+            str(python),
+            "-c",
+            "import json, sys; from grading.run import bwrap; "
+            "print(json.dumps([sys.prefix, bwrap.kernel_prefix(sys.argv[1])]))",
+            str(scratch),
+        ],
+        cwd=root / "source",
+        env={**os.environ, "PYTHONPATH": str(root / "source")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     prefix_of_venv, command = json.loads(prefix.stdout)
     assert prefix_of_venv == str(root / "source" / ".venv")
     key = root / "source" / "solutions" / LAB / f"{LAB}.ipynb"
     assert key.is_file()
-    seen = subprocess.run([*command, "/bin/sh", "-c", f'ls -A "{root}" "{root}/source"; cat "{key}" >/dev/null'],
-                          capture_output=True, text=True)
+    seen = subprocess.run(
+        [*command, "/bin/sh", "-c", f'ls -A "{root}" "{root}/source"; cat "{key}" >/dev/null'],
+        capture_output=True,
+        text=True,
+    )
     assert seen.returncode != 0 and "No such file or directory" in seen.stderr, seen
-    assert seen.stdout.split("\n\n") == [f"{root}:\nsource", f"{root}/source:\n.venv\ngrading\ninfra_lib\n"], seen.stdout
+    assert seen.stdout.split("\n\n") == [f"{root}:\nsource", f"{root}/source:\n.venv\ngrading\ninfra_lib\n"], (
+        seen.stdout
+    )
 
 
 @pytest.fixture
@@ -419,8 +513,9 @@ def packages_open_to_others():
 
 
 @pytest.mark.slow
-def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(open_tmp, tmp_path,
-                                                                            packages_open_to_others):
+def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(
+    open_tmp, tmp_path, packages_open_to_others
+):
     """Built with --allow-unsandboxed, where bubblewrap cannot run: the honest answers score, and the
     answer that reads the key from where Gradescope keeps it meets a permission error (its wrong
     fallback loses task 1: 8 of 10, where the key read would have given 10)."""
@@ -429,8 +524,14 @@ def test_an_opted_out_bundle_grades_as_nobody_and_the_key_stays_out_of_reach(ope
     _unzip(bundle, root / "source")
     _bundle_venv(root / "source", sys.executable, user=KERNEL_USER)
     answers = {**answer_cells(SOLUTION01), "task1_gemm_flops": KEY_READER_OR_WRONG}
-    run = _autograder(bundle, root, {f"{LAB}.ipynb": _notebook(tmp_path, answers)}, unzip=False, python=None,
-                      path=_no_namespaces(tmp_path / "stub"))
+    run = _autograder(
+        bundle,
+        root,
+        {f"{LAB}.ipynb": _notebook(tmp_path, answers)},
+        unzip=False,
+        python=None,
+        path=_no_namespaces(tmp_path / "stub"),
+    )
     results, log = _run(run, root)
 
     assert "REFUSED" not in log, log

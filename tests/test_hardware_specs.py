@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import run_benchmark
+
 from infra_lib.hardware.probes import (
     last_level_cache_bytes,
     measure_add_point,
@@ -145,8 +145,10 @@ def test_bf16_matrix_instructions_reads_the_flags_linux_lists(tmp_path):
     from infra_lib.hardware.probes import bf16_matrix_instructions
 
     x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
-                   "processor\t: 1\nflags\t\t: fpu\n")
+    x86.write_text(
+        "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
+        "processor\t: 1\nflags\t\t: fpu\n"
+    )
     assert bf16_matrix_instructions(str(x86)) == ["AVX512-BF16", "AMX"]
     avx2 = tmp_path / "avx2"
     avx2.write_text("flags\t\t: fpu sse2 avx2 fma\n")

@@ -17,8 +17,11 @@ from grading.course import PACKAGES, REPO_ROOT
 
 # Which package may import which: the tooling uses the grader and the library, the grader the
 # library; nothing imports the tooling, and the library imports neither.
-MAY_IMPORT = {"course_tools": {"course_tools", "grading", "infra_lib"}, "grading": {"grading", "infra_lib"},
-              "infra_lib": {"infra_lib"}}
+MAY_IMPORT = {
+    "course_tools": {"course_tools", "grading", "infra_lib"},
+    "grading": {"grading", "infra_lib"},
+    "infra_lib": {"infra_lib"},
+}
 # infra_lib's layers, lowest first (COURSE.md): a layer imports its own and lower ones only. Modules at
 # the package's top (device, timing, backends...) serve every layer and are not ranked.
 LAYERS = {"hardware": 0, "kernels": 1, "training": 2, "model": 2, "serving": 3, "ops": 4, "apps": 5}
@@ -148,14 +151,25 @@ def test_each_check_is_registered_by_one_module_level_statement():
             if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register"):
                 continue
             check = node.args[0] if len(node.args) == 1 else None
-            named = [k.value.value for k in getattr(check, "keywords", []) if k.arg == "check_id"
-                     and isinstance(k.value, ast.Constant)]
-            if (id(node) not in top or not isinstance(check, ast.Call) or getattr(check.func, "id", None) != "Check"
-                    or check.args or len(named) != 1):
+            named = [
+                k.value.value
+                for k in getattr(check, "keywords", [])
+                if k.arg == "check_id" and isinstance(k.value, ast.Constant)
+            ]
+            if (
+                id(node) not in top
+                or not isinstance(check, ast.Call)
+                or getattr(check.func, "id", None) != "Check"
+                or check.args
+                or len(named) != 1
+            ):
                 stray.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
             ids += named
-        stray += [f"{path.relative_to(REPO_ROOT)}: __getattr__" for node in tree.body
-                  if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+        stray += [
+            f"{path.relative_to(REPO_ROOT)}: __getattr__"
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+        ]
     assert not stray, f"register(...) other than one top-level register(Check(check_id=..., ...)): {stray}"
     assert sorted(ids) == sorted(all_checks())
 
@@ -163,9 +177,13 @@ def test_each_check_is_registered_by_one_module_level_statement():
 def test_the_house_test_sees_a_planted_cycle_and_a_wrong_direction(tmp_path, monkeypatch):
     """The walk itself: a cycle, an upward import inside a function, and a private name are all found."""
     for package, files in {
-        "infra_lib": {"__init__.py": "", "kernels/__init__.py": "", "serving/__init__.py": "",
-                      "kernels/k.py": "def f():\n    from infra_lib.serving import s\n",
-                      "serving/s.py": "from infra_lib.kernels.k import f\nfrom ..kernels.k import _hidden\n"},
+        "infra_lib": {
+            "__init__.py": "",
+            "kernels/__init__.py": "",
+            "serving/__init__.py": "",
+            "kernels/k.py": "def f():\n    from infra_lib.serving import s\n",
+            "serving/s.py": "from infra_lib.kernels.k import f\nfrom ..kernels.k import _hidden\n",
+        },
         "grading": {"__init__.py": "", "a.py": "from grading import b\n", "b.py": "import grading.a\n"},
         "course_tools": {"__init__.py": "", "cli.py": "from grading import a\n"},
     }.items():
@@ -176,8 +194,9 @@ def test_the_house_test_sees_a_planted_cycle_and_a_wrong_direction(tmp_path, mon
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     graph, against, private = _graph()
     assert _cycles(graph) == [["grading.a", "grading.b"], ["infra_lib.kernels.k", "infra_lib.serving.s"]]
-    assert against == ["infra_lib/kernels/k.py:2: infra_lib.kernels.k imports infra_lib.serving.s "
-                       "(layer kernels below serving)"]
+    assert against == [
+        "infra_lib/kernels/k.py:2: infra_lib.kernels.k imports infra_lib.serving.s (layer kernels below serving)"
+    ]
     assert private == ["infra_lib/serving/s.py:2: infra_lib.serving.s takes infra_lib.kernels.k._hidden"]
     (tmp_path / "grading" / "c.py").write_text("def g():\n    from course_tools import cli\n")
     assert "grading/c.py:2: grading.c imports course_tools.cli (grading never imports course_tools)" in _graph()[1]

@@ -104,8 +104,10 @@ def test_first_profile_in_a_process_is_not_skewed(tmp_path):
         "assert 'torch._inductor' not in sys.modules, 'starting the profiler imported torch._inductor'\n"
         "print(t['aten::matmul'] / t['aten::mm'])\n"
     )
-    ratios = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                   check=True).stdout) for _ in range(2)]
+    ratios = [
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+        for _ in range(2)
+    ]
     assert max(ratios) < 0.5, f"aten::matmul self time should be tiny next to aten::mm, ratios {ratios}"
 
 

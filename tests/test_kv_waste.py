@@ -6,14 +6,18 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import REPO, run_benchmark
 
 sys.path.append(str(REPO / "benchmarks"))
 import kv_waste  # noqa: E402  (a script in benchmarks/, importable once that folder is on the path)
 
-NAMES = ["contiguous, max context", "contiguous, exact length", "paged, block size 1", "paged, block size 16",
-         "paged, block size 256"]
+NAMES = [
+    "contiguous, max context",
+    "contiguous, exact length",
+    "paged, block size 1",
+    "paged, block size 16",
+    "paged, block size 256",
+]
 
 
 def test_kv_waste_benchmark_writes_json(tmp_path):
@@ -44,8 +48,12 @@ def test_kv_waste_benchmark_writes_json(tmp_path):
     fractions = [row["token_fraction"] for row in (max_context, exact, page256, page16)]
     assert fractions == sorted(fractions) and len(set(fractions)) == 4, fractions
     assert page16["waste_fraction"] < 0.04
-    assert (max_context["mean_running_saturated"] < exact["mean_running_saturated"] < page256["mean_running_saturated"]
-            < page16["mean_running_saturated"])
+    assert (
+        max_context["mean_running_saturated"]
+        < exact["mean_running_saturated"]
+        < page256["mean_running_saturated"]
+        < page16["mean_running_saturated"]
+    )
     for row in (max_context, exact):
         assert row["preemptions"] == row["recomputed_tokens"] == 0
 

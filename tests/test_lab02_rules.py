@@ -4,6 +4,7 @@ check with a message naming the rule, and the instructor's answer passes."""
 from __future__ import annotations
 
 from conftest import REPO, check_fails, solution_namespace
+
 from grading import check
 
 SOLUTION = REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb"

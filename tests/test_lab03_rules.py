@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 
 from conftest import REPO, check_fails  # noqa: E402
+
 from grading import check  # noqa: E402
 from grading.checks import lab03  # noqa: E402
 from infra_lib.kernels.triton_env import interpreter_active, load_triton  # noqa: E402
@@ -27,23 +28,45 @@ def softmax_with_a_floor(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride,
     x = tl.load(in_ptr + tl.program_id(0) * in_row_stride + cols, mask=cols < n_cols, other=-float("inf"))
     e = tl.exp(x - tl.max(x, axis=0))
     # a floor "to keep later logs finite": it gives every -inf logit a weight after all
-    tl.store(out_ptr + tl.program_id(0) * out_row_stride + cols, tl.maximum(e / tl.sum(e, axis=0), 1e-12),
-             mask=cols < n_cols)
+    tl.store(
+        out_ptr + tl.program_id(0) * out_row_stride + cols, tl.maximum(e / tl.sum(e, axis=0), 1e-12), mask=cols < n_cols
+    )
 
 
 @triton.jit
-def matmul_storing_every_step(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                              stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def matmul_storing_every_step(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside_c = (rows[:, None] < M) & (cols[None, :] < N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
+            mask=(rows[:, None] < M) & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=(k[:, None] < K) & (cols[None, :] < N),
+            other=0.0,
+        )
         acc += tl.dot(a, b)
         # the partial tile goes to C after every step along K instead of once at the end
         tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc, mask=inside_c)
@@ -106,8 +129,10 @@ def test_a_reference_record_without_byte_counts_is_named_as_the_graders_setup():
     assert "wrong form" not in verdict.what
 
 
-_STATED = re.compile(r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+in\s+Triton's\s+interpreter\s+and\s+"
-                     r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+compiled\s+on\s+a\s+GPU")
+_STATED = re.compile(
+    r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+in\s+Triton's\s+interpreter\s+and\s+"
+    r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+compiled\s+on\s+a\s+GPU"
+)
 
 
 def test_each_task_states_the_tolerances_its_value_checks_use():
@@ -115,17 +140,23 @@ def test_each_task_states_the_tolerances_its_value_checks_use():
     value comparisons, interpreted and compiled: the numbers of the check module's table."""
     from grading.notebook import read_notebook
 
-    texts = {cell.metadata["nbgrader"]["grade_id"]: cell.source
-             for cell in read_notebook(REPO / "solutions" / "lab03_triton" / "lab03_triton.ipynb").cells
-             if cell.cell_type == "markdown"}
+    texts = {
+        cell.metadata["nbgrader"]["grade_id"]: cell.source
+        for cell in read_notebook(REPO / "solutions" / "lab03_triton" / "lab03_triton.ipynb").cells
+        if cell.cell_type == "markdown"
+    }
     stated = {"task1_md": "softmax_kernel", "task2_md": "matmul_kernel", "task3_md": "rmsnorm_kernel"}
     assert set(stated.values()) == set(lab03.TOLERANCES)
     for grade_id, kernel in stated.items():
         found = _STATED.findall(texts[grade_id])
         assert len(found) == 1, f"{grade_id} should state its tolerances once, in the fixed form"
         tolerance = lab03.TOLERANCES[kernel]
-        assert tuple(map(float, found[0])) == (tolerance.atol, tolerance.rtol, tolerance.gpu_atol,
-                                               tolerance.gpu_rtol), (grade_id, found[0], tolerance)
+        assert tuple(map(float, found[0])) == (
+            tolerance.atol,
+            tolerance.rtol,
+            tolerance.gpu_atol,
+            tolerance.gpu_rtol,
+        ), (grade_id, found[0], tolerance)
         assert not re.search(r"within \d", texts[grade_id]), f"{grade_id} states a tolerance outside the fixed form"
 
 
@@ -137,19 +168,25 @@ def test_each_value_check_compares_with_its_kernels_tolerances_interpreted_and_c
     from infra_lib.kernels.matmul import matmul_kernel as course_matmul
     from infra_lib.kernels.rmsnorm import rmsnorm_kernel
 
-    for check_id, kernel, name in (("lab03.softmax_odd_shapes", softmax_kernel, "softmax_kernel"),
-                                   ("lab03.matmul_odd_shapes", course_matmul, "matmul_kernel"),
-                                   ("lab03.rmsnorm_odd_shapes", rmsnorm_kernel, "rmsnorm_kernel")):
+    for check_id, kernel, name in (
+        ("lab03.softmax_odd_shapes", softmax_kernel, "softmax_kernel"),
+        ("lab03.matmul_odd_shapes", course_matmul, "matmul_kernel"),
+        ("lab03.rmsnorm_odd_shapes", rmsnorm_kernel, "rmsnorm_kernel"),
+    ):
         registered = get_check(check_id)
         inputs = registered.inputs(INTERACTIVE_SEED)
         expected = drive(registered, kernel, inputs).data
         tolerance = lab03.TOLERANCES[name]
-        for interpreted, atol, rtol in ((True, tolerance.atol, tolerance.rtol),
-                                        (False, tolerance.gpu_atol, tolerance.gpu_rtol)):
+        for interpreted, atol, rtol in (
+            (True, tolerance.atol, tolerance.rtol),
+            (False, tolerance.gpu_atol, tolerance.gpu_rtol),
+        ):
             reference = [{**r, "interpreted": interpreted} for r in expected]
             for factor, passes in ((0.9, True), (1.1, False)):
-                shifted = [{**r, "out": (_shift(r["out"], atol, rtol, factor) if i == len(reference) - 1
-                                         else r["out"])} for i, r in enumerate(reference)]
+                shifted = [
+                    {**r, "out": (_shift(r["out"], atol, rtol, factor) if i == len(reference) - 1 else r["out"])}
+                    for i, r in enumerate(reference)
+                ]
                 verdict = judge(registered, Outcome(data=shifted), Outcome(data=reference), inputs)
                 assert verdict.passed is passes, (check_id, interpreted, factor, verdict.what)
 

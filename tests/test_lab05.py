@@ -17,8 +17,14 @@ from grading.check import RECORD_ENV, SEED_ENV
 from grading.registry import all_checks
 
 SOLUTION = REPO / "solutions" / "lab05_parallel" / "lab05_parallel.ipynb"
-RING_CHECKS = ("lab05.ring_sum", "lab05.ring_sum_more", "lab05.ring_traffic", "lab05.ring_traffic_more",
-               "lab05.ring_any_tensor", "lab05.ring_edges")
+RING_CHECKS = (
+    "lab05.ring_sum",
+    "lab05.ring_sum_more",
+    "lab05.ring_traffic",
+    "lab05.ring_traffic_more",
+    "lab05.ring_any_tensor",
+    "lab05.ring_edges",
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +40,18 @@ _fails = check_fails
 
 # --- task 1: zero_memory_per_device ---------------------------------------------------------------
 
+
 def _zero(formula, validate=True):
     """A calculator with the per-stage ``formula(stage, p, g, k, n)``."""
 
     def zero_memory_per_device(num_params, num_devices, stage, *, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
-        if validate and (stage not in (0, 1, 2, 3) or not isinstance(num_devices, int) or num_devices < 1
-                         or num_params < 0):
+        if validate and (
+            stage not in (0, 1, 2, 3) or not isinstance(num_devices, int) or num_devices < 1 or num_params < 0
+        ):
             raise ValueError("invalid")
-        return formula(stage, param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params,
-                       num_devices)
+        return formula(
+            stage, param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params, num_devices
+        )
 
     return zero_memory_per_device
 
@@ -51,15 +60,20 @@ def _right(stage, p, g, k, n):
     return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
 
 
-@pytest.mark.parametrize("formula, named", [
-    (lambda s, p, g, k, n: (p + g + k) / n if s >= 2 else _right(s, p, g, k, n), "parameters stay whole"),
-    (lambda s, p, g, k, n: _right(s, p, 0, k, n), "left out the gradients"),
-    (lambda s, p, g, k, n: _right(s, p, g, p + g + k, n) if s in (1, 2) else _right(s, p, g, k, n),
-     "whole per-parameter state"),
-    (lambda s, p, g, k, n: _right(s, p, g, k, n) / 1e9, "return bytes, not GB"),
-    (lambda s, p, g, k, n: _right(min(s + 1, 3), p, g, k, n), "that is stage 1's figure"),
-    (lambda s, p, g, k, n: _right(2 if s == 1 else s, p, g, k, n), "gradients are sharded from stage 2"),
-])
+@pytest.mark.parametrize(
+    "formula, named",
+    [
+        (lambda s, p, g, k, n: (p + g + k) / n if s >= 2 else _right(s, p, g, k, n), "parameters stay whole"),
+        (lambda s, p, g, k, n: _right(s, p, 0, k, n), "left out the gradients"),
+        (
+            lambda s, p, g, k, n: _right(s, p, g, p + g + k, n) if s in (1, 2) else _right(s, p, g, k, n),
+            "whole per-parameter state",
+        ),
+        (lambda s, p, g, k, n: _right(s, p, g, k, n) / 1e9, "return bytes, not GB"),
+        (lambda s, p, g, k, n: _right(min(s + 1, 3), p, g, k, n), "that is stage 1's figure"),
+        (lambda s, p, g, k, n: _right(2 if s == 1 else s, p, g, k, n), "gradients are sharded from stage 2"),
+    ],
+)
 def test_task1_mistakes_are_named(formula, named):
     text = _fails("lab05.zero_memory", _zero(formula))
     assert named in text and "expected" in text and "GB)" in text
@@ -69,10 +83,10 @@ def test_task1_ignoring_the_byte_counts_and_validation_are_named():
     def defaults_only(num_params, num_devices, stage, **ignored):
         return _right(stage, 2 * num_params, 2 * num_params, 12 * num_params, num_devices)
 
-    assert "use the param_bytes, grad_bytes and optimizer_bytes passed in" in _fails("lab05.zero_memory",
-                                                                                       defaults_only)
-    text = _fails("lab05.zero_memory_edges", _zero(lambda s, p, g, k, n: _right(min(s, 3), p, g, k, max(n, 1)),
-                                                   validate=False))
+    assert "use the param_bytes, grad_bytes and optimizer_bytes passed in" in _fails("lab05.zero_memory", defaults_only)
+    text = _fails(
+        "lab05.zero_memory_edges", _zero(lambda s, p, g, k, n: _right(min(s, 3), p, g, k, max(n, 1)), validate=False)
+    )
     assert "should raise ValueError on an invalid input" in text and "stage=4" in text
 
 
@@ -80,8 +94,12 @@ def test_task1_integer_arithmetic_passes():
     def integer(num_params, num_devices, stage, *, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
         if stage not in range(4) or type(num_devices) is not int or num_devices < 1 or not num_params >= 0:
             raise ValueError("invalid")
-        sharded = {0: 0, 1: optimizer_bytes, 2: grad_bytes + optimizer_bytes,
-                   3: param_bytes + grad_bytes + optimizer_bytes}[stage]
+        sharded = {
+            0: 0,
+            1: optimizer_bytes,
+            2: grad_bytes + optimizer_bytes,
+            3: param_bytes + grad_bytes + optimizer_bytes,
+        }[stage]
         return (param_bytes + grad_bytes + optimizer_bytes - sharded) * num_params + sharded * num_params / num_devices
 
     check("lab05.zero_memory", integer)
@@ -119,11 +137,18 @@ def test_task1_stage_is_compared_by_value_and_a_nan_is_invalid(solution):
 
 # --- task 2: shard_bounds -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bounds, named", [
-    (lambda n, w, r: (min(r * -(-n // w), n), min((r + 1) * -(-n // w), n)), "as torch.chunk does"),
-    (lambda n, w, r: (r * (n // w), n if r == w - 1 else (r + 1) * (n // w)), "the last rank took all the leftover"),
-    (lambda n, w, r: (r * n / w, (r + 1) * n / w), "use integer arithmetic"),
-])
+
+@pytest.mark.parametrize(
+    "bounds, named",
+    [
+        (lambda n, w, r: (min(r * -(-n // w), n), min((r + 1) * -(-n // w), n)), "as torch.chunk does"),
+        (
+            lambda n, w, r: (r * (n // w), n if r == w - 1 else (r + 1) * (n // w)),
+            "the last rank took all the leftover",
+        ),
+        (lambda n, w, r: (r * n / w, (r + 1) * n / w), "use integer arithmetic"),
+    ],
+)
 def test_task2_mistakes_are_named(bounds, named):
     assert named in _fails("lab05.shard_bounds", bounds)
 
@@ -135,14 +160,26 @@ def test_task2_tensor_split_passes():
         return start, start + sizes[rank]
 
     check("lab05.shard_bounds", from_tensor_split)
-    check("lab05.shard_bounds_more", lambda n, w, r: (r * (n // w) + min(r, n % w),
-                                                      (r + 1) * (n // w) + min(r + 1, n % w)))
+    check(
+        "lab05.shard_bounds_more",
+        lambda n, w, r: (r * (n // w) + min(r, n % w), (r + 1) * (n // w) + min(r + 1, n % w)),
+    )
 
 
 # --- task 3: ring_all_reduce ----------------------------------------------------------------------
 
-def _ring(*, gather=True, average=False, flatten="auto", buffer="like", to_left=False, reduce_steps=None, ret=True,
-          gather_adds=False):
+
+def _ring(
+    *,
+    gather=True,
+    average=False,
+    flatten="auto",
+    buffer="like",
+    to_left=False,
+    reduce_steps=None,
+    ret=True,
+    gather_adds=False,
+):
     """A ring with one deliberate change from the correct one."""
 
     def ring_all_reduce(tensor, comm):
@@ -202,17 +239,20 @@ def test_task3_passing_the_whole_tensor_around_gives_the_sum_but_fails_the_traff
     assert "the whole tensor in each of W - 1 steps" in text
 
 
-@pytest.mark.parametrize("ring, check_id, named", [
-    (_ring(gather=False), "lab05.ring_sum", "that is where the reduce-scatter ends"),
-    (_ring(average=True), "lab05.ring_sum", "averaged instead of summing"),
-    (_ring(reduce_steps=lambda w: 0), "lab05.ring_sum", "nothing was added into it"),
-    (_ring(gather_adds=True), "lab05.ring_sum", "added twice"),
-    (_ring(ret=False), "lab05.ring_sum", "return tensor"),
-    (_ring(flatten="view"), "lab05.ring_any_tensor", "tensor.view(-1) needs a contiguous tensor"),
-    (_ring(flatten="reshape"), "lab05.ring_any_tensor", "reshape(-1) gave you a copy"),
-    (_ring(buffer="float32"), "lab05.ring_any_tensor", "right to float32 precision only"),
-    (_ring(buffer="float32"), "lab05.ring_edges", "torch.empty(n) is float32"),
-])
+@pytest.mark.parametrize(
+    "ring, check_id, named",
+    [
+        (_ring(gather=False), "lab05.ring_sum", "that is where the reduce-scatter ends"),
+        (_ring(average=True), "lab05.ring_sum", "averaged instead of summing"),
+        (_ring(reduce_steps=lambda w: 0), "lab05.ring_sum", "nothing was added into it"),
+        (_ring(gather_adds=True), "lab05.ring_sum", "added twice"),
+        (_ring(ret=False), "lab05.ring_sum", "return tensor"),
+        (_ring(flatten="view"), "lab05.ring_any_tensor", "tensor.view(-1) needs a contiguous tensor"),
+        (_ring(flatten="reshape"), "lab05.ring_any_tensor", "reshape(-1) gave you a copy"),
+        (_ring(buffer="float32"), "lab05.ring_any_tensor", "right to float32 precision only"),
+        (_ring(buffer="float32"), "lab05.ring_edges", "torch.empty(n) is float32"),
+    ],
+)
 def test_task3_mistakes_are_named(ring, check_id, named):
     assert named in _fails(check_id, ring)
 
@@ -276,6 +316,7 @@ def test_task3_a_loop_that_never_ends_is_stopped_and_named():
 def test_task3_a_rank_that_skips_the_exchange_of_an_empty_chunk_is_told_the_number_of_exchanges():
     """With fewer elements than ranks some chunks are empty; leaving their exchange out shifts every later message,
     which surfaces as a size mismatch. The message must name the count of exchanges, not the chunk indices."""
+
     def skips(both: bool):
         def ring_all_reduce(tensor, comm):
             world, rank = comm.world_size, comm.rank
@@ -344,6 +385,7 @@ def test_task3_a_rank_that_raises_is_named():
 
 # --- under the grader -----------------------------------------------------------------------------
 
+
 def test_inputs_are_plain_data_and_the_same_for_the_same_seed():
     for check_id, registered in all_checks().items():
         if check_id.startswith("lab05."):
@@ -353,7 +395,8 @@ def test_inputs_are_plain_data_and_the_same_for_the_same_seed():
 
 
 def test_under_the_grader_answers_are_recorded_and_the_reference_is_a_shortcut_even_on_rank_threads(
-        solution, tmp_path, monkeypatch):
+    solution, tmp_path, monkeypatch
+):
     from infra_lib.training.collectives import ring_all_reduce
     from infra_lib.training.zero import zero_memory_per_device
 
@@ -370,6 +413,7 @@ def test_under_the_grader_answers_are_recorded_and_the_reference_is_a_shortcut_e
 
 
 # --- the lab's last cell --------------------------------------------------------------------------
+
 
 def test_answer_cells_run_on_a_gloo_process_group(solution):
     from grading.checks.lab05 import run_on_process_group
@@ -404,8 +448,14 @@ def test_answer_source_is_the_whole_cell(tmp_path):
 
 # --- tasks 4 to 6: softmax_backward, rms_norm_backward, adamw_update, and training with them -----
 
-NEW_CHECKS = ("lab05.softmax_backward", "lab05.softmax_backward_edges", "lab05.rms_norm_backward",
-              "lab05.rms_norm_backward_edges", "lab05.adamw_update", "lab05.adamw_edges")
+NEW_CHECKS = (
+    "lab05.softmax_backward",
+    "lab05.softmax_backward_edges",
+    "lab05.rms_norm_backward",
+    "lab05.rms_norm_backward_edges",
+    "lab05.adamw_update",
+    "lab05.adamw_edges",
+)
 
 
 def _pieces(solution, **changes) -> dict:
@@ -423,20 +473,27 @@ def test_tasks4_to_6_the_solution_passes_every_check_and_trains_like_the_referen
 def _softmax_mistake(kind):
     def softmax_backward(probs, grad):
         weighted = (grad * probs).sum(-1, keepdim=True)
-        return {"no_sum": probs * grad, "diagonal": grad * probs * (1 - probs),
-                "wrong_dim": probs * (grad - (grad * probs).sum(0, keepdim=True)),
-                "no_p": grad - weighted, "plus_constant": probs * (grad - weighted) + 1e-3}[kind]
+        return {
+            "no_sum": probs * grad,
+            "diagonal": grad * probs * (1 - probs),
+            "wrong_dim": probs * (grad - (grad * probs).sum(0, keepdim=True)),
+            "no_p": grad - weighted,
+            "plus_constant": probs * (grad - weighted) + 1e-3,
+        }[kind]
 
     return softmax_backward
 
 
-@pytest.mark.parametrize("kind, check_id, named", [
-    ("no_sum", "lab05.softmax_backward", "that is probs * grad_probs"),
-    ("diagonal", "lab05.softmax_backward", "only the diagonal of the Jacobian"),
-    ("wrong_dim", "lab05.softmax_backward", "the sum runs over the wrong dim"),
-    ("no_p", "lab05.softmax_backward", "without the factor p_i a masked entry"),
-    ("plus_constant", "lab05.softmax_backward", "nonzero gradient where the probability is exactly 0"),
-])
+@pytest.mark.parametrize(
+    "kind, check_id, named",
+    [
+        ("no_sum", "lab05.softmax_backward", "that is probs * grad_probs"),
+        ("diagonal", "lab05.softmax_backward", "only the diagonal of the Jacobian"),
+        ("wrong_dim", "lab05.softmax_backward", "the sum runs over the wrong dim"),
+        ("no_p", "lab05.softmax_backward", "without the factor p_i a masked entry"),
+        ("plus_constant", "lab05.softmax_backward", "nonzero gradient where the probability is exactly 0"),
+    ],
+)
 def test_task4_mistakes_are_named(kind, check_id, named):
     text = _fails(check_id, _softmax_mistake(kind))
     assert named in text and "on " in text and "“1 · The chain rule as a graph”" in text
@@ -507,12 +564,15 @@ def _rms_mistake(kind):
     return rms_norm_backward
 
 
-@pytest.mark.parametrize("kind, named", [
-    ("constant_rms", "that treats the rms as a constant"),
-    ("no_1_over_d", "the mean's 1/d is missing"),
-    ("not_summed", "grad_weight must be summed over every leading dim"),
-    ("eps_outside", "eps belongs inside the square root"),
-])
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("constant_rms", "that treats the rms as a constant"),
+        ("no_1_over_d", "the mean's 1/d is missing"),
+        ("not_summed", "grad_weight must be summed over every leading dim"),
+        ("eps_outside", "eps belongs inside the square root"),
+    ],
+)
 def test_task5_mistakes_are_named(kind, named):
     text = _fails("lab05.rms_norm_backward", _rms_mistake(kind))
     assert named in text and "on " in text
@@ -527,7 +587,7 @@ def _adamw_mistake(kind):
         step = step + 1 if kind == "from_zero" else step
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        c1, c2 = (1.0, 1.0) if kind == "no_bias_correction" else (1 - beta1 ** step, 1 - beta2 ** step)
+        c1, c2 = (1.0, 1.0) if kind == "no_bias_correction" else (1 - beta1**step, 1 - beta2**step)
         m_hat, v_hat = exp_avg / c1, exp_avg_sq / c2
         denom = (v_hat + eps).sqrt() if kind == "eps_inside" else v_hat.sqrt() + eps
         param.sub_(lr * m_hat / denom)
@@ -535,12 +595,15 @@ def _adamw_mistake(kind):
     return adamw_update
 
 
-@pytest.mark.parametrize("kind, named", [
-    ("no_bias_correction", "need the bias corrections"),
-    ("l2", "that is Adam's L2 penalty"),
-    ("eps_inside", "eps goes outside the square root"),
-    ("from_zero", "step is 1 on the first update"),
-])
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("no_bias_correction", "need the bias corrections"),
+        ("l2", "that is Adam's L2 penalty"),
+        ("eps_inside", "eps goes outside the square root"),
+        ("from_zero", "step is 1 on the first update"),
+    ],
+)
 def test_task6_mistakes_are_named(kind, named):
     text = _fails("lab05.adamw_update", _adamw_mistake(kind))
     assert named in text and "after step" in text
@@ -593,14 +656,20 @@ def test_task6_the_reference_update_is_torchs_adamw():
         assert torch.allclose(exp_avg_sq, optimizer.state[theirs]["exp_avg_sq"], rtol=0, atol=1e-20)
 
 
-@pytest.mark.parametrize("piece, named", [
-    ("adamw_update", "your adamw_update (task 6)"),
-    ("softmax_backward", "your softmax_backward (task 4)"),
-    ("rms_norm_backward", "your rms_norm_backward (task 5)"),
-])
+@pytest.mark.parametrize(
+    "piece, named",
+    [
+        ("adamw_update", "your adamw_update (task 6)"),
+        ("softmax_backward", "your softmax_backward (task 4)"),
+        ("rms_norm_backward", "your rms_norm_backward (task 5)"),
+    ],
+)
 def test_training_catches_a_wrong_piece_and_names_the_step(solution, piece, named):
-    wrong = {"adamw_update": _adamw_mistake("no_bias_correction"), "softmax_backward": _softmax_mistake("diagonal"),
-             "rms_norm_backward": _rms_mistake("eps_outside")}
+    wrong = {
+        "adamw_update": _adamw_mistake("no_bias_correction"),
+        "softmax_backward": _softmax_mistake("diagonal"),
+        "rms_norm_backward": _rms_mistake("eps_outside"),
+    }
     text = _fails("lab05.train_tiny", _pieces(solution, **{piece: wrong[piece]}))
     step = int(text.split("loss curve at step ")[1].split()[0])
     assert step >= 2 and f"the first {step - 1} losses agree, then step {step}'s loss is" in text

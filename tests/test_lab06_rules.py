@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import REPO, answer_cells, check_fails, solution_namespace
+
 from grading import check
 from grading.check import INTERACTIVE_SEED
 from grading.checks.lab06 import _NO_GRAD_HINT, _PREFILL_ONCE_HINT, _TIE_HINT
@@ -52,9 +52,13 @@ def test_copies_made_in_the_default_dtype_fail_the_rule_that_repeat_kv_keeps_xs_
 
 
 def test_a_prompt_fed_a_token_at_a_time_fails_the_rule_that_it_is_prefilled_once():
-    token_by_token = _greedy_decode((
-        "        logits = model(torch.tensor([prompt]), cache, last_only=True)\n",
-        "        for token in prompt:\n            logits = model(torch.tensor([[token]]), cache, last_only=True)\n"))
+    token_by_token = _greedy_decode(
+        (
+            "        logits = model(torch.tensor([prompt]), cache, last_only=True)\n",
+            "        for token in prompt:\n"
+            "            logits = model(torch.tensor([[token]]), cache, last_only=True)\n",
+        )
+    )
     message = check_fails("lab06.greedy_decode", token_by_token)
     assert "greedy_decode called the model another number of times than a cached loop needs" in message, message
     assert f"hint: {_PREFILL_ONCE_HINT}" in message
@@ -68,9 +72,12 @@ def test_a_loop_that_records_gradients_fails_the_rule_to_run_under_inference_mod
 
 
 def test_the_highest_id_on_a_tie_fails_the_rule_that_greedy_takes_the_lowest():
-    highest_on_tie = _greedy_decode((
-        "            token = int(logits[0, -1].argmax())\n",
-        "            token = sorted(range(logits.shape[-1]), key=lambda i: float(logits[0, -1, i]))[-1]\n"))
+    highest_on_tie = _greedy_decode(
+        (
+            "            token = int(logits[0, -1].argmax())\n",
+            "            token = sorted(range(logits.shape[-1]), key=lambda i: float(logits[0, -1, i]))[-1]\n",
+        )
+    )
     check("lab06.greedy_decode", highest_on_tie)  # without ties it is greedy decoding
     message = check_fails("lab06.greedy_decode_stop", highest_on_tie)
     assert "greedy_decode produced different tokens where two logits tie for the highest" in message, message
@@ -78,10 +85,13 @@ def test_the_highest_id_on_a_tie_fails_the_rule_that_greedy_takes_the_lowest():
 
 
 def test_decode_steps_in_a_fresh_cache_fail_the_rule_that_each_call_continues_the_cached_sequence():
-    fresh_cache = _greedy_decode((
-        "            logits = model(torch.tensor([[token]]), cache, last_only=True)\n",
-        "            logits = model(torch.tensor([[token]]), DenseKVCache.for_model(model.config, capacity=4), "
-        "last_only=True)\n"))
+    fresh_cache = _greedy_decode(
+        (
+            "            logits = model(torch.tensor([[token]]), cache, last_only=True)\n",
+            "            logits = model(torch.tensor([[token]]), DenseKVCache.for_model(model.config, capacity=4), "
+            "last_only=True)\n",
+        )
+    )
     message = check_fails("lab06.greedy_decode", fresh_cache)
     assert "greedy_decode fed the model a sequence that does not continue the prompt" in message, message
     assert "model call 2 put token" in message and "at position 0, where the prompt holds" in message
@@ -120,7 +130,7 @@ def test_the_decode_checks_run_no_model_in_the_learners_kernel(answers, monkeypa
         assert learner.data == expected.data
         for record, result in zip(inputs["records"], learner.data):
             prompt_length = result["prompt_length"]
-            assert result["tokens"] == record["path"][prompt_length:prompt_length + len(result["tokens"])]
+            assert result["tokens"] == record["path"][prompt_length : prompt_length + len(result["tokens"])]
             if record["stop_id"] is not None:
                 assert result["tokens"][-1] == record["stop_id"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter, deque
 
 import pytest
-
 from conftest import REPO, check_fails, solution_namespace
+
 from grading import check
 from grading.checks.lab07.pool_replay import Replay
 from grading.checks.lab07.stand_ins import METHOD_TASK, pool_for_task, recording_pool
@@ -17,8 +17,12 @@ from grading.registry import all_checks
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
 # The step-by-step checks of each task (the model checks are task 4's too; see below).
-TASK_CHECKS = {1: ["lab07.allocate", "lab07.allocate_random"], 2: ["lab07.free_lru", "lab07.free_random"],
-               3: ["lab07.fork", "lab07.fork_random"], 4: ["lab07.copy_on_write", "lab07.random_ops"]}
+TASK_CHECKS = {
+    1: ["lab07.allocate", "lab07.allocate_random"],
+    2: ["lab07.free_lru", "lab07.free_random"],
+    3: ["lab07.fork", "lab07.fork_random"],
+    4: ["lab07.copy_on_write", "lab07.random_ops"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +196,9 @@ def test_the_stand_ins_carry_out_the_references_decisions_exactly():
                         getattr(replay, kind)(*args)
                     pool, isolated = pool_for_task(_Bare, 0, [[list(k), d] for k, d in decisions.items()])
                     assert isolated
-                    replay = Replay(pool(session["num_blocks"], session["block_size"]), session["num_blocks"],
-                                    books=True)
+                    replay = Replay(
+                        pool(session["num_blocks"], session["block_size"]), session["num_blocks"], books=True
+                    )
                     for kind, *args in session["ops"]:
                         getattr(replay, kind)(*args)
                     got.append(replay.steps)

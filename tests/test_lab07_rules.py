@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter, deque
 
 import pytest
-
 from conftest import REPO, check_fails, solution_namespace
+
 from grading import check
 from grading.checks.lab07.traces import MISSED
 
@@ -21,8 +21,14 @@ def pool() -> type:
 
 
 def test_the_instructor_pool_passes_the_checks_that_hold_these_rules(pool):
-    for check_id in ("lab07.allocate", "lab07.allocate_random", "lab07.fork", "lab07.fork_random",
-                     "lab07.copy_on_write", "lab07.random_ops"):
+    for check_id in (
+        "lab07.allocate",
+        "lab07.allocate_random",
+        "lab07.fork",
+        "lab07.fork_random",
+        "lab07.copy_on_write",
+        "lab07.random_ops",
+    ):
         check(check_id, pool)
 
 

@@ -8,8 +8,8 @@ import random
 import re
 
 import pytest
-
 from conftest import REPO, answer_cells
+
 from grading import check
 from grading.checks.lab08.forced_steps import drive_forced, scheduler_config, simulate
 from grading.checks.lab08.judging import HINT
@@ -17,11 +17,13 @@ from grading.registry import all_checks
 from infra_lib.serving import Scheduler, SchedulerConfig, SchedulerOutput, SequenceStatus
 
 SOLUTION = REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb"
-PARTS = {1: ["lab08.decode_first", "lab08.decode_first_random"],
-         2: ["lab08.chunked_prefill", "lab08.chunked_prefill_random"],
-         3: ["lab08.preemption", "lab08.preemption_random", "lab08.engine_preemption"],
-         4: ["lab08.engine_tiny_model", "lab08.engine_prefix_cache"],
-         5: ["lab08.records", "lab08.records_random"]}
+PARTS = {
+    1: ["lab08.decode_first", "lab08.decode_first_random"],
+    2: ["lab08.chunked_prefill", "lab08.chunked_prefill_random"],
+    3: ["lab08.preemption", "lab08.preemption_random", "lab08.engine_preemption"],
+    4: ["lab08.engine_tiny_model", "lab08.engine_prefix_cache"],
+    5: ["lab08.records", "lab08.records_random"],
+}
 SIMULATED = [c for part in (1, 2, 3, 5) for c in PARTS[part] if "engine" not in c]
 
 
@@ -31,8 +33,12 @@ def _answer(*edits: tuple[str, str]):
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
-    namespace = {"Scheduler": Scheduler, "SchedulerConfig": SchedulerConfig, "SchedulerOutput": SchedulerOutput,
-                 "SequenceStatus": SequenceStatus}
+    namespace = {
+        "Scheduler": Scheduler,
+        "SchedulerConfig": SchedulerConfig,
+        "SchedulerOutput": SchedulerOutput,
+        "SequenceStatus": SequenceStatus,
+    }
     exec(source, namespace)
     return namespace["schedule"]
 
@@ -72,9 +78,13 @@ def test_a_budget_the_running_sequences_do_not_spend_loses_part_1_only():
 
 
 def test_asking_for_the_whole_prompts_blocks_before_cutting_loses_part_2_only():
-    check_then_cut = _answer(("        n = min(n, budget)\n        if not self.can_admit(seq, n):",
-                              "        if not self.can_admit(seq, n):\n            break\n        n = min(n, budget)\n"
-                              "        if not self.can_admit(seq, n):"))
+    check_then_cut = _answer(
+        (
+            "        n = min(n, budget)\n        if not self.can_admit(seq, n):",
+            "        if not self.can_admit(seq, n):\n            break\n        n = min(n, budget)\n"
+            "        if not self.can_admit(seq, n):",
+        )
+    )
     _only_part_fails(check_then_cut, 2, HINT["cut_first"], "a prompt whose chunk fits was not admitted")
 
 
@@ -84,23 +94,35 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
     ones back at the front in order loses part 2 only; each message shows a sequence admitted past the
     one the reference holds back, both named, with the first come, first served hint."""
     skip_ahead = _answer(
-        ("    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n",
-         "    skipped = []\n    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n"),
-        ("            break  # the whole prompt or nothing\n",
-         "            skipped.append(self.waiting.popleft())  # try the one behind it\n            continue\n"),
-        ("        if not self.can_admit(seq, n):\n            break\n",
-         "        if not self.can_admit(seq, n):\n            skipped.append(self.waiting.popleft())\n"
-         "            continue\n"),
-        ("    return finish_plan(self, out)",
-         "    self.waiting.extendleft(reversed(skipped))\n    return finish_plan(self, out)"))
+        (
+            "    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n",
+            "    skipped = []\n    while self.waiting and not out.preempted:  # 2. admissions, FCFS\n",
+        ),
+        (
+            "            break  # the whole prompt or nothing\n",
+            "            skipped.append(self.waiting.popleft())  # try the one behind it\n            continue\n",
+        ),
+        (
+            "        if not self.can_admit(seq, n):\n            break\n",
+            "        if not self.can_admit(seq, n):\n            skipped.append(self.waiting.popleft())\n"
+            "            continue\n",
+        ),
+        (
+            "    return finish_plan(self, out)",
+            "    self.waiting.extendleft(reversed(skipped))\n    return finish_plan(self, out)",
+        ),
+    )
     failed = _failures(skip_ahead)
     assert set(failed) == {2}, {p: [m.splitlines()[:2] for m in ms] for p, ms in failed.items()}
     for message in failed[2]:
         what = "  a sequence was admitted ahead of one that arrived before it and could not come in"
         assert what in message, message
         assert f"hint: {HINT['fcfs']}" in message, message
-        named = re.search(r"seq (\d+) was admitted ahead of seq (\d+), which the reference holds back \(.*: "
-                          r"seq (\d+) waits\)", message)
+        named = re.search(
+            r"seq (\d+) was admitted ahead of seq (\d+), which the reference holds back \(.*: "
+            r"seq (\d+) waits\)",
+            message,
+        )
         assert named, message
         admitted, held, waits = map(int, named.groups())
         assert held == waits < admitted, message  # the one behind came in, the one that arrived first waits
@@ -109,8 +131,12 @@ def test_admitting_a_later_request_when_the_first_cannot_come_in_loses_part_2_on
 
 
 def test_leaving_out_the_zero_hits_loses_the_records_part_only():
-    no_zeros = _answer(("        out.num_cached_tokens[seq.seq_id] = cached",
-                        "        if cached:\n            out.num_cached_tokens[seq.seq_id] = cached"))
+    no_zeros = _answer(
+        (
+            "        out.num_cached_tokens[seq.seq_id] = cached",
+            "        if cached:\n            out.num_cached_tokens[seq.seq_id] = cached",
+        )
+    )
     _only_part_fails(no_zeros, 5, HINT["cached_record"], "an admission's prefix-cache hit is not recorded")
 
 
@@ -135,8 +161,13 @@ def test_the_recorded_reference_steps_replay_the_reference_schedulers_own_run():
                 class Alone(Scheduler):
                     def schedule(self):
                         out = super().schedule()
-                        alone.append({**out.as_dict(), "running": [s.seq_id for s in self.running],
-                                      "waiting": [s.seq_id for s in self.waiting]})
+                        alone.append(
+                            {
+                                **out.as_dict(),
+                                "running": [s.seq_id for s in self.running],
+                                "waiting": [s.seq_id for s in self.waiting],
+                            }
+                        )
                         return out
 
                 simulate(run, Alone(scheduler_config(run["config"])))
@@ -216,5 +247,7 @@ def test_an_engine_error_on_a_plan_is_blamed_on_the_plan_not_on_the_learners_cod
         assert not verdict.passed and verdict.kind != "error", (check_id, verdict.kind, verdict.what)
         assert "your code raised" not in verdict.what + verdict.detail
         assert "scheduled: expected" in verdict.detail, verdict.detail
-        assert "the engine could not run the plan your scheduler returned (ValueError in the course's engine" \
-            in verdict.detail, verdict.detail
+        assert (
+            "the engine could not run the plan your scheduler returned (ValueError in the course's engine"
+            in verdict.detail
+        ), verdict.detail

@@ -32,11 +32,24 @@ _fails = check_fails
 
 # --- tasks 1 and 2: quantisation ----------------------------------------------------------------------
 
-def _quantize(*, scale_of=lambda groups: groups.abs().amax(-1) / 127, rounding=torch.round, validate=True,
-              refuse_non_finite=True, refuse_bool=True):
+
+def _quantize(
+    *,
+    scale_of=lambda groups: groups.abs().amax(-1) / 127,
+    rounding=torch.round,
+    validate=True,
+    refuse_non_finite=True,
+    refuse_bool=True,
+):
     def quantize(w, group_size):
-        if validate and (not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point()
-                         or type(group_size) not in (int, bool) or group_size < 1 or w.shape[1] % group_size):
+        if validate and (
+            not isinstance(w, torch.Tensor)
+            or w.dim() != 2
+            or not w.is_floating_point()
+            or type(group_size) not in (int, bool)
+            or group_size < 1
+            or w.shape[1] % group_size
+        ):
             raise ValueError("invalid weight or group size")
         if refuse_non_finite and isinstance(w, torch.Tensor) and not torch.isfinite(w).all():
             raise ValueError("w holds nan or inf")
@@ -53,8 +66,15 @@ def _quantize(*, scale_of=lambda groups: groups.abs().amax(-1) / 127, rounding=t
 
 def test_task1_half_up_rounding_and_multiplying_by_the_inverse_scale_pass():
     def half_up(w, group_size):
-        if (type(group_size) is not int or group_size < 1 or not isinstance(w, torch.Tensor) or w.dim() != 2
-                or not w.is_floating_point() or w.shape[1] % group_size or not torch.isfinite(w).all()):
+        if (
+            type(group_size) is not int
+            or group_size < 1
+            or not isinstance(w, torch.Tensor)
+            or w.dim() != 2
+            or not w.is_floating_point()
+            or w.shape[1] % group_size
+            or not torch.isfinite(w).all()
+        ):
             raise ValueError("invalid")
         groups = w.float().reshape(w.shape[0], -1, group_size)
         amax = groups.abs().amax(-1)
@@ -73,11 +93,14 @@ def test_task1_truncation_and_a_missing_division_are_named():
     assert "wrong scales" in text and "divide by 127" in text
 
 
-@pytest.mark.parametrize("scale_of, named", [
-    (lambda g: g.abs().amax(-1) / 128, "you divided by 128"),
-    (lambda g: g.amax(-1) / 127, "ABSOLUTE value"),
-    (lambda g: g.abs().amax(dim=(-1, -2), keepdim=True).squeeze(-1).expand(g.shape[:2]) / 127, "one scale per row"),
-])
+@pytest.mark.parametrize(
+    "scale_of, named",
+    [
+        (lambda g: g.abs().amax(-1) / 128, "you divided by 128"),
+        (lambda g: g.amax(-1) / 127, "ABSOLUTE value"),
+        (lambda g: g.abs().amax(dim=(-1, -2), keepdim=True).squeeze(-1).expand(g.shape[:2]) / 127, "one scale per row"),
+    ],
+)
 def test_task1_wrong_scales_are_named(scale_of, named):
     assert named in _fails("lab09.quantize_int8_llm_rows", _quantize(scale_of=scale_of))
 
@@ -87,10 +110,13 @@ def test_task1_invalid_weights_must_raise_value_error():
     assert "should raise ValueError on an invalid input" in text and "group_size=48" in text
 
 
-@pytest.mark.parametrize("refuse_non_finite, refuse_bool, named", [
-    (False, True, "] = nan), group_size=16: it returned a result"),
-    (True, False, "group_size=True: it returned a result"),
-])
+@pytest.mark.parametrize(
+    "refuse_non_finite, refuse_bool, named",
+    [
+        (False, True, "] = nan), group_size=16: it returned a result"),
+        (True, False, "group_size=True: it returned a result"),
+    ],
+)
 def test_task1_non_finite_weights_and_a_bool_group_size_must_raise(refuse_non_finite, refuse_bool, named):
     """The task states both: a weight holding nan or inf, and group_size=True, raise ValueError."""
     text = _fails("lab09.quantize_int8_edges", _quantize(refuse_non_finite=refuse_non_finite, refuse_bool=refuse_bool))
@@ -119,8 +145,9 @@ def test_task2_a_q_that_is_not_int8_must_raise():
 
 # --- task 3 ------------------------------------------------------------------------------------------
 
+
 def test_task3_gamma_terms_and_a_equal_to_one_are_named():
-    text = _fails("lab09.expected_tokens", lambda a, g: (1 - a ** g) / (1 - a))
+    text = _fails("lab09.expected_tokens", lambda a, g: (1 - a**g) / (1 - a))
     assert "sums gamma terms" in text
     text = _fails("lab09.expected_tokens_edges", lambda a, g: (1 - a ** (g + 1)) / (1 - a))
     assert "ZeroDivisionError" in text and "E = gamma + 1" in text
@@ -128,7 +155,7 @@ def test_task3_gamma_terms_and_a_equal_to_one_are_named():
     def summed(a, g):
         if not 0 <= a <= 1 or g < 0:
             raise ValueError(a)
-        return float(sum(a ** i for i in range(g + 1)))
+        return float(sum(a**i for i in range(g + 1)))
 
     check("lab09.expected_tokens", summed)
     check("lab09.expected_tokens_edges", summed)
@@ -147,6 +174,7 @@ def test_task3_a_negative_gamma_must_raise():
 
 # --- task 4: the acceptance rule ------------------------------------------------------------------------
 
+
 def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=True, upfront=False, uniform="own"):
     """A rule with one deliberate change from the correct one. ``uniform``: "own" (a draw per judged token
     from the generator), "shared" (one draw for the whole step) or "python" (Python's random module)."""
@@ -157,8 +185,11 @@ def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=T
         shared = float(torch.rand((), generator=generator))
         accepted, replacement = [], None
         for i, x in enumerate(draft_tokens):
-            u = {"own": lambda: float(uniforms[i]) if upfront else float(torch.rand((), generator=generator)),
-                 "shared": lambda: shared, "python": random.random}[uniform]()
+            u = {
+                "own": lambda: float(uniforms[i]) if upfront else float(torch.rand((), generator=generator)),
+                "shared": lambda: shared,
+                "python": random.random,
+            }[uniform]()
             ratio = float(p[i, x]) / float(q[i, x])
             if {"ratio": u < ratio, "reversed": u > ratio, "swapped": u * ratio < 1}[accept]:  # swapped: u < q / p
                 accepted.append(x)
@@ -182,8 +213,13 @@ def _rule(*, accept="ratio", resample="residual", bonus="p", stop_at_rejection=T
 
 def test_task4_a_correct_rule_with_its_own_random_draws_passes_every_check(solution):
     rule = _rule(upfront=True)  # the same rule, consuming the generator in another order
-    for check_id in ("lab09.accept_greedy", "lab09.accept_distribution", "lab09.accept_distribution_more",
-                     "lab09.accept_own_generator", "lab09.speculative_greedy"):
+    for check_id in (
+        "lab09.accept_greedy",
+        "lab09.accept_distribution",
+        "lab09.accept_distribution_more",
+        "lab09.accept_own_generator",
+        "lab09.speculative_greedy",
+    ):
         check(check_id, rule)
 
 
@@ -301,6 +337,7 @@ def test_under_the_grader_honest_answers_record_data_and_the_reference_is_a_shor
 
 # --- rules each task states, each held by a check --------------------------------------------------------
 
+
 def test_task1_a_group_size_that_is_no_positive_int_must_raise():
     def quantize(w, group_size):  # checks everything but the group size's type and sign
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or not torch.isfinite(w).all():
@@ -317,7 +354,7 @@ def test_task2_a_group_size_that_does_not_divide_the_row_must_raise():
     def dequantize(q, scales, group_size):
         if q.dtype != torch.int8 or scales.shape != (q.shape[0], q.shape[1] // group_size):
             raise ValueError("scales do not fit q")
-        return (q.float()[:, :scales.shape[1] * group_size] * scales.repeat_interleave(group_size, 1))
+        return q.float()[:, : scales.shape[1] * group_size] * scales.repeat_interleave(group_size, 1)
 
     text = _fails("lab09.dequantize_roundtrip", dequantize)
     assert "should raise ValueError on an invalid input" in text and "group_size=48" in text

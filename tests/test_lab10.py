@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import REPO, check_fails, solution_namespace
+
 from grading import check
 from grading.check import RECORD_ENV, SEED_ENV
 from grading.registry import all_checks
@@ -23,8 +23,9 @@ def solution() -> dict:
     from infra_lib.ops.latency import RequestTiming
     from infra_lib.ops.llmops import RolloutPolicy, Served, VersionCard
 
-    return solution_namespace(SOLUTION, RequestTiming=RequestTiming, RolloutPolicy=RolloutPolicy, Served=Served,
-                              VersionCard=VersionCard)
+    return solution_namespace(
+        SOLUTION, RequestTiming=RequestTiming, RolloutPolicy=RolloutPolicy, Served=Served, VersionCard=VersionCard
+    )
 
 
 _fails = check_fails
@@ -81,6 +82,7 @@ def test_task4_nearest_rank_and_unchecked_p_are_caught():
 def _contract(reading):
     """A percentile that keeps the contract's edges (p outside [0, 100] raises, no values give nan) and reads
     the values with ``reading(values, p)``."""
+
     def percentile(values, p):
         if not 0 <= p <= 100:
             raise ValueError(p)
@@ -89,13 +91,20 @@ def _contract(reading):
     return percentile
 
 
-@pytest.mark.parametrize("reading, says", [
-    (lambda xs, p: np.interp((len(xs) - 1) * p / 100, range(len(xs)), xs),
-     "you interpolated between the values in the order given: sort them first"),
-    (lambda xs, p: np.interp(min(len(xs) * p / 100, len(xs) - 1), range(len(xs)), sorted(xs)),
-     "not n * p / 100"),
-    (lambda xs, p: np.percentile(xs, p, method="weibull"), "as statistics.quantiles' default (exclusive) method does"),
-])
+@pytest.mark.parametrize(
+    "reading, says",
+    [
+        (
+            lambda xs, p: np.interp((len(xs) - 1) * p / 100, range(len(xs)), xs),
+            "you interpolated between the values in the order given: sort them first",
+        ),
+        (lambda xs, p: np.interp(min(len(xs) * p / 100, len(xs) - 1), range(len(xs)), sorted(xs)), "not n * p / 100"),
+        (
+            lambda xs, p: np.percentile(xs, p, method="weibull"),
+            "as statistics.quantiles' default (exclusive) method does",
+        ),
+    ],
+)
 def test_task4_the_usual_ranks_are_named(reading, says):
     message = _fails("lab10.percentile", _contract(reading))
     assert "percentile returned the wrong value" in message and says in message, message
@@ -132,8 +141,12 @@ def test_task5_per_request_mean_itl_instead_of_pooled_gaps_is_caught(solution):
         def ms(values):
             return percentile([v * 1000 for v in values if not math.isnan(v)], p)
 
-        return {"ttft_ms": ms([ttft(t) for t in ok]), "tpot_ms": ms([tpot(t) for t in ok]),
-                "itl_ms": ms([sum(itl(t)) / len(itl(t)) for t in ok if itl(t)]), "e2el_ms": ms([e2el(t) for t in ok])}
+        return {
+            "ttft_ms": ms([ttft(t) for t in ok]),
+            "tpot_ms": ms([tpot(t) for t in ok]),
+            "itl_ms": ms([sum(itl(t)) / len(itl(t)) for t in ok if itl(t)]),
+            "e2el_ms": ms([e2el(t) for t in ok]),
+        }
 
     text = _fails("lab10.latency_percentiles", mean_gap_per_request)
     assert "wrong itl_ms" in text and "averaged each request's gaps first" in text and "pool every gap" in text
@@ -144,16 +157,18 @@ def test_task6_single_token_requests_meet_a_tpot_slo(solution):
 
     def nan_tpot_fails(timings, duration_s, slo_ms):
         measured = [{"ttft": ttft(t), "tpot": tpot(t), "e2el": e2el(t)} for t in timings]
-        good = sum(t.success and all(m[k] * 1000 <= limit for k, limit in slo_ms.items())
-                   for t, m in zip(timings, measured))
+        good = sum(
+            t.success and all(m[k] * 1000 <= limit for k, limit in slo_ms.items()) for t, m in zip(timings, measured)
+        )
         return good / duration_s
 
     for check_id in ("lab10.goodput", "lab10.goodput_edges"):
         assert "meets any TPOT SLO" in _fails(check_id, nan_tpot_fails)
 
 
-def _diagnose(*, busy_in_rule_1=True, busy_in_rule_4=True, order=("slow_dependency", "kv_pressure", "head_of_line",
-                                                                     "overload")):
+def _diagnose(
+    *, busy_in_rule_1=True, busy_in_rule_4=True, order=("slow_dependency", "kv_pressure", "head_of_line", "overload")
+):
     def diagnose(stats):
         busy = stats["busy_fraction"]
         holds = {
@@ -181,8 +196,9 @@ def test_task7_a_diagnosis_that_skips_the_busy_idle_split_fails(skipped):
 
 
 def test_task7_rule_order_matters():
-    text = _fails("lab10.diagnose_scenarios", _diagnose(order=("slow_dependency", "overload", "kv_pressure",
-                                                                "head_of_line")))
+    text = _fails(
+        "lab10.diagnose_scenarios", _diagnose(order=("slow_dependency", "overload", "kv_pressure", "head_of_line"))
+    )
     assert "expected 'kv_pressure', got 'overload'" in text and "the reference's evidence" in text
 
 
@@ -221,11 +237,15 @@ def test_numpy_percentile_is_numpys_not_the_reference_but_infra_lib_aliases_are(
     aliased = "import infra_lib.ops.latency as L\n\ndef percentile(values, p):\n    return L.percentile(values, p)\n"
     assert {f.kind for f in tamper.scan(aliased, modules, names)} == {tamper.SHORTCUT}
 
+
 # --- tasks 8 and 9: the release rules ----------------------------------------------------------------
 
-def _gate(*, absolute=False, strict=False, finite=True, scores=("perplexity", "evidence_nll"), validate=True,
-          divided=False):
+
+def _gate(
+    *, absolute=False, strict=False, finite=True, scores=("perplexity", "evidence_nll"), validate=True, divided=False
+):
     """passes_gate as a learner might write it, with one mistake switched on."""
+
     def passes_gate(candidate, current, tolerance=0.05):
         if validate:
             if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -290,31 +310,38 @@ def test_task8_a_gate_written_as_a_relative_difference_fails_on_the_limit():
 def _as_cards(case):
     from infra_lib.ops.llmops import VersionCard
 
-    return [VersionCard(name, "w", case[side]["perplexity"], case[side]["evidence_nll"], 1.0, 1.0)
-            for name, side in (("candidate", "candidate"), ("production", "current"))]
+    return [
+        VersionCard(name, "w", case[side]["perplexity"], case[side]["evidence_nll"], 1.0, 1.0)
+        for name, side in (("candidate", "candidate"), ("production", "current"))
+    ]
 
 
-@pytest.mark.parametrize("tolerance, current, candidate, outcome", [
-    (-0.05, (16.0, 2.0), (16.0, 2.0), ValueError),
-    (float("nan"), (16.0, 2.0), (16.0, 2.0), ValueError),
-    (float("inf"), (16.0, 2.0), (16.0, 2.0), ValueError),
-    (0.05, (float("nan"), 2.0), (16.0, 2.0), ValueError),
-    (0.05, (16.0, float("inf")), (16.0, 2.0), ValueError),
-    (0.05, (-16.0, 2.0), (16.0, 2.0), ValueError),
-    (0.05, (16.0, 0.0), (16.0, 0.0), True),
-    (0.05, (16.0, 0.0), (16.0, 1e-9), False),
-    (0.05, (16.0, 2.0), (16.0, 0.0), True),
-    (0.05, (16.0, 2.0), (16.0, float("-inf")), False),
-    (0.05, (16.0, 2.0), (16.8, 2.0), True),
-])
+@pytest.mark.parametrize(
+    "tolerance, current, candidate, outcome",
+    [
+        (-0.05, (16.0, 2.0), (16.0, 2.0), ValueError),
+        (float("nan"), (16.0, 2.0), (16.0, 2.0), ValueError),
+        (float("inf"), (16.0, 2.0), (16.0, 2.0), ValueError),
+        (0.05, (float("nan"), 2.0), (16.0, 2.0), ValueError),
+        (0.05, (16.0, float("inf")), (16.0, 2.0), ValueError),
+        (0.05, (-16.0, 2.0), (16.0, 2.0), ValueError),
+        (0.05, (16.0, 0.0), (16.0, 0.0), True),
+        (0.05, (16.0, 0.0), (16.0, 1e-9), False),
+        (0.05, (16.0, 2.0), (16.0, 0.0), True),
+        (0.05, (16.0, 2.0), (16.0, float("-inf")), False),
+        (0.05, (16.0, 2.0), (16.8, 2.0), True),
+    ],
+)
 def test_task8_edges_as_the_text_states_them(solution, tolerance, current, candidate, outcome):
     """The lab's text, the solution, the library's gate and the check agree on nan, infinite and zero scores
     and on invalid tolerances."""
     from infra_lib.ops.llmops import VersionCard, gate
 
     cards = [VersionCard(name, "w", ppl, nll, 1.0, 1.0) for name, (ppl, nll) in (("c", candidate), ("p", current))]
-    for judge in (solution["passes_gate"],
-                  lambda c, p, t: gate(c, p, perplexity_tolerance=t, evidence_tolerance=t).passed):
+    for judge in (
+        solution["passes_gate"],
+        lambda c, p, t: gate(c, p, perplexity_tolerance=t, evidence_tolerance=t).passed,
+    ):
         if outcome is ValueError:
             with pytest.raises(ValueError):
                 judge(*cards, tolerance)
@@ -361,15 +388,18 @@ def test_task9_the_solution_passes_every_check_and_the_rollouts_match(solution):
         check(check_id, _verdict(solution))
 
 
-@pytest.mark.parametrize("mistake, check_id, says", [
-    ({"at_least": True}, "lab10.canary_edges", "(>, not >=)"),
-    ({"with_failed": True}, "lab10.canary_edges", "the P99s are over successful requests only"),
-    ({"floor": False}, "lab10.canary_edges", "below min_p99_s a latency is never a reason"),
-    ({"rule": "ratio"}, "lab10.canary_verdict", "you applied the ratio rule only"),
-    ({"rule": "added"}, "lab10.canary_verdict", "you applied the added-seconds rule only"),
-    ({"use_max": True}, "lab10.canary_edges", "not the maximum"),
-    ({"defaults": True}, "lab10.canary_verdict", "Every threshold comes from the policy"),
-])
+@pytest.mark.parametrize(
+    "mistake, check_id, says",
+    [
+        ({"at_least": True}, "lab10.canary_edges", "(>, not >=)"),
+        ({"with_failed": True}, "lab10.canary_edges", "the P99s are over successful requests only"),
+        ({"floor": False}, "lab10.canary_edges", "below min_p99_s a latency is never a reason"),
+        ({"rule": "ratio"}, "lab10.canary_verdict", "you applied the ratio rule only"),
+        ({"rule": "added"}, "lab10.canary_verdict", "you applied the added-seconds rule only"),
+        ({"use_max": True}, "lab10.canary_edges", "not the maximum"),
+        ({"defaults": True}, "lab10.canary_verdict", "Every threshold comes from the policy"),
+    ],
+)
 def test_task9_classic_canary_mistakes_fail_with_their_reason(solution, mistake, check_id, says):
     text = _fails(check_id, _verdict(solution, **mistake))
     assert "canary_verdict gave the wrong verdict" in text and "candidate requests" in text
@@ -404,7 +434,9 @@ def test_a_release_answer_that_calls_the_reference_is_a_shortcut(tmp_path, monke
     monkeypatch.setenv(RECORD_ENV, str(record))
     monkeypatch.setenv(SEED_ENV, "5")
     check("lab10.canary_verdict", lambda candidate, production, policy: policy.judge(candidate, production)[0])
-    check("lab10.passes_gate", lambda c, current, t=0.05: gate(c, current, perplexity_tolerance=t,
-                                                                 evidence_tolerance=t).passed)
+    check(
+        "lab10.passes_gate",
+        lambda c, current, t=0.05: gate(c, current, perplexity_tolerance=t, evidence_tolerance=t).passed,
+    )
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     assert [row["kind"] for row in rows] == ["reference shortcut", "reference shortcut"]

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import REPO, check_fails, solution_namespace
+
 from grading import check
 
 SOLUTION = REPO / "solutions" / "lab12_rag" / "lab12_rag.ipynb"
-CHECKS = {"chunk_text": ["lab12.chunk_text", "lab12.chunk_text_edges", "lab12.chunk_text_corpus"],
-          "top_k_cosine": ["lab12.top_k_cosine", "lab12.top_k_cosine_edges"],
-          "recall_at_k": ["lab12.recall_at_k", "lab12.recall_at_k_edges"]}
+CHECKS = {
+    "chunk_text": ["lab12.chunk_text", "lab12.chunk_text_edges", "lab12.chunk_text_corpus"],
+    "top_k_cosine": ["lab12.top_k_cosine", "lab12.top_k_cosine_edges"],
+    "recall_at_k": ["lab12.recall_at_k", "lab12.recall_at_k_edges"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,9 @@ def test_the_pipeline_check_passes_the_instructor_answers(solution):
 
 
 def test_task1_the_lab_examples_hold(solution):
-    spans = [(s, e) for _, s, e in solution["chunk_text"]("Paged attention stores the KV cache in fixed-size blocks.",
-                                                            20, 5)]
+    spans = [
+        (s, e) for _, s, e in solution["chunk_text"]("Paged attention stores the KV cache in fixed-size blocks.", 20, 5)
+    ]
     assert spans == [(0, 20), (15, 35), (30, 50), (45, 57)]
     assert solution["chunk_text"]("abc", 5, 2) == [("abc", 0, 3)]
 
@@ -42,7 +45,7 @@ def test_task1_a_window_that_repeats_the_tail_is_caught(solution):
     def one_too_many(text, size, overlap):  # loops while start < len(text): the tail comes back once more
         if size < 1 or overlap < 0 or overlap >= size:
             raise ValueError("bad window")
-        return [(text[s:s + size], s, min(s + size, len(text))) for s in range(0, len(text), size - overlap)]
+        return [(text[s : s + size], s, min(s + size, len(text))) for s in range(0, len(text), size - overlap)]
 
     text = check_fails("lab12.chunk_text", one_too_many)
     assert "too many chunks" in text and "stop after the window that reaches the end" in text
@@ -57,8 +60,10 @@ def test_task1_windows_without_overlap_are_caught(solution):
 
 
 def test_task1_offsets_must_match_the_text(solution):
-    text = check_fails("lab12.chunk_text", lambda t, size, overlap: [(c.strip(), s, e) for c, s, e in
-                                                                      solution["chunk_text"](t, size, overlap)])
+    text = check_fails(
+        "lab12.chunk_text",
+        lambda t, size, overlap: [(c.strip(), s, e) for c, s, e in solution["chunk_text"](t, size, overlap)],
+    )
     assert "text[start:end]" in text
 
 
@@ -149,6 +154,7 @@ def test_task2_a_nan_for_a_zero_query_is_caught(solution):
 
 def test_task2_a_zero_query_may_return_any_rows(solution):
     """A zero query ties every row at 0: any k distinct rows pass, scored 0."""
+
     def reversed_ties(queries, matrix, k):
         scores, indices = solution["top_k_cosine"](queries, matrix, k)
         zero = (queries.reshape(-1, queries.shape[-1]).norm(dim=-1) == 0).reshape(scores.shape[:-1] + (1,))

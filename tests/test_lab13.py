@@ -12,8 +12,8 @@ import time
 from typing import Annotated, TypedDict
 
 import pytest
-
 from conftest import REPO, answer_cells, check_fails, solution_namespace, write_learner_notebook
+
 from grading import check
 from grading.checks.lab13.run_comparison import RUN_MISSED
 from grading.checks.lab13.task1_next_node import NEXT_MISSED
@@ -21,49 +21,101 @@ from grading.checks.lab13.task2_call_with_retry import RETRY_MISSED
 
 SOLUTION = REPO / "solutions" / "lab13_agents" / "lab13_agents.ipynb"
 LAB = REPO / "labs" / "lab13_agents" / "lab13_agents.ipynb"
-CHECKS = {"next_node": ["lab13.next_node", "lab13.next_node_errors"],
-          "call_with_retry": ["lab13.call_with_retry", "lab13.call_with_retry_more"],
-          "run_graph": ["lab13.run_graph", "lab13.run_graph_resume", "lab13.run_graph_resume_sqlite",
-                        "lab13.run_graph_limits"]}
+CHECKS = {
+    "next_node": ["lab13.next_node", "lab13.next_node_errors"],
+    "call_with_retry": ["lab13.call_with_retry", "lab13.call_with_retry_more"],
+    "run_graph": [
+        "lab13.run_graph",
+        "lab13.run_graph_resume",
+        "lab13.run_graph_resume_sqlite",
+        "lab13.run_graph_limits",
+    ],
+}
 
 
 # The points of each task's test cell.
 POINTS = {1: 3.0, 2: 4.0, 3: 3.0, 4: 3.0}
 
 # Typical mistakes, as edits (old text, new text) of the instructor's answer cells.
-UNMAPPED = {"task1_next_node": [("""        if mapping is not None:
+UNMAPPED = {
+    "task1_next_node": [
+        (
+            """        if mapping is not None:
             if choice not in mapping:
                 raise ValueError(f"the router of {current!r} returned {choice!r}, not a key of {sorted(mapping)}")
             choice = mapping[choice]
-""", "")]}  # the router's answer is taken for the node
-UNCAPPED = {"task2_call_with_retry": [(
-    "sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))",
-    "sleep(policy.initial_interval * policy.backoff_factor ** attempt)")]}
+""",
+            "",
+        )
+    ]
+}  # the router's answer is taken for the node
+UNCAPPED = {
+    "task2_call_with_retry": [
+        (
+            "sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))",
+            "sleep(policy.initial_interval * policy.backoff_factor ** attempt)",
+        )
+    ]
+}
 RETRIES_EVERY_ERROR = {"task2_call_with_retry": [("not policy.should_retry(error) or ", "")]}
 CLASSES_ONLY = {"task2_call_with_retry": [("not policy.should_retry(error)", "not isinstance(error, policy.retry_on)")]}
-RERAISES_THE_FIRST = {"task2_call_with_retry": [(
-    "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n                raise\n",
-    "            first = first if attempt else error\n"
-    "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n"
-    "                raise first\n")]}
-MAPPING_UNCHECKED = {"task1_next_node": [("""            if choice not in mapping:
+RERAISES_THE_FIRST = {
+    "task2_call_with_retry": [
+        (
+            "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n          "
+            "      raise\n",
+            "            first = first if attempt else error\n"
+            "            if policy is None or not policy.should_retry(error) or attempt == attempts - 1:\n"
+            "                raise first\n",
+        )
+    ]
+}
+MAPPING_UNCHECKED = {
+    "task1_next_node": [
+        (
+            """            if choice not in mapping:
                 raise ValueError(f"the router of {current!r} returned {choice!r}, not a key of {sorted(mapping)}")
-""", "")]}  # the mapping's KeyError goes out as it is
-DEAD_END_UNNAMED = {"task1_next_node": [('raise ValueError(f"node {current!r} has no outgoing edge: a dead end")',
-                                         'raise ValueError("a node has no outgoing edge")')]}
-CHECKPOINTS_BEFORE_MERGE = {"task3_run_graph": [
-    ("        state = merge_update(", "        before, state = state, merge_update("),
-    ("next_node=nxt, state=state)", "next_node=nxt, state=before)")]}
+""",
+            "",
+        )
+    ]
+}  # the mapping's KeyError goes out as it is
+DEAD_END_UNNAMED = {
+    "task1_next_node": [
+        (
+            'raise ValueError(f"node {current!r} has no outgoing edge: a dead end")',
+            'raise ValueError("a node has no outgoing edge")',
+        )
+    ]
+}
+CHECKPOINTS_BEFORE_MERGE = {
+    "task3_run_graph": [
+        ("        state = merge_update(", "        before, state = state, merge_update("),
+        ("next_node=nxt, state=state)", "next_node=nxt, state=before)"),
+    ]
+}
 NEVER_RESUMES = {"task3_run_graph": [("cp = checkpointer.latest(thread_id)", "cp = None")]}
 SHALLOW_COPY = {"task3_run_graph": [("copy.deepcopy(state), spec.retry", "dict(state), spec.retry")]}
 NO_COPY = {"task3_run_graph": [("copy.deepcopy(state), spec.retry", "state, spec.retry")]}
 ONE_STEP_TOO_MANY = {"task3_run_graph": [("if step >= max_steps:", "if step > max_steps:")]}
 ONE_STEP_TOO_FEW = {"task3_run_graph": [("if step >= max_steps:", "if step >= max_steps - 1:")]}
-COUNTS_FROM_THE_RESUME = {"task3_run_graph": [  # max_steps counted from this call, not from the thread's start
-    ("    while node != END:\n        if step >= max_steps:", "    taken = 0\n    while node != END:\n        if taken >= max_steps:"),
-    ("        step += 1\n", "        step += 1\n        taken += 1\n")]}
-INPUT_OVER_THE_CHECKPOINT = {"task3_run_graph": [("state, node, step = cp.state, cp.next_node, cp.step",
-                                                  "state, node, step = {**cp.state, **state}, cp.next_node, cp.step")]}
+COUNTS_FROM_THE_RESUME = {
+    "task3_run_graph": [  # max_steps counted from this call, not from the thread's start
+        (
+            "    while node != END:\n        if step >= max_steps:",
+            "    taken = 0\n    while node != END:\n        if taken >= max_steps:",
+        ),
+        ("        step += 1\n", "        step += 1\n        taken += 1\n"),
+    ]
+}
+INPUT_OVER_THE_CHECKPOINT = {
+    "task3_run_graph": [
+        (
+            "state, node, step = cp.state, cp.next_node, cp.step",
+            "state, node, step = {**cp.state, **state}, cp.next_node, cp.step",
+        )
+    ]
+}
 
 
 def _answers(*mistakes: dict) -> dict[str, str]:
@@ -81,9 +133,19 @@ def _setup_names() -> dict:
     """The names the lab's setup cell gives the answer cells."""
     import infra_lib.apps.agents as agents
 
-    names = {name: getattr(agents, name) for name in ("END", "START", "Checkpoint", "GraphRecursionError",
-                                                      "MemoryCheckpointer", "RetryPolicy", "StateGraph",
-                                                      "merge_update")}
+    names = {
+        name: getattr(agents, name)
+        for name in (
+            "END",
+            "START",
+            "Checkpoint",
+            "GraphRecursionError",
+            "MemoryCheckpointer",
+            "RetryPolicy",
+            "StateGraph",
+            "merge_update",
+        )
+    }
     return {"time": time, "operator": operator, "Annotated": Annotated, "TypedDict": TypedDict, **names}
 
 
@@ -135,7 +197,7 @@ def test_task2_an_uncapped_backoff_is_caught(solution):
             except Exception as error:
                 if policy is None or not policy.should_retry(error) or attempt == attempts - 1:
                     raise
-                sleep(policy.initial_interval * policy.backoff_factor ** attempt)
+                sleep(policy.initial_interval * policy.backoff_factor**attempt)
 
     text = check_fails("lab13.call_with_retry", uncapped)
     assert "call_with_retry slept the wrong backoff" in text and f"hint: {RETRY_MISSED['cap']}" in text
@@ -150,7 +212,7 @@ def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
             except Exception:
                 if attempt == attempts - 1:
                     raise
-                sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
+                sleep(min(policy.initial_interval * policy.backoff_factor**attempt, policy.max_interval))
 
     def one_more(fn, state, policy, sleep=time.sleep):
         attempts = 1 if policy is None else policy.max_attempts + 1  # max_attempts retries after the first try
@@ -160,7 +222,7 @@ def test_task2_retrying_every_error_or_one_attempt_too_many_is_caught(solution):
             except Exception as error:
                 if policy is None or not policy.should_retry(error) or attempt == attempts - 1:
                     raise
-                sleep(min(policy.initial_interval * policy.backoff_factor ** attempt, policy.max_interval))
+                sleep(min(policy.initial_interval * policy.backoff_factor**attempt, policy.max_interval))
 
     for wrong, missed in ((retries_everything, "retry_on"), (one_more, "count")):
         text = check_fails("lab13.call_with_retry", wrong)
@@ -244,6 +306,7 @@ def test_a_checkpoints_next_node_field_is_not_the_reference_function():
 
 # --- each task scored on its own ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_stand_ins_solve_neither_task_1_nor_task_2(seed):
     """The checks of tasks 3 and 4 run the learner's run_graph on the course's stand-ins for next_node and
@@ -301,7 +364,11 @@ def test_the_stand_ins_equal_the_reference_on_every_call_the_runner_checks_make(
 def test_a_call_the_stand_ins_cannot_answer_goes_to_the_learners_own_and_is_named(tmp_path):
     """A runner that wraps each node in a function of its own hands call_with_retry a function the check did
     not make: the learner's own call_with_retry answers it, and a mistake there is named with its task."""
-    wrapped = {"task3_run_graph": [("update = call_with_retry(spec.fn,", "update = call_with_retry(lambda s, f=spec.fn: f(s),")]}
+    wrapped = {
+        "task3_run_graph": [
+            ("update = call_with_retry(spec.fn,", "update = call_with_retry(lambda s, f=spec.fn: f(s),")
+        ]
+    }
     waits_twice = {"task2_call_with_retry": [("sleep(min(", "sleep(2 * min(")]}
     namespace = _namespace(tmp_path, waits_twice, wrapped)
     text = check_fails("lab13.run_graph", namespace["run_graph"])
@@ -311,14 +378,18 @@ def test_a_call_the_stand_ins_cannot_answer_goes_to_the_learners_own_and_is_name
 
 def test_the_runner_checks_give_the_course_versions_to_helpers_of_the_answer_cell_too(tmp_path):
     """A run_graph that calls next_node through a helper of its own cell still runs the course's."""
-    helper = {"task3_run_graph": [
-        ("def run_graph(", "def _advance(graph, node, state):\n    return next_node(graph, node, state)\n\n\n"
-                           "def run_graph("),
-        ("nxt = next_node(graph, node, state)", "nxt = _advance(graph, node, state)")]}
+    helper = {
+        "task3_run_graph": [
+            (
+                "def run_graph(",
+                "def _advance(graph, node, state):\n    return next_node(graph, node, state)\n\n\ndef run_graph(",
+            ),
+            ("nxt = next_node(graph, node, state)", "nxt = _advance(graph, node, state)"),
+        ]
+    }
     namespace = _namespace(tmp_path, UNMAPPED, RETRIES_EVERY_ERROR, helper)
     own = {name: namespace[name] for name in ("next_node", "call_with_retry")}
-    assert "next_node raised where it should return the next node" in check_fails("lab13.next_node",
-                                                                                  own["next_node"])
+    assert "next_node raised where it should return the next node" in check_fails("lab13.next_node", own["next_node"])
     for check_id in CHECKS["run_graph"]:
         check(check_id, namespace["run_graph"])
     assert all(namespace[name] is function for name, function in own.items())  # the learner's own, back again
@@ -327,8 +398,12 @@ def test_the_runner_checks_give_the_course_versions_to_helpers_of_the_answer_cel
 def test_a_run_graph_that_keeps_its_own_next_node_is_told_which_task_failed(tmp_path):
     """A default argument holds the learner's next_node itself, which no check can replace: a failure it
     causes names that function and its task."""
-    default = {"task3_run_graph": [("sleep=time.sleep) -> dict:", "sleep=time.sleep, choose=next_node) -> dict:"),
-                                   ("nxt = next_node(graph, node, state)", "nxt = choose(graph, node, state)")]}
+    default = {
+        "task3_run_graph": [
+            ("sleep=time.sleep) -> dict:", "sleep=time.sleep, choose=next_node) -> dict:"),
+            ("nxt = next_node(graph, node, state)", "nxt = choose(graph, node, state)"),
+        ]
+    }
     namespace = _namespace(tmp_path, UNMAPPED, default)
     text = check_fails("lab13.run_graph", namespace["run_graph"])
     assert "[lab13 task 3: run_graph]" in text and "your run_graph ran your own next_node" in text
@@ -353,30 +428,48 @@ def _graded_alone(tmp_path, mistake: dict) -> dict[int, tuple[float, list[str]]]
     return {task: (0.0 if failed[task] else points, failed[task]) for task, points in POINTS.items()}
 
 
-@pytest.mark.parametrize("mistake, losing, hint", [
-    (UNMAPPED, {1}, NEXT_MISSED["mapping"]),
-    (UNCAPPED, {2}, RETRY_MISSED["cap"]),
-    (RETRIES_EVERY_ERROR, {2}, RETRY_MISSED["retry_on"]),
-    (CLASSES_ONLY, {2}, RETRY_MISSED["retry_on"]),
-    (RERAISES_THE_FIRST, {2}, RETRY_MISSED["ending"]),
-    (MAPPING_UNCHECKED, {1}, NEXT_MISSED["kind"]),
-    (DEAD_END_UNNAMED, {1}, NEXT_MISSED["name"]),
-    (CHECKPOINTS_BEFORE_MERGE, {3}, RUN_MISSED["after merge"]),
-    (SHALLOW_COPY, {3}, RUN_MISSED["copy"]),
-    (NO_COPY, {3}, RUN_MISSED["copy"]),
-    (ONE_STEP_TOO_MANY, {3}, RUN_MISSED["limit"]),
-    (ONE_STEP_TOO_FEW, {3}, RUN_MISSED["limit"]),
-    (NEVER_RESUMES, {4}, RUN_MISSED["resume"]),
-    (COUNTS_FROM_THE_RESUME, {4}, RUN_MISSED["limit"]),
-    (INPUT_OVER_THE_CHECKPOINT, {4}, RUN_MISSED["resume"]),
-], ids=["unmapped router", "uncapped backoff", "retries every error", "retry_on as classes only",
-        "re-raises the first error", "mapping unchecked", "dead end unnamed", "checkpoints before the merge",
-        "shallow copy for the node", "no copy for the node", "one step too many", "one step too few",
-        "never resumes", "counts steps from the resume", "input over the checkpoint"])
+@pytest.mark.parametrize(
+    "mistake, losing, hint",
+    [
+        (UNMAPPED, {1}, NEXT_MISSED["mapping"]),
+        (UNCAPPED, {2}, RETRY_MISSED["cap"]),
+        (RETRIES_EVERY_ERROR, {2}, RETRY_MISSED["retry_on"]),
+        (CLASSES_ONLY, {2}, RETRY_MISSED["retry_on"]),
+        (RERAISES_THE_FIRST, {2}, RETRY_MISSED["ending"]),
+        (MAPPING_UNCHECKED, {1}, NEXT_MISSED["kind"]),
+        (DEAD_END_UNNAMED, {1}, NEXT_MISSED["name"]),
+        (CHECKPOINTS_BEFORE_MERGE, {3}, RUN_MISSED["after merge"]),
+        (SHALLOW_COPY, {3}, RUN_MISSED["copy"]),
+        (NO_COPY, {3}, RUN_MISSED["copy"]),
+        (ONE_STEP_TOO_MANY, {3}, RUN_MISSED["limit"]),
+        (ONE_STEP_TOO_FEW, {3}, RUN_MISSED["limit"]),
+        (NEVER_RESUMES, {4}, RUN_MISSED["resume"]),
+        (COUNTS_FROM_THE_RESUME, {4}, RUN_MISSED["limit"]),
+        (INPUT_OVER_THE_CHECKPOINT, {4}, RUN_MISSED["resume"]),
+    ],
+    ids=[
+        "unmapped router",
+        "uncapped backoff",
+        "retries every error",
+        "retry_on as classes only",
+        "re-raises the first error",
+        "mapping unchecked",
+        "dead end unnamed",
+        "checkpoints before the merge",
+        "shallow copy for the node",
+        "no copy for the node",
+        "one step too many",
+        "one step too few",
+        "never resumes",
+        "counts steps from the resume",
+        "input over the checkpoint",
+    ],
+)
 def test_a_mistake_costs_only_its_own_task_with_the_hint_for_it(tmp_path, mistake, losing, hint):
     graded = _graded_alone(tmp_path, mistake)
-    assert {task: score for task, (score, _) in graded.items()} == \
-        {task: 0.0 if task in losing else points for task, points in POINTS.items()}
+    assert {task: score for task, (score, _) in graded.items()} == {
+        task: 0.0 if task in losing else points for task, points in POINTS.items()
+    }
     for task in losing:
         messages = graded[task][1]
         assert messages and all(f"hint: {hint}" in message for message in messages), messages
@@ -427,8 +520,15 @@ def test_the_recorded_first_run_is_the_reference_runners_crash_run(monkeypatch):
 
     def live(case, checkpointer, events, sleeps):
         graph = build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
-        return typed_outcome(run_graph, graph, {"x": case["x"], "log": []}, checkpointer=checkpointer,
-                             thread_id="t", max_steps=case["max_steps"], sleep=sleeps.append)
+        return typed_outcome(
+            run_graph,
+            graph,
+            {"x": case["x"], "log": []},
+            checkpointer=checkpointer,
+            thread_id="t",
+            max_steps=case["max_steps"],
+            sleep=sleeps.append,
+        )
 
     for seed in range(3):
         for check_id in ("lab13.run_graph_resume", "lab13.run_graph_resume_sqlite"):

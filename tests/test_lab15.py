@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 
 import torch  # noqa: E402
-
 from conftest import REPO, answer_cells  # noqa: E402
+
 from grading.check import INTERACTIVE_SEED, TRAFFIC, Outcome, drive, judge  # noqa: E402
 from grading.checks.lab15 import kernel_checks  # noqa: E402
 from grading.checks.lab15 import task1_online_softmax as task1  # noqa: E402
@@ -36,8 +36,12 @@ from infra_lib.kernels.triton_env import interpreter_active, load_triton  # noqa
 load_triton()
 
 SOLUTION = REPO / "solutions" / "lab15_serving_kernels" / "lab15_serving_kernels.ipynb"
-ANSWERS = {1: "task1_online_softmax_kernel", 2: "task2_flash_attention_kernel", 3: "task3_paged_decode_kernel",
-           4: "task4_q4_gemv_kernel"}
+ANSWERS = {
+    1: "task1_online_softmax_kernel",
+    2: "task2_flash_attention_kernel",
+    3: "task3_paged_decode_kernel",
+    4: "task4_q4_gemv_kernel",
+}
 SLOW = {"lab15.flash_in_smollm2"}
 IN_A_MODEL = {"lab15.flash_in_tiny_model", "lab15.paged_in_tiny_model"}
 needs_interpreter = pytest.mark.skipif(not interpreter_active(), reason="traffic is counted in the interpreter")
@@ -73,8 +77,9 @@ def verdict(check_id: str, kernel):
 
 
 def task_checks(task: int) -> list[str]:
-    return sorted(c for c, registered in all_checks().items()
-                  if registered.task == kernel_checks.TASKS[task] and c not in SLOW)
+    return sorted(
+        c for c, registered in all_checks().items() if registered.task == kernel_checks.TASKS[task] and c not in SLOW
+    )
 
 
 @dataclass(frozen=True)
@@ -90,45 +95,94 @@ _MASK_SCORES = "        scores = tl.where(seen, scores"
 _NEW_MAX = "        new_max = tl.maximum(row_max, tl.max(scores, axis=1))\n"
 _FIRST_WALK = 'x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))\n        new_max'
 MISTAKES = [
-    Mistake("softmax sum not rescaled", 1,
-            (("row_sum = row_sum * tl.exp(row_max - shift) + ", "row_sum = row_sum + "),),
-            frozenset({"lab15.softmax_long_rows", "lab15.softmax_extreme_values", "lab15.softmax_two_passes"}),
-            task1.SOFTMAX_RESCALE_HINT),
-    Mistake("softmax masked after the max", 1,
-            ((_FIRST_WALK, 'x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)\n        new_max'),
-             ("        shift = tl.where(", '        x = tl.where(cols < n_cols, x, float("-inf"))\n'
-                                         "        shift = tl.where(")),
-            frozenset({"lab15.softmax_extreme_values"}), task1.SOFTMAX_MASK_HINT),
-    Mistake("flash accumulator not rescaled", 2,
-            (("acc = acc * shrink[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)"),),
-            frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
-                       "lab15.flash_traffic"}), task2.FLASH_RESCALE_HINT),
-    Mistake("flash causal mask on the wrong diagonal", 2,
-            (("(keys[None, :] <= s - t + rows[:, None])", "(keys[None, :] <= rows[:, None])"),),
-            frozenset({"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes",
-                       "lab15.flash_traffic", "lab15.flash_in_tiny_model"}), task2.FLASH_DIAGONAL_HINT),
-    Mistake("flash masked after the max", 2,
-            ((_NEW_MAX, ""), (_MASK_SCORES, _NEW_MAX + _MASK_SCORES)),
-            frozenset({"lab15.flash_extreme_scores"}), task2.FLASH_MASK_HINT),
-    Mistake("flash GQA heads mapped by modulo", 2,
-            (("kv_head = head // group", "kv_head = head % (n_heads // group)"),),
-            frozenset({"lab15.flash_odd_shapes", "lab15.flash_block_shapes", "lab15.flash_in_tiny_model"}),
-            task2.FLASH_GQA_HINT),
-    Mistake("paged block table read with the wrong stride", 3,
-            (("tables_ptr + seq * stride_table + i", "tables_ptr + seq + i"),),
-            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}), task3.PAGED_TABLE_HINT),
-    Mistake("paged off by one in the last partial block", 3,
-            (("i * BLOCK_SIZE + slots < length", "i * BLOCK_SIZE + slots <= length"),),
-            frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}),
-            task3.PAGED_LAST_BLOCK_HINT),
-    Mistake("gemv nibbles swapped", 4,
-            (("low = (byte & 15)", "low = (byte >> 4)"), ("high = (byte >> 4)", "high = (byte & 15)")),
-            frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}), task4.GEMV_NIBBLE_HINT),
+    Mistake(
+        "softmax sum not rescaled",
+        1,
+        (("row_sum = row_sum * tl.exp(row_max - shift) + ", "row_sum = row_sum + "),),
+        frozenset({"lab15.softmax_long_rows", "lab15.softmax_extreme_values", "lab15.softmax_two_passes"}),
+        task1.SOFTMAX_RESCALE_HINT,
+    ),
+    Mistake(
+        "softmax masked after the max",
+        1,
+        (
+            (_FIRST_WALK, "x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)\n        new_max"),
+            (
+                "        shift = tl.where(",
+                '        x = tl.where(cols < n_cols, x, float("-inf"))\n        shift = tl.where(',
+            ),
+        ),
+        frozenset({"lab15.softmax_extreme_values"}),
+        task1.SOFTMAX_MASK_HINT,
+    ),
+    Mistake(
+        "flash accumulator not rescaled",
+        2,
+        (("acc = acc * shrink[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)"),),
+        frozenset(
+            {"lab15.flash_odd_shapes", "lab15.flash_extreme_scores", "lab15.flash_block_shapes", "lab15.flash_traffic"}
+        ),
+        task2.FLASH_RESCALE_HINT,
+    ),
+    Mistake(
+        "flash causal mask on the wrong diagonal",
+        2,
+        (("(keys[None, :] <= s - t + rows[:, None])", "(keys[None, :] <= rows[:, None])"),),
+        frozenset(
+            {
+                "lab15.flash_odd_shapes",
+                "lab15.flash_extreme_scores",
+                "lab15.flash_block_shapes",
+                "lab15.flash_traffic",
+                "lab15.flash_in_tiny_model",
+            }
+        ),
+        task2.FLASH_DIAGONAL_HINT,
+    ),
+    Mistake(
+        "flash masked after the max",
+        2,
+        ((_NEW_MAX, ""), (_MASK_SCORES, _NEW_MAX + _MASK_SCORES)),
+        frozenset({"lab15.flash_extreme_scores"}),
+        task2.FLASH_MASK_HINT,
+    ),
+    Mistake(
+        "flash GQA heads mapped by modulo",
+        2,
+        (("kv_head = head // group", "kv_head = head % (n_heads // group)"),),
+        frozenset({"lab15.flash_odd_shapes", "lab15.flash_block_shapes", "lab15.flash_in_tiny_model"}),
+        task2.FLASH_GQA_HINT,
+    ),
+    Mistake(
+        "paged block table read with the wrong stride",
+        3,
+        (("tables_ptr + seq * stride_table + i", "tables_ptr + seq + i"),),
+        frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}),
+        task3.PAGED_TABLE_HINT,
+    ),
+    Mistake(
+        "paged off by one in the last partial block",
+        3,
+        (("i * BLOCK_SIZE + slots < length", "i * BLOCK_SIZE + slots <= length"),),
+        frozenset({"lab15.paged_ragged", "lab15.paged_layouts", "lab15.paged_in_place"}),
+        task3.PAGED_LAST_BLOCK_HINT,
+    ),
+    Mistake(
+        "gemv nibbles swapped",
+        4,
+        (("low = (byte & 15)", "low = (byte >> 4)"), ("high = (byte >> 4)", "high = (byte & 15)")),
+        frozenset({"lab15.gemv_q4_odd_shapes", "lab15.gemv_q4_reads_packed"}),
+        task4.GEMV_NIBBLE_HINT,
+    ),
 ]
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered",
-                            "ignore:divide by zero encountered", "ignore:All-NaN slice encountered")
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered",
+    "ignore:invalid value encountered",
+    "ignore:divide by zero encountered",
+    "ignore:All-NaN slice encountered",
+)
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
 def test_a_usual_mistake_loses_its_own_checks_with_the_hint_written_for_it(mistake, tmp_path):
     kernel = variant(tmp_path, mistake.task, mistake.replacements)
@@ -184,8 +238,9 @@ def host_gemv(*args, **kwargs):
     raise AssertionError("never launched: the check refuses a stand-in before it runs")
 
 
-@pytest.mark.parametrize("task, stand_in", [(2, host_flash), (3, host_paged), (4, host_gemv)],
-                         ids=["flash", "paged", "gemv"])
+@pytest.mark.parametrize(
+    "task, stand_in", [(2, host_flash), (3, host_paged), (4, host_gemv)], ids=["flash", "paged", "gemv"]
+)
 def test_a_host_function_standing_in_for_each_later_kernel_scores_zero(task, stand_in):
     """Every check of the flash, paged and GEMV tasks (the ones inside a model included) refuses a
     Python function in place of the kernel, before it runs."""
@@ -195,13 +250,13 @@ def test_a_host_function_standing_in_for_each_later_kernel_scores_zero(task, sta
         assert "must be a Triton kernel" in result.what, (check_id, result.what)
 
 
-_SPILL = '''
+_SPILL = """
         spill = (out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
                  + (keys - start)[None, :] * stride_od)
         kept = row_ok[:, None] & ((keys - start)[None, :] < head_dim)
         tl.store(spill, scores, mask=kept)
         scores = tl.where(kept, tl.load(spill, mask=kept, other=0.0), scores)
-'''
+"""
 
 
 @needs_interpreter
@@ -246,8 +301,11 @@ def test_the_softmax_driver_lays_out_strided_rows_on_the_kernels_device(monkeypa
     padded = [(case, args) for case, args in zip(inputs, launched) if case["pad"] and case["out_pad"]]
     assert padded, "softmax_long_rows should hold a case with padded rows"
     for case, (out, x, n_cols, in_row_stride, out_row_stride) in padded:
-        assert (n_cols, in_row_stride, out_row_stride) == (case["cols"], case["cols"] + case["pad"],
-                                                          case["cols"] + case["out_pad"])
+        assert (n_cols, in_row_stride, out_row_stride) == (
+            case["cols"],
+            case["cols"] + case["pad"],
+            case["cols"] + case["out_pad"],
+        )
         assert x.stride(0) == in_row_stride and out.stride(0) == out_row_stride
 
 
@@ -263,8 +321,15 @@ def test_the_traffic_budgets_are_the_lessons_formulas():
         assert (result["bytes_loaded"], result["bytes_stored"]) == (2 * elements, elements)
     inputs, expected = _reference("lab15.flash_traffic")
     for case, result in zip(inputs, expected.data):
-        formula = flash_attention_bytes(case["batch"], case["heads"], case["t"], case["s"], case["head_dim"],
-                                        causal=case["causal"], block_m=case["blocks"][0])
+        formula = flash_attention_bytes(
+            case["batch"],
+            case["heads"],
+            case["t"],
+            case["s"],
+            case["head_dim"],
+            causal=case["causal"],
+            block_m=case["blocks"][0],
+        )
         assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
     inputs, expected = _reference("lab15.gemv_q4_reads_packed")
     for case, result in zip(inputs, expected.data):
@@ -272,8 +337,9 @@ def test_the_traffic_budgets_are_the_lessons_formulas():
         assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
     inputs, expected = _reference("lab15.paged_in_place")
     for case, result in zip(inputs, expected.data):
-        formula = paged_decode_bytes(case["lengths"], case["heads"], case["kv_heads"], case["head_dim"],
-                                     case["block_size"])
+        formula = paged_decode_bytes(
+            case["lengths"], case["heads"], case["kv_heads"], case["head_dim"], case["block_size"]
+        )
         assert (result["bytes_loaded"], result["bytes_stored"]) == (formula["loaded"], formula["stored"])
 
 
@@ -295,14 +361,19 @@ def test_a_kernel_reading_keys_past_its_query_blocks_last_fails_the_traffic_chec
     result = judge(registered, drive(registered, kernel, inputs), expected, inputs)
     assert not result.passed and result.kind == TRAFFIC, (result.what, result.detail)
     assert result.what.startswith("flash_attention_kernel loads more bytes")
-    shape = re.search(r"q \[\d+, \d+, (\d+), \d+\], k and v \[\d+, \d+, (\d+), \d+\].*BLOCK_M=(\d+), BLOCK_N=(\d+)",
-                      result.detail)
+    shape = re.search(
+        r"q \[\d+, \d+, (\d+), \d+\], k and v \[\d+, \d+, (\d+), \d+\].*BLOCK_M=(\d+), BLOCK_N=(\d+)", result.detail
+    )
     assert shape, result.detail
     t, s, block_m, block_n = map(int, shape.groups())
     assert t < s or block_n > block_m, result.detail
     first_three = inputs[:3]  # the cases the check had before: t = s with square tiles, or a single query block
-    assert judge(registered, drive(registered, kernel, first_three),
-                 drive(registered, registered.reference(), first_three), first_three).passed
+    assert judge(
+        registered,
+        drive(registered, kernel, first_three),
+        drive(registered, registered.reference(), first_three),
+        first_three,
+    ).passed
 
 
 @needs_interpreter
@@ -313,22 +384,43 @@ def test_the_over_reading_kernel_loses_only_the_traffic_check(tmp_path):
 
 
 _OWN_STRIDES = {  # (task, replacement, the one check that must fail)
-    "flash out assumed contiguous": (2, (
-        "tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,",
-        "tl.store(out_ptr + ((batch * n_heads + head) * t + rows[:, None]) * head_dim + dims[None, :],"),
-        "lab15.flash_block_shapes"),
-    "flash q's dims assumed contiguous": (2, (
-        "rows[:, None] * stride_qt + dims[None, :] * stride_qd", "rows[:, None] * stride_qt + dims[None, :]"),
-        "lab15.flash_block_shapes"),
-    "paged out at q's strides": (3, (
-        "tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh",
-        "tl.store(out_ptr + seq * stride_qb + heads[:, None] * stride_qh"), "lab15.paged_layouts"),
-    "gemv y rows assumed N long": (4, ("y_ptr + rows[:, None] * stride_ym", "y_ptr + rows[:, None] * N"),
-                                   "lab15.gemv_q4_odd_shapes"),
-    "gemv packed rows assumed K // 2 long": (4, ("cols[None, :] * stride_pn", "cols[None, :] * (K // 2)"),
-                                             "lab15.gemv_q4_odd_shapes"),
-    "gemv scale rows assumed K // GROUP long": (4, ("cols * stride_sn", "cols * (K // GROUP)"),
-                                                "lab15.gemv_q4_odd_shapes"),
+    "flash out assumed contiguous": (
+        2,
+        (
+            "tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot + dims[None, :] * "
+            "stride_od,",
+            "tl.store(out_ptr + ((batch * n_heads + head) * t + rows[:, None]) * head_dim + dims[None, :],",
+        ),
+        "lab15.flash_block_shapes",
+    ),
+    "flash q's dims assumed contiguous": (
+        2,
+        ("rows[:, None] * stride_qt + dims[None, :] * stride_qd", "rows[:, None] * stride_qt + dims[None, :]"),
+        "lab15.flash_block_shapes",
+    ),
+    "paged out at q's strides": (
+        3,
+        (
+            "tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh",
+            "tl.store(out_ptr + seq * stride_qb + heads[:, None] * stride_qh",
+        ),
+        "lab15.paged_layouts",
+    ),
+    "gemv y rows assumed N long": (
+        4,
+        ("y_ptr + rows[:, None] * stride_ym", "y_ptr + rows[:, None] * N"),
+        "lab15.gemv_q4_odd_shapes",
+    ),
+    "gemv packed rows assumed K // 2 long": (
+        4,
+        ("cols[None, :] * stride_pn", "cols[None, :] * (K // 2)"),
+        "lab15.gemv_q4_odd_shapes",
+    ),
+    "gemv scale rows assumed K // GROUP long": (
+        4,
+        ("cols * stride_sn", "cols * (K // GROUP)"),
+        "lab15.gemv_q4_odd_shapes",
+    ),
 }
 
 
@@ -345,8 +437,10 @@ def test_a_kernel_that_ignores_a_tensors_own_strides_fails_with_a_hint_about_str
     assert "own" in verdicts[loses].hint and "stride" in verdicts[loses].hint, verdicts[loses].hint
 
 
-_TOLERANCE = re.compile(r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+in\s+Triton's\s+interpreter\s+and\s+"
-                        r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+compiled\s+on\s+a\s+GPU")
+_TOLERANCE = re.compile(
+    r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+in\s+Triton's\s+interpreter\s+and\s+"
+    r"\*\*atol = ([0-9.e-]+), rtol = ([0-9.e-]+)\*\*\s+compiled\s+on\s+a\s+GPU"
+)
 
 
 def test_the_lab_states_the_tolerances_the_checks_use():
@@ -354,20 +448,35 @@ def test_the_lab_states_the_tolerances_the_checks_use():
     the interpreter and compiled; they are the check module's own numbers (the SmolLM2 logits' included)."""
     from grading.notebook import read_notebook
 
-    texts = {cell.metadata["nbgrader"]["grade_id"]: cell.source for cell in read_notebook(SOLUTION).cells
-             if cell.cell_type == "markdown"}
-    stated = {"task1_md": "online_softmax_kernel", "task2_md": "flash_attention_kernel",
-              "task3_md": "paged_decode_kernel", "task4_md": "q4_gemv_kernel", "task2_model_md": None}
+    texts = {
+        cell.metadata["nbgrader"]["grade_id"]: cell.source
+        for cell in read_notebook(SOLUTION).cells
+        if cell.cell_type == "markdown"
+    }
+    stated = {
+        "task1_md": "online_softmax_kernel",
+        "task2_md": "flash_attention_kernel",
+        "task3_md": "paged_decode_kernel",
+        "task4_md": "q4_gemv_kernel",
+        "task2_model_md": None,
+    }
     for grade_id, kernel in stated.items():
         found = _TOLERANCE.findall(texts[grade_id])
         assert len(found) == 1, f"{grade_id} should state its tolerances once, in the fixed form"
         tolerance = kernel_checks.TOLERANCES[kernel] if kernel else kernel_checks.MODEL_LOGITS
         assert tuple(map(float, found[0])) == (tolerance.atol, tolerance.rtol, tolerance.gpu_atol, tolerance.rtol), (
-            grade_id, found[0], tolerance)
+            grade_id,
+            found[0],
+            tolerance,
+        )
 
 
-TRAFFIC_CHECKS = {"lab15.softmax_two_passes": "online_softmax_kernel", "lab15.flash_traffic": "flash_attention_kernel",
-                  "lab15.paged_in_place": "paged_decode_kernel", "lab15.gemv_q4_reads_packed": "q4_gemv_kernel"}
+TRAFFIC_CHECKS = {
+    "lab15.softmax_two_passes": "online_softmax_kernel",
+    "lab15.flash_traffic": "flash_attention_kernel",
+    "lab15.paged_in_place": "paged_decode_kernel",
+    "lab15.gemv_q4_reads_packed": "q4_gemv_kernel",
+}
 
 
 @needs_interpreter
@@ -395,7 +504,9 @@ def test_each_traffic_check_holds_the_stated_tolerances_against_a_compiled_refer
             assert result.passed is passes, (check_id, factor, result.what, result.detail)
             if not passes:
                 assert result.what.startswith(f"{name}'s `") and "differs from the reference" in result.what, (
-                    check_id, result.what)
+                    check_id,
+                    result.what,
+                )
 
 
 def test_the_answers_the_text_forbids_are_refused_before_they_run():
@@ -404,9 +515,14 @@ def test_the_answers_the_text_forbids_are_refused_before_they_run():
     from grading.tamper import SHORTCUT, scan
 
     modules, names = shortcut_modules("lab15")
-    for source in ("p = tl.softmax(scores)", "from infra_lib.kernels.flash_attention import flash_attention_kernel",
-                   "import infra_lib.kernels.paged_decode", "from infra_lib.kernels.gemv_q4 import q4_kernel",
-                   "from infra_lib.kernels.softmax import softmax_kernel", "from grading.checks import lab15"):
+    for source in (
+        "p = tl.softmax(scores)",
+        "from infra_lib.kernels.flash_attention import flash_attention_kernel",
+        "import infra_lib.kernels.paged_decode",
+        "from infra_lib.kernels.gemv_q4 import q4_kernel",
+        "from infra_lib.kernels.softmax import softmax_kernel",
+        "from grading.checks import lab15",
+    ):
         found = scan(source, modules, names, {"tl", "triton", "torch", "math"})
         assert found, source
         assert found[0].kind == SHORTCUT or "grading" in source, (source, found)
@@ -422,8 +538,11 @@ def test_the_labs_own_cells_import_nothing_from_the_checks_and_launch_the_blocks
     """The lab's cells (not the answers, not the tests) use public modules only, and the demonstration
     launches the online softmax with a BLOCK the text allows (16 or 32)."""
     cells = _lab_cells()
-    own = {grade_id: source for grade_id, source in cells.items()
-           if grade_id not in ANSWERS.values() and not grade_id.startswith("test_")}
+    own = {
+        grade_id: source
+        for grade_id, source in cells.items()
+        if grade_id not in ANSWERS.values() and not grade_id.startswith("test_")
+    }
     for grade_id, source in own.items():
         assert "grading.checks" not in source, f"{grade_id} imports from grading/checks"
     launches = re.findall(r"online_softmax\([^()]*?,\s*(\d+)\)", cells["use_kernels"])
@@ -453,13 +572,19 @@ def test_the_reference_kernels_are_the_librarys_and_no_check_module_defines_a_ke
     from grading.hidden_reference import targets
 
     references = {check.reference.target for check_id, check in all_checks().items() if check_id.startswith("lab15.")}
-    assert references == {"infra_lib.kernels.softmax:online_softmax_kernel",
-                          "infra_lib.kernels.flash_attention:flash_attention_kernel",
-                          "infra_lib.kernels.paged_decode:paged_decode_kernel", "infra_lib.kernels.gemv_q4:q4_gemv_kernel"}
+    assert references == {
+        "infra_lib.kernels.softmax:online_softmax_kernel",
+        "infra_lib.kernels.flash_attention:flash_attention_kernel",
+        "infra_lib.kernels.paged_decode:paged_decode_kernel",
+        "infra_lib.kernels.gemv_q4:q4_gemv_kernel",
+    }
     assert references <= set(targets("lab15"))
     for path in sorted((REPO / "grading" / "checks").rglob("*.py")):
-        jitted = [node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-                  if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)]
+        jitted = [
+            node.name
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
+        ]
         assert not jitted, f"{path.name} defines the kernels {jitted}"
 
 

@@ -12,16 +12,24 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import (
+    LAB01,
+    LABS,
+    NOTEBOOKS,
+    REPO,
+    SOLUTIONS,
+    answer_cells,
+    error_outputs,
+    parameters_cell,
+    write_learner_notebook,
+)
 
-from conftest import (LAB01, LABS, NOTEBOOKS, REPO, SOLUTIONS, answer_cells, error_outputs, parameters_cell,
-                      write_learner_notebook)
-from grading.run import warm
+from course_tools.release import CONFIG, generate_all, lab_ids
 from grading.grader import grade_notebook
 from grading.notebook import read_notebook
 from grading.readings import READINGS, not_started_hint
 from grading.registry import all_checks
-from course_tools.release import CONFIG, generate_all, lab_ids
-
+from grading.run import warm
 
 # What code looks like in a message: a call or an index (a name right before "(" or "["), an
 # assignment, a Triton or torch attribute, a Python keyword that starts a statement. The lesson
@@ -83,8 +91,13 @@ def test_every_task_says_where_its_idea_is_taught():
     assert tasks <= set(READINGS), f"tasks without a reading in grading/readings.py: {sorted(tasks - set(READINGS))}"
     assert set(READINGS) <= tasks, f"readings for tasks no check exercises: {sorted(set(READINGS) - tasks)}"
     for task, (lesson, sections) in READINGS.items():
-        headings = {line[3:].strip() for cell in read_notebook(REPO / "notebooks" / f"{lesson}.ipynb").cells
-                    if cell.cell_type == "markdown" for line in cell.source.splitlines() if line.startswith("## ")}
+        headings = {
+            line[3:].strip()
+            for cell in read_notebook(REPO / "notebooks" / f"{lesson}.ipynb").cells
+            if cell.cell_type == "markdown"
+            for line in cell.source.splitlines()
+            if line.startswith("## ")
+        }
         missing = [s for s in sections if s not in headings]
         assert not missing, f"{task}: {lesson} has no section {missing}"
 
@@ -100,8 +113,9 @@ def released(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
 def test_labs_equal_what_nbgrader_generates(lab, released):
     fresh = released / lab.stem / lab.name
-    assert json.loads(fresh.read_text()) == json.loads(lab.read_text()), \
+    assert json.loads(fresh.read_text()) == json.loads(lab.read_text()), (
         f"{lab} differs from nbgrader's output: run `make labs`"
+    )
     assert "BEGIN HIDDEN TESTS" not in lab.read_text()
     assert "BEGIN SOLUTION" not in lab.read_text()
 
@@ -119,8 +133,14 @@ def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
     # nbgrader's kernels fork from this worker's template (grading.run.warm), as nbgrader_config.py
     # has them fork from a template of nbgrader's own.
     env = {**os.environ, **warm.plain_kernel_env(), "INFRA_COURSE_ROOT": str(course), "PATH": path}
-    result = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"], cwd=course, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "nbgrader", *args, "--log-level=WARN"],
+        cwd=course,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -145,8 +165,10 @@ def test_nbgrader_autograde_agrees_with_the_course_grader(tmp_path):
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="infra-course") as gradebook:
         nbgrader_scores = {s: gradebook.find_submission("lab01_gemm", s).score for s in submissions}
-    ours = {s: grade_notebook(course / "submitted" / s / "lab01_gemm" / "lab01_gemm.ipynb", lab_id="lab01_gemm").score
-            for s in submissions}
+    ours = {
+        s: grade_notebook(course / "submitted" / s / "lab01_gemm" / "lab01_gemm.ipynb", lab_id="lab01_gemm").score
+        for s in submissions
+    }
     assert nbgrader_scores == {"complete": 10, "untouched": 0, "one_wrong": 7}
     assert ours == nbgrader_scores
 
@@ -167,8 +189,9 @@ def test_nbgrader_grades_the_kernels_lab_as_the_course_grader_does(tmp_path):
     solution = REPO / "solutions" / lab / f"{lab}.ipynb"
     submissions = {"complete": answer_cells(solution), "untouched": {}}
     for student, filled in submissions.items():
-        write_learner_notebook(course / "submitted" / student / lab / f"{lab}.ipynb", filled,
-                               base=REPO / "labs" / lab / f"{lab}.ipynb")
+        write_learner_notebook(
+            course / "submitted" / student / lab / f"{lab}.ipynb", filled, base=REPO / "labs" / lab / f"{lab}.ipynb"
+        )
     _nbgrader(course, "autograde", lab, "--create", "--force")
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="infra-course") as gradebook:

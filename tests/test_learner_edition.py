@@ -12,10 +12,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import REPO, SOLUTION01, SOLUTIONS, answer_cells, write_learner_notebook
-from grading.run import warm
+
 from grading.notebook import grade_id, is_test_cell, nbgrader_meta, read_notebook
+from grading.run import warm
 
 INFRA_LAB = [sys.executable, "-m", "course_tools.cli"]
 # The edition's files are built once and graded once, on one worker.
@@ -23,8 +23,13 @@ pytestmark = pytest.mark.xdist_group("learner_edition")
 
 
 def _release(out: Path, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*INFRA_LAB, "release", "--edition", "learner", str(out), *options], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [*INFRA_LAB, "release", "--edition", "learner", str(out), *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +64,26 @@ def _edition_env(edition: Path) -> dict[str, str]:
 def gradings(edition, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Inside the edition, side by side: an honest lab 01 (the instructor's answers, kept outside the
     edition so that the scan below never meets them) and the blank released lab, as a learner grades it."""
-    honest = write_learner_notebook(tmp_path_factory.mktemp("learner") / "lab01_gemm.ipynb",
-                                    answer_cells(SOLUTION01), base=edition / "labs" / "lab01_gemm" / "lab01_gemm.ipynb")
+    honest = write_learner_notebook(
+        tmp_path_factory.mktemp("learner") / "lab01_gemm.ipynb",
+        answer_cells(SOLUTION01),
+        base=edition / "labs" / "lab01_gemm" / "lab01_gemm.ipynb",
+    )
     commands = {
         "honest": ["grade", str(honest), "--out", str(honest.parent / "grades"), "--seed", "5"],
         "blank": ["grade", "labs/lab01_gemm/lab01_gemm.ipynb", "--seed", "5"],
     }
-    running = {name: subprocess.Popen([*INFRA_LAB, *args], cwd=edition, env=_edition_env(edition), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for name, args in commands.items()}
+    running = {
+        name: subprocess.Popen(
+            [*INFRA_LAB, *args],
+            cwd=edition,
+            env=_edition_env(edition),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, args in commands.items()
+    }
     done = {}
     for name, process in running.items():
         stdout, stderr = process.communicate(timeout=300)
@@ -115,7 +131,9 @@ def test_no_file_of_the_edition_holds_solution_code(edition):
         else:  # only the marker's name, quoted (the grader's constants, the README's prose)
             for line in raw.splitlines():
                 if "BEGIN SOLUTION" in line:
-                    assert re.search(r"[\"'`](### )?BEGIN SOLUTION[\"'`]", line), f"{name} holds a solution region: {line}"
+                    assert re.search(r"[\"'`](### )?BEGIN SOLUTION[\"'`]", line), (
+                        f"{name} holds a solution region: {line}"
+                    )
         text = _searchable(path)
         for lab, lines in regions:
             region = "\n" + "\n".join(lines) + "\n"
@@ -161,7 +179,9 @@ def test_the_edition_finds_a_near_answer_the_class_report_would_let_pass(tmp_pat
     (tmp_path / "grading" / "checks" / "lab13.py").write_text(NEAR_ANSWER)
     solutions = solution_prints()
     found = equivalent_code(tmp_path, solutions)
-    assert [(name, label) for name, label, _ in found] == [("grading/checks/lab13.py", "lab13_agents:task2_call_with_retry")]
+    assert [(name, label) for name, label, _ in found] == [
+        ("grading/checks/lab13.py", "lab13_agents:task2_call_with_retry")
+    ]
     score = float(found[0][2].rsplit(" ", 1)[1])
     assert EDITION_THRESHOLD <= score < THRESHOLD, found
     assert equivalent_code(tmp_path, solutions, threshold=THRESHOLD) == []
@@ -169,11 +189,18 @@ def test_the_edition_finds_a_near_answer_the_class_report_would_let_pass(tmp_pat
 
 def _dressed(source: str) -> str:
     """An answer's code with its names, comments and layout changed, as a copy would be."""
-    for old, new in (("budget", "room"), ("victim", "last"), ("cached", "hit"), ("seq", "item"), ("out", "plan"),
-                     ("n", "take")):
+    for old, new in (
+        ("budget", "room"),
+        ("victim", "last"),
+        ("cached", "hit"),
+        ("seq", "item"),
+        ("out", "plan"),
+        ("n", "take"),
+    ):
         source = re.sub(rf"\b{old}\b", new, source)
-    return "\n".join(line.split("  #")[0] + ("  # one more step" if "while" in line else "")
-                     for line in source.splitlines())
+    return "\n".join(
+        line.split("  #")[0] + ("  # one more step" if "while" in line else "") for line in source.splitlines()
+    )
 
 
 def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_notebook(tmp_path):
@@ -181,9 +208,12 @@ def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_noteb
 
     region = answer_cells(REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb")["schedule"]
     region = region.split("### BEGIN SOLUTION\n")[1].split("    ### END SOLUTION")[0]
-    copy = _dressed("class Planner:\n    def plan_step(self):\n        budget = self.config.max_num_batched_tokens\n"
-                    "        out = SchedulerOutput(self.num_steps, budget)\n"
-                    + "\n".join("    " + line for line in region.splitlines()) + "\n")
+    copy = _dressed(
+        "class Planner:\n    def plan_step(self):\n        budget = self.config.max_num_batched_tokens\n"
+        "        out = SchedulerOutput(self.num_steps, budget)\n"
+        + "\n".join("    " + line for line in region.splitlines())
+        + "\n"
+    )
     (tmp_path / "grading" / "checks").mkdir(parents=True)
     (tmp_path / "grading" / "checks" / "helpers.py").write_text("import math\n\n\n" + copy)
     (tmp_path / "infra_lib").mkdir()
@@ -195,14 +225,19 @@ def test_the_scan_finds_a_dressed_copy_of_an_answer_in_a_python_file_and_a_noteb
     nbformat.write(notebook, tmp_path / "lesson.ipynb")
     found = {(name, label): unit for name, label, unit in equivalent_code(tmp_path, solution_prints())}
     # The capstone's answer cell for the scheduler step holds the same step: the copy is that answer too.
-    assert set(found) == {(name, label) for name in ("grading/checks/helpers.py", "lesson.ipynb")
-                          for label in ("lab08_scheduler:schedule", "lab16_capstone:lab08_scheduler")}, found
+    assert set(found) == {
+        (name, label)
+        for name in ("grading/checks/helpers.py", "lesson.ipynb")
+        for label in ("lab08_scheduler:schedule", "lab16_capstone:lab08_scheduler")
+    }, found
     assert found[("grading/checks/helpers.py", "lab08_scheduler:schedule")].startswith("Planner.plan_step ~ schedule")
 
 
 def test_the_edition_is_the_tracked_course_less_its_answer_key_and_suite(edition):
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    copied = {name for name in tracked if (REPO / name).is_file() and not name.startswith(("solutions/", "tests/", ".ci/"))}
+    copied = {
+        name for name in tracked if (REPO / name).is_file() and not name.startswith(("solutions/", "tests/", ".ci/"))
+    }
     labs = [path.stem for path in SOLUTIONS]
     written = {"EDITION.md", "solutions/TESTS_ONLY.md", *(f"solutions/{lab}/{lab}.ipynb" for lab in labs)}
     present = {p.relative_to(edition).as_posix() for p in edition.rglob("*") if p.is_file()}
@@ -227,19 +262,29 @@ def test_the_tests_only_source_keeps_every_test_and_the_released_stubs(edition, 
             assert after.source == released[grade_id(before)], f"{lab} {grade_id(before)} is not the released stub"
         else:
             assert after.source == before.source, f"{lab} {grade_id(before)} changed"
-    assert any("BEGIN HIDDEN TESTS" in cell.source for cell in stripped if is_test_cell(cell)), f"{lab} kept no hidden tests"
+    assert any("BEGIN HIDDEN TESTS" in cell.source for cell in stripped if is_test_cell(cell)), (
+        f"{lab} kept no hidden tests"
+    )
 
 
 @pytest.mark.slow
 def test_the_edition_grades_with_its_own_grader(edition):
     """Every module the grader and a lab's checks import comes from the edition (none is missing from it)."""
-    probe = ("import sys, course_tools.cli, grading.grader, grading.checks.lab01, grading.progress_panel, infra_lib\n"
-             "from grading.course import DEFAULT_SOURCE\n"
-             "print(DEFAULT_SOURCE)\n"
-             "print(*sorted({m.__file__ for n, m in sys.modules.items() if n.split('.')[0] in ('grading', 'infra_lib')"
-             " and getattr(m, '__file__', None)}), sep='\\n')")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=edition, env=_edition_env(edition),
-                            capture_output=True, text=True, timeout=120)
+    probe = (
+        "import sys, course_tools.cli, grading.grader, grading.checks.lab01, grading.progress_panel, infra_lib\n"
+        "from grading.course import DEFAULT_SOURCE\n"
+        "print(DEFAULT_SOURCE)\n"
+        "print(*sorted({m.__file__ for n, m in sys.modules.items() if n.split('.')[0] in ('grading', 'infra_lib')"
+        " and getattr(m, '__file__', None)}), sep='\\n')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=edition,
+        env=_edition_env(edition),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     source, *modules = result.stdout.splitlines()
     assert Path(source) == edition / "solutions"
@@ -275,6 +320,12 @@ def test_release_refuses_a_folder_that_is_not_empty_unless_forced(tmp_path):
     forced = _release(out, "--force")
     assert forced.returncode == 0, forced.stderr
     assert not (out / "notes.txt").exists() and (out / "EDITION.md").is_file()
-    again = subprocess.run([*INFRA_LAB, "release", "lab01_gemm", "--out", str(tmp_path / "labs")], cwd=out,
-                           env=_edition_env(out), capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [*INFRA_LAB, "release", "lab01_gemm", "--out", str(tmp_path / "labs")],
+        cwd=out,
+        env=_edition_env(out),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2 and "tests without answers" in again.stderr, "the edition cannot regenerate its labs"

@@ -8,8 +8,8 @@ import ast
 import re
 
 import nbformat
-
 from conftest import REPO
+
 from infra_lib.portability import census, device_specific_fraction
 
 
@@ -23,10 +23,13 @@ def lesson_text(chapter: str, cell_type: str = "markdown") -> str:
 def assigned_literal(chapter: str, name: str):
     """The literal value a code cell of the lesson assigns to ``name`` (one assignment expected)."""
     path = next((REPO / "notebooks").glob(f"{chapter}_*.ipynb"))
-    values = [ast.literal_eval(node.value)
-              for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"
-              for node in ast.parse(cell.source).body
-              if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)]
+    values = [
+        ast.literal_eval(node.value)
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code"
+        for node in ast.parse(cell.source).body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+    ]
     assert len(values) == 1, f"chapter {chapter} should assign {name} once, found {len(values)}"
     return values[0]
 
@@ -35,14 +38,20 @@ def test_chapter_14_is_not_the_last_chapter_and_points_at_the_next():
     text = lesson_text("14")
     later = sorted(p.name[:2] for p in (REPO / "notebooks").glob("1[5-9]_*.ipynb"))
     assert later, "the test expects chapters after 14"
-    assert "last chapter" not in text.lower(), "chapter 14 calls itself the last chapter; chapters " + ", ".join(later) + " follow"
+    assert "last chapter" not in text.lower(), (
+        "chapter 14 calls itself the last chapter; chapters " + ", ".join(later) + " follow"
+    )
     assert "## What's next: chapter 15" in text
 
 
 def test_chapter_00_state_of_the_art_names_current_versions():
     text = lesson_text("00")
-    for version in ("CUDA 13.3", "PyTorch 2.13", "the v0.25 line; the V0 engine has been removed",
-                    "fourth-generation NVSwitch"):
+    for version in (
+        "CUDA 13.3",
+        "PyTorch 2.13",
+        "the v0.25 line; the V0 engine has been removed",
+        "fourth-generation NVSwitch",
+    ):
         assert version in text, version
     assert not re.search(r"CUDA 13 \(", text), "CUDA 13 without its minor version"
     pinned = re.search(r'"torch==(\d+\.\d+)', (REPO / "pyproject.toml").read_text()).group(1)

@@ -6,15 +6,20 @@ from __future__ import annotations
 import re
 
 import nbformat
-
 from conftest import REPO
-from infra_lib.hardware.kv_cache import MODELS, kv_capacity_tokens, max_concurrency, model_kv_bytes_per_token, \
-    weight_bytes
+from test_lesson_claims import lesson_text
+
+from infra_lib.hardware.kv_cache import (
+    MODELS,
+    kv_capacity_tokens,
+    max_concurrency,
+    model_kv_bytes_per_token,
+    weight_bytes,
+)
 from infra_lib.hardware.roofline import arithmetic_intensity, attainable_flops, ridge_point
 from infra_lib.hardware.specs import get_accelerator
 from infra_lib.kernels.matmul import tiled_matmul_bytes
 from infra_lib.kernels.softmax import softmax_bytes
-from test_lesson_claims import lesson_text
 
 
 def test_the_kv_capacity_plan_of_chapter_00_is_chapter_02s():
@@ -44,17 +49,31 @@ def test_chapter_00_draws_the_lessons_stack_and_the_chapters_use_its_numbering()
     """The L0.1 lesson's seven layers, with its names, are chapter 00's second map, and every
     chapter's header names its layer in that numbering."""
     stack = lesson_text("00")
-    for layer in ("L0/L1 hardware", "L2 data and operators", "L3 training", "L4 inference and serving",
-                  "L5 MLOps/LLMOps", "L6 application architecture"):
+    for layer in (
+        "L0/L1 hardware",
+        "L2 data and operators",
+        "L3 training",
+        "L4 inference and serving",
+        "L5 MLOps/LLMOps",
+        "L6 application architecture",
+    ):
         assert f"**{layer}**" in stack, layer
-    names = {"L0/L1": "hardware", "L2": "data and operators", "L3": "training", "L4": "inference and serving",
-             "L5": "MLOps/LLMOps", "L6": "application architecture"}
+    names = {
+        "L0/L1": "hardware",
+        "L2": "data and operators",
+        "L3": "training",
+        "L4": "inference and serving",
+        "L5": "MLOps/LLMOps",
+        "L6": "application architecture",
+    }
     for path in sorted((REPO / "notebooks").glob("[01][0-9]_*.ipynb"))[1:]:
         header = nbformat.read(path, as_version=4).cells[0].source.splitlines()[2]
         assert header.startswith("*Layer"), (path.name, header)
         layers = re.findall(r"L[0-6](?:/L1)?", header.split("·")[0])
-        assert layers and all(name in header for name in (names.get(layer, "") for layer in layers[:1])), \
-            (path.name, header)
+        assert layers and all(name in header for name in (names.get(layer, "") for layer in layers[:1])), (
+            path.name,
+            header,
+        )
 
 
 def test_chapter_02_quotes_the_spec_tables_ratios():
@@ -75,8 +94,11 @@ def test_chapter_03_numbers_follow_from_the_byte_formulas():
     h100 = get_accelerator("H100 SXM")
     triton_text = lesson_text("03")
     # section 4: the toy softmax's predicted times, QUICK and full sizes, fused and three-pass
-    toy = [sum(softmax_bytes(rows, cols, 4, three_pass=three).values()) / h100.bandwidth_bytes_per_s
-           for rows, cols in ((64, 300), (256, 1000)) for three in (False, True)]
+    toy = [
+        sum(softmax_bytes(rows, cols, 4, three_pass=three).values()) / h100.bandwidth_bytes_per_s
+        for rows, cols in ((64, 300), (256, 1000))
+        for three in (False, True)
+    ]
     assert max(toy) < 1.5e-6 and "the predicted times are about a microsecond at most" in triton_text
     fused, three = (sum(softmax_bytes(32 * 2048, 2048, 4, three_pass=t).values()) for t in (False, True))
     saved_ms = (three - fused) / h100.bandwidth_bytes_per_s * 1e3
@@ -84,8 +106,10 @@ def test_chapter_03_numbers_follow_from_the_byte_formulas():
     assert f"Its {64 * 300 * 4 / 1e3:.0f} kB fit easily" in triton_text
     # thinking questions 3 and 4
     tiles = tiled_matmul_bytes(4096, 4096, 4096, 128, 128, element_size=2)
-    assert f"about {2 * 4096 ** 3 / tiles['loaded']:.0f} FLOPs per byte of tile loads" in triton_text
-    assert f"about {arithmetic_intensity(4096, 4096, 4096, bytes_per_element=2):,.0f} FLOPs per byte for this shape" \
+    assert f"about {2 * 4096**3 / tiles['loaded']:.0f} FLOPs per byte of tile loads" in triton_text
+    assert (
+        f"about {arithmetic_intensity(4096, 4096, 4096, bytes_per_element=2):,.0f} FLOPs per byte for this shape"
         in triton_text
+    )
     padded = 2 * 96 * 64 * 96 / (2 * 77 * 45 * 93)  # 77 x 45 x 93 in 32-tiles: 3 x 2 x 3 tiles
     assert f"computed {padded:.2f} times the useful FLOPs" in triton_text

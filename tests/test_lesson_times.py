@@ -20,18 +20,22 @@ def test_a_recorded_run_keeps_the_load_it_ran_at(tmp_path):
 
 
 def test_the_run_time_paragraph_says_it_is_a_quiet_machines():
-    stated = lesson_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2,
-                                           "quick_quiet": True, "full_quiet": True})
-    assert stated.startswith("**Run time** on a quiet machine with 2 CPU cores: about 10 s with `QUICK = True`, "
-                             "about 2 min with the full settings.")
+    stated = lesson_times.run_time_paragraph(
+        {"quick_s": 10.0, "full_s": 130.0, "cores": 2, "quick_quiet": True, "full_quiet": True}
+    )
+    assert stated.startswith(
+        "**Run time** on a quiet machine with 2 CPU cores: about 10 s with `QUICK = True`, "
+        "about 2 min with the full settings."
+    )
     assert "with 4 of them busy, about 3 times as long" in stated
     # Times recorded before loads were: stated as they were measured, a quiet machine's.
     assert lesson_times.run_time_paragraph({"quick_s": 10.0, "full_s": 130.0, "cores": 2}) == stated
 
 
 def test_a_time_measured_on_a_busy_machine_says_so_and_what_a_quiet_one_would_take():
-    stated = lesson_times.run_time_paragraph({"quick_s": 30.0, "full_s": 130.0, "cores": 2, "quick_quiet": False,
-                                           "quick_busy": 4.0, "full_quiet": True})
+    stated = lesson_times.run_time_paragraph(
+        {"quick_s": 30.0, "full_s": 130.0, "cores": 2, "quick_quiet": False, "quick_busy": 4.0, "full_quiet": True}
+    )
     assert "while other programs were busy (`QUICK` with 4.0 busy processes on 2 cores)" in stated
     assert "about 30 s with `QUICK = True`, about 2 min with the full settings" in stated
     assert stated.endswith("on a quiet machine, about 10 s and about 2 min.")

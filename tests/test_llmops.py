@@ -12,8 +12,7 @@ import torch
 from infra_lib.apps.rag import load_corpus, load_questions
 from infra_lib.model import load_default
 from infra_lib.model.quant import QuantLinear, heldout_text, quantize_model
-from infra_lib.ops.llmops import (CanaryRouter, Registry, RolloutPolicy, Served, VersionCard, gate, measure,
-                                  rag_items)
+from infra_lib.ops.llmops import CanaryRouter, Registry, RolloutPolicy, Served, VersionCard, gate, measure, rag_items
 from infra_lib.ops.loadgen import run_load
 from infra_lib.serving.server import ServerThread, build_engine, create_app
 
@@ -94,9 +93,14 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
     items = rag_items(load_questions(), load_corpus(), limit=1, window=300)
     int8 = quantize_model(model, 8, 64)
     registry = Registry(tmp_path / "registry.json")
-    cards = {name: measure(name, weights, m, tokenizer, heldout, items, decode_tokens=2)
-             for name, weights, m in (("smollm2:fp32", "fp32", model), ("smollm2:int8", "int8 g64", int8),
-                                      ("smollm2:broken", "int8 g64, rows shuffled", _garbage(model)))}
+    cards = {
+        name: measure(name, weights, m, tokenizer, heldout, items, decode_tokens=2)
+        for name, weights, m in (
+            ("smollm2:fp32", "fp32", model),
+            ("smollm2:int8", "int8 g64", int8),
+            ("smollm2:broken", "int8 g64, rows shuffled", _garbage(model)),
+        )
+    }
     registry.register(cards["smollm2:fp32"])
     registry.promote("smollm2:fp32", "the first version")
     for name in ("smollm2:broken", "smollm2:int8"):
@@ -116,14 +120,18 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
         engine = build_engine(m, tokenizer, max_num_seqs=4, kv_blocks=128)
         server = ServerThread(create_app(engine, "smollm2", downstream_delay_s=delay)).start()
         # Warmed up before it takes traffic (a readiness probe): a fresh engine's first passes are slow.
-        httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
-                   timeout=60 + delay).raise_for_status()
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+            timeout=60 + delay,
+        ).raise_for_status()
         return server
 
     fp32_server, int8_server = serve(model), serve(int8)
     try:
-        router = CanaryRouter({"smollm2:fp32": fp32_server.url, "smollm2:int8": int8_server.url}, registry,
-                              "smollm2:int8", policy, seed=1)
+        router = CanaryRouter(
+            {"smollm2:fp32": fp32_server.url, "smollm2:int8": int8_server.url}, registry, "smollm2:int8", policy, seed=1
+        )
         with ServerThread(router.app()) as front:
             result = run_load(front.url, prompts, model="smollm2", max_concurrency=4, max_tokens=2, progress=False)
         assert all(t.success for t in result.timings), [t.error for t in result.timings if not t.success]
@@ -137,26 +145,42 @@ def test_a_rollout_on_the_course_server_promotes_a_good_version_and_rolls_back_a
         registry.register(VersionCard(**{**cards["smollm2:int8"].__dict__, "name": "smollm2:int8-slow"}))
         slow_server = serve(int8, delay=6.0)
         try:
-            router = CanaryRouter({"smollm2:int8": int8_server.url, "smollm2:int8-slow": slow_server.url}, registry,
-                                  "smollm2:int8-slow", policy, seed=2)
+            router = CanaryRouter(
+                {"smollm2:int8": int8_server.url, "smollm2:int8-slow": slow_server.url},
+                registry,
+                "smollm2:int8-slow",
+                policy,
+                seed=2,
+            )
             with ServerThread(router.app()) as front:
-                slow_result = run_load(front.url, prompts, model="smollm2", max_concurrency=4, max_tokens=2,
-                                       progress=False)
+                slow_result = run_load(
+                    front.url, prompts, model="smollm2", max_concurrency=4, max_tokens=2, progress=False
+                )
         finally:
             slow_server.stop()
         assert all(t.success for t in slow_result.timings), [t.error for t in slow_result.timings if not t.success]
         assert router.rollout.outcome == "rolled back", router.rollout.decisions
         assert "P99 latency" in router.rollout.decisions[-1]["why"], (
-            router.rollout.decisions, [t.error for t in slow_result.timings if not t.success], router.rollout.served)
+            router.rollout.decisions,
+            [t.error for t in slow_result.timings if not t.success],
+            router.rollout.served,
+        )
         assert registry.stage("smollm2:int8-slow") == "rolled back" and registry.production == "smollm2:int8"
         assert "canary at 25%: P99 latency" in registry.events[-1]["why"], registry.events[-1]
-        after = [s for s in router.rollout.served if s.started > max(
-            s.started for s in router.rollout.served if s.version == "smollm2:int8-slow")]
+        after = [
+            s
+            for s in router.rollout.served
+            if s.started > max(s.started for s in router.rollout.served if s.version == "smollm2:int8-slow")
+        ]
         assert all(s.version == "smollm2:int8" for s in after)  # nothing new reached it after the rollback
     finally:
         fp32_server.stop()
         int8_server.stop()
     events = json.loads((tmp_path / "registry.json").read_text())["events"]
     assert [(e["version"], e["event"]) for e in events if e["event"] != "registered"] == [
-        ("smollm2:fp32", "production"), ("smollm2:broken", "rejected"), ("smollm2:fp32", "previous"),
-        ("smollm2:int8", "production"), ("smollm2:int8-slow", "rolled back")]
+        ("smollm2:fp32", "production"),
+        ("smollm2:broken", "rejected"),
+        ("smollm2:fp32", "previous"),
+        ("smollm2:int8", "production"),
+        ("smollm2:int8-slow", "rolled back"),
+    ]

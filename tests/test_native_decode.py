@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import SMOLLM2
+
 from infra_lib.model import DenseKVCache, Llama, LlamaConfig, greedy_decode
 from infra_lib.model.native_decode import NativeDecoder, NativeUnavailable, _build, native_decode_available
 
@@ -16,9 +16,21 @@ PROMPTS = ("What is Python?", "Name three planets.", "Write a haiku about the se
 
 def _tiny(tie: bool, bias: bool, intermediate: int = 96) -> Llama:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=intermediate, n_layers=3, n_heads=4,
-                         n_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, max_position=128,
-                         tie_embeddings=tie, attention_bias=bias, output_bias=bias)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        max_position=128,
+        tie_embeddings=tie,
+        attention_bias=bias,
+        output_bias=bias,
+    )
     model = Llama(config).eval()
     with torch.no_grad():
         for p in model.parameters():  # norms and biases away from their initial ones and zeros
@@ -41,8 +53,12 @@ def _weights_as_read(model: Llama, weights: str) -> Llama:
     rounded = copy.deepcopy(model)
     with torch.no_grad():
         for layer in rounded.layers:
-            for linear in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
-                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            for linear in (
+                *[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            ):
                 linear.weight.copy_(as_read(linear.weight))
         head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
         head.weight = torch.nn.Parameter(as_read(model.lm_head.weight.detach()))
@@ -51,8 +67,9 @@ def _weights_as_read(model: Llama, weights: str) -> Llama:
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("tie, bias, intermediate", [(True, False, 96), (False, True, 97)],
-                         ids=["tied", "untied-bias-odd-rows"])
+@pytest.mark.parametrize(
+    "tie, bias, intermediate", [(True, False, 96), (False, True, 97)], ids=["tied", "untied-bias-odd-rows"]
+)
 def test_native_step_gives_the_models_logits_at_every_position(tie, bias, intermediate, weights):
     """Every decode step's logits equal the model's through its KV cache (summed in another order):
     grouped-query heads, biases, a tied or untied head, rows that do not fill a group of four, a row
@@ -68,7 +85,7 @@ def test_native_step_gives_the_models_logits_at_every_position(tie, bias, interm
         cache = DenseKVCache.for_model(model.config, batch=1, capacity=40)
         expected = [int(model(tokens[:, :10], cache)[0, -1].argmax())]
         for i in range(10, 30):
-            want = reference(tokens[:, i:i + 1], cache)[0, -1]
+            want = reference(tokens[:, i : i + 1], cache)[0, -1]
             got = decoder._step(int(tokens[0, i]), i)
             assert float((got - want).abs().max()) <= 1e-4, i
             expected.append(int(want.argmax()))
@@ -104,7 +121,7 @@ def test_native_decoder_keeps_smollm2s_greedy_tokens_and_logits(smollm2):
     answers = [greedy_decode(model, prompt, 16) for prompt in prompts]  # no stop token: 16 each
     decoder = NativeDecoder(model, capacity=96)
     for prompt, answer in zip(prompts[:2], answers):
-        expected = answer[:answer.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in answer else answer
+        expected = answer[: answer.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in answer else answer
         assert decoder.greedy(prompt, 16, tokenizer.eos_id) == expected
     prompt, answer = prompts[0], answers[0]
     with torch.inference_mode():
@@ -164,8 +181,11 @@ def test_a_compiler_that_refuses_the_tuning_flags_still_builds_the_step(tmp_path
 
     cc = shutil.which("cc") or shutil.which("gcc")
     picky = tmp_path / "picky-cc"
-    picky.write_text("#!/bin/sh\nfor a in \"$@\"; do case \"$a\" in -march=*|-mcpu=*|-mprefer*) "
-                     "echo \"unknown option $a\" >&2; exit 1;; esac; done\n" f"exec {cc} \"$@\"\n")
+    picky.write_text(
+        '#!/bin/sh\nfor a in "$@"; do case "$a" in -march=*|-mcpu=*|-mprefer*) '
+        'echo "unknown option $a" >&2; exit 1;; esac; done\n'
+        f'exec {cc} "$@"\n'
+    )
     picky.chmod(0o755)
     _build(str(picky), tmp_path / "step.so")
     assert ctypes.CDLL(str(tmp_path / "step.so")).infra_native_abi() >= 1
@@ -177,8 +197,11 @@ def test_doctor_says_how_to_get_the_step_where_it_cannot_be_built(monkeypatch):
     import infra_lib.model.native_decode as native_decode
     from course_tools import doctor
 
-    monkeypatch.setattr(native_decode, "native_decode_available",
-                        lambda: (False, "no C compiler found (looked for $CC, cc, gcc, clang): install one"))
+    monkeypatch.setattr(
+        native_decode,
+        "native_decode_available",
+        lambda: (False, "no C compiler found (looked for $CC, cc, gcc, clang): install one"),
+    )
     finding = doctor.native_finding()
     assert not finding.ok and not finding.required
     assert finding.detail.startswith("no C compiler found") and "apt-get install gcc" in finding.fix

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-
 from conftest import SMOLLM2
 from test_native_decode import _tiny, _weights_as_read
+
 from infra_lib.model import SamplingParams, greedy_decode
 from infra_lib.model.native_decode import native_library
 from infra_lib.serving import LLM, LLMEngine, PagedKVStore, SchedulerConfig
@@ -44,8 +44,10 @@ def _config(budget: int) -> SchedulerConfig:
 def _both(model, weights: str, budget: int, max_tokens: int) -> tuple[LLMEngine, BothRunners]:
     config = _config(budget)
     stores = [PagedKVStore.for_model(model.config, config.num_blocks, config.block_size) for _ in range(2)]
-    runner = BothRunners(ModelRunner(model if weights == "fp32" else _weights_as_read(model, weights), stores[0]),
-                         NativeModelRunner(model, stores[1], weights, max_tokens=max_tokens))
+    runner = BothRunners(
+        ModelRunner(model if weights == "fp32" else _weights_as_read(model, weights), stores[0]),
+        NativeModelRunner(model, stores[1], weights, max_tokens=max_tokens),
+    )
     return LLMEngine(runner, config), runner
 
 
@@ -57,8 +59,9 @@ def _serve(engine: LLMEngine, prompts, new_tokens) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("tie, bias, intermediate", [(True, False, 96), (False, True, 97)],
-                         ids=["tied", "untied-bias-odd-rows"])
+@pytest.mark.parametrize(
+    "tie, bias, intermediate", [(True, False, 96), (False, True, 97)], ids=["tied", "untied-bias-odd-rows"]
+)
 def test_native_runner_gives_the_pytorch_runners_logits_and_kv(tie, bias, intermediate, weights):
     """Ragged prompts in chunks of up to 6 tokens beside other sequences' decodes, every step in C:
     each step's logits and every K/V slot equal ModelRunner's (summed in another order), through
@@ -138,10 +141,17 @@ def test_smollm2_engine_in_c_gives_the_pytorch_engines_tokens(smollm2):
     tokens (the prompts' prefill) in PyTorch and the rest in C: every request's tokens equal the
     PyTorch engine's, and greedy_decode's alone."""
     model, tokenizer = smollm2.model, smollm2.tokenizer
-    prompts = [tokenizer.encode(text) for text in (
-        "What is Python?", "Name three planets.", "Write a haiku about the sea.",
-        "Explain in three short paragraphs how a CPU cache works, why memory bandwidth limits decoding, and what "
-        "batching changes about it.", "Count from one to five.")]
+    prompts = [
+        tokenizer.encode(text)
+        for text in (
+            "What is Python?",
+            "Name three planets.",
+            "Write a haiku about the sea.",
+            "Explain in three short paragraphs how a CPU cache works, why memory bandwidth limits decoding, and what "
+            "batching changes about it.",
+            "Count from one to five.",
+        )
+    ]
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_blocks=64)
     params = SamplingParams(max_new_tokens=12, stop_ids=())
     expected = [o.token_ids for o in LLM(model, tokenizer, config).generate(prompts, params, use_tqdm=False)]
@@ -165,19 +175,23 @@ def test_the_server_on_the_engine_in_c_answers_the_openai_client_as_in_pytorch(s
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
     expected = LLM(smollm2.model, smollm2.tokenizer, _config(64)).generate(
-        [question], SamplingParams(max_new_tokens=16), use_tqdm=False)[0]
+        [question], SamplingParams(max_new_tokens=16), use_tqdm=False
+    )[0]
     engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=4, kv_blocks=64, native="fp32")
     assert isinstance(engine.engine.runner, NativeModelRunner)
     with ServerThread(create_app(engine, "SmolLM2-135M-Instruct")) as thread:
         client = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
-        whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
-                                               max_tokens=16)
+        whole = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=question, temperature=0, max_tokens=16
+        )
         assert whole.choices[0].message.content == expected.text
-        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0,
-                                                max_tokens=16, stream=True)
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=question, temperature=0, max_tokens=16, stream=True
+        )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
-        sampled = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, temperature=0.8,
-                                                 max_tokens=8, seed=3)
+        sampled = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=question, temperature=0.8, max_tokens=8, seed=3
+        )
         assert sampled.usage.completion_tokens >= 1
     assert engine.engine.runner.native_steps > 0
     with pytest.raises(ValueError, match="without --native"):

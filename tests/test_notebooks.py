@@ -8,8 +8,8 @@ import re
 import time
 
 import pytest
-
 from conftest import NOTEBOOKS, REPO, error_outputs, parameters_cell, run_benchmark
+
 from course_tools import lesson_times
 from grading.notebook import read_notebook
 from grading.run.warm import run_lesson
@@ -22,8 +22,15 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     assert "QUICK" in source and "DEVICE" in source
     out = tmp_path / path.name
     started = time.monotonic()
-    run_lesson(path, out, parameters={"QUICK": True}, kernel_name="python3",
-                               cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
+    run_lesson(
+        path,
+        out,
+        parameters={"QUICK": True},
+        kernel_name="python3",
+        cwd=str(tmp_path),
+        progress_bar=False,
+        execution_timeout=600,
+    )
     # the lessons state their run time from these measurements (course_tools.lesson_times)
     assert lesson_times.record(path.stem, "quick", time.monotonic() - started).is_file()
     assert not error_outputs(json.loads(out.read_text()))
@@ -49,10 +56,13 @@ def test_every_lesson_states_its_measured_run_times():
         entry = times.get(path.stem)
         assert entry and "quick_s" in entry and "full_s" in entry, f"notebooks/run_times.json lacks {path.stem}"
         assert lesson_times.stated_paragraph(path) == lesson_times.run_time_paragraph(entry), (
-            f"{path.name} does not state the run times in run_times.json: run `python -m course_tools.lesson_times update`")
+            f"{path.name} does not state the run times in run_times.json: run `python -m course_tools.lesson_times "
+            f"update`"
+        )
         params = parameters_cell(path)
         assert not re.search(r"\b(minute|seconds?)\b", params), (
-            f"{path.name}'s parameters cell states a time of its own; the Run time paragraph is the one place")
+            f"{path.name}'s parameters cell states a time of its own; the Run time paragraph is the one place"
+        )
 
 
 def test_update_restates_a_lesson_from_the_measurements(tmp_path):
@@ -97,7 +107,9 @@ def test_gemm_sweep_benchmark_writes_json(tmp_path):
 def test_glossary_collects_every_lessons_terms():
     glossary = (REPO / "GLOSSARY.md").read_text()
     for path in NOTEBOOKS:
-        cells = [c for c in read_notebook(path).cells if c.cell_type == "markdown" and c.source.startswith("## Glossary")]
+        cells = [
+            c for c in read_notebook(path).cells if c.cell_type == "markdown" and c.source.startswith("## Glossary")
+        ]
         assert cells, f"{path.name} needs a '## Glossary' section with the Chinese terms"
         rows = [line for line in cells[0].source.splitlines() if line.startswith("| ") and "---" not in line][1:]
         assert rows

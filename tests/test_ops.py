@@ -12,9 +12,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infra_lib.ops import (RequestTiming, arrival_times, cost_per_million_tokens, e2el, goodput, itl,
-                           max_rate_under_slo, meets_slo, percentile, plan_capacity, replicas_needed, summarize,
-                           tpot, ttft)
+from infra_lib.ops import (
+    RequestTiming,
+    arrival_times,
+    cost_per_million_tokens,
+    e2el,
+    goodput,
+    itl,
+    max_rate_under_slo,
+    meets_slo,
+    percentile,
+    plan_capacity,
+    replicas_needed,
+    summarize,
+    tpot,
+    ttft,
+)
 from infra_lib.ops.diagnose import FAULTS, Diagnosis, diagnose, run_scenario, window_stats
 from infra_lib.serving import LLMEngine, SchedulerConfig, SimulatedRunner, StepCostModel, random_workload, replay
 from infra_lib.serving.events import EventLog
@@ -24,8 +37,9 @@ COST = StepCostModel(0.01, 1e-4, 1e-3, 1e-6)
 
 
 def timing(send, chunks, end, n=None, **kw) -> RequestTiming:
-    return RequestTiming(send, list(chunks), end, prompt_tokens=kw.pop("prompt", 10),
-                         output_tokens=len(chunks) if n is None else n, **kw)
+    return RequestTiming(
+        send, list(chunks), end, prompt_tokens=kw.pop("prompt", 10), output_tokens=len(chunks) if n is None else n, **kw
+    )
 
 
 def test_vllm_definitions_on_a_worked_request():
@@ -60,8 +74,13 @@ def test_goodput_counts_requests_meeting_every_slo():
     one_token = timing(0.0, [0.1], 0.1)
     failed = timing(0.0, [0.1, 0.12], 0.12, success=False, error="500")
     slo = {"ttft": 500, "tpot": 100}
-    assert [meets_slo(t, slo) for t in (fast, slow_start, slow_tokens, one_token, failed)] == \
-        [True, False, False, True, False]
+    assert [meets_slo(t, slo) for t in (fast, slow_start, slow_tokens, one_token, failed)] == [
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
     assert goodput([fast, slow_start, slow_tokens, one_token, failed], 2.0, slo) == 1.0
     with pytest.raises(ValueError, match="unknown SLO"):
         meets_slo(fast, {"p99": 1})
@@ -72,7 +91,7 @@ def test_goodput_counts_requests_meeting_every_slo():
 def test_summary_has_vllm_keys_and_pools_itl():
     rng = random.Random(0)
     timings = []
-    for i in range(30):
+    for _ in range(30):
         send = rng.random()
         chunks = sorted(send + 0.05 + rng.random() for _ in range(rng.randint(1, 12)))
         timings.append(timing(send, chunks, chunks[-1]))
@@ -87,7 +106,14 @@ def test_summary_has_vllm_keys_and_pools_itl():
     per_request = [tpot(t) * 1000 for t in timings[:30] if t.output_tokens > 1]
     assert s["median_tpot_ms"] == pytest.approx(float(np.median(per_request)))
     assert s["request_goodput"] == pytest.approx(sum(meets_slo(t, {"ttft": 400}) for t in timings) / 4.0)
-    for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "p99_e2el_ms", "total_token_throughput"):
+    for key in (
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p99_ttft_ms",
+        "p99_e2el_ms",
+        "total_token_throughput",
+    ):
         assert key in s
 
 
@@ -110,8 +136,11 @@ def test_arrivals_follow_the_rate_and_burstiness():
 def test_cost_and_capacity():
     assert cost_per_million_tokens(3.6, 1000) == pytest.approx(1.0)
     assert cost_per_million_tokens(3.6, 1000, utilisation=0.5) == pytest.approx(2.0)
-    curve = [{"request_rate": 1, "p99_ttft_ms": 50}, {"request_rate": 2, "p99_ttft_ms": 80},
-             {"request_rate": 4, "p99_ttft_ms": 300}]
+    curve = [
+        {"request_rate": 1, "p99_ttft_ms": 50},
+        {"request_rate": 2, "p99_ttft_ms": 80},
+        {"request_rate": 4, "p99_ttft_ms": 300},
+    ]
     assert max_rate_under_slo(curve, 80) == 2
     assert max_rate_under_slo(curve, 190) == pytest.approx(3.0)
     assert max_rate_under_slo(curve, 1000) == 4

@@ -14,25 +14,37 @@ import torch
 
 pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 
-from infra_lib.kernels.triton_env import interpreter_active, kernel_device  # noqa: E402
-
 from conftest import run_benchmark  # noqa: E402
+
 from grading.checks.lab06 import tiny_model  # noqa: E402
 from infra_lib.kernels.oob import check_bounds  # noqa: E402
-from infra_lib.kernels.paged_decode import (INDEX_BYTES, decode_launches, gather_then_attend,  # noqa: E402
-                                            paged_decode_attention, paged_decode_bytes,
-                                            paged_decode_cached_attention)
+from infra_lib.kernels.paged_decode import (  # noqa: E402
+    INDEX_BYTES,
+    decode_launches,
+    gather_then_attend,
+    paged_decode_attention,
+    paged_decode_bytes,
+    paged_decode_cached_attention,
+)
 from infra_lib.kernels.traffic import count_traffic  # noqa: E402
+from infra_lib.kernels.triton_env import interpreter_active, kernel_device  # noqa: E402
 from infra_lib.model import SamplingParams  # noqa: E402
-from infra_lib.serving import BlockPool, LLMEngine, PagedKVStore, SchedulerConfig, paged_greedy_decode  # noqa: E402
-from infra_lib.serving import model_runner  # noqa: E402
+from infra_lib.serving import (  # noqa: E402
+    BlockPool,
+    LLMEngine,
+    PagedKVStore,
+    SchedulerConfig,
+    model_runner,  # noqa: E402
+    paged_greedy_decode,
+)
 from infra_lib.serving.paged_attention import paged_attention  # noqa: E402
 
 DEVICE = kernel_device()
 RAGGED = [1, 5, 16, 17, 0]
-needs_interpreter = pytest.mark.skipif(not interpreter_active(),
-                                       reason="counted in the interpreter (on a GPU, Nsight Compute) and the model "
-                                              "helpers feed CPU tensors")
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_active(),
+    reason="counted in the interpreter (on a GPU, Nsight Compute) and the model helpers feed CPU tensors",
+)
 
 
 def paged_inputs(seq_lens, block_size, n_kv_heads, group, head_dim, *, seed=0, dtype=torch.float32, spare=3):
@@ -40,10 +52,11 @@ def paged_inputs(seq_lens, block_size, n_kv_heads, group, head_dim, *, seed=0, d
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + spare
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-                        for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)
+    )
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(seq_lens))]
+    tables = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seq_lens))]
     q = torch.randn(len(seq_lens), n_kv_heads * group, 1, head_dim, generator=gen).to(DEVICE, dtype)
     return q, k_cache, v_cache, tables
 
@@ -57,6 +70,7 @@ def reference(q, k_cache, v_cache, tables, seq_lens):
 
 
 # --- equality with the torch paged attention ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3])
@@ -72,7 +86,7 @@ def test_equals_paged_attention_on_a_ragged_batch(block_size, group, head_dim):
 def test_a_padded_table_tensor_and_a_tensor_of_lengths_give_the_same_result():
     q, k_cache, v_cache, tables = paged_inputs(RAGGED, 4, 2, 3, 24, seed=1)
     width = max(len(t) for t in tables) + 2
-    padded = torch.tensor([t + [10 ** 6] * (width - len(t)) for t in tables])  # ids past the length are never read
+    padded = torch.tensor([t + [10**6] * (width - len(t)) for t in tables])  # ids past the length are never read
     out = paged_decode_attention(q, k_cache, v_cache, padded, torch.tensor(RAGGED))
     torch.testing.assert_close(out, paged_decode_attention(q, k_cache, v_cache, tables, RAGGED), atol=0, rtol=0)
 
@@ -95,7 +109,7 @@ def test_half_precision_and_an_explicit_scale():
     torch.testing.assert_close(out.float(), wide, atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, RAGGED), atol=4e-3, rtol=1e-2)
     sharper = paged_decode_attention(q, k_cache, v_cache, tables, RAGGED, scale=0.5, split_k=2)
-    expected = reference(q.float() * (0.5 * 24 ** 0.5), k_cache.float(), v_cache.float(), tables, RAGGED)
+    expected = reference(q.float() * (0.5 * 24**0.5), k_cache.float(), v_cache.float(), tables, RAGGED)
     torch.testing.assert_close(sharper.float(), expected, atol=2e-3, rtol=1e-2)
 
 
@@ -111,6 +125,7 @@ def test_a_single_token_context_returns_its_value_and_an_empty_one_zeros():
 
 
 # --- errors -------------------------------------------------------------------------------------------
+
 
 def test_bad_inputs_say_what_is_wrong():
     q, k_cache, v_cache, tables = paged_inputs([5, 9], 4, 2, 3, 16, seed=5)
@@ -150,6 +165,7 @@ def test_bad_inputs_say_what_is_wrong():
 
 # --- bounds -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("split_k", [None, 3])
 @pytest.mark.parametrize("block_size, group, head_dim", [(4, 3, 24), (16, 2, 16), (6, 1, 20)])
 def test_every_launch_stays_in_bounds(split_k, block_size, group, head_dim):
@@ -162,6 +178,7 @@ def test_every_launch_stays_in_bounds(split_k, block_size, group, head_dim):
 
 
 # --- traffic ------------------------------------------------------------------------------------------
+
 
 @needs_interpreter
 @pytest.mark.parametrize("split_k", [None, 2])
@@ -188,8 +205,9 @@ def test_grouping_the_query_heads_divides_the_kv_reads_by_the_group():
     with count_traffic() as grouped:
         paged_decode_attention(q, k_cache, v_cache, tables, seq_lens)
     with count_traffic() as per_head:  # every query head its own copy of its KV head: one program per query head
-        paged_decode_attention(q, k_cache.repeat_interleave(group, 2), v_cache.repeat_interleave(group, 2), tables,
-                               seq_lens)
+        paged_decode_attention(
+            q, k_cache.repeat_interleave(group, 2), v_cache.repeat_interleave(group, 2), tables, seq_lens
+        )
     kv_rows = sum(seq_lens) * 2 * 16 * 2 * 4
     extra_ids = sum(-(-s // 4) for s in seq_lens) * 2 * (group - 1) * INDEX_BYTES
     extra_lengths = len(seq_lens) * 2 * (group - 1) * INDEX_BYTES
@@ -211,12 +229,15 @@ def test_gather_then_attend_moves_the_rows_three_times():
     kv_rows = sum(seq_lens) * n_kv_heads * head_dim * 2 * 4
     gather = {"loaded": kv_rows + sum(-(-s // block_size) for s in seq_lens) * INDEX_BYTES, "stored": kv_rows}
     gathered = paged_decode_bytes(seq_lens, n_kv_heads * group, n_kv_heads, head_dim, block_size, gathered=True)
-    assert gathered == {"loaded": attend_copy.bytes_loaded + gather["loaded"],
-                        "stored": attend_copy.bytes_stored + gather["stored"]}
+    assert gathered == {
+        "loaded": attend_copy.bytes_loaded + gather["loaded"],
+        "stored": attend_copy.bytes_stored + gather["stored"],
+    }
     assert sum(gathered.values()) > 2.5 * in_place.bytes_moved  # three times the rows, plus the small parts
 
 
 # --- in the model and the engine ------------------------------------------------------------------------
+
 
 @needs_interpreter
 def test_the_model_decodes_the_same_tokens_through_the_kernel():
@@ -261,7 +282,6 @@ def test_the_engine_decode_batch_can_run_the_kernel(monkeypatch):
     assert traffic.loads > 0
 
 
-
 def test_a_prefill_through_the_kernels_step_needs_neither_the_model_nor_the_serving_layer(tmp_path):
     """A prefill (t > 1) falls back to the torch ``paged_attention``, which lives in the kernels layer:
     a fresh process runs it with a cache of its own and never imports ``infra_lib.model`` or
@@ -301,7 +321,9 @@ torch.save({{"q": q, "k": cache.k_cache, "v": cache.v_cache, "out": out}}, {str(
     expected = paged_attention(saved["q"], saved["k"], saved["v"], [[4, 1, 3]], [9])
     torch.testing.assert_close(saved["out"], expected, rtol=0, atol=0)
 
+
 # --- the benchmark --------------------------------------------------------------------------------------
+
 
 @needs_interpreter
 def test_traffic_benchmark_writes_json(tmp_path):

@@ -98,6 +98,7 @@ def test_unknown_devices_and_registering_a_new_backend():
 
 # --- the device picker, unchanged for its users --------------------------------------------------
 
+
 def test_pick_device_keeps_its_behaviour_and_messages():
     assert KNOWN_DEVICES[:4] == ("auto", "cpu", "cuda", "mps")
     assert available_devices()[-1] == "cpu"
@@ -107,8 +108,11 @@ def test_pick_device_keeps_its_behaviour_and_messages():
     with pytest.raises(ValueError, match="DEVICE must be a string"):
         pick_device(0)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"device 'cuda' is not available on this machine \(available: .*cpu\); "
-                                             r"set DEVICE='auto'"):
+        with pytest.raises(
+            ValueError,
+            match=r"device 'cuda' is not available on this machine \(available: .*cpu\); "
+            r"set DEVICE='auto'",
+        ):
             pick_device("cuda")
     with pytest.raises(ValueError, match="not available.*torch_npu"):
         pick_device("npu")
@@ -119,21 +123,36 @@ def test_pick_device_keeps_its_behaviour_and_messages():
 
 # --- the census ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def real_census():
     return {m.path: m for m in census()}
 
 
 def test_census_of_the_course_finds_kernels_collectives_and_the_device_layer(real_census):
-    for path in ("kernels/vector_add.py", "kernels/softmax.py", "kernels/matmul.py", "kernels/rmsnorm.py",
-                 "kernels/triton_env.py"):
+    for path in (
+        "kernels/vector_add.py",
+        "kernels/softmax.py",
+        "kernels/matmul.py",
+        "kernels/rmsnorm.py",
+        "kernels/triton_env.py",
+    ):
         assert real_census[path].category == "kernel", real_census[path]
     for path in ("training/collectives.py", "training/ddp.py", "training/zero.py", "training/launcher.py"):
         assert real_census[path].category == "collective", real_census[path]
     assert real_census["backends.py"].category == "device"
     assert real_census["kernels/profiling.py"].category == "device"
-    for path in ("serving/scheduler.py", "serving/server.py", "serving/engine.py", "serving/model_runner.py",
-                 "model/model.py", "ops/request_trace.py", "device.py", "portability.py", "kernels/oob.py"):
+    for path in (
+        "serving/scheduler.py",
+        "serving/server.py",
+        "serving/engine.py",
+        "serving/model_runner.py",
+        "model/model.py",
+        "ops/request_trace.py",
+        "device.py",
+        "portability.py",
+        "kernels/oob.py",
+    ):
         assert not real_census[path].device_specific, real_census[path]
 
 
@@ -200,8 +219,14 @@ def synthetic_tree(tmp_path):
 def test_census_classifies_synthetic_modules(synthetic_tree):
     found = {m.path: m for m in census(synthetic_tree)}
     assert {path: m.category for path, m in found.items()} == {
-        "kern/add.py": "kernel", "kern/wrapper.py": "kernel", "dist/ring.py": "collective",
-        "dev/sync.py": "device", "dev/move.py": "device", "app/prose.py": "portable", "mixed.py": "kernel"}
+        "kern/add.py": "kernel",
+        "kern/wrapper.py": "kernel",
+        "dist/ring.py": "collective",
+        "dev/sync.py": "device",
+        "dev/move.py": "device",
+        "app/prose.py": "portable",
+        "mixed.py": "kernel",
+    }
     assert found["mixed.py"].package == "(top level)" and found["dev/sync.py"].package == "dev"
     sync = [m.what for m in found["dev/sync.py"].markers]
     assert sync == ["'cuda'", "torch.cuda.synchronize", "torch.backends.mps.is_available"]  # one marker per chain
@@ -226,6 +251,7 @@ def test_census_errors_name_the_problem(tmp_path):
 
 # --- the same model on every device -------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama(seed=0)
@@ -247,6 +273,7 @@ def test_the_decoders_follow_the_weights_device_and_dtype(tiny, dtype):
 
                 def flush(self):
                     return ""
+
             return Decoder()
 
     prompt = list(range(3, 20))

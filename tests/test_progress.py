@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import LAB01, REPO, write_learner_notebook
+
 from grading.notebook import read_notebook
 from grading.notebook import test_cells as graded_cells  # (not named test_*: pytest would collect it)
 from grading.progress import failing_checks, from_results, progress_table
@@ -24,8 +24,13 @@ LAB02 = REPO / "labs" / "lab02_roofline" / "lab02_roofline.ipynb"
 
 
 def _progress(labs: Path, grades: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "progress", "--labs", str(labs), "--out", str(grades)],
-                            cwd=labs.parent, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "progress", "--labs", str(labs), "--out", str(grades)],
+        cwd=labs.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -65,19 +70,48 @@ def test_failing_checks_read_back_what_the_grader_wrote():
 
     wrong = Verdict("lab01.gemm_flops", False, "gemm_flops(2, 3, 4) returned 24", "expected 48", "wrong result")
     crashed = Verdict("lab01.time_op_sync", False, "your code raised ValueError: no", kind="error")
-    report = GradeReport("lab01_gemm", "x.ipynb", 0, [
-        TestResult("test_task1", 0.0, 2.0, [CheckResult("lab01.gemm_flops", False, False,
-                                                        wrong.message(get_check("lab01.gemm_flops"), hidden=False),
-                                                        "wrong result")]),
-        TestResult("test_task2", 0.0, 3.0, [
-            CheckResult("lab01.time_op_warmup", False, True, "lab01.time_op_warmup passed"),
-            CheckResult("lab01.time_op_sync", True, False, crashed.message(get_check("lab01.time_op_sync"), hidden=True),
-                        "error")]),
-        TestResult("test_task4", 2.0, 2.0, [CheckResult("lab01.achieved_tflops", False, True, "passed")]),
-    ])
+    report = GradeReport(
+        "lab01_gemm",
+        "x.ipynb",
+        0,
+        [
+            TestResult(
+                "test_task1",
+                0.0,
+                2.0,
+                [
+                    CheckResult(
+                        "lab01.gemm_flops",
+                        False,
+                        False,
+                        wrong.message(get_check("lab01.gemm_flops"), hidden=False),
+                        "wrong result",
+                    )
+                ],
+            ),
+            TestResult(
+                "test_task2",
+                0.0,
+                3.0,
+                [
+                    CheckResult("lab01.time_op_warmup", False, True, "lab01.time_op_warmup passed"),
+                    CheckResult(
+                        "lab01.time_op_sync",
+                        True,
+                        False,
+                        crashed.message(get_check("lab01.time_op_sync"), hidden=True),
+                        "error",
+                    ),
+                ],
+            ),
+            TestResult("test_task4", 2.0, 2.0, [CheckResult("lab01.achieved_tflops", False, True, "passed")]),
+        ],
+    )
     failing = failing_checks(gradescope_results(report))
     assert [(f.check_id, f.test, f.reason) for f in failing] == [
-        ("lab01.gemm_flops", "test_task1", "wrong result"), ("lab01.time_op_sync", "test_task2", "error")]
+        ("lab01.gemm_flops", "test_task1", "wrong result"),
+        ("lab01.time_op_sync", "test_task2", "error"),
+    ]
     assert failing[0].detail == "gemm_flops(2, 3, 4) returned 24"
     assert failing[0].line() == "lab01.gemm_flops (wrong result): gemm_flops(2, 3, 4) returned 24"
     assert len(failing[1].line(30)) == 30 and failing[1].line(30).endswith("...")
@@ -89,7 +123,9 @@ def test_failing_checks_read_back_what_the_grader_wrote():
 def test_progress_prints_scores_and_the_checks_still_failing(course):
     root, out = course
     assert re.search(r"^lab01_gemm\s+10/10\s+4/4\s*$", out, re.M), out
-    maximum = sum(t.points for t in graded_cells(read_notebook(REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb")))
+    maximum = sum(
+        t.points for t in graded_cells(read_notebook(REPO / "solutions" / "lab02_roofline" / "lab02_roofline.ipynb"))
+    )
     # The untouched lab is one line: its checks all fail on the stubs, so none is listed.
     assert re.search(rf"^lab02_roofline\s+0/{maximum:g}\s+0/\d+\s+not started$", out, re.M), out
     assert re.search(r"^lab99_unknown\s+-\s+-\s+cannot grade: no lab named 'lab99_unknown'", out, re.M), out
@@ -105,31 +141,53 @@ def _lab_progress(lab: str, checks: list[tuple[str, str, str]], passed: int = 0)
     from grading.grader import TestResult as GradedTest
     from grading.report import gradescope_results
 
-    tests = [GradedTest(f"test_{check_id}", 0.0, 2.0, [CheckResult(
-        check_id, False, False, f"{check_id} failed [{lab} task] ({reason})\n  {detail}", reason)])
-        for check_id, reason, detail in checks]
-    tests += [GradedTest(f"test_done{i}", 1.0, 1.0, [CheckResult(f"done{i}", False, True, "passed")])
-              for i in range(passed)]
+    tests = [
+        GradedTest(
+            f"test_{check_id}",
+            0.0,
+            2.0,
+            [CheckResult(check_id, False, False, f"{check_id} failed [{lab} task] ({reason})\n  {detail}", reason)],
+        )
+        for check_id, reason, detail in checks
+    ]
+    tests += [
+        GradedTest(f"test_done{i}", 1.0, 1.0, [CheckResult(f"done{i}", False, True, "passed")]) for i in range(passed)
+    ]
     return from_results(lab, gradescope_results(GradeReport(lab, f"{lab}.ipynb", 0, tests)))
 
 
 def test_a_lab_not_started_is_one_line_and_a_lab_begun_lists_what_fails():
     stub = "your code raised NotImplementedError: lab07 task {} (see the stub)"
     blank = _lab_progress("lab07_paged_kv", [(f"lab07.check{i}", "error", stub.format(i)) for i in range(30)])
-    unrecorded = _lab_progress("lab08_scheduler", [
-        ("lab08.a", "error", "no answer was recorded: its answer cell raised NotImplementedError: lab08 task 1")])
-    begun = _lab_progress("lab01_gemm", [("lab01.gemm_flops", "wrong result", "gemm_flops(2, 3, 4) returned 24"),
-                                         ("lab01.time_op_sync", "error", stub.format(2))])
+    unrecorded = _lab_progress(
+        "lab08_scheduler",
+        [("lab08.a", "error", "no answer was recorded: its answer cell raised NotImplementedError: lab08 task 1")],
+    )
+    begun = _lab_progress(
+        "lab01_gemm",
+        [
+            ("lab01.gemm_flops", "wrong result", "gemm_flops(2, 3, 4) returned 24"),
+            ("lab01.time_op_sync", "error", stub.format(2)),
+        ],
+    )
     scored = _lab_progress("lab02_roofline", [("lab02.ai", "error", stub.format(1))], passed=1)
-    assert (blank.not_started, unrecorded.not_started, begun.not_started, scored.not_started) == (True, True, False,
-                                                                                                 False)
+    assert (blank.not_started, unrecorded.not_started, begun.not_started, scored.not_started) == (
+        True,
+        True,
+        False,
+        False,
+    )
     out = progress_table([blank, unrecorded, begun, scored])
     assert re.search(r"^lab07_paged_kv\s+0/60\s+0/30\s+not started$", out, re.M), out
     assert re.search(r"^lab08_scheduler\s+0/2\s+0/1\s+not started$", out, re.M), out
     failing = out.split("still failing:")[1]
     assert "lab07_paged_kv" not in failing and "lab08_scheduler" not in failing
-    assert re.search(r"^  lab01_gemm\n    lab01\.gemm_flops \(wrong result\): gemm_flops\(2, 3, 4\) returned 24\n"
-                     r"    lab01\.time_op_sync \(error\): your code raised NotImplementedError", failing, re.M), failing
+    assert re.search(
+        r"^  lab01_gemm\n    lab01\.gemm_flops \(wrong result\): gemm_flops\(2, 3, 4\) returned 24\n"
+        r"    lab01\.time_op_sync \(error\): your code raised NotImplementedError",
+        failing,
+        re.M,
+    ), failing
     assert re.search(r"^  lab02_roofline\n    lab02\.ai \(error\)", failing, re.M), failing
 
 
@@ -201,8 +259,13 @@ def test_progress_reuses_the_grading_infra_lab_grade_made_of_the_same_answers(tm
     notebook = tmp_path / "labs" / "lab02_roofline" / "lab02_roofline.ipynb"
     notebook.parent.mkdir(parents=True)
     shutil.copy(LAB02, notebook)
-    graded = subprocess.run([sys.executable, "-m", "course_tools.cli", "grade", "labs/lab02_roofline/lab02_roofline.ipynb"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    graded = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "grade", "labs/lab02_roofline/lab02_roofline.ipynb"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert graded.returncode == 0, graded.stdout + graded.stderr
     assert "on a quiet machine" in graded.stderr, graded.stderr  # the estimate it printed first
 

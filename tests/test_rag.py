@@ -12,15 +12,40 @@ import faiss
 import numpy as np
 import pytest
 import torch
+from conftest import SMOLLM2, run_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SMOLLM2, run_benchmark
-from infra_lib.apps.rag import (Chunk, ChunkRecord, Document, ExactIndex, HashingEmbedder, Hit, IVFIndex,
-                                MiniLMEmbedder, Question, RAGPipeline, assemble_context, cache_path, check_questions,
-                                chunk_documents, chunk_text, embed_cached, evaluate_retrieval, kmeans, load_corpus,
-                                load_html, load_markdown, load_path, load_questions, load_text, mrr,
-                                parse_citations, recall_at_k, top_k_cosine)
+from infra_lib.apps.rag import (
+    Chunk,
+    ChunkRecord,
+    Document,
+    ExactIndex,
+    HashingEmbedder,
+    Hit,
+    IVFIndex,
+    MiniLMEmbedder,
+    Question,
+    RAGPipeline,
+    assemble_context,
+    cache_path,
+    check_questions,
+    chunk_documents,
+    chunk_text,
+    embed_cached,
+    evaluate_retrieval,
+    kmeans,
+    load_corpus,
+    load_html,
+    load_markdown,
+    load_path,
+    load_questions,
+    load_text,
+    mrr,
+    parse_citations,
+    recall_at_k,
+    top_k_cosine,
+)
 from infra_lib.apps.rag.chunking import token_spans
 from infra_lib.apps.rag.corpus import CORPUS_DIR
 from infra_lib.apps.rag.embedders import CACHE_ENV, default_cache_dir
@@ -30,7 +55,7 @@ from infra_lib.apps.rag.embedders import CACHE_ENV, default_cache_dir
 # safely below the measurements.
 MINILM_RECALL5_FLOOR = 0.65
 MINILM_RECALL10_FLOOR = 0.85
-IVF_NPROBE = 8            # of nlist = 17 (about sqrt(284 chunks)): recall@10 against exact measured 0.98 (0.91 at 4)
+IVF_NPROBE = 8  # of nlist = 17 (about sqrt(284 chunks)): recall@10 against exact measured 0.98 (0.91 at 4)
 IVF_RECALL_FLOOR = 0.95
 # Tests that use the MiniLM-embedded corpus share one pytest-xdist worker (`--dist loadgroup`), so the
 # corpus is embedded once per run.
@@ -75,6 +100,7 @@ def question_vectors(questions, minilm, rag_cache):
 
 # --- chunking ---------------------------------------------------------------------------------------
 
+
 @st.composite
 def windows(draw, max_text=400):
     size = draw(st.integers(1, 60))
@@ -95,11 +121,11 @@ def test_chunk_text_covers_every_character_with_exact_overlap(case):
     assert [c.start for c in chunks] == [i * step for i in range(len(chunks))]
     assert chunks[0].start == 0 and chunks[-1].end == len(text)
     for c in chunks:
-        assert isinstance(c, Chunk) and c.text == text[c.start:c.end] and c.end > c.start
+        assert isinstance(c, Chunk) and c.text == text[c.start : c.end] and c.end > c.start
     for a, b in zip(chunks, chunks[1:]):
-        assert len(a.text) == size                   # only the last window may be short
-        assert a.end - b.start == overlap            # consecutive windows share exactly `overlap` characters
-        assert a.end < len(text)                     # the first window that reaches the end is the last
+        assert len(a.text) == size  # only the last window may be short
+        assert a.end - b.start == overlap  # consecutive windows share exactly `overlap` characters
+        assert a.end < len(text)  # the first window that reaches the end is the last
 
 
 def test_chunk_text_lab_examples():
@@ -109,8 +135,10 @@ def test_chunk_text_lab_examples():
     assert [(s, e) for _, s, e in chunk_text("x" * 15, 5, 0)] == [(0, 5), (5, 10), (10, 15)]
 
 
-@pytest.mark.parametrize("size, overlap, words", [(0, 0, ["size=0"]), (5, -1, ["overlap=-1"]),
-                                                 (5, 5, ["size=5", "overlap=5"]), (5, 7, ["size=5", "overlap=7"])])
+@pytest.mark.parametrize(
+    "size, overlap, words",
+    [(0, 0, ["size=0"]), (5, -1, ["overlap=-1"]), (5, 5, ["size=5", "overlap=5"]), (5, 7, ["size=5", "overlap=7"])],
+)
 def test_chunk_text_rejects_bad_windows_naming_the_values(size, overlap, words):
     with pytest.raises(ValueError) as info:
         chunk_text("some text", size, overlap)
@@ -141,7 +169,7 @@ def test_token_chunks_keep_the_invariants(case):
         return
     assert chunks[0].start == 0 and chunks[-1].end == len(text)
     for c in chunks:
-        assert c.text == text[c.start:c.end]
+        assert c.text == text[c.start : c.end]
         assert sum(1 for s, _ in tokens if c.start <= s < c.end) <= size
     for a, b in zip(chunks, chunks[1:]):
         assert b.start <= a.end and a.end < len(text)
@@ -156,7 +184,7 @@ def test_token_chunks_with_the_minilm_tokenizer(corpus, minilm):
     assert len(chunks) == len(range(0, len(spans) - 16, 48))
     assert chunks[0].start == 0 and chunks[-1].end == len(doc.text)
     for a, b in zip(chunks, chunks[1:]):
-        assert a.text == doc.text[a.start:a.end]
+        assert a.text == doc.text[a.start : a.end]
         assert _shared_tokens(doc.text, a, b, minilm) == 16
     # Chunks of 64 embedder tokens fit the embedder (a few tokens of slack at re-tokenised edges).
     assert max(minilm.count_tokens(c.text) - 2 for c in chunks) <= 66
@@ -167,14 +195,17 @@ def test_chunk_documents_numbers_chunks_and_checks_a_plugged_in_chunker(corpus):
     records = chunk_documents(docs, 300, 50)
     assert [r.chunk_id for r in records] == list(range(len(records)))
     texts = {d.doc_id: d.text for d in docs}
-    assert all(isinstance(r, ChunkRecord) and r.text == texts[r.doc_id][r.start:r.end] for r in records)
+    assert all(isinstance(r, ChunkRecord) and r.text == texts[r.doc_id][r.start : r.end] for r in records)
 
     def learner(text, size, overlap):  # a plain function returning tuples, as in lab 12
-        return [(text[s:s + size], s, min(s + size, len(text))) for s in range(0, max(len(text) - overlap, 1),
-                                                                                size - overlap)]
+        return [
+            (text[s : s + size], s, min(s + size, len(text)))
+            for s in range(0, max(len(text) - overlap, 1), size - overlap)
+        ]
 
-    assert [(r.start, r.end) for r in chunk_documents(docs, 300, 50, chunker=learner)] == \
-        [(r.start, r.end) for r in records]
+    assert [(r.start, r.end) for r in chunk_documents(docs, 300, 50, chunker=learner)] == [
+        (r.start, r.end) for r in records
+    ]
     with pytest.raises(ValueError, match=r"item 0 of document 'assert'.*text\[start:end\]"):
         chunk_documents(docs, 300, 50, chunker=lambda t, s, o: [(t[:10].upper(), 0, 10)])
     with pytest.raises(ValueError, match="triple"):
@@ -185,6 +216,7 @@ def test_chunk_documents_numbers_chunks_and_checks_a_plugged_in_chunker(corpus):
 
 # --- loaders ----------------------------------------------------------------------------------------
 
+
 def test_the_corpus_ships_three_formats_that_load(corpus):
     suffixes = {p.suffix for p in CORPUS_DIR.iterdir()}
     assert suffixes == {".txt", ".md", ".html"}
@@ -193,11 +225,11 @@ def test_the_corpus_ships_three_formats_that_load(corpus):
     by_id = {d.doc_id: d for d in corpus}
     assert len(by_id) == len(corpus) >= 40
 
-    page = by_id["with"]                              # HTML: tags, <style> and <script> gone, entities unescaped
+    page = by_id["with"]  # HTML: tags, <style> and <script> gone, entities unescaped
     assert page.title == 'The "with" statement'
     assert "<" + "p>" not in page.text and "&quot;" not in page.text and "console.log" not in page.text
     assert "font-family" not in page.text and 'The "with" statement is used to wrap' in page.text
-    assert "\n\nwith_stmt          ::= " in page.text    # <pre> keeps its spacing, blocks stay apart
+    assert "\n\nwith_stmt          ::= " in page.text  # <pre> keeps its spacing, blocks stay apart
     assert by_id["import"].title == 'The "import" statement' and by_id["import"].text.startswith("# The")
     assert by_id["for"].title == 'The "for" statement' and by_id["for"].source.endswith("for.txt")
 
@@ -232,8 +264,11 @@ def test_loaders_explain_missing_and_undecodable_files(tmp_path):
 
 def test_broken_html_still_yields_its_visible_text(tmp_path):
     path = tmp_path / "broken.html"
-    path.write_text("<html><head><style>p {color: red}</style><body><h1>Title <b>here</h1><p>First &lt;tag&gt; "
-                    "para<div>inner</p></span>tail &#8212; end<script>var hidden = 1;", encoding="utf-8")
+    path.write_text(
+        "<html><head><style>p {color: red}</style><body><h1>Title <b>here</h1><p>First &lt;tag&gt; "
+        "para<div>inner</p></span>tail &#8212; end<script>var hidden = 1;",
+        encoding="utf-8",
+    )
     doc = load_html(path)
     assert doc.title == "Title here"
     assert doc.text == "Title here\n\nFirst <tag> para\n\ninner\n\ntail \u2014 end\n"
@@ -241,12 +276,13 @@ def test_broken_html_still_yields_its_visible_text(tmp_path):
 
 # --- questions --------------------------------------------------------------------------------------
 
+
 def test_questions_point_at_unique_evidence(questions, corpus):
     assert len(questions) >= 40
-    check_questions(questions, corpus)                 # raises on a misplaced or repeated evidence span
+    check_questions(questions, corpus)  # raises on a misplaced or repeated evidence span
     assert len({q.doc_id for q in questions}) >= 30
     bad = Question("x", "?", "for", "iterate over", 0)
-    with pytest.raises(ValueError, match="is 'The \"for\" s"):
+    with pytest.raises(ValueError, match='is \'The "for" s'):
         check_questions([bad], corpus)
 
 
@@ -257,11 +293,12 @@ def test_relevant_chunks_contain_the_evidence_or_else_overlap_it(questions, mini
         assert relevant and all(q.evidence in minilm_pipeline.chunks[i].text for i in relevant)
     q = Question("q", "?", "d", "evidence", 10)
     split = [ChunkRecord(0, "d", "", 0, 14), ChunkRecord(1, "d", "", 14, 30), ChunkRecord(2, "e", "", 0, 30)]
-    assert q.relevant_chunks(split) == {0, 1}          # no chunk holds all of [10, 18): both halves count
+    assert q.relevant_chunks(split) == {0, 1}  # no chunk holds all of [10, 18): both halves count
     assert q.relevant_chunks(split + [ChunkRecord(3, "d", "", 5, 20)]) == {3}
 
 
 # --- embedders --------------------------------------------------------------------------------------
+
 
 @MINILM
 def test_minilm_embeddings_are_unit_vectors_that_match_meaning(minilm):
@@ -270,7 +307,7 @@ def test_minilm_embeddings_are_unit_vectors_that_match_meaning(minilm):
     assert v.shape == (3, 384) and v.dtype == torch.float32
     assert torch.allclose(v.norm(dim=1), torch.ones(3), atol=1e-5)
     assert v[0] @ v[1] > 0.8 and abs(float(v[0] @ v[2])) < 0.2
-    alone = minilm.embed([texts[2]])                    # padding in a batch does not change a vector
+    alone = minilm.embed([texts[2]])  # padding in a batch does not change a vector
     assert torch.allclose(alone[0], v[2], atol=1e-5)
     assert minilm.embed([]).shape == (0, 384)
     with pytest.raises(TypeError, match="list"):
@@ -289,7 +326,7 @@ def test_hashing_embedder_is_deterministic_and_seeded():
     a, b = HashingEmbedder(dim=64, seed=0), HashingEmbedder(dim=64, seed=0)
     texts = ["The KV cache grows", "the kv CACHE grows", "", "!!!"]
     va = a.embed(texts)
-    assert torch.equal(va, b.embed(texts)) and torch.equal(va[0], va[1])   # lower-cased words
+    assert torch.equal(va, b.embed(texts)) and torch.equal(va[0], va[1])  # lower-cased words
     assert torch.allclose(va[0].norm(), torch.tensor(1.0)) and va[2].abs().sum() == 0 and va[3].abs().sum() == 0
     assert not torch.equal(va, HashingEmbedder(dim=64, seed=1).embed(texts))
     # BLAKE2b, not Python's per-process salted hash(): the buckets are fixed on every machine.
@@ -311,7 +348,7 @@ def test_embed_cached_embeds_each_text_list_once(tmp_path, monkeypatch):
     assert cache_path(embedder, ["a b", "c"], tmp_path).exists()
     again = embed_cached(embedder, ["a b", "c"], tmp_path)
     assert torch.equal(first, again) and calls == [2]
-    embed_cached(embedder, ["a", "b c"], tmp_path)      # same characters, other boundaries: a new key
+    embed_cached(embedder, ["a", "b c"], tmp_path)  # same characters, other boundaries: a new key
     assert calls == [2, 2]
     for f in tmp_path.glob("*.pt"):
         f.write_bytes(b"truncated")
@@ -346,6 +383,7 @@ def test_processes_missing_the_same_texts_at_once_embed_them_once(tmp_path):
 
 # --- exact search -----------------------------------------------------------------------------------
 
+
 def test_top_k_cosine_ranks_by_cosine_not_dot_product():
     gen = torch.Generator().manual_seed(0)
     matrix = torch.randn(50, 8, generator=gen) * torch.rand(50, 1, generator=gen) * 10
@@ -376,7 +414,7 @@ def test_exact_index_matches_faiss_flat_ip_on_minilm_embeddings(minilm_pipeline,
     flat.add(vectors.numpy())
     want_scores, want_ids = flat.search(queries.numpy(), 10)
     scores, ids = minilm_pipeline.index.search(queries, 10)
-    assert np.array_equal(ids.numpy(), want_ids)                     # identical neighbours, in the same order
+    assert np.array_equal(ids.numpy(), want_ids)  # identical neighbours, in the same order
     assert np.abs(scores.numpy() - want_scores).max() < 1e-5
 
 
@@ -403,7 +441,8 @@ def test_exact_index_ids_hook_and_round_trip(tmp_path):
     assert seen == [((6,), (20, 6), 4)]
     with pytest.raises(ValueError, match=r"expected both \(4,\)"):
         ExactIndex.load(tmp_path / "exact.pt", search_fn=lambda q, m, k: top_k_cosine(q, m, k + 1)).search(
-            vectors[0], 4)
+            vectors[0], 4
+        )
     with pytest.raises(ValueError, match=r"shape \(n, 6\)"):
         index.add(torch.ones(2, 5))
     with pytest.raises(ValueError, match="2 ids for 1 vectors"):
@@ -446,6 +485,7 @@ def test_exact_index_scores_block_by_block_as_top_k_cosine_does(monkeypatch):
 
 # --- IVF ---------------------------------------------------------------------------------------------
 
+
 def test_kmeans_is_seeded_and_finds_separated_clusters():
     gen = torch.Generator().manual_seed(0)
     centres = torch.nn.functional.normalize(torch.randn(4, 16, generator=gen), dim=-1) * 5
@@ -455,7 +495,7 @@ def test_kmeans_is_seeded_and_finds_separated_clusters():
         c1, a1 = kmeans(x, 4, seed=3, spherical=spherical, init_sample=init_sample)
         c2, a2 = kmeans(x, 4, seed=3, spherical=spherical, init_sample=init_sample)
         assert torch.equal(c1, c2) and torch.equal(a1, a2)
-        pairs = {(int(a), int(l)) for a, l in zip(a1, labels)}  # each found cluster is exactly one true cluster
+        pairs = {(int(a), int(label)) for a, label in zip(a1, labels)}  # each found cluster is exactly one true cluster
         assert len(pairs) == 4, (spherical, init_sample)
     with pytest.raises(ValueError, match=r"k must be an int in \[1, n=200\]"):
         kmeans(x, 201)
@@ -478,8 +518,8 @@ def test_ivf_recall_against_exact_on_the_corpus(minilm_pipeline, question_vector
     assert recall >= IVF_RECALL_FLOOR
     _, one = ivf.search(queries, 10, nprobe=1)
     recall_one = np.mean([len(set(f.tolist()) & set(t.tolist())) / 10 for f, t in zip(one, truth)])
-    assert recall_one < recall                                     # fewer lists scanned, neighbours missed
-    _, everything = ivf.search(queries, 10, nprobe=1000)           # clipped to nlist: every list, exact
+    assert recall_one < recall  # fewer lists scanned, neighbours missed
+    _, everything = ivf.search(queries, 10, nprobe=1000)  # clipped to nlist: every list, exact
     assert all(set(e.tolist()) == set(t.tolist()) for e, t in zip(everything, truth))
 
 
@@ -498,7 +538,7 @@ def test_ivf_errors_padding_and_round_trip(tmp_path):
     assert IVFIndex(8, nlist=4, nprobe=9).nprobe == 4
     index.train(vectors)
     index.add(vectors, ids=range(1000, 1040))
-    scores, ids = index.search(vectors[5], 50)                     # k beyond the probed lists: padded
+    scores, ids = index.search(vectors[5], 50)  # k beyond the probed lists: padded
     assert ids.shape == (40,) and ids[0] == 1005
     assert ((ids == -1) == torch.isinf(scores)).all()
     index.save(tmp_path / "ivf.pt")
@@ -508,14 +548,17 @@ def test_ivf_errors_padding_and_round_trip(tmp_path):
 
 # --- context ----------------------------------------------------------------------------------------
 
+
 class WordTokenizer:
     def encode(self, text):
         return text.split()
 
 
 def _hits(texts):
-    return [Hit(rank, 1.0 - rank / 10, ChunkRecord(rank, f"doc{rank}", text, 0, len(text)))
-            for rank, text in enumerate(texts, start=1)]
+    return [
+        Hit(rank, 1.0 - rank / 10, ChunkRecord(rank, f"doc{rank}", text, 0, len(text)))
+        for rank, text in enumerate(texts, start=1)
+    ]
 
 
 def test_assemble_context_numbers_passages_within_the_budget():
@@ -537,14 +580,18 @@ def test_parse_citations_maps_numbers_to_chunks():
 
 # --- the pipeline and its evaluation ------------------------------------------------------------------
 
+
 def test_recall_and_mrr():
     retrieved = [[4, 5, 6, 7], [9, 8], [1]]
     relevant = [{5, 7, 11}, {8}, {2}]
     assert recall_at_k(retrieved, relevant, 3) == pytest.approx((1 / 3 + 1 + 0) / 3)
     assert recall_at_k(retrieved, relevant, 4) == pytest.approx((2 / 3 + 1 + 0) / 3)
     assert mrr(retrieved, relevant) == pytest.approx((1 / 2 + 1 / 2 + 0) / 3)
-    for bad, match in [(([[1]], [{1}, {2}]), "1 retrieved lists for 2"), (([], []), "no queries"),
-                       (([[1]], [set()]), "no relevant")]:
+    for bad, match in [
+        (([[1]], [{1}, {2}]), "1 retrieved lists for 2"),
+        (([], []), "no queries"),
+        (([[1]], [set()]), "no relevant"),
+    ]:
         with pytest.raises(ValueError, match=match):
             recall_at_k(*bad, 1)
     with pytest.raises(ValueError, match="k must be"):
@@ -554,8 +601,10 @@ def test_recall_and_mrr():
 @MINILM
 def test_minilm_retrieval_on_the_question_set(minilm_pipeline, questions):
     result = evaluate_retrieval(minilm_pipeline, questions)
-    print(f"MiniLM: recall@1 {result['recall@1']:.3f}, @5 {result['recall@5']:.3f}, @10 {result['recall@10']:.3f}, "
-          f"MRR {result['mrr']:.3f} over {result['questions']} questions")
+    print(
+        f"MiniLM: recall@1 {result['recall@1']:.3f}, @5 {result['recall@5']:.3f}, @10 {result['recall@10']:.3f}, "
+        f"MRR {result['mrr']:.3f} over {result['questions']} questions"
+    )
     assert result["questions"] == len(questions)
     assert result["recall@5"] >= MINILM_RECALL5_FLOOR and result["recall@10"] >= MINILM_RECALL10_FLOOR
     assert result["recall@1"] <= result["recall@3"] <= result["recall@5"] <= result["recall@10"]
@@ -579,7 +628,7 @@ def test_the_trained_embedder_beats_word_hashing(minilm_pipeline, corpus, questi
 @MINILM
 def test_reindexing_reads_the_embeddings_from_the_cache(corpus, minilm, rag_cache, minilm_pipeline, tmp_path):
     first = RAGPipeline(minilm, cache_dir=tmp_path).index_documents(corpus[:3])
-    assert first.cache_hit is False                           # an empty cache: the chunks were embedded
+    assert first.cache_hit is False  # an empty cache: the chunks were embedded
     again = RAGPipeline(minilm, cache_dir=tmp_path).index_documents(corpus[:3])
     assert again.cache_hit is True and torch.equal(again.vectors, first.vectors)
     whole = RAGPipeline(minilm, cache_dir=rag_cache).index_documents(corpus)
@@ -599,9 +648,10 @@ def test_pipeline_hooks_ivf_and_errors(corpus, questions):
     assert calls == [500] * len(docs) and set(exact.index_timings) == {"chunk", "embed", "index"}
     ivf = RAGPipeline(HashingEmbedder(), chunk_size=500, overlap=80, index="ivf", nprobe=1000).index_documents(docs)
     assert isinstance(ivf.index, IVFIndex) and ivf.index.nlist == round(len(ivf.chunks) ** 0.5)
-    for q in questions[:10]:                    # every list probed: the IVF pipeline finds what exact does
-        assert [h.score for h in ivf.retrieve(q.question, 5)] == \
-            pytest.approx([h.score for h in exact.retrieve(q.question, 5)], abs=1e-6)
+    for q in questions[:10]:  # every list probed: the IVF pipeline finds what exact does
+        assert [h.score for h in ivf.retrieve(q.question, 5)] == pytest.approx(
+            [h.score for h in exact.retrieve(q.question, 5)], abs=1e-6
+        )
     with pytest.raises(RuntimeError, match="index_documents"):
         RAGPipeline(HashingEmbedder()).retrieve("anything")
     with pytest.raises(ValueError, match="exact"):
@@ -618,8 +668,9 @@ def test_smollm2_answers_from_the_retrieved_passage_and_cites_it(corpus, questio
     loops = [d for d in corpus if d.doc_id in {"break", "continue", "for", "while", "pass", "if"}]
     pipeline = RAGPipeline(minilm).index_documents(loops)
     question = next(q for q in questions if q.doc_id == "continue")
-    answer = pipeline.answer(question.question, LLM(smollm2.model, smollm2.tokenizer), k=3, budget_tokens=400,
-                             max_new_tokens=32)
+    answer = pipeline.answer(
+        question.question, LLM(smollm2.model, smollm2.tokenizer), k=3, budget_tokens=400, max_new_tokens=32
+    )
     print(answer.text)
     assert answer.text.startswith("According to passage [1]")
     assert 1 in answer.citations and answer.citations[1].chunk_id in question.relevant_chunks(pipeline.chunks)
@@ -631,6 +682,7 @@ def test_smollm2_answers_from_the_retrieved_passage_and_cites_it(corpus, questio
 
 
 # --- the benchmark ----------------------------------------------------------------------------------
+
 
 @MINILM
 def test_rag_search_benchmark_runs_quick(tmp_path, monkeypatch, minilm_pipeline, question_vectors, rag_cache):

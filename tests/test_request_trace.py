@@ -99,14 +99,17 @@ def test_timed_scheduler_plans_exactly_like_the_scheduler():
     timed, plain = TimedScheduler(config, watch), Scheduler(config)
     sequences = {}
     for scheduler in (timed, plain):
-        sequences[scheduler] = [Sequence(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=4), config.block_size)
-                                for i, n in enumerate((10, 3, 7))]
+        sequences[scheduler] = [
+            Sequence(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=4), config.block_size)
+            for i, n in enumerate((10, 3, 7))
+        ]
         for seq in sequences[scheduler]:
             scheduler.add(seq)
     for _ in range(4):
         steps = [timed.schedule(), plain.schedule()]
-        assert [(s.seq_id, s.start, s.num_tokens) for s in steps[0].scheduled] == \
-               [(s.seq_id, s.start, s.num_tokens) for s in steps[1].scheduled]
+        assert [(s.seq_id, s.start, s.num_tokens) for s in steps[0].scheduled] == [
+            (s.seq_id, s.start, s.num_tokens) for s in steps[1].scheduled
+        ]
         for scheduler, out in zip((timed, plain), steps):
             scheduler.commit(out)
             for s in out.scheduled:

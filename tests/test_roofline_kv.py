@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from infra_lib.hardware.kv_cache import (MODELS, ModelConfig, dtype_bytes, kv_bytes_per_token, kv_capacity_tokens,
-                                         max_concurrency, model_kv_bytes_per_token, weight_bytes)
-from infra_lib.hardware.roofline import (COMPUTE_BOUND, MEMORY_BOUND, arithmetic_intensity, attainable_flops, bound,
-                                         elementwise_intensity, ridge_point)
+from infra_lib.hardware.kv_cache import (
+    MODELS,
+    ModelConfig,
+    dtype_bytes,
+    kv_bytes_per_token,
+    kv_capacity_tokens,
+    max_concurrency,
+    model_kv_bytes_per_token,
+    weight_bytes,
+)
+from infra_lib.hardware.roofline import (
+    COMPUTE_BOUND,
+    MEMORY_BOUND,
+    arithmetic_intensity,
+    attainable_flops,
+    bound,
+    elementwise_intensity,
+    ridge_point,
+)
 
 MIB = 1 << 20
 H100_BF16, H100_HBM = 989e12, 3.35e12
@@ -74,16 +89,19 @@ def test_roofline_and_ridge_for_h100():
     assert bound(arithmetic_intensity(4096, 4096, 4096), H100_BF16, H100_HBM) == COMPUTE_BOUND
 
 
-@pytest.mark.parametrize("call", [
-    lambda: arithmetic_intensity(0, 1, 1),
-    lambda: arithmetic_intensity(1, 1, 1, 0),
-    lambda: attainable_flops(-1, 1, 1),
-    lambda: attainable_flops(1, 0, 1),
-    lambda: ridge_point(1, 0),
-    lambda: kv_bytes_per_token(0, 1, 1, 2),
-    lambda: max_concurrency(1, 0, 1, 0),
-    lambda: kv_capacity_tokens(1, 0, 0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: arithmetic_intensity(0, 1, 1),
+        lambda: arithmetic_intensity(1, 1, 1, 0),
+        lambda: attainable_flops(-1, 1, 1),
+        lambda: attainable_flops(1, 0, 1),
+        lambda: ridge_point(1, 0),
+        lambda: kv_bytes_per_token(0, 1, 1, 2),
+        lambda: max_concurrency(1, 0, 1, 0),
+        lambda: kv_capacity_tokens(1, 0, 0),
+    ],
+)
 def test_bad_inputs_raise_value_error(call):
     with pytest.raises(ValueError):
         call()

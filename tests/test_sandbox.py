@@ -49,10 +49,29 @@ def test_limits_hold_in_the_launched_process(tmp_path):
     status = tmp_path / "status.json"
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "512",
-             "--file-size-mb", "1", "--no-network", "--", sys.executable, "-c", PROBE, str(tmp_path / "big"),
-             str(port)],
-            capture_output=True, text=True, timeout=60, check=True)
+            [
+                sys.executable,
+                "-m",
+                "grading.run.sandbox",
+                "--status",
+                str(status),
+                "--memory-mb",
+                "512",
+                "--file-size-mb",
+                "1",
+                "--no-network",
+                "--",
+                sys.executable,
+                "-c",
+                PROBE,
+                str(tmp_path / "big"),
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
     finally:
         server.close()
     probe = json.loads(result.stdout)
@@ -67,8 +86,25 @@ def test_limits_hold_in_the_launched_process(tmp_path):
 
 def test_without_network_isolation_the_status_says_so(tmp_path):
     status = tmp_path / "status.json"
-    subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
-                    "--file-size-mb", "8", "--", sys.executable, "-c", "pass"], check=True, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grading.run.sandbox",
+            "--status",
+            str(status),
+            "--memory-mb",
+            "2048",
+            "--file-size-mb",
+            "8",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ],
+        check=True,
+        timeout=60,
+    )
     assert json.loads(status.read_text())["network"] == "not requested"
 
 
@@ -93,8 +129,11 @@ def test_a_kernel_for_another_user_starts_cold_through_the_launcher(tmp_path):
     assert "metadata" not in spec, spec
     launcher = parse_launcher(spec["argv"][3:])
     assert launcher.user == "nobody" and launcher.command[-2:] == ["-f", "{connection_file}"]
-    warm = json.loads((tmp_path / "kernels" / write_kernelspec(tmp_path, Limits(), tmp_path / "s.json", warm=True)
-                       / "kernel.json").read_text())
+    warm = json.loads(
+        (
+            tmp_path / "kernels" / write_kernelspec(tmp_path, Limits(), tmp_path / "s.json", warm=True) / "kernel.json"
+        ).read_text()
+    )
     assert "kernel_provisioner" in warm["metadata"] and "--user" not in warm["argv"]
 
 
@@ -119,12 +158,37 @@ def test_a_kernel_run_as_another_user_keeps_out_of_roots_files(kernel_folder, tm
     connection.chmod(0o600)
     (kernel_folder / "graded.ipynb").write_text("the grader's")
     status = kernel_folder / "sandbox.json"
-    script = ('id -un; echo "HOME=$HOME"; cat "$2"; echo; touch mine "$HOME/cache" && echo wrote; '
-              f'cat "{key}" || echo key-refused; rm -f graded.ipynb || echo rm-refused; '
-              'ls . >/dev/null 2>&1 || echo list-refused; grep NoNewPrivs /proc/self/status')
-    run = subprocess.run([sys.executable, "-m", "grading.run.sandbox", "--status", str(status), "--memory-mb", "2048",
-                          "--file-size-mb", "8", "--user", "nobody", "--", "/bin/sh", "-c", script, "sh", "-f",
-                          str(connection)], cwd=kernel_folder, capture_output=True, text=True, timeout=60)
+    script = (
+        'id -un; echo "HOME=$HOME"; cat "$2"; echo; touch mine "$HOME/cache" && echo wrote; '
+        f'cat "{key}" || echo key-refused; rm -f graded.ipynb || echo rm-refused; '
+        "ls . >/dev/null 2>&1 || echo list-refused; grep NoNewPrivs /proc/self/status"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grading.run.sandbox",
+            "--status",
+            str(status),
+            "--memory-mb",
+            "2048",
+            "--file-size-mb",
+            "8",
+            "--user",
+            "nobody",
+            "--",
+            "/bin/sh",
+            "-c",
+            script,
+            "sh",
+            "-f",
+            str(connection),
+        ],
+        cwd=kernel_folder,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.split("\n")
     assert lines[:4] == ["nobody", f"HOME={kernel_folder}/home-nobody", '{"key": "k"}', "wrote"], run.stdout

@@ -15,8 +15,13 @@ from infra_lib.serving import BlockPool, OutOfBlocks
 
 def snapshot(pool: BlockPool) -> tuple:
     """Everything observable about a pool, as plain data."""
-    return ([pool.ref_count(b) for b in range(pool.num_blocks)], pool.free_block_ids(), pool.num_free,
-            pool.num_used, pool.usage)
+    return (
+        [pool.ref_count(b) for b in range(pool.num_blocks)],
+        pool.free_block_ids(),
+        pool.num_free,
+        pool.num_used,
+        pool.usage,
+    )
 
 
 def test_allocate_takes_the_front_of_the_free_queue_in_id_order():
@@ -209,6 +214,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert refs == holders  # a block's count is the number of tables that hold it
 
 
-BlockPoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                              database=None, derandomize=True)
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, database=None, derandomize=True
+)
 test_block_pool_matches_its_model = BlockPoolMachine.TestCase

@@ -29,8 +29,9 @@ CONFIGS = {
     "chunked prefill": SchedulerConfig(max_num_batched_tokens=3, block_size=4, num_blocks=64),
     "preemption": SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=2, num_blocks=14),
     "prefix cache": SchedulerConfig(max_num_batched_tokens=5, block_size=2, num_blocks=16, enable_prefix_caching=True),
-    "no chunking": SchedulerConfig(max_num_batched_tokens=24, block_size=4, num_blocks=64,
-                                   enable_chunked_prefill=False),
+    "no chunking": SchedulerConfig(
+        max_num_batched_tokens=24, block_size=4, num_blocks=64, enable_chunked_prefill=False
+    ),
 }
 
 
@@ -42,7 +43,7 @@ def tiny():
 def tiny_prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(96) for _ in range(6)]
-    return [shared[:rng.randint(0, 6)] + [rng.randrange(96) for _ in range(rng.randint(1, 10))] for _ in range(count)]
+    return [shared[: rng.randint(0, 6)] + [rng.randrange(96) for _ in range(rng.randint(1, 10))] for _ in range(count)]
 
 
 def run_to_end(engine: LLMEngine) -> None:
@@ -64,7 +65,8 @@ def test_tiny_model_greedy_tokens_equal_greedy_decode_per_request(tiny, name):
         assert sum(len(o.preempted) for o in steps) > 0
     if name == "chunked prefill":
         assert max(o.num_batched_tokens for o in steps) == 3 and any(
-            s.kind == "prefill" and not s.samples for o in steps for s in o.scheduled)
+            s.kind == "prefill" and not s.samples for o in steps for s in o.scheduled
+        )
     if name == "prefix cache":
         assert sum(sum(o.num_cached_tokens.values()) for o in steps) > 0
     assert engine.scheduler.pool.num_free == engine.config.num_blocks
@@ -90,20 +92,26 @@ def test_runner_logits_equal_the_model_run_on_each_sequence_alone(tiny):
         batch.append((seq, ScheduledSeq(seq.seq_id, n, start, "prefill" if n > 1 else "decode", True)))
     logits = runner.forward(batch)
     with torch.inference_mode():
-        expected = torch.cat([tiny(torch.tensor([ids[:start + n]]))[0, -1:] for ids, (start, n) in zip(full, parts)])
+        expected = torch.cat([tiny(torch.tensor([ids[: start + n]]))[0, -1:] for ids, (start, n) in zip(full, parts)])
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 @SMOLLM2
 def test_smollm2_batched_chunked_and_preempted_equal_greedy_decode(smollm2):
     model, tokenizer = smollm2.model, smollm2.tokenizer
-    questions = ["What is the capital of France?", "What is Python?", "Name three primary colours.",
-                 "What is 12 times 12?"]
+    questions = [
+        "What is the capital of France?",
+        "What is Python?",
+        "Name three primary colours.",
+        "What is 12 times 12?",
+    ]
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     expected = [greedy_decode(model, p, 6, tokenizer.eos_id) for p in prompts]
-    configs = [SchedulerConfig(block_size=8, num_blocks=32),
-               SchedulerConfig(max_num_batched_tokens=24, block_size=8, num_blocks=32),
-               SchedulerConfig(block_size=4, num_blocks=40)]  # 4 prompts take 37 blocks: decodes preempt
+    configs = [
+        SchedulerConfig(block_size=8, num_blocks=32),
+        SchedulerConfig(max_num_batched_tokens=24, block_size=8, num_blocks=32),
+        SchedulerConfig(block_size=4, num_blocks=40),
+    ]  # 4 prompts take 37 blocks: decodes preempt
     for config in configs:
         engine = LLMEngine.from_model(model, tokenizer, config)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=6)) for p in prompts]
@@ -111,7 +119,8 @@ def test_smollm2_batched_chunked_and_preempted_equal_greedy_decode(smollm2):
         assert [engine.output(i).token_ids for i in ids] == expected, config
     assert sum(engine.output(i).metrics.num_preemptions for i in ids) > 0
     out = LLM(model, tokenizer, SchedulerConfig(block_size=8, num_blocks=32)).generate(
-        questions[0], SamplingParams(max_new_tokens=12), stop=(" Paris",), use_tqdm=False)[0]
+        questions[0], SamplingParams(max_new_tokens=12), stop=(" Paris",), use_tqdm=False
+    )[0]
     assert (out.text, out.finish_reason) == ("The capital of France is", "stop")
 
 
@@ -134,6 +143,7 @@ class LetterTokenizer:
 
             def flush(self):
                 return ""
+
         return Decoder()
 
 
@@ -148,17 +158,18 @@ def test_stop_token_max_new_tokens_stop_strings_and_context_limit(tiny):
     by_context = engine.add_request([5] * 60, SamplingParams(max_new_tokens=12, stop_ids=()))  # context is 64
     run_to_end(engine)
     first = reference.index(reference[4])
-    assert engine.output(by_stop_id).token_ids == reference[:first + 1]
+    assert engine.output(by_stop_id).token_ids == reference[: first + 1]
     assert engine.output(by_stop_id).finish_reason == "stop"
     assert (engine.output(by_length).token_ids, engine.output(by_length).finish_reason) == (reference[:5], "length")
     cut = engine.output(by_string)
-    assert cut.finish_reason == "stop" and cut.text == text[:text.index(text[3:5])]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(text[3:5])]
     assert len(engine.output(by_context).token_ids) == 4 and engine.output(by_context).finish_reason == "length"
 
 
 def test_requests_the_engine_can_never_serve_are_refused_up_front(tiny):
-    engine = LLMEngine.from_model(tiny, config=SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=4,
-                                                               enable_chunked_prefill=False))
+    engine = LLMEngine.from_model(
+        tiny, config=SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=4, enable_chunked_prefill=False)
+    )
     with pytest.raises(ValueError, match="context is 64"):
         engine.add_request([1] * 64)
     with pytest.raises(ValueError, match="more than the pool's 4 blocks"):

@@ -12,12 +12,30 @@ import torch
 
 from infra_lib.model import DenseKVCache, Llama, LlamaConfig, greedy_decode
 from infra_lib.model.attention import attention
-from infra_lib.serving import (BlockPool, BlockTable, HashPrefixCache, OutOfBlocks, PagedKVCache, PagedKVStore,
-                               RadixPrefixCache, paged_attention, paged_cached_attention, paged_greedy_decode,
-                               wasted_slots)
+from infra_lib.serving import (
+    BlockPool,
+    BlockTable,
+    HashPrefixCache,
+    OutOfBlocks,
+    PagedKVCache,
+    PagedKVStore,
+    RadixPrefixCache,
+    paged_attention,
+    paged_cached_attention,
+    paged_greedy_decode,
+    wasted_slots,
+)
 
-TINY = LlamaConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   intermediate_size=48, max_position=128)
+TINY = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    max_position=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +68,19 @@ def test_paged_attention_equals_contiguous_attention(block_size, t):
     tables, used = [], 0
     for s in lengths:
         n = -(-s // block_size)
-        tables.append(order[used:used + n])
+        tables.append(order[used : used + n])
         used += n
     q = torch.randn(len(lengths), n_heads, t, head_dim, generator=gen)
     out = paged_attention(q, k_cache, v_cache, tables, lengths)
     padded = torch.zeros(len(tables), max(map(len, tables)) + 2, dtype=torch.int64)
     for b, table in enumerate(tables):
-        padded[b, :len(table)] = torch.tensor(table)
+        padded[b, : len(table)] = torch.tensor(table)
     assert torch.equal(paged_attention(q, k_cache, v_cache, padded, torch.tensor(lengths)), out)
     for b, (table, s) in enumerate(zip(tables, lengths)):
         slots = [BlockTable(block_size, table).slot(p) for p in range(s)]
         k = k_cache.reshape(-1, n_kv_heads, head_dim)[slots].transpose(0, 1)[None]  # [1, kv, s, hd]
         v = v_cache.reshape(-1, n_kv_heads, head_dim)[slots].transpose(0, 1)[None]
-        torch.testing.assert_close(out[b:b + 1], attention(q[b:b + 1], k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[b : b + 1], attention(q[b : b + 1], k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_block_table_slot_mapping_and_bad_inputs():
@@ -158,14 +176,24 @@ def test_running_out_of_blocks_mid_sequence_changes_nothing_and_can_resume(tiny)
         seq.reserve([8])  # fills block 2: no new block needed
         tiny(torch.tensor([[8]]), seq)
         assert not seq.can_reserve(1) and seq.blocks_to_reserve(1) == 1
-        before = (seq.table.blocks[:], seq.seq_len, seq.reserved, pool.free_block_ids(),
-                  [pool.ref_count(b) for b in range(3)])
+        before = (
+            seq.table.blocks[:],
+            seq.seq_len,
+            seq.reserved,
+            pool.free_block_ids(),
+            [pool.ref_count(b) for b in range(3)],
+        )
         with pytest.raises(OutOfBlocks, match="need 1 free KV block"):
             seq.reserve([9])
         with pytest.raises(OutOfBlocks):
             tiny(torch.tensor([[9]]), seq)  # an unreserved forward reserves by itself, and fails first
-        assert (seq.table.blocks, seq.seq_len, seq.reserved, pool.free_block_ids(),
-                [pool.ref_count(b) for b in range(3)]) == before
+        assert (
+            seq.table.blocks,
+            seq.seq_len,
+            seq.reserved,
+            pool.free_block_ids(),
+            [pool.ref_count(b) for b in range(3)],
+        ) == before
         seq.check_invariants()
         pool.check_invariants()
         other.release()  # preempt the other sequence; this one carries on

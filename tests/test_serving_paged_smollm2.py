@@ -5,9 +5,17 @@ after a prefix hit."""
 from __future__ import annotations
 
 from conftest import SMOLLM2
+
 from infra_lib.model import greedy_decode
-from infra_lib.serving import (BlockPool, HashPrefixCache, PagedKVCache, PagedKVStore, RadixPrefixCache,
-                               paged_cached_attention, paged_greedy_decode)
+from infra_lib.serving import (
+    BlockPool,
+    HashPrefixCache,
+    PagedKVCache,
+    PagedKVStore,
+    RadixPrefixCache,
+    paged_cached_attention,
+    paged_greedy_decode,
+)
 
 
 def paged(model, num_blocks: int, block_size: int, prefix_cache=None):
@@ -68,7 +76,7 @@ def test_smollm2_preemption_right_after_a_prefix_hit_then_readmission(smollm2):
     paged_greedy_decode(model, store, pool, first, 2, eos)
     cached_before = pool.prefix_cache.cached_blocks()
     victim = PagedKVCache.for_prompt(store, pool, second)  # a hit ...
-    hit = victim.table.blocks[:victim.num_cached_tokens // 8]
+    hit = victim.table.blocks[: victim.num_cached_tokens // 8]
     assert hit and all(pool.ref_count(b) == 1 for b in hit)
     victim.release()  # ... and preempted before its prefill ran
     pool.check_invariants()

@@ -34,7 +34,7 @@ class PrefixWorld:
             return None
         blocks, cached = self.pool.allocate_prompt(prompt)
         for i in range(cached // self.bs):
-            assert self.contents[blocks[i]] == tuple(prompt[:(i + 1) * self.bs]), "a hit returned a stale block"
+            assert self.contents[blocks[i]] == tuple(prompt[: (i + 1) * self.bs]), "a hit returned a stale block"
         seq = {"tokens": list(prompt), "blocks": blocks}
         if compute:
             self._compute(seq, cached)
@@ -43,7 +43,7 @@ class PrefixWorld:
 
     def _compute(self, seq, start):
         for i in range(start // self.bs, len(seq["blocks"])):
-            self.contents[seq["blocks"][i]] = tuple(seq["tokens"][:(i + 1) * self.bs])
+            self.contents[seq["blocks"][i]] = tuple(seq["tokens"][: (i + 1) * self.bs])
         self.pool.cache_blocks(seq["tokens"], seq["blocks"])
 
     def grow(self, index: int, new_tokens: list[int]) -> bool:
@@ -74,8 +74,12 @@ class PrefixWorld:
 
     def state(self) -> tuple:
         pool = self.pool
-        return ([pool.ref_count(b) for b in range(pool.num_blocks)], pool.free_block_ids(),
-                sorted(pool.prefix_cache.cached_blocks()), [s["blocks"] for s in self.seqs])
+        return (
+            [pool.ref_count(b) for b in range(pool.num_blocks)],
+            pool.free_block_ids(),
+            sorted(pool.prefix_cache.cached_blocks()),
+            [s["blocks"] for s in self.seqs],
+        )
 
     def check(self) -> None:
         self.pool.check_invariants()
@@ -90,7 +94,7 @@ def random_prompt(rng: random.Random, history: list[list[int]]) -> list[int]:
     systems = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [8] * 11]
     if history and rng.random() < 0.5:
         base = rng.choice(history)
-        base = base[:rng.randint(1, len(base))]
+        base = base[: rng.randint(1, len(base))]
     else:
         base = list(rng.choice(systems))
     return base + [rng.randrange(4) for _ in range(rng.randint(0, 6))] or [0]
@@ -154,8 +158,11 @@ class PrefixPoolMachine(RuleBasedStateMachine):
     def start(self, num_blocks, block_size):
         self.worlds = [PrefixWorld(b, num_blocks, block_size) for b in BACKENDS]
 
-    @rule(system=st.sampled_from([[], [1, 2, 3], [1, 2, 3, 4, 5, 6]]), tail=st.lists(st.integers(0, 2), max_size=4),
-          preempt=st.booleans())
+    @rule(
+        system=st.sampled_from([[], [1, 2, 3], [1, 2, 3, 4, 5, 6]]),
+        tail=st.lists(st.integers(0, 2), max_size=4),
+        preempt=st.booleans(),
+    )
     def admit(self, system, tail, preempt):
         prompt = system + tail or [0]
         results = [w.admit(prompt, compute=not preempt) for w in self.worlds]
@@ -191,6 +198,7 @@ class PrefixPoolMachine(RuleBasedStateMachine):
         assert self.worlds[0].state() == self.worlds[1].state()
 
 
-PrefixPoolMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None,
-                                               database=None, derandomize=True)
+PrefixPoolMachine.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=30, deadline=None, database=None, derandomize=True
+)
 test_prefix_pool_matches_across_backends = PrefixPoolMachine.TestCase

@@ -35,8 +35,10 @@ UNIT_COST = StepCostModel(1e-3, 1e-4, 1e-4, 1e-6)
 
 def make(config: SchedulerConfig, *prompt_lens: int, max_new_tokens: int = 8) -> tuple[Scheduler, list[Sequence]]:
     scheduler = Scheduler(config)
-    seqs = [Sequence(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new_tokens), config.block_size, i)
-            for i, n in enumerate(prompt_lens)]
+    seqs = [
+        Sequence(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new_tokens), config.block_size, i)
+        for i, n in enumerate(prompt_lens)
+    ]
     for seq in seqs:
         scheduler.add(seq)
     return scheduler, seqs
@@ -154,6 +156,7 @@ def test_config_and_pool_mismatches_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
     from infra_lib.serving import BlockPool
+
     with pytest.raises(ValueError, match="4 blocks of 2"):
         Scheduler(SchedulerConfig(num_blocks=8, block_size=2), BlockPool(4, 2))
 
@@ -168,16 +171,21 @@ def workloads(draw):
     prefix = draw(st.lists(st.integers(0, 5), max_size=16))
     requests = []
     for _ in range(draw(st.integers(1, 10))):
-        head = prefix[:draw(st.integers(0, len(prefix)))]
+        head = prefix[: draw(st.integers(0, len(prefix)))]
         tail = draw(st.lists(st.integers(0, 5), min_size=1, max_size=14))
         requests.append(WorkloadRequest(draw(st.floats(0, 0.02)), tuple(head + tail), draw(st.integers(1, 16))))
     biggest = max(r.prompt_len + r.output_len - 1 for r in requests)
     chunked = draw(st.booleans())
     budget = draw(st.integers(1, 48)) if chunked else draw(st.integers(biggest, biggest + 16))
     min_blocks = -(-biggest // block_size)
-    config = SchedulerConfig(max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=budget,
-                             block_size=block_size, num_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
-                             enable_chunked_prefill=chunked, enable_prefix_caching=draw(st.booleans()))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        num_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()),
+    )
     return config, requests
 
 
@@ -193,7 +201,7 @@ def test_random_workloads_keep_every_invariant_and_every_request_finishes(case):
         out = engine.steps[-1].output
         engine.scheduler.check_output(out)
         newest_first = list(reversed(running_after[-1]))  # victims: the newest running, in that order
-        assert out.preempted == newest_first[:len(out.preempted)], (out.preempted, running_after[-1])
+        assert out.preempted == newest_first[: len(out.preempted)], (out.preempted, running_after[-1])
         running_after.append([s.seq_id for s in engine.scheduler.running])
 
     outputs = replay(engine, requests, on_step=after_step)
@@ -257,8 +265,11 @@ def test_lab08_worked_example_cuts_to_the_budget_before_asking_for_blocks():
     """Lab 08's text: on a pool of 3 blocks of 4, a 20-token prompt with a budget of 10 is admitted
     with a 10-token chunk (3 blocks); without chunked prefill it waits."""
     for chunked in (True, False):
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, block_size=4, num_blocks=3,
-                                              enable_chunked_prefill=chunked))
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=10, block_size=4, num_blocks=3, enable_chunked_prefill=chunked
+            )
+        )
         scheduler.add(Sequence(0, list(range(1, 21)), block_size=4, arrival_index=0))
         out = scheduler.schedule()
         if chunked:
@@ -294,8 +305,7 @@ def test_a_plan_that_schedules_a_preempted_sequence_is_refused_before_it_runs():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=10)
     engine = LLMEngine(SimulatedRunner(StepCostModel(1e-3, 1e-4, 1e-4, 1e-6)), config, scheduler=Oldest(config))
     with pytest.raises(RuntimeError, match=r"scheduled seq \[\d+\] and preempted it in the same step"):
-        replay(engine, random_workload(6, 0, rate=float("inf"), prompt_len=(6, 10), output_len=(10, 20)),
-               max_steps=500)
+        replay(engine, random_workload(6, 0, rate=float("inf"), prompt_len=(6, 10), output_len=(10, 20)), max_steps=500)
     scheduler = Oldest(config)  # the scheduler's own check says the same of such a plan
     for i in range(6):
         scheduler.add(Sequence(i, list(range(1, 9)), block_size=4, arrival_index=i))

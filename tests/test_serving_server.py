@@ -30,7 +30,9 @@ def wait_idle(engine, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
     time.sleep(0.05)  # let the engine thread finish the step it is in
     pool = engine.engine.scheduler.pool
-    assert pool.num_free == engine.engine.config.num_blocks, f"{engine.engine.config.num_blocks - pool.num_free} KV blocks leaked"
+    assert pool.num_free == engine.engine.config.num_blocks, (
+        f"{engine.engine.config.num_blocks - pool.num_free} KV blocks leaked"
+    )
     engine.engine.check_invariants()
 
 
@@ -60,8 +62,14 @@ def test_openai_client_streamed_deltas_equal_the_whole_greedy_answer(client, smo
     assert whole.usage.prompt_tokens == len(smollm2.tokenizer.encode_chat(QUESTION))
 
     deltas, finish_reasons, usage, chunks = [], [], None, 0
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.usage is not None:
             assert not chunk.choices, "the usage chunk carries no choices"
@@ -85,7 +93,7 @@ def test_raw_stream_ends_with_done_after_one_finish_reason(server):
     with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
@@ -99,8 +107,11 @@ def test_raw_stream_ends_with_done_after_one_finish_reason(server):
 def test_completions_endpoint_stop_strings_lengths_and_seeds(client):
     prompt = "The capital of France is"
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == whole.choices[0].text and whole.choices[0].text.strip()
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
 
@@ -109,8 +120,14 @@ def test_completions_endpoint_stop_strings_lengths_and_seeds(client):
     assert word not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
     assert whole.choices[0].text.startswith(stopped.choices[0].text)
 
-    sampled = [client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.9, seed=7,
-                                              max_tokens=16).choices[0].message.content for _ in range(2)]
+    sampled = [
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.9, seed=7, max_tokens=16
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1], "the same seed must give the same sampled answer"
 
     ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
@@ -123,11 +140,20 @@ def test_models_health_and_metrics_endpoints(server):
     assert [m["id"] for m in models["data"]] == [MODEL] and models["object"] == "list"
     assert httpx.get(thread.url + "/health").json()["status"] == "ok"
     text = httpx.get(thread.url + "/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                 "vllm:request_queue_time_seconds_bucket"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+    ):
         assert name in text, f"/metrics lacks {name}"
 
 
@@ -154,8 +180,9 @@ def test_bad_requests_get_openai_errors_and_never_reach_the_engine(server, name,
     thread, engine, _ = server
     arrived = len(engine.engine.events.events(kind="arrived"))
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(thread.url + "/v1/chat/completions", content=content,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        thread.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -170,14 +197,16 @@ def test_bad_requests_get_openai_errors_and_never_reach_the_engine(server, name,
 def test_oversize_prompts_are_refused_before_running(server, smollm2):
     thread, engine, _ = server
     long_text = "word " * 9000  # more tokens than the model's 8192 positions
-    response = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": long_text, "max_tokens": 4},
-                          timeout=60)
+    response = httpx.post(
+        thread.url + "/v1/completions", json={"model": MODEL, "prompt": long_text, "max_tokens": 4}, timeout=60
+    )
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     # fits the context but not the KV pool (384 blocks of 16 tokens)
-    response = httpx.post(thread.url + "/v1/completions",
-                          json={"model": MODEL, "prompt": "word " * 3000, "max_tokens": 4000}, timeout=60)
+    response = httpx.post(
+        thread.url + "/v1/completions", json={"model": MODEL, "prompt": "word " * 3000, "max_tokens": 4000}, timeout=60
+    )
     assert response.status_code == 400 and "blocks" in response.json()["error"]["message"]
-    response = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": [10 ** 9], "max_tokens": 2})
+    response = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": [10**9], "max_tokens": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     wait_idle(engine)
     assert not engine.engine.has_unfinished()
@@ -315,8 +344,14 @@ def test_gauges_fall_back_to_idle_when_a_stream_is_aborted_with_no_request_after
         m = parse_metrics(httpx.get(thread.url + "/metrics").text)
         return m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]
 
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", thread.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
         # The line iterator stays referenced: a `for` that breaks out of `r.iter_lines()` lets the
@@ -352,8 +387,7 @@ def test_load_with_hundreds_of_streams_some_hanging_up_leaks_nothing(server, smo
     # Each chat prompt shares its first 32 tokens (two KV blocks, prefix-cached after the first wave):
     # a stream prefills only its number and the template's tail.
     prompts = [f"Give me one word about the number {i}" for i in range(n)]
-    result = run_load(thread.url, prompts, model=MODEL, max_tokens=6, disconnect_after=hang_ups, progress=False,
-                      seed=1)
+    result = run_load(thread.url, prompts, model=MODEL, max_tokens=6, disconnect_after=hang_ups, progress=False, seed=1)
     assert result.status_counts == {"200": n - len(hang_ups), "disconnected": len(hang_ups)}, result.status_counts
     summary = result.summary
     assert summary["completed"] == n - len(hang_ups) and summary["failed"] == 0
@@ -365,15 +399,19 @@ def test_load_with_hundreds_of_streams_some_hanging_up_leaks_nothing(server, smo
     assert delta['vllm:request_success_total{finished_reason="length"}'] == n - len(hang_ups)
     assert delta['vllm:request_success_total{finished_reason="abort"}'] == len(hang_ups)
     lengths = [len(smollm2.tokenizer.encode_chat([{"role": "user", "content": p}])) for p in prompts]
-    assert [t.prompt_tokens for i, t in enumerate(result.timings) if i not in hang_ups] == \
-        [n_ for i, n_ in enumerate(lengths) if i not in hang_ups]
+    assert [t.prompt_tokens for i, t in enumerate(result.timings) if i not in hang_ups] == [
+        n_ for i, n_ in enumerate(lengths) if i not in hang_ups
+    ]
     assert delta["vllm:prompt_tokens_total"] == sum(lengths)  # hung-up requests were admitted too
     assert delta["vllm:generation_tokens_total"] >= summary["total_output_tokens"] + 2 * len(hang_ups)
     assert delta["vllm:time_to_first_token_seconds_count"] == n
     assert delta["vllm:e2e_request_latency_seconds_count"] == n
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
-    again = httpx.post(thread.url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION,
-                                                                  "max_tokens": 4, "temperature": 0}, timeout=60)
+    again = httpx.post(
+        thread.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -384,8 +422,15 @@ def test_server_metrics_agree_with_what_the_client_measured(server):
     thread, engine, _ = server
     wait_idle(engine)
     before = parse_metrics(httpx.get(thread.url + "/metrics").text)
-    result = run_load(thread.url, [f"Count to {i}." for i in range(8)], model=MODEL, max_tokens=8, rate=4.0,
-                      max_concurrency=4, progress=False)
+    result = run_load(
+        thread.url,
+        [f"Count to {i}." for i in range(8)],
+        model=MODEL,
+        max_tokens=8,
+        rate=4.0,
+        max_concurrency=4,
+        progress=False,
+    )
     wait_idle(engine)
     # a request's clock starts when it leaves the client: never more than 4 clocks run at once
     for t in result.timings:
@@ -396,6 +441,7 @@ def test_server_metrics_agree_with_what_the_client_measured(server):
     assert delta["vllm:prompt_tokens_total"] == result.summary["total_input_tokens"]
     assert delta["vllm:generation_tokens_total"] == result.summary["total_output_tokens"] == 64
     assert delta["vllm:inter_token_latency_seconds_count"] == 8 * 7
+
     def mean(name):
         return delta[f"vllm:{name}_sum"] / delta[f"vllm:{name}_count"]
 
@@ -416,8 +462,24 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "course_tools.cli", "serve", "--port", str(port), "--max-num-seqs",
-                                "4", "--kv-blocks", "128"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "course_tools.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "4",
+            "--kv-blocks",
+            "128",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_until_serving(process, port, tmp_path / "serve.log", "infra-lab serve")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -432,11 +494,21 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
 
 
 def test_serve_rejects_bad_options():
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--kv-blocks", "0"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "serve", "--kv-blocks", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "--kv-blocks must be a positive integer" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "serve", "--model", "/no/such.gguf"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "serve", "--model", "/no/such.gguf"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "no such file" in result.stderr
 
 
@@ -455,14 +527,16 @@ def test_serve_load_benchmark_writes_json(tmp_path):
     weights = result["weights"]
     assert weights["after"]["bytes_per_step"] < weights["before"]["bytes_per_step"] / 3.5  # int8 against fp32
     assert result["throughput_after_over_before"] == pytest.approx(
-        runs["open_loop_after"]["output_throughput"] / runs["open_loop"]["output_throughput"])
+        runs["open_loop_after"]["output_throughput"] / runs["open_loop"]["output_throughput"]
+    )
     for when in ("before", "after"):  # the SLO sweep: the same rates for both engines
         rows = result["slo_sweep"][when]
         assert [row["rate"] for row in rows] == result["plan"]["slo_rates"]
         for row in rows:
             assert row["completed"] == result["plan"]["slo_requests"] and row["failed"] == 0
-            assert row["within_slo_at_p99"] == (row["p99_ttft_ms"] <= result["slo_ms"]["ttft"]
-                                                and row["p99_tpot_ms"] <= result["slo_ms"]["tpot"])
+            assert row["within_slo_at_p99"] == (
+                row["p99_ttft_ms"] <= result["slo_ms"]["ttft"] and row["p99_tpot_ms"] <= result["slo_ms"]["tpot"]
+            )
         best = result["at_slo"][when]
         within = [row for row in rows if row["within_slo_at_p99"]]
         assert best["highest_rate_within_slo"] == (max(row["rate"] for row in within) if within else None)
@@ -475,7 +549,7 @@ def test_readme_client_example_answers_right(server, capsys):
 
     thread, engine, _ = server
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Serving the model over HTTP"):]
+    section = readme[readme.index("## Serving the model over HTTP") :]
     snippet = re.search(r"```python\n(from openai import OpenAI\n.*?)```", section, re.S).group(1)
     assert "temperature=0" in snippet and "http://127.0.0.1:8000/v1" in snippet
     exec(snippet.replace("http://127.0.0.1:8000/v1", thread.url + "/v1"), {})
@@ -495,8 +569,15 @@ def test_a_slow_dependency_in_front_of_the_server_is_diagnosed_as_one(smollm2):
 
     engine = build_engine(smollm2.model, smollm2.tokenizer, max_num_seqs=8, kv_blocks=64)
     with ServerThread(create_app(engine, MODEL, downstream_delay_s=2.0)) as thread:
-        result = run_load(thread.url, ["Hello", "What is 2 + 2?", "Name a colour."], model=MODEL, max_concurrency=1,
-                          max_tokens=2, seed=1, progress=False)
+        result = run_load(
+            thread.url,
+            ["Hello", "What is 2 + 2?", "Name a colour."],
+            model=MODEL,
+            max_concurrency=1,
+            max_tokens=2,
+            seed=1,
+            progress=False,
+        )
         wait_idle(engine)
     assert result.status_counts == {"200": 3}
     stats = window_stats(engine.engine.events, result.timings)

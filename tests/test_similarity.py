@@ -7,8 +7,8 @@ import inspect
 import re
 
 import pytest
-
 from conftest import REPO, answer_cells, write_learner_notebook
+
 from grading.similarity import class_matches, flags, grams, report, score, tokens
 from infra_lib.timing import time_op
 
@@ -19,7 +19,8 @@ HEAD3 = '''def dominant_op(prof) -> str:
     """Name of the op or kernel with the largest self time in a profiler result."""
 '''
 ALICE = {
- "task2_time_op": HEAD2 + '''    import time as _t
+    "task2_time_op": HEAD2
+    + """    import time as _t
     i = 0
     while i < warmup:
         fn()
@@ -37,8 +38,9 @@ def _measure(fn, sync, clock):
     if sync:
         sync()
     return clock.perf_counter() - t0
-''',
- "task3_dominant_op": HEAD3 + '''    best_name, best = None, -1.0
+""",
+    "task3_dominant_op": HEAD3
+    + """    best_name, best = None, -1.0
     events = prof.key_averages()
     use_device = False
     for e in events:
@@ -50,9 +52,11 @@ def _measure(fn, sync, clock):
         if t > best:
             best_name, best = e.key, t
     return best_name
-'''}
+""",
+}
 BOB = {
- "task2_time_op": HEAD2 + '''    [fn() for _ in range(warmup)]
+    "task2_time_op": HEAD2
+    + """    [fn() for _ in range(warmup)]
     (sync or (lambda: None))()
     samples = []
     while len(samples) < iters:
@@ -61,15 +65,18 @@ BOB = {
         (sync or (lambda: None))()
         samples.append((time.perf_counter_ns() - begin) / 1e9)
     return float(statistics.median(samples))
-''',
- "task3_dominant_op": HEAD3 + '''    table = {row.key: (row.self_device_time_total, row.self_cpu_time_total) for row in prof.key_averages()}
+""",
+    "task3_dominant_op": HEAD3
+    + """    table = {row.key: (row.self_device_time_total, row.self_cpu_time_total) for row in prof.key_averages()}
     column = 0 if any(device for device, _ in table.values()) else 1
     return sorted(table, key=lambda name: table[name][column])[-1]
-'''}
+""",
+}
 # carol pastes the body of the course's own time_op (infra_lib.timing), renaming a variable
 CAROL = {"task2_time_op": HEAD2 + inspect.getsource(time_op).split('"""')[2].lstrip("\n").replace("samples", "ts")}
 DAVE = {
- "task3_dominant_op": HEAD3 + '''    averages = prof.key_averages()
+    "task3_dominant_op": HEAD3
+    + """    averages = prof.key_averages()
     device_total = sum(a.self_device_time_total for a in averages)
     if device_total > 0:
         ranked = sorted(averages, key=lambda a: a.self_device_time_total, reverse=True)
@@ -77,9 +84,11 @@ DAVE = {
         ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
     top = ranked[0]
     return str(top.key)
-'''}
+"""
+}
 ERIN = {  # dave's, renamed and reformatted, a comment added
- "task3_dominant_op": HEAD3 + '''    # rank every op by its self time
+    "task3_dominant_op": HEAD3
+    + """    # rank every op by its self time
     avgs = prof.key_averages()
     dev = sum(x.self_device_time_total for x in avgs)
     if dev > 0:
@@ -90,18 +99,27 @@ ERIN = {  # dave's, renamed and reformatted, a comment added
                        reverse=True)
     first = order[0]
     return str(first.key)
-'''}
+"""
+}
 
-CLASS = {"alice": ALICE, "bob": BOB, "carol": CAROL, "dave": DAVE, "erin": ERIN,
-         "frank": {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return 2 * m * n * k\n"},
-         "gina": {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return 2 * k * n * m  # the same count\n"}}
+CLASS = {
+    "alice": ALICE,
+    "bob": BOB,
+    "carol": CAROL,
+    "dave": DAVE,
+    "erin": ERIN,
+    "frank": {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return 2 * m * n * k\n"},
+    "gina": {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return 2 * k * n * m  # the same count\n"},
+}
 
 
 @pytest.fixture(scope="module")
 def matches(tmp_path_factory):
     folder = tmp_path_factory.mktemp("class")
-    notebooks = {learner: write_learner_notebook(folder / learner / "lab01_gemm.ipynb", answers)
-                 for learner, answers in CLASS.items()}
+    notebooks = {
+        learner: write_learner_notebook(folder / learner / "lab01_gemm.ipynb", answers)
+        for learner, answers in CLASS.items()
+    }
     (folder / "broken.ipynb").write_text("{ not json")
     notebooks["hal"] = folder / "broken.ipynb"
     return class_matches(notebooks, "lab01_gemm", REPO / "solutions")
@@ -124,16 +142,21 @@ def test_a_pasted_reference_and_two_near_copies_are_flagged_and_honest_answers_a
 
 def test_names_comments_layout_and_constants_do_not_change_an_answers_structure():
     a = "def f(xs, k=3):\n    total = 0\n    for x in xs:\n        total += x * k\n    return total\n"
-    b = ("def g(values, scale=7):\n    '''Docstring.'''\n    # a comment\n    acc = 0\n    for v in values:\n"
-         "        acc += v * scale\n\n    return acc\n")
+    b = (
+        "def g(values, scale=7):\n    '''Docstring.'''\n    # a comment\n    acc = 0\n    for v in values:\n"
+        "        acc += v * scale\n\n    return acc\n"
+    )
     assert tokens(a) == tokens(b)
     assert tokens(a) != tokens(a.replace("x * k", "x + k"))
     assert grams(a) == grams(b)
     assert score(grams("def f(m, n):\n    return 2 * m * n\n"), grams("def g(a, b):\n    return 2 * a * b\n")) is None
 
 
-@pytest.mark.parametrize("source", ["def f(:\n", "(" * 5000 + ")" * 5000, "x = [" + "[" * 300 + "]" * 301 + "\n",
-                                    "a = 1\n" * 100_000], ids=["syntax error", "parentheses", "nesting", "long"])
+@pytest.mark.parametrize(
+    "source",
+    ["def f(:\n", "(" * 5000 + ")" * 5000, "x = [" + "[" * 300 + "]" * 301 + "\n", "a = 1\n" * 100_000],
+    ids=["syntax error", "parentheses", "nesting", "long"],
+)
 def test_a_hostile_answer_is_left_out_not_a_crash(source):
     assert tokens(source) is None
 
@@ -150,9 +173,12 @@ def test_a_hostile_answer_is_left_out_not_a_crash(source):
 
 LAB08 = REPO / "labs" / "lab08_scheduler" / "lab08_scheduler.ipynb"
 HEAD = answer_cells(REPO / "solutions" / "lab08_scheduler" / "lab08_scheduler.ipynb")["schedule"].split(
-    "    ### BEGIN SOLUTION")[0]
+    "    ### BEGIN SOLUTION"
+)[0]
 
-ALICE = HEAD + '''    budget = _serve_running(self, out, budget)
+ALICE = (
+    HEAD
+    + '''    budget = _serve_running(self, out, budget)
     if not out.preempted:
         _serve_waiting(self, out, budget)
     return finish_plan(self, out)
@@ -204,6 +230,7 @@ def _serve_waiting(sched, out, budget):
         out.add(head, todo)
         budget -= todo
 '''
+)
 
 # bob: alice's, the helpers' parameters (and their uses) renamed
 _schedule, _sep, _helpers = ALICE.partition("\n\n\ndef _serve_running")
@@ -221,14 +248,26 @@ def _split(source):
 
 # carol: alice's, her helpers defined in another order
 _head, _parts = _split(ALICE)
-CAROL = _head + "\n\n\n" + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running")) + "\n"
+CAROL = (
+    _head
+    + "\n\n\n"
+    + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running"))
+    + "\n"
+)
 
 # bob and carol at once: what the issue's note describes
 _head, _parts = _split(BOB)
-BOB_CAROL = _head + "\n\n\n" + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running")) + "\n"
+BOB_CAROL = (
+    _head
+    + "\n\n\n"
+    + "\n\n\n".join(_parts[n].rstrip("\n") for n in ("_serve_waiting", "_free_blocks_for", "_serve_running"))
+    + "\n"
+)
 
 # dave: alice's, with _free_blocks_for inlined into _serve_running and _serve_waiting into schedule
-DAVE = HEAD + '''    budget = _serve_running(self, out, budget)
+DAVE = (
+    HEAD
+    + """    budget = _serve_running(self, out, budget)
     chunked = self.config.enable_chunked_prefill
     while self.waiting and not out.preempted:
         if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -270,10 +309,13 @@ def _serve_running(sched, out, budget):
         budget -= want
         i += 1
     return budget
-'''
+"""
+)
 
 # erin: the course's Scheduler.schedule and make_room pasted, renamed, comments and constants changed
-ERIN = HEAD + '''    # walk the running queue first
+ERIN = (
+    HEAD
+    + """    # walk the running queue first
     for s in list(self.running):
         if s.status is not SequenceStatus.RUNNING:
             break
@@ -321,10 +363,13 @@ def _room(sched, s, take, out):
         if last is s:
             return False
     return True
-'''
+"""
+)
 
 # frank: an honest answer of his own, in one function
-FRANK = HEAD + '''    for seq in list(self.running):
+FRANK = (
+    HEAD
+    + """    for seq in list(self.running):
         if budget == 0 or seq.status is not SequenceStatus.RUNNING:
             break
         k = min(budget, seq.num_uncomputed_tokens)
@@ -357,7 +402,8 @@ FRANK = HEAD + '''    for seq in list(self.running):
         out.add(seq, take)
         budget -= take
     return finish_plan(self, out)
-'''
+"""
+)
 
 SCHEDULERS = {"alice": ALICE, "bob": BOB, "carol": CAROL, "dave": DAVE, "erin": ERIN, "frank": FRANK}
 REFERENCE = "reference infra_lib.serving.scheduler.Scheduler.schedule"
@@ -366,8 +412,10 @@ REFERENCE = "reference infra_lib.serving.scheduler.Scheduler.schedule"
 @pytest.fixture(scope="module")
 def lab08_matches(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lab08")
-    notebooks = {learner: write_learner_notebook(folder / f"{learner}.ipynb", {"schedule": answer}, base=LAB08)
-                 for learner, answer in SCHEDULERS.items()}
+    notebooks = {
+        learner: write_learner_notebook(folder / f"{learner}.ipynb", {"schedule": answer}, base=LAB08)
+        for learner, answer in SCHEDULERS.items()
+    }
     return class_matches(notebooks, "lab08_scheduler", REPO / "solutions")
 
 
@@ -382,9 +430,14 @@ def test_the_lab08_answers_are_real_answers():
         check("lab08.preemption", namespace["schedule"])
 
 
-@pytest.mark.parametrize("copier, dressing", [("bob", "renamed helper parameters"),
-                                              ("carol", "reordered helper definitions"),
-                                              ("dave", "a helper inlined into its caller")])
+@pytest.mark.parametrize(
+    "copier, dressing",
+    [
+        ("bob", "renamed helper parameters"),
+        ("carol", "reordered helper definitions"),
+        ("dave", "a helper inlined into its caller"),
+    ],
+)
 def test_a_copy_is_flagged_however_it_is_dressed(lab08_matches, copier, dressing):
     found = {(m.learner, m.other): m for m in lab08_matches if m.answer == "schedule"}
     assert (copier, "alice") in found and ("alice", copier) in found, dressing
@@ -432,19 +485,23 @@ def test_an_expression_helper_called_in_an_assignment_is_the_code_it_replaced():
     back, as the line it replaced: lab 01's dominant_op split that way is the same answer."""
     from grading.similarity import best_pair, fingerprint
 
-    inline = ("def dominant_op(prof):\n"
-              "    rows = list(prof.key_averages())\n"
-              "    on_device = any(row.self_device_time_total > 0 for row in rows)\n"
-              "    if on_device:\n"
-              "        return max(rows, key=lambda row: row.self_device_time_total).key\n"
-              "    return max(rows, key=lambda row: row.self_cpu_time_total).key\n")
-    split = ("def dominant_op(prof):\n"
-             "    entries = list(prof.key_averages())\n"
-             "    on_gpu = _ran_on_device(entries)\n"
-             "    if on_gpu:\n"
-             "        return max(entries, key=lambda entry: entry.self_device_time_total).key\n"
-             "    return max(entries, key=lambda entry: entry.self_cpu_time_total).key\n\n\n"
-             "def _ran_on_device(entries):\n"
-             "    return any(entry.self_device_time_total > 0 for entry in entries)\n")
+    inline = (
+        "def dominant_op(prof):\n"
+        "    rows = list(prof.key_averages())\n"
+        "    on_device = any(row.self_device_time_total > 0 for row in rows)\n"
+        "    if on_device:\n"
+        "        return max(rows, key=lambda row: row.self_device_time_total).key\n"
+        "    return max(rows, key=lambda row: row.self_cpu_time_total).key\n"
+    )
+    split = (
+        "def dominant_op(prof):\n"
+        "    entries = list(prof.key_averages())\n"
+        "    on_gpu = _ran_on_device(entries)\n"
+        "    if on_gpu:\n"
+        "        return max(entries, key=lambda entry: entry.self_device_time_total).key\n"
+        "    return max(entries, key=lambda entry: entry.self_cpu_time_total).key\n\n\n"
+        "def _ran_on_device(entries):\n"
+        "    return any(entry.self_device_time_total > 0 for entry in entries)\n"
+    )
     found = best_pair(fingerprint(inline, entries=True), fingerprint(split, entries=True))
     assert found == (1.0, "dominant_op", "dominant_op")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import NOTEBOOKS, REPO
+
 from course_tools.site.build import build_site, find_lessons, lesson_info
 from course_tools.site.formulas import TEX_FALLBACK_CLASS, unconverted_math
 from course_tools.site.render import nav_bar, render_page
@@ -87,7 +87,7 @@ def unexecuted_site(tmp_path_factory):
 
 def test_contents_list_every_lesson_in_chapter_order_without_executing(unexecuted_site):
     tmp_path, lessons = unexecuted_site
-    assert [l.path for l in lessons] == sorted(NOTEBOOKS, key=lambda p: int(p.name.split("_")[0]))
+    assert [lesson.path for lesson in lessons] == sorted(NOTEBOOKS, key=lambda p: int(p.name.split("_")[0]))
     index = (tmp_path / "index.html").read_text()
     pages = _links(index)
     assert pages == [p.stem + ".html" for p in sorted(NOTEBOOKS)]
@@ -99,7 +99,7 @@ def test_contents_list_every_lesson_in_chapter_order_without_executing(unexecute
         if i + 1 < len(pages):
             assert pages[i + 1] in links, f"{href} should link on to {pages[i + 1]}"
     numbers = re.findall(r"<span class=\"number\">(\d+)</span>", index)
-    assert numbers == [l.number for l in lessons] == sorted(numbers, key=int)
+    assert numbers == [lesson.number for lesson in lessons] == sorted(numbers, key=int)
     for lesson in lessons:
         assert lesson.title and not lesson.title.startswith(lesson.number) and "lesson notebook" in lesson.layer
 
@@ -107,9 +107,11 @@ def test_contents_list_every_lesson_in_chapter_order_without_executing(unexecute
 def _lesson(path: Path, number: str, title: str, *code: str) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell(f"# {number} · {title}\n*Layer L0 · lesson notebook · lab: –*"),
-                nbformat.v4.new_code_cell("QUICK = False", metadata={"tags": ["parameters"]}),
-                *(nbformat.v4.new_code_cell(c) for c in code)]
+    nb.cells = [
+        nbformat.v4.new_markdown_cell(f"# {number} · {title}\n*Layer L0 · lesson notebook · lab: –*"),
+        nbformat.v4.new_code_cell("QUICK = False", metadata={"tags": ["parameters"]}),
+        *(nbformat.v4.new_code_cell(c) for c in code),
+    ]
     nbformat.write(nb, path / f"{number}_{title.lower()}.ipynb")
     return path / f"{number}_{title.lower()}.ipynb"
 
@@ -120,11 +122,18 @@ def test_a_failing_lesson_is_reported_and_the_others_still_get_pages(tmp_path):
     _lesson(notebooks, "10", "Later", "print('quick' if QUICK else 'slow')")
     _lesson(notebooks, "03", "Broken", "x = 1", "raise ValueError('broken on purpose')", "print('never')")
     out = tmp_path / "site"
-    result = subprocess.run([sys.executable, "-m", "course_tools.cli", "site", "--notebooks", str(notebooks),
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "site", "--notebooks", str(notebooks), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert re.search(r"03_broken\.ipynb failed in cell In \[\d+\] \(`raise ValueError\('broken on purpose'\)`\): "
-                     r"ValueError: broken on purpose", result.stdout), result.stdout
+    assert re.search(
+        r"03_broken\.ipynb failed in cell In \[\d+\] \(`raise ValueError\('broken on purpose'\)`\): "
+        r"ValueError: broken on purpose",
+        result.stdout,
+    ), result.stdout
     assert "10_later" not in result.stdout.split("failed;")[1]
     assert _links((out / "index.html").read_text()) == ["03_broken.html", "10_later.html"]
     assert "broken on purpose" in (out / "03_broken.html").read_text()
@@ -133,7 +142,7 @@ def test_a_failing_lesson_is_reported_and_the_others_still_get_pages(tmp_path):
 
 
 def test_only_and_bad_lesson_names_are_explained(tmp_path):
-    assert [l.number for l in find_lessons(REPO / "notebooks", {"2", "01"})] == ["01", "02"]
+    assert [lesson.number for lesson in find_lessons(REPO / "notebooks", {"2", "01"})] == ["01", "02"]
     with pytest.raises(ValueError, match=r"no lesson numbered 99 .*there are .*01, 02"):
         find_lessons(REPO / "notebooks", {"99"})
     (tmp_path / "intro.ipynb").write_text("{}")
@@ -154,16 +163,26 @@ def test_widgets_become_a_static_picture_of_their_settings_and_output():
     show_in(figure, figure=go.Figure(go.Bar(x=["a", "b"], y=[1, 2], name="bars of the test")))
     bar = widgets.HBox([widgets.HTML("sweep: 100%"), widgets.FloatProgress(value=3, max=3), widgets.HTML("3/3")])
     state = embed_data(views=[control, figure, bar])["manager_state"]
-    cell = nbformat.v4.new_code_cell("...", outputs=[nbformat.v4.new_output(
-        "display_data", {WIDGET_VIEW_MIME: {"model_id": w.model_id, "version_major": 2, "version_minor": 0},
-                         "text/plain": repr(w)}) for w in (control, figure, bar)])
+    cell = nbformat.v4.new_code_cell(
+        "...",
+        outputs=[
+            nbformat.v4.new_output(
+                "display_data",
+                {
+                    WIDGET_VIEW_MIME: {"model_id": w.model_id, "version_major": 2, "version_minor": 0},
+                    "text/plain": repr(w),
+                },
+            )
+            for w in (control, figure, bar)
+        ],
+    )
     nb = nbformat.v4.new_notebook(cells=[cell], metadata={"widgets": {WIDGET_STATE_MIME: state}})
     static = static_outputs(nb, "t")
     assert all(WIDGET_VIEW_MIME not in o["data"] for o in static.cells[0].outputs)
     pictures = [o["data"]["text/html"] for o in static.cells[0].outputs]
     assert "n = 3" in pictures[0] and "n squared is 9" in pictures[0] and "An interactive control" in pictures[0]
     assert "Plotly.newPlot(" in pictures[1] and "bars of the test" in pictures[1]
-    assert "<progress value=\"3.0\" max=\"3.0\">" in pictures[2] and "An interactive control" not in pictures[2]
+    assert '<progress value="3.0" max="3.0">' in pictures[2] and "An interactive control" not in pictures[2]
     assert "widgets" not in static.metadata and "widgets" in nb.metadata  # the page loads no widget manager
 
 
@@ -181,7 +200,8 @@ def test_markdown_maths_becomes_mathml_and_other_dollars_stay_text():
         "The roofline:\n\n$$\\text{attainable}(I) = \\min(P,\\; I \\cdot W)$$\n\nwith $I = \\frac{F}{B}$ in FLOP/byte.",
         "A GPU costs $2.50/hour; at 1,000 tokens/s that is about $0.69 per million (`echo $HOME`, `x$`).",
         "```bash\nexport PORT=$((BASE + 1)); echo $PORT $$\n```",
-        "Unknown to the converter: $$\\undefinedcommand{x}$$")
+        "Unknown to the converter: $$\\undefinedcommand{x}$$",
+    )
     maths = _math_elements(page)
     assert len(maths) == 2, f"expected one display and one inline formula, got {maths}"
     display, inline = maths
@@ -209,12 +229,12 @@ def test_every_lesson_formula_renders_as_mathml_and_no_raw_tex_remains(unexecute
             with_formulas[lesson.number] = source.count("$$") // 2
     assert {"01", "02", "03", "06", "11"} <= with_formulas.keys()
     for lesson in lessons:
-        cells = (out / lesson.page).read_text().split("class=\"jp-Cell ")[1:]
+        cells = (out / lesson.page).read_text().split('class="jp-Cell ')[1:]
         markdown = "".join(c for c in cells if c.startswith("jp-MarkdownCell"))
         assert "$$" not in markdown, f"{lesson.page} still shows raw TeX"
-        assert f"class=\"{TEX_FALLBACK_CLASS}\"" not in markdown, f"{lesson.page} has a formula left as TeX"
+        assert f'class="{TEX_FALLBACK_CLASS}"' not in markdown, f"{lesson.page} has a formula left as TeX"
         blocks = [m for m in _math_elements(markdown) if 'display="block"' in m.split(">", 1)[0]]
         assert len(blocks) == with_formulas.get(lesson.number, 0), f"{lesson.page}: one <math> per display formula"
     assert converted >= sum(with_formulas.values())
-    chapter11 = (out / next(l.page for l in lessons if l.number == "11")).read_text()
+    chapter11 = (out / next(lesson.page for lesson in lessons if lesson.number == "11")).read_text()
     assert "A GPU costs $2 per hour" in chapter11 and "about $0.56 (<code>cost_per_million_tokens" in chapter11

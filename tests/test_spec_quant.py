@@ -10,16 +10,42 @@ import torch
 from conftest import SMOLLM2
 
 from infra_lib.model import DenseKVCache, Llama, LlamaConfig, SamplingParams, greedy_decode
-from infra_lib.model.quant import (Q4_1Linear, QuantLinear, dequantize_int8_groupwise, dequantize_symmetric,
-                                   error_bound, heldout_text, load_gguf_q4_1, pack_int4, perplexity,
-                                   quantize_int8_groupwise, quantize_model, quantize_symmetric, unpack_int4,
-                                   weight_bytes)
-from infra_lib.serving.speculative import (LayerSkipDraft, NgramDraft, accept_or_resample,
-                                           expected_tokens_per_step, plain_decode, predicted_speedup,
-                                           speculative_decode)
+from infra_lib.model.quant import (
+    Q4_1Linear,
+    QuantLinear,
+    dequantize_int8_groupwise,
+    dequantize_symmetric,
+    error_bound,
+    heldout_text,
+    load_gguf_q4_1,
+    pack_int4,
+    perplexity,
+    quantize_int8_groupwise,
+    quantize_model,
+    quantize_symmetric,
+    unpack_int4,
+    weight_bytes,
+)
+from infra_lib.serving.speculative import (
+    LayerSkipDraft,
+    NgramDraft,
+    accept_or_resample,
+    expected_tokens_per_step,
+    plain_decode,
+    predicted_speedup,
+    speculative_decode,
+)
 
-TINY = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
-                   max_position=128)
+TINY = LlamaConfig(
+    vocab_size=12,
+    hidden_size=32,
+    intermediate_size=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    max_position=128,
+)
 
 
 def tiny_model(seed: int, config: LlamaConfig = TINY, scale: float = 3.0) -> Llama:
@@ -42,6 +68,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 # --- the acceptance rule -------------------------------------------------------------------------
+
 
 def test_chi_square_helper_rejects_a_wrong_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2])
@@ -74,7 +101,7 @@ def test_deterministic_drafts_and_greedy_reduce_to_matching_the_argmax():
 def test_expected_tokens_and_predicted_speedup():
     assert expected_tokens_per_step(0.0, 4) == 1.0 and expected_tokens_per_step(1.0, 4) == 5.0
     assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.2)
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
     with pytest.raises(ValueError):
         expected_tokens_per_step(1.5, 2)
 
@@ -97,30 +124,34 @@ def test_expected_tokens_refuses_a_negative_gamma_and_returns_a_python_float():
 
 # --- the whole loop on tiny random models --------------------------------------------------------
 
+
 def test_sampled_speculative_output_matches_the_target_distribution():
     """The first two tokens after a fixed prompt, over many seeds, with γ = 3 and a draft that is the
     target with noise on its head: their joint distribution must be the target's."""
     target = tiny_model(1, scale=0.3)  # a target with some entropy (the largest first-token p is 0.55)
     draft_model = tiny_model(1, scale=0.3)
     with torch.no_grad():
-        draft_model.lm_head.weight.add_(torch.randn(draft_model.lm_head.weight.shape,
-                                                    generator=torch.Generator().manual_seed(9)) * 0.5)
+        draft_model.lm_head.weight.add_(
+            torch.randn(draft_model.lm_head.weight.shape, generator=torch.Generator().manual_seed(9)) * 0.5
+        )
     prompt = [1, 5, 7]
     with torch.no_grad():  # the exact target distribution of the first two tokens
         first = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)
-        joint = torch.stack([first[a] * torch.softmax(target(torch.tensor([prompt + [a]]))[0, -1], -1)
-                             for a in range(TINY.vocab_size)]).flatten()
+        joint = torch.stack(
+            [first[a] * torch.softmax(target(torch.tensor([prompt + [a]]))[0, -1], -1) for a in range(TINY.vocab_size)]
+        ).flatten()
 
     class RandomModelDraft(LayerSkipDraft):
         def __init__(self):
             self.model, self.num_layers = draft_model, TINY.n_layers
             self.cache, self.cached = DenseKVCache.for_model(TINY, capacity=16), []
 
-    counts = torch.zeros(TINY.vocab_size ** 2)
+    counts = torch.zeros(TINY.vocab_size**2)
     accepted = proposed = 0
     for seed in range(2000):
-        result = speculative_decode(target, prompt, RandomModelDraft(), 3,
-                                    SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed))
+        result = speculative_decode(
+            target, prompt, RandomModelDraft(), 3, SamplingParams(temperature=1.0, max_new_tokens=2, seed=seed)
+        )
         a, b = result.token_ids[:2]
         counts[a * TINY.vocab_size + b] += 1
         accepted, proposed = accepted + result.accepted, proposed + result.proposed
@@ -191,6 +222,7 @@ def test_bad_arguments_are_refused():
 
 # --- on SmolLM2 ----------------------------------------------------------------------------------
 
+
 @SMOLLM2
 def test_greedy_speculative_equals_greedy_on_smollm2(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
@@ -204,6 +236,7 @@ def test_greedy_speculative_equals_greedy_on_smollm2(smollm2):
 
 
 # --- quantisation ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 32), (4, 32), (4, 128)])
 def test_quantisation_error_within_half_a_step(bits, group):
@@ -239,8 +272,11 @@ def test_int8_functions_and_int4_packing():
 def test_a_group_size_that_is_no_positive_int_is_refused(group):
     """A bool is refused although Python counts True as 1 (a group of one divides every row)."""
     w = torch.randn(4, 64)
-    for quantize in (quantize_int8_groupwise, lambda w, g: quantize_symmetric(w, 4, g),
-                     lambda w, g: QuantLinear(w, None, 8, g)):
+    for quantize in (
+        quantize_int8_groupwise,
+        lambda w, g: quantize_symmetric(w, 4, g),
+        lambda w, g: QuantLinear(w, None, 8, g),
+    ):
         with pytest.raises(ValueError, match=f"group_size must be a positive int, got {group!r}"):
             quantize(w, group)
     q, scales = quantize_int8_groupwise(w, 16)
@@ -287,7 +323,7 @@ def test_quant_linear_output_error_follows_from_the_weight_bound():
         err = (ql.dequantized() - linear.weight).abs()
         assert torch.all(err <= error_bound(ql.scales, 32) + 1e-7)
         x = torch.randn(3, 192)
-        bound = (x.abs() @ error_bound(ql.scales, 32).T)  # |x (W - W')^T| <= |x| |W - W'|^T
+        bound = x.abs() @ error_bound(ql.scales, 32).T  # |x (W - W')^T| <= |x| |W - W'|^T
         assert torch.all((ql(x) - linear(x)).abs() <= bound + 1e-5)
 
 
@@ -332,7 +368,9 @@ def test_spec_quant_benchmark_writes_json(tmp_path):
 
 def test_position_acceptance_counts_only_checked_draft_tokens():
     target = tiny_model(4)
-    result = speculative_decode(target, [3, 1, 4, 1, 5], LayerSkipDraft(target, 1), 4, SamplingParams(max_new_tokens=30))
+    result = speculative_decode(
+        target, [3, 1, 4, 1, 5], LayerSkipDraft(target, 1), 4, SamplingParams(max_new_tokens=30)
+    )
     assert 0 < result.rejections <= result.target_passes
     assert result.position_acceptance_rate >= result.acceptance_rate
     assert result.position_acceptance_rate == result.accepted / (result.accepted + result.rejections)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import REPO, SOLUTIONS, answer_cells
+
 from grading import check
 from grading.check import RECORD_ENV, SEED_ENV
 from grading.notebook import read_notebook
@@ -18,8 +18,13 @@ def _cells() -> list[tuple[str, list[str], list[str]]]:
     cells = []
     for path in SOLUTIONS:
         for cell in solution_test_cells(read_notebook(path)):
-            cells.append((path.stem, [c.check_id for c in cell.checks if not c.hidden],
-                          [c.check_id for c in cell.checks if c.hidden]))
+            cells.append(
+                (
+                    path.stem,
+                    [c.check_id for c in cell.checks if not c.hidden],
+                    [c.check_id for c in cell.checks if c.hidden],
+                )
+            )
     return cells
 
 
@@ -42,7 +47,8 @@ def test_a_line_says_what_hidden_checks_add_or_that_there_are_none():
             line = STILL_CHECKED[check_id]
             if hidden:
                 assert line.startswith(ALSO_CHECKS) and len(line) > len(ALSO_CHECKS) + 10, (
-                    f"{notebook}: {check_id}'s cell has hidden checks {hidden}: its line must say what they add")
+                    f"{notebook}: {check_id}'s cell has hidden checks {hidden}: its line must say what they add"
+                )
             else:
                 assert line == NOTHING_HIDDEN, f"{notebook}: {check_id}'s cell has no hidden checks: say so"
 

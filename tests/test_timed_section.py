@@ -10,8 +10,9 @@ from infra_lib.timed_section import MachineLoad, TimedSection, choose_threads, m
 
 
 def section_for(load: MachineLoad, threads: int = 1) -> TimedSection:
-    return TimedSection(threads=threads, previous_threads=threads, reason="test", before=load,
-                        others_busy_during=load.others_busy_cores)
+    return TimedSection(
+        threads=threads, previous_threads=threads, reason="test", before=load, others_busy_during=load.others_busy_cores
+    )
 
 
 QUIET = MachineLoad(cores=4, others_busy_cores=0.1, load_average=0.3)

@@ -13,16 +13,16 @@ import json
 
 import nbformat
 import pytest
+from conftest import REPO
 
 import infra_lib.timed_section as ts
 import infra_lib.timing as timing
 from grading.run.warm import run_lesson
-from conftest import REPO
 from infra_lib.timed_section import MachineLoad, timed_section
 
 NOTE = "⚠ Unexpected result"
 
-DISTURB_TIMER = '''
+DISTURB_TIMER = """
 # Injected by tests/test_timing_notes.py: time_op reports each call as (real time) x (elements of its result).
 # The real time is the least of three single calls: one call alone, preempted on a loaded machine or
 # paying a first call's set-up, once came out 9 times its size's share and turned a comparison back.
@@ -39,7 +39,7 @@ def _disturbed_time_op(fn, *, warmup=3, iters=10, sync=None):
 
 
 infra_lib.timing.time_op = _disturbed_time_op
-'''
+"""
 
 
 class FakeClock:
@@ -54,6 +54,7 @@ class FakeClock:
     def operation(self, seconds: float):
         def run() -> None:
             self.now += seconds
+
         return run
 
 
@@ -61,8 +62,9 @@ class FakeClock:
 def test_fake_timer_flags_a_batch_slower_per_token_than_batch_1(monkeypatch, capsys, batch_step_s, holds):
     clock = FakeClock()
     monkeypatch.setattr(timing, "time", clock)  # time_op reads time.perf_counter
-    monkeypatch.setattr(ts, "measure_load", lambda sample_s: MachineLoad(cores=2, others_busy_cores=1.8,
-                                                                         load_average=3.2))
+    monkeypatch.setattr(
+        ts, "measure_load", lambda sample_s: MachineLoad(cores=2, others_busy_cores=1.8, load_average=3.2)
+    )
     with timed_section() as section:
         one = timing.time_op(clock.operation(0.001), warmup=1, iters=5)
         eight = timing.time_op(clock.operation(batch_step_s), warmup=1, iters=5)
@@ -86,8 +88,15 @@ def run_disturbed(name: str, tmp_path) -> list[dict]:
     source = tmp_path / f"disturbed_{name}"
     nbformat.write(nb, source)
     out = tmp_path / f"out_{name}"
-    run_lesson(source, out, parameters={"QUICK": True}, kernel_name="python3",
-                               cwd=str(tmp_path), progress_bar=False, execution_timeout=600)
+    run_lesson(
+        source,
+        out,
+        parameters={"QUICK": True},
+        kernel_name="python3",
+        cwd=str(tmp_path),
+        progress_bar=False,
+        execution_timeout=600,
+    )
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"a disturbed run must still run to the end: {errors[0]['ename']}: {errors[0]['evalue']}"

@@ -9,9 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infra_lib.training.train_step import (MasterWeightAdamW, make_optimizer, memory_breakdown, memory_report,
-                                           saved_activation_bytes, text_batches, text_tokens, tiny_model, train,
-                                           train_step)
+from infra_lib.training.train_step import (
+    MasterWeightAdamW,
+    make_optimizer,
+    memory_breakdown,
+    memory_report,
+    saved_activation_bytes,
+    text_batches,
+    text_tokens,
+    tiny_model,
+    train,
+    train_step,
+)
 from infra_lib.training.zero import zero_memory_per_device
 
 # The same batch through the bf16 model and the fp32 one: bf16 keeps 8 significant bits (relative
@@ -109,26 +118,28 @@ def test_saved_activations_count_a_storage_once_and_skip_parameters():
         product = x[:2] * x[1:]  # mul saves two overlapping views of x's one storage
         y = layer(product)  # linear saves its input and its own weight
     assert sum(saved.values()) == x.nbytes + product.nbytes, (
-        "count x's whole storage once (two views keep it alive), the product once, and not the weight")
+        "count x's whole storage once (two views keep it alive), the product once, and not the weight"
+    )
     y.sum().backward()
 
 
-@pytest.mark.parametrize("precision, param_bytes, grad_bytes, optimizer_bytes",
-                         [("fp32", 4, 4, 8), ("bf16", 2, 2, 12)])
+@pytest.mark.parametrize("precision, param_bytes, grad_bytes, optimizer_bytes", [("fp32", 4, 4, 8), ("bf16", 2, 2, 12)])
 def test_memory_agrees_with_the_zero_calculator(precision, param_bytes, grad_bytes, optimizer_bytes):
     report = memory_report(batch=2, seq_len=32)
     n_tensors = len(list(tiny_model().parameters()))
     for checkpoint in (False, True):
         figures = report[precision + ("+checkpoint" if checkpoint else "")]
         n = figures["num_parameters"]
-        expected = zero_memory_per_device(n, 1, 0, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                                          optimizer_bytes=optimizer_bytes)
+        expected = zero_memory_per_device(
+            n, 1, 0, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes
+        )
         step_counts = 4 * n_tensors  # AdamW's one fp32 step count per parameter tensor
         assert figures["parameters"] == param_bytes * n and figures["gradients"] == grad_bytes * n
         assert figures["parameters"] + figures["gradients"] + figures["optimizer"] == expected + step_counts
         assert figures["bytes_per_parameter"] == pytest.approx(16, abs=1e-3)
-        assert figures["peak"] == (figures["parameters"] + figures["gradients"] + figures["optimizer"]
-                                   + figures["activations"])
+        assert figures["peak"] == (
+            figures["parameters"] + figures["gradients"] + figures["optimizer"] + figures["activations"]
+        )
     assert report[precision + "+checkpoint"]["activations"] * 4 < report[precision]["activations"]
 
 

@@ -12,8 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from infra_lib.training import (WorkerError, bubble_fraction, gpipe_schedule, ring_bytes_sent, run_workers,
-                                schedule_bubble, shard_bounds, zero_memory_per_device, zero_table)
+from infra_lib.training import (
+    WorkerError,
+    bubble_fraction,
+    gpipe_schedule,
+    ring_bytes_sent,
+    run_workers,
+    schedule_bubble,
+    shard_bounds,
+    zero_memory_per_device,
+    zero_table,
+)
 from infra_lib.training.collectives import ring_all_reduce
 from infra_lib.training.ddp import ddp_worker, gradient_buckets, make_model, train_single
 from infra_lib.training.tensor_parallel import tensor_parallel_worker
@@ -179,7 +188,9 @@ def test_gpipe_schedule_and_bubble():
             assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
         for s in slots:  # micro-batch i's forward on stage k waits for stage k - 1
             if s.kind == "F" and s.stage:
-                before = next(o for o in slots if o.kind == "F" and o.stage == s.stage - 1 and o.microbatch == s.microbatch)
+                before = next(
+                    o for o in slots if o.kind == "F" and o.stage == s.stage - 1 and o.microbatch == s.microbatch
+                )
                 assert before.end <= s.start
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError):
@@ -224,6 +235,8 @@ def test_allreduce_bandwidth_benchmark_writes_json(tmp_path):
     result = run_benchmark("allreduce_bandwidth", tmp_path / "allreduce.json")
     assert result["results"] and all(r["ring_s"] > 0 and r["dist_s"] > 0 for r in result["results"])
     assert {r["world_size"] for r in result["results"]} == set(result["plan"]["world_sizes"])
-    assert all(r["ring_bus_gb_s"] == pytest.approx(ring_bytes_sent(r["bytes"], r["world_size"]) / r["ring_s"] / 1e9)
-               for r in result["results"])
+    assert all(
+        r["ring_bus_gb_s"] == pytest.approx(ring_bytes_sent(r["bytes"], r["world_size"]) / r["ring_s"] / 1e9)
+        for r in result["results"]
+    )
     no_children_left()

@@ -18,23 +18,29 @@ import torch
 pytest.importorskip("triton", reason="Triton ships wheels for Linux only")
 
 from infra_lib.kernels.triton_env import (  # noqa: E402  (triton is imported through load_triton)
-    interpreter_active, kernel_device, load_triton, next_power_of_2, require_same_device, require_tensor)
+    interpreter_active,
+    kernel_device,
+    load_triton,
+    next_power_of_2,
+    require_same_device,
+    require_tensor,
+)
 
 triton, tl = load_triton()
 
 from infra_lib.kernels.matmul import matmul, matmul_kernel, tiled_matmul_bytes  # noqa: E402
 from infra_lib.kernels.oob import BoundsReport, OutOfBoundsError, check_bounds  # noqa: E402
 from infra_lib.kernels.rmsnorm import rmsnorm, rmsnorm_kernel  # noqa: E402
-from infra_lib.kernels.softmax import (softmax, softmax_bytes, softmax_kernel,  # noqa: E402
-                                       softmax_three_pass)
+from infra_lib.kernels.softmax import softmax, softmax_bytes, softmax_kernel, softmax_three_pass  # noqa: E402
 from infra_lib.kernels.traffic import Traffic, count_traffic, measure_traffic  # noqa: E402
 from infra_lib.kernels.vector_add import add, add_kernel  # noqa: E402
 
 DEVICE = kernel_device()
 # tl.dot on a GPU rounds float32 inputs to tf32 by default; the interpreter computes in float32.
 MATMUL_TOL = 1e-4 if interpreter_active() else 3e-2
-needs_interpreter = pytest.mark.skipif(not interpreter_active(),
-                                       reason="traffic is counted in the interpreter; on a GPU use Nsight Compute")
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_active(), reason="traffic is counted in the interpreter; on a GPU use Nsight Compute"
+)
 
 
 def randn(*shape, seed=0, dtype=torch.float32):
@@ -42,6 +48,7 @@ def randn(*shape, seed=0, dtype=torch.float32):
 
 
 # --- kernels deliberately written without masks, for the checker -----------------------------------
+
 
 @triton.jit
 def copy_no_masks(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
@@ -76,6 +83,7 @@ def softmax_no_load_mask(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride,
 
 # --- triton_env ------------------------------------------------------------------------------------
 
+
 def test_load_triton_picks_the_interpreter_without_a_gpu():
     if not torch.cuda.is_available():
         assert interpreter_active() and os.environ["TRITON_INTERPRET"] == "1"
@@ -88,9 +96,11 @@ def test_load_triton_picks_the_interpreter_without_a_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only forced without a GPU")
 def test_load_triton_recovers_when_torch_imported_triton_first():
     # importing torch._dynamo imports triton in compiled mode, before TRITON_INTERPRET is set
-    script = ("import sys, torch, torch._dynamo; assert 'triton' in sys.modules\n"
-              "from infra_lib.kernels.vector_add import add\n"
-              "x = torch.arange(5.0); assert add(x, x).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]; print('ok')")
+    script = (
+        "import sys, torch, torch._dynamo; assert 'triton' in sys.modules\n"
+        "from infra_lib.kernels.vector_add import add\n"
+        "x = torch.arange(5.0); assert add(x, x).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]; print('ok')"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
@@ -136,8 +146,14 @@ def _doubled_row_max(x_ptr, n, BLOCK: tl.constexpr):
 def helper_kernel(x_ptr, out_ptr, n, fail: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     best = _doubled_row_max(x_ptr + row * n, n, BLOCK)
-    total = tl.sum(tl.where(tl.arange(0, BLOCK) < n, tl.load(x_ptr + row * n + tl.arange(0, BLOCK),
-                                                              mask=tl.arange(0, BLOCK) < n, other=0.0), 0.0), axis=0)
+    total = tl.sum(
+        tl.where(
+            tl.arange(0, BLOCK) < n,
+            tl.load(x_ptr + row * n + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < n, other=0.0),
+            0.0,
+        ),
+        axis=0,
+    )
     if fail:
         tl.static_assert(BLOCK < 0, "a helper's error")
     tl.store(out_ptr + row, best + total)
@@ -201,6 +217,7 @@ def test_require_tensor_names_argument_value_and_fix():
 
 # --- vector add -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 1000, 1025])
 def test_add_matches_torch(n):
     x, y = randn(n, seed=1), randn(n, seed=2)
@@ -220,6 +237,7 @@ def test_add_errors():
 
 
 # --- softmax ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(37, 211), (1, 300), (64, 1), (1, 1), (5, 256)])
 @pytest.mark.parametrize("version", [softmax, softmax_three_pass])
@@ -269,8 +287,11 @@ def test_softmax_errors():
 
 # --- matmul -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m, n, k, blocks", [(70, 50, 90, (32, 32, 32)), (1, 1, 1, (16, 16, 16)),
-                                             (33, 17, 65, (16, 32, 16)), (64, 64, 64, (32, 32, 32))])
+
+@pytest.mark.parametrize(
+    "m, n, k, blocks",
+    [(70, 50, 90, (32, 32, 32)), (1, 1, 1, (16, 16, 16)), (33, 17, 65, (16, 32, 16)), (64, 64, 64, (32, 32, 32))],
+)
 def test_matmul_matches_torch_on_odd_shapes(m, n, k, blocks):
     a, b = randn(m, k, seed=7), randn(k, n, seed=8)
     c = matmul(a, b, block_m=blocks[0], block_n=blocks[1], block_k=blocks[2])
@@ -308,6 +329,7 @@ def test_matmul_errors():
 
 # --- rmsnorm ----------------------------------------------------------------------------------------
 
+
 def rmsnorm_torch(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -332,6 +354,7 @@ def test_rmsnorm_errors():
 
 # --- out-of-bounds checker --------------------------------------------------------------------------
 
+
 def test_check_bounds_passes_masked_kernels_and_returns_their_results():
     x, y = randn(100, seed=15), randn(100, seed=16)
     out = torch.empty(100, device=DEVICE)
@@ -349,8 +372,22 @@ def test_check_bounds_passes_masked_kernels_and_returns_their_results():
 
     a, b = randn(90, 70, seed=19).t(), randn(90, 50, seed=20)
     c = torch.empty(70, 50, device=DEVICE)
-    assert check_bounds(matmul_kernel, (3, 2), a, b, c, 70, 50, 90, *a.stride(), *b.stride(), *c.stride(),
-                        BLOCK_M=32, BLOCK_N=32, BLOCK_K=32).clean
+    assert check_bounds(
+        matmul_kernel,
+        (3, 2),
+        a,
+        b,
+        c,
+        70,
+        50,
+        90,
+        *a.stride(),
+        *b.stride(),
+        *c.stride(),
+        BLOCK_M=32,
+        BLOCK_N=32,
+        BLOCK_K=32,
+    ).clean
     torch.testing.assert_close(c, a @ b, atol=MATMUL_TOL, rtol=MATMUL_TOL)
 
 
@@ -401,6 +438,7 @@ def test_check_bounds_refuses_overlapping_and_broadcast_tensors():
 
 # --- traffic ----------------------------------------------------------------------------------------
 
+
 @needs_interpreter
 def test_fused_softmax_reads_and_writes_the_matrix_once():
     x = randn(64, 300, seed=27)
@@ -428,8 +466,9 @@ def test_three_pass_softmax_reads_the_matrix_three_times():
 def test_matmul_flops_and_bytes():
     a, b = randn(64, 64, seed=29), randn(64, 64, seed=30)
     c = torch.empty(64, 64, device=DEVICE)
-    exact = measure_traffic(matmul_kernel, (2, 2), a, b, c, 64, 64, 64, 64, 1, 64, 1, 64, 1,
-                            BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)
+    exact = measure_traffic(
+        matmul_kernel, (2, 2), a, b, c, 64, 64, 64, 64, 1, 64, 1, 64, 1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32
+    )
     assert exact.flops == 2 * 64 * 64 * 64
     assert exact.bytes_loaded == tiled_matmul_bytes(64, 64, 64, 32, 32)["loaded"] == 2 * 64 * 64 * 4 * 2
     assert exact.intensity == pytest.approx(exact.flops / (exact.bytes_loaded + exact.bytes_stored))
@@ -465,6 +504,7 @@ def test_count_traffic_nests_and_restores_the_interpreter():
 
 # --- lab 03's checks, on kernels a learner might write -----------------------------------------------
 
+
 @triton.jit
 def softmax_reading_three_times(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -489,13 +529,17 @@ def lab03_verdict(check_id: str, kernel):
 
     registered = get_check(check_id)
     inputs = registered.inputs(INTERACTIVE_SEED)
-    return judge(registered, drive(registered, kernel, inputs), drive(registered, registered.reference(), inputs),
-                 inputs)
+    return judge(
+        registered, drive(registered, kernel, inputs), drive(registered, registered.reference(), inputs), inputs
+    )
 
 
 def test_lab03_reference_kernels_pass_their_checks():
-    for check_id, kernel in (("lab03.softmax_odd_shapes", softmax_kernel), ("lab03.matmul_strided", matmul_kernel),
-                             ("lab03.rmsnorm_in_bounds", rmsnorm_kernel)):
+    for check_id, kernel in (
+        ("lab03.softmax_odd_shapes", softmax_kernel),
+        ("lab03.matmul_strided", matmul_kernel),
+        ("lab03.rmsnorm_in_bounds", rmsnorm_kernel),
+    ):
         assert lab03_verdict(check_id, kernel).passed, check_id
 
 
@@ -536,6 +580,7 @@ def test_lab03_stub_fails_with_its_task_name():
 
 # --- typical mistakes in lab 03: each fails its own checks, with the hint written for it ------------
 
+
 @triton.jit
 def softmax_without_max(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -547,25 +592,61 @@ def softmax_without_max(out_ptr, in_ptr, n_cols, in_row_stride, out_row_stride, 
 
 
 @triton.jit
-def matmul_unmasked_store(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                          stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def matmul_unmasked_store(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
+            mask=(rows[:, None] < M) & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=(k[:, None] < K) & (cols[None, :] < N),
+            other=0.0,
+        )
         acc = tl.dot(a, b, acc)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc)  # the edge tiles overrun C
 
 
 @triton.jit
-def matmul_unmasked_last_k(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                           stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def matmul_unmasked_last_k(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -575,13 +656,31 @@ def matmul_unmasked_last_k(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=rows[:, None] < M, other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=cols[None, :] < N, other=0.0)
         acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        acc,
+        mask=(rows[:, None] < M) & (cols[None, :] < N),
+    )
 
 
 @triton.jit
-def matmul_reading_rows_past_m(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def matmul_reading_rows_past_m(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -589,11 +688,17 @@ def matmul_reading_rows_past_m(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_a
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks  # A is masked along K only: rows past M are read, and only feed rows of C never stored
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        b = tl.load(
+            b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=(k[:, None] < K) & (cols[None, :] < N),
+            other=0.0,
+        )
         acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        acc,
+        mask=(rows[:, None] < M) & (cols[None, :] < N),
+    )
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp", "ignore:invalid value encountered in divide")
@@ -615,8 +720,12 @@ def test_lab03_an_unmasked_store_is_named_with_the_store_hint_for_c():
     assert not verdict.passed and verdict.what.startswith("matmul_kernel stored") and "`c_ptr`" in verdict.what
     assert verdict.hint.startswith("a store reached lanes outside `c_ptr`")
     failed = []
-    for check_id in ("lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_block_shapes",
-                     "lab03.matmul_traffic"):
+    for check_id in (
+        "lab03.matmul_odd_shapes",
+        "lab03.matmul_strided",
+        "lab03.matmul_block_shapes",
+        "lab03.matmul_traffic",
+    ):
         verdict = lab03_verdict(check_id, matmul_unmasked_store)
         if verdict.passed:
             continue
@@ -674,18 +783,27 @@ def test_lab03_an_unmasked_weight_load_is_excess_traffic_from_w():
     assert "`x_ptr`" not in verdict.detail and verdict.hint == _RMSNORM_EXCESS_HINTS["w_ptr"]
 
 
-_MATMUL_ALL = {"lab03.matmul_odd_shapes", "lab03.matmul_strided", "lab03.matmul_block_shapes", "lab03.matmul_in_bounds",
-               "lab03.matmul_traffic"}
+_MATMUL_ALL = {
+    "lab03.matmul_odd_shapes",
+    "lab03.matmul_strided",
+    "lab03.matmul_block_shapes",
+    "lab03.matmul_in_bounds",
+    "lab03.matmul_traffic",
+}
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp", "ignore:invalid value encountered in divide")
-@pytest.mark.parametrize("kernel, task, loses", [
-    (softmax_without_max, 1, {"lab03.softmax_extreme_values"}),
-    (matmul_unmasked_store, 2, _MATMUL_ALL),  # every launch stores past C
-    (matmul_unmasked_last_k, 2, _MATMUL_ALL),
-    pytest.param(matmul_reading_rows_past_m, 2, {"lab03.matmul_traffic"}, marks=needs_interpreter),
-    pytest.param(rmsnorm_unmasked_weights, 3, {"lab03.rmsnorm_in_bounds"}, marks=needs_interpreter),
-], ids=["no max shift", "unmasked store", "unmasked last K", "rows of A past M", "unmasked weights"])
+@pytest.mark.parametrize(
+    "kernel, task, loses",
+    [
+        (softmax_without_max, 1, {"lab03.softmax_extreme_values"}),
+        (matmul_unmasked_store, 2, _MATMUL_ALL),  # every launch stores past C
+        (matmul_unmasked_last_k, 2, _MATMUL_ALL),
+        pytest.param(matmul_reading_rows_past_m, 2, {"lab03.matmul_traffic"}, marks=needs_interpreter),
+        pytest.param(rmsnorm_unmasked_weights, 3, {"lab03.rmsnorm_in_bounds"}, marks=needs_interpreter),
+    ],
+    ids=["no max shift", "unmasked store", "unmasked last K", "rows of A past M", "unmasked weights"],
+)
 def test_lab03_a_typical_mistake_loses_exactly_the_checks_that_see_it(kernel, task, loses):
     """Among its task's checks (each task is one kernel, so no other task's are touched), a mistake fails
     those that can see it and passes the rest: its output right where only the bytes or the extreme

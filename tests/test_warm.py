@@ -14,8 +14,8 @@ import nbformat
 import psutil
 import pytest
 
-from grading.run import warm
 from grading.grader import grade_notebook
+from grading.run import warm
 from grading.run.execute import execute
 from grading.run.sandbox import Limits
 
@@ -88,8 +88,11 @@ def test_the_runner_forks_from_the_template_and_reports_how_the_run_ended(tmp_pa
     assert first["parent"] == warm.template().process.pid  # its kernel, a sibling forked by the same template
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("import os\nos._exit(3)"),
-                nbformat.v4.new_code_cell("y = 2")]
+    nb.cells = [
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("import os\nos._exit(3)"),
+        nbformat.v4.new_code_cell("y = 2"),
+    ]
     (tmp_path / "dies").mkdir()
     died = execute(nb, tmp_path / "dies", parameters={}, env={}, limits=LIMITS, budget=120)
     assert isinstance(handles[1], warm.ForkedRunner)
@@ -107,11 +110,15 @@ def test_the_template_forks_nothing_for_a_request_without_its_token():
     while not template.socket_path.exists() and time.monotonic() < deadline:  # still importing torch
         time.sleep(0.1)
     before = {p.pid for p in psutil.Process(template.process.pid).children()}
-    for message in (b'{"token": "guess", "cmd": [], "cwd": "/", "env": {}}\n', b"not json\n",
-                    json.dumps({"token": template.token, "cmd": ["sh", "-c", "id"], "cwd": "/", "env": {}}).encode()
-                    + b"\n",
-                    json.dumps({"token": template.token, "runner": ["in.ipynb", 3], "cwd": "/", "env": {}, "log": "/l",
-                                "exit_file": "/e"}).encode() + b"\n"):
+    for message in (
+        b'{"token": "guess", "cmd": [], "cwd": "/", "env": {}}\n',
+        b"not json\n",
+        json.dumps({"token": template.token, "cmd": ["sh", "-c", "id"], "cwd": "/", "env": {}}).encode() + b"\n",
+        json.dumps(
+            {"token": template.token, "runner": ["in.ipynb", 3], "cwd": "/", "env": {}, "log": "/l", "exit_file": "/e"}
+        ).encode()
+        + b"\n",
+    ):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(10)
             client.connect(str(template.socket_path))
@@ -149,13 +156,18 @@ def test_a_lesson_kernel_is_a_plain_fork_and_starts_cold_on_request(tmp_path, mo
     starts one cold."""
     import os
 
-
     monkeypatch.setenv("WARM_TEST_MARKER", "seen")
     source = _plain_notebook(tmp_path / "lesson")
     environ_before, probes = dict(os.environ), {}
     for warm_kernel in (True, False):
-        out = warm.run_lesson(source, tmp_path / f"out-{warm_kernel}.ipynb", cwd=str(tmp_path / "lesson"),
-                                 kernel_name="python3", progress_bar=False, warm=warm_kernel)
+        out = warm.run_lesson(
+            source,
+            tmp_path / f"out-{warm_kernel}.ipynb",
+            cwd=str(tmp_path / "lesson"),
+            kernel_name="python3",
+            progress_bar=False,
+            warm=warm_kernel,
+        )
         probes[warm_kernel] = _probe_output(out)
     assert environ_before == dict(os.environ), "plain_kernels() puts this process's environment back"
     forked, cold = probes[True], probes[False]
@@ -181,7 +193,7 @@ from grading.run import warm
 assert warm.nbgrader_warm_kernels()
 assert warm._template is None, "a template before any kernel"
 from grading.run.papermill_ipc import run_with_papermill
-outs = [run_with_papermill({str(source)!r}, {str(tmp_path)!r} + f"/out{{i}}.ipynb", cwd={str(tmp_path / 'nb')!r},
+outs = [run_with_papermill({str(source)!r}, {str(tmp_path)!r} + f"/out{{i}}.ipynb", cwd={str(tmp_path / "nb")!r},
                            kernel_name="python3", progress_bar=False) for i in range(2)]
 probes = [json.loads(o.cells[0].outputs[0]["text"]) for o in outs]
 print(json.dumps({{"template": warm._template.process.pid, "probes": probes}}))
@@ -209,11 +221,17 @@ def test_a_command_uses_the_template_its_environment_names():
         time.sleep(0.1)
     script = "from grading.run import warm; t = warm.template(); print(type(t).__name__, t.socket_path)"
     base = {k: v for k, v in os.environ.items() if not k.startswith("INFRA_LAB_WARM")}
-    named = subprocess.run([sys.executable, "-c", script], env={**base, **template.env()},
-                           capture_output=True, text=True, timeout=120)
+    named = subprocess.run(
+        [sys.executable, "-c", script], env={**base, **template.env()}, capture_output=True, text=True, timeout=120
+    )
     assert named.stdout.split() == ["_Inherited", str(template.socket_path)], named.stderr
-    stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                           env={**base, warm.SOCKET_ENV: "/nonexistent/template.sock", warm.TOKEN_ENV: "x"})
+    stale = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, warm.SOCKET_ENV: "/nonexistent/template.sock", warm.TOKEN_ENV: "x"},
+    )
     assert stale.stdout.split()[0] == "Template" and stale.stdout.split()[1] != "/nonexistent/template.sock"
 
 
@@ -242,8 +260,25 @@ def test_the_watchdog_counts_a_process_tree_from_one_scan():
 def test_the_template_refuses_to_fork_a_kernel_meant_to_run_as_another_user():
     """A forked kernel keeps the template's user (root where Gradescope grades): a kernel for another
     user must start cold, through the launcher, which drops privileges before the kernel runs."""
-    cmd = [sys.executable, "-m", "grading.run.sandbox", "--status", "/s", "--memory-mb", "1", "--file-size-mb", "1",
-           "--user", "nobody", "--", sys.executable, "-m", "ipykernel_launcher", "-f", "/c.json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grading.run.sandbox",
+        "--status",
+        "/s",
+        "--memory-mb",
+        "1",
+        "--file-size-mb",
+        "1",
+        "--user",
+        "nobody",
+        "--",
+        sys.executable,
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        "/c.json",
+    ]
     with pytest.raises(ValueError, match="starts cold"):
         warm._valid({"cmd": cmd})
     warm._valid({"cmd": [a for a in cmd if a not in ("--user", "nobody")]})  # the same kernel as root forks

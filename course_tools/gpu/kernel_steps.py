@@ -13,7 +13,15 @@ import math
 
 import torch
 
-from course_tools.gpu.steps import SEED, StepFailed, StepSkipped, check_case, compiled_triton, randn, require_cases_close
+from course_tools.gpu.steps import (
+    SEED,
+    StepFailed,
+    StepSkipped,
+    check_case,
+    compiled_triton,
+    randn,
+    require_cases_close,
+)
 
 
 def _bench_ms(fn) -> float:
@@ -22,8 +30,9 @@ def _bench_ms(fn) -> float:
     return do_bench(fn, return_mode="median")
 
 
-def sweep_tiles(facts: dict, label: str, configs: list[dict], run, want: torch.Tensor, tol: float,
-                bench=_bench_ms) -> dict:
+def sweep_tiles(
+    facts: dict, label: str, configs: list[dict], run, want: torch.Tensor, tol: float, bench=_bench_ms
+) -> dict:
     """Tune a kernel's tiles by measurement: each config (keyword arguments of ``run``) is checked
     against ``want`` like any case, then timed (``bench``: median milliseconds over repeated calls);
     the fastest config that is right is kept.
@@ -67,8 +76,9 @@ def softmax_step(facts: dict, quick: bool) -> None:
         check_case(facts, f"fused.{rows}x{cols}.float32", lambda: softmax(x), want, 1e-5)
         check_case(facts, f"three_pass.{rows}x{cols}.float32", lambda: softmax_three_pass(x), want, 1e-5)
         narrow = x.bfloat16()
-        check_case(facts, f"fused.{rows}x{cols}.bfloat16", lambda: softmax(narrow), torch.softmax(narrow.float(), -1),
-                   2e-2)
+        check_case(
+            facts, f"fused.{rows}x{cols}.bfloat16", lambda: softmax(narrow), torch.softmax(narrow.float(), -1), 2e-2
+        )
     require_cases_close(facts)
 
 
@@ -84,11 +94,17 @@ def matmul_step(facts: dict, quick: bool) -> None:
     facts["configs"] = len(getattr(module.matmul_kernel_autotuned, "configs", ()))
     check_case(facts, "autotuned.float32", lambda: module.matmul(a, b), want, tol)
     facts["best_config"] = str(getattr(module.matmul_kernel_autotuned, "best_config", None))
-    check_case(facts, "blocks_64x64x32.float32", lambda: module.matmul(a, b, block_m=64, block_n=64, block_k=32),
-               want, tol)
+    check_case(
+        facts, "blocks_64x64x32.float32", lambda: module.matmul(a, b, block_m=64, block_n=64, block_k=32), want, tol
+    )
     a16, b16 = a.half(), b.T.contiguous().half().T  # b column-major: strides, not a copy, reach the kernel
-    check_case(facts, "autotuned.float16.b_transposed", lambda: module.matmul(a16, b16),
-               (a16.double() @ b16.double()).float(), tol)
+    check_case(
+        facts,
+        "autotuned.float16.b_transposed",
+        lambda: module.matmul(a16, b16),
+        (a16.double() @ b16.double()).float(),
+        tol,
+    )
     if facts["best_config"] == "None":
         raise StepFailed("the autotuned matmul ran but its autotuner recorded no best config")
     require_cases_close(facts)
@@ -107,8 +123,9 @@ def rmsnorm_step(facts: dict, quick: bool) -> None:
     with torch.no_grad():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
             xd, wd = x.to(dtype), reference.weight.to(dtype)
-            check_case(facts, f"{rows}x{cols}.{str(dtype)[6:]}", lambda: rmsnorm(xd, wd, 1e-5),
-                       reference(xd.float()), tol)
+            check_case(
+                facts, f"{rows}x{cols}.{str(dtype)[6:]}", lambda: rmsnorm(xd, wd, 1e-5), reference(xd.float()), tol
+            )
     require_cases_close(facts)
 
 
@@ -119,10 +136,12 @@ def flash_attention_step(facts: dict, quick: bool) -> None:
     t = 40 if quick else 300  # SmolLM2's heads: 9 query heads over 3 KV heads, head_dim 64
     q, k, v = (randn(2, heads, t, 64, device=device, seed=s) for s, heads in ((0, 9), (1, 3), (2, 3)))
     tol = 2e-2  # tl.dot rounds float32 inputs to tf32
-    for name, causal, q_used, dtype in (("prefill.causal", True, q, torch.float32),
-                                        ("full", False, q, torch.float32),
-                                        ("decode", True, q[:, :, -1:], torch.float32),
-                                        ("prefill.causal.bfloat16", True, q, torch.bfloat16)):
+    for name, causal, q_used, dtype in (
+        ("prefill.causal", True, q, torch.float32),
+        ("full", False, q, torch.float32),
+        ("decode", True, q[:, :, -1:], torch.float32),
+        ("prefill.causal.bfloat16", True, q, torch.bfloat16),
+    ):
         qd, kd, vd = (x.to(dtype) for x in (q_used, k, v))
         want_out, want_lse = attention_reference(qd.float(), kd.float(), vd.float(), causal=causal)
         case_tol = tol if dtype == torch.float32 else 5e-2
@@ -131,8 +150,14 @@ def flash_attention_step(facts: dict, quick: bool) -> None:
     want = attention_reference(q, k, v, causal=True)[0]
     check_case(facts, "naive_three_kernels.causal", lambda: naive_attention(q, k, v, causal=True), want, tol)
     tiles = [{"block_m": m, "block_n": n} for m, n in ((16, 16), (32, 32), (64, 32), (64, 64), (128, 32), (128, 64))]
-    sweep_tiles(facts, "prefill.causal", tiles if not quick else tiles[:3],
-                lambda **t: flash_attention(q, k, v, causal=True, **t)[0], want, tol)
+    sweep_tiles(
+        facts,
+        "prefill.causal",
+        tiles if not quick else tiles[:3],
+        lambda **t: flash_attention(q, k, v, causal=True, **t)[0],
+        want,
+        tol,
+    )
     require_cases_close(facts)
 
 
@@ -146,7 +171,7 @@ def paged_decode_step(facts: dict, quick: bool) -> None:
     needed = [-(-s // block_size) for s in lengths]
     num_blocks = sum(needed) + 3
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SEED)).tolist()  # scattered blocks
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(lengths))]
+    tables = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))]
     k_cache, v_cache = (randn(num_blocks, block_size, n_kv_heads, head_dim, device=device, seed=s) for s in (1, 2))
     q = randn(len(lengths), n_kv_heads * group, 1, head_dim, device=device, seed=3)
     keep = [i for i, s in enumerate(lengths) if s]  # an empty context's output is zeros
@@ -154,10 +179,20 @@ def paged_decode_step(facts: dict, quick: bool) -> None:
     want[keep] = paged_attention(q[keep], k_cache, v_cache, [tables[i] for i in keep], [lengths[i] for i in keep])
     facts["seq_lens"] = lengths
     for split_k in (None, 4):
-        check_case(facts, f"split_k={split_k or 1}.float32",
-                   lambda: paged_decode_attention(q, k_cache, v_cache, tables, lengths, split_k=split_k), want, 1e-4)
-    check_case(facts, "split_k=1.float16",
-               lambda: paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), tables, lengths), want, 1e-2)
+        check_case(
+            facts,
+            f"split_k={split_k or 1}.float32",
+            lambda: paged_decode_attention(q, k_cache, v_cache, tables, lengths, split_k=split_k),
+            want,
+            1e-4,
+        )
+    check_case(
+        facts,
+        "split_k=1.float16",
+        lambda: paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), tables, lengths),
+        want,
+        1e-2,
+    )
     require_cases_close(facts)
 
 
@@ -172,20 +207,39 @@ def gemv_q4_step(facts: dict, quick: bool) -> None:
     layer = QuantLinear(randn(n, k, device=device), randn(n, device=device, seed=1), bits=4, group_size=64)
     gen = torch.Generator().manual_seed(SEED)
     blocks = k // Q4_1Linear.BLOCK
-    q4_1 = Q4_1Linear(torch.rand(n, blocks, generator=gen) / 8, -torch.rand(n, blocks, generator=gen),
-                      torch.randint(0, 256, (n, blocks, Q4_1Linear.BLOCK // 2), generator=gen, dtype=torch.uint8))
+    q4_1 = Q4_1Linear(
+        torch.rand(n, blocks, generator=gen) / 8,
+        -torch.rand(n, blocks, generator=gen),
+        torch.randint(0, 256, (n, blocks, Q4_1Linear.BLOCK // 2), generator=gen, dtype=torch.uint8),
+    )
     q4_1 = q4_1.to(device)
     with torch.no_grad():
         for rows in (1, 5):  # a GEMV, and a few decodes at once
             x = randn(rows, k, device=device, seed=2)
-            check_case(facts, f"q4_symmetric.m={rows}",
-                       lambda: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias), layer(x), 1e-3)
+            check_case(
+                facts,
+                f"q4_symmetric.m={rows}",
+                lambda: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias),
+                layer(x),
+                1e-3,
+            )
             check_case(facts, f"q4_1_gguf.m={rows}", lambda: q4_1_matmul(x, q4_1.d, q4_1.m, q4_1.qs), q4_1(x), 1e-3)
         x = randn(1, k, device=device, seed=2)
         tiles = [{"block_n": n, "k_groups": g} for n in (32, 64, 128, 256) for g in (2, 8)]
-        sweep_tiles(facts, "q4_symmetric.m=1", tiles if not quick else tiles[::3],
-                    lambda **t: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias, **t),
-                    layer(x), 1e-3)
-        sweep_tiles(facts, "q4_1_gguf.m=1", tiles if not quick else tiles[::3],
-                    lambda **t: q4_1_matmul(x, q4_1.d, q4_1.m, q4_1.qs, **t), q4_1(x), 1e-3)
+        sweep_tiles(
+            facts,
+            "q4_symmetric.m=1",
+            tiles if not quick else tiles[::3],
+            lambda **t: q4_matmul(x, layer.qweight, layer.scales, layer.group_size, layer.bias, **t),
+            layer(x),
+            1e-3,
+        )
+        sweep_tiles(
+            facts,
+            "q4_1_gguf.m=1",
+            tiles if not quick else tiles[::3],
+            lambda **t: q4_1_matmul(x, q4_1.d, q4_1.m, q4_1.qs, **t),
+            q4_1(x),
+            1e-3,
+        )
     require_cases_close(facts)

@@ -45,6 +45,7 @@ class Step:
 
 # --- helpers every step shares ----------------------------------------------------------------------
 
+
 def cuda_device() -> torch.device:
     """The GPU the steps run on; raises ``StepSkipped`` with the reason where there is none."""
     reason = get_backend("cuda").unavailable_reason()
@@ -79,8 +80,11 @@ def check_case(facts: dict, case: str, fn: Callable[[], torch.Tensor], want: tor
 def require_cases_close(facts: dict) -> None:
     """Fail naming every case outside its tolerance; otherwise summarise the worst difference."""
     cases = facts.get("cases", {})
-    bad = [f"{name} (max |diff| {row['max_abs_diff']}, tolerance {row['tolerance']})"
-           for name, row in cases.items() if not row["ok"]]
+    bad = [
+        f"{name} (max |diff| {row['max_abs_diff']}, tolerance {row['tolerance']})"
+        for name, row in cases.items()
+        if not row["ok"]
+    ]
     if bad:
         raise StepFailed("outside tolerance against the PyTorch reference: " + "; ".join(bad))
     worst = max((row["max_abs_diff"] for row in cases.values()), default=0.0)
@@ -102,12 +106,15 @@ def compiled_triton(facts: dict) -> torch.device:
     facts["triton"] = triton.__version__
     facts["compiled"] = not interpreter_active()
     if not facts["compiled"]:
-        raise StepFailed("Triton runs in its interpreter here (TRITON_INTERPRET=1 was set before triton was imported): "
-                         "nothing would be compiled; unset TRITON_INTERPRET and rerun")
+        raise StepFailed(
+            "Triton runs in its interpreter here (TRITON_INTERPRET=1 was set before triton was imported): "
+            "nothing would be compiled; unset TRITON_INTERPRET and rerun"
+        )
     return device
 
 
 # --- chapter 01: timing and profiling --------------------------------------------------------------
+
 
 def event_seconds(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
     """Median seconds of ``fn`` between two CUDA events recorded on the stream around it."""
@@ -136,17 +143,29 @@ def timing_step(facts: dict, quick: bool) -> None:
     events = event_seconds(lambda: a @ b)
     launch_only = time_op(lambda: a @ b, sync=None)
     torch.cuda.synchronize()
-    facts.update(n=n, dtype="float32", synchronised_ms=synchronised * 1e3, cuda_events_ms=events * 1e3,
-                 unsynchronised_ms=launch_only * 1e3, events_over_synchronised=events / synchronised,
-                 tflops=achieved_tflops(n, n, n, synchronised))
-    facts["summary"] = (f"{n}^3 GEMM: {synchronised * 1e3:.3g} ms synchronised, {events * 1e3:.3g} ms by events, "
-                        f"{launch_only * 1e3:.3g} ms unsynchronised")
+    facts.update(
+        n=n,
+        dtype="float32",
+        synchronised_ms=synchronised * 1e3,
+        cuda_events_ms=events * 1e3,
+        unsynchronised_ms=launch_only * 1e3,
+        events_over_synchronised=events / synchronised,
+        tflops=achieved_tflops(n, n, n, synchronised),
+    )
+    facts["summary"] = (
+        f"{n}^3 GEMM: {synchronised * 1e3:.3g} ms synchronised, {events * 1e3:.3g} ms by events, "
+        f"{launch_only * 1e3:.3g} ms unsynchronised"
+    )
     if not 0.5 <= events / synchronised <= 2:
-        raise StepFailed(f"time_op with torch.cuda.synchronize measured {synchronised * 1e3:.3g} ms but CUDA events "
-                         f"{events * 1e3:.3g} ms: they should agree within a factor of 2")
+        raise StepFailed(
+            f"time_op with torch.cuda.synchronize measured {synchronised * 1e3:.3g} ms but CUDA events "
+            f"{events * 1e3:.3g} ms: they should agree within a factor of 2"
+        )
     if launch_only >= synchronised:
-        raise StepFailed(f"without synchronising, time_op measured {launch_only * 1e3:.3g} ms, not less than the "
-                         f"synchronised {synchronised * 1e3:.3g} ms: the launch should return before the GEMM ends")
+        raise StepFailed(
+            f"without synchronising, time_op measured {launch_only * 1e3:.3g} ms, not less than the "
+            f"synchronised {synchronised * 1e3:.3g} ms: the launch should return before the GEMM ends"
+        )
 
 
 def profile_step(facts: dict, quick: bool) -> None:
@@ -159,11 +178,14 @@ def profile_step(facts: dict, quick: bool) -> None:
     clock, times = self_times(prof)
     kernels = sorted((name for name, us in times.items() if us > 0), key=times.__getitem__, reverse=True)
     dominant = dominant_op(prof)
-    facts.update(n=n, clock=clock, dominant=dominant, kernels=[{"name": k, "device_self_us": times[k]}
-                                                              for k in kernels[:8]])
+    facts.update(
+        n=n, clock=clock, dominant=dominant, kernels=[{"name": k, "device_self_us": times[k]} for k in kernels[:8]]
+    )
     if clock != "device":
-        raise StepFailed("the profile holds no GPU time: CUDA kernels were not recorded (is CUPTI, which "
-                         "torch.profiler reads them through, available to this process?)")
+        raise StepFailed(
+            "the profile holds no GPU time: CUDA kernels were not recorded (is CUPTI, which "
+            "torch.profiler reads them through, available to this process?)"
+        )
     if dominant.startswith("aten::"):
         raise StepFailed(f"the dominant entry by device self time is the op {dominant!r}, not a kernel")
     compiled_triton(facts)  # a kernel of the course's own shows up under its Python name
@@ -174,11 +196,14 @@ def profile_step(facts: dict, quick: bool) -> None:
     facts["triton_kernels"] = sorted(name for name, us in triton_times.items() if us > 0)
     facts["summary"] = f"dominant: {dominant[:50]}; triton: {', '.join(facts['triton_kernels'])[:40]}"
     if "softmax_kernel" not in facts["triton_kernels"]:
-        raise StepFailed(f"the course's Triton softmax ran but no kernel named softmax_kernel took device time: "
-                         f"{facts['triton_kernels']}")
+        raise StepFailed(
+            f"the course's Triton softmax ran but no kernel named softmax_kernel took device time: "
+            f"{facts['triton_kernels']}"
+        )
 
 
 # --- the model and the engine on the GPU --------------------------------------------------------------
+
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (a length counts), or None when equal."""
@@ -197,8 +222,10 @@ def model_step(facts: dict, quick: bool) -> None:
     tokenizer, new_tokens = loaded.tokenizer, 12 if quick else 24
     prompt = prompt_ids(tokenizer, PROMPT)
     on_gpu = copy.deepcopy(loaded.model).to(device)
-    tokens = {"cpu": greedy_decode(loaded.model, prompt, new_tokens, stop_id=tokenizer.eos_id),
-              "cuda": greedy_decode(on_gpu, prompt, new_tokens, stop_id=tokenizer.eos_id)}
+    tokens = {
+        "cpu": greedy_decode(loaded.model, prompt, new_tokens, stop_id=tokenizer.eos_id),
+        "cuda": greedy_decode(on_gpu, prompt, new_tokens, stop_id=tokenizer.eos_id),
+    }
     with on_gpu.using_backend("triton"):
         tokens["cuda.triton"] = greedy_decode(on_gpu, prompt, new_tokens, stop_id=tokenizer.eos_id)
     # The model as its GGUF file stores it (Q4_1 linears): decode steps through the fused 4-bit GEMV.
@@ -209,15 +236,20 @@ def model_step(facts: dict, quick: bool) -> None:
     tokens["cuda.q4_1"] = greedy_decode(q4_1, prompt, new_tokens, stop_id=tokenizer.eos_id)
     use_fused_q4(q4_1)
     tokens["cuda.q4_1.fused"] = greedy_decode(q4_1, prompt, new_tokens, stop_id=tokenizer.eos_id)
-    facts.update(prompt=PROMPT, tokens=tokens, answer=tokenizer.decode(tokens["cuda"], skip_special=True),
-                 cuda_first_difference_from_cpu=first_difference(tokens["cuda"], tokens["cpu"]),
-                 triton_first_difference_from_torch=first_difference(tokens["cuda.triton"], tokens["cuda"]),
-                 fused_q4_first_difference_from_stored=first_difference(tokens["cuda.q4_1.fused"],
-                                                                        tokens["cuda.q4_1"]))
+    facts.update(
+        prompt=PROMPT,
+        tokens=tokens,
+        answer=tokenizer.decode(tokens["cuda"], skip_special=True),
+        cuda_first_difference_from_cpu=first_difference(tokens["cuda"], tokens["cpu"]),
+        triton_first_difference_from_torch=first_difference(tokens["cuda.triton"], tokens["cuda"]),
+        fused_q4_first_difference_from_stored=first_difference(tokens["cuda.q4_1.fused"], tokens["cuda.q4_1"]),
+    )
     facts["summary"] = f"{len(tokens['cuda'])} tokens: {facts['answer'][:50]!r}"
-    for name, key in (("cuda against cpu", "cuda_first_difference_from_cpu"),
-                      ("the triton backend against torch on cuda", "triton_first_difference_from_torch"),
-                      ("the fused 4-bit GEMV against the stored Q4_1 path", "fused_q4_first_difference_from_stored")):
+    for name, key in (
+        ("cuda against cpu", "cuda_first_difference_from_cpu"),
+        ("the triton backend against torch on cuda", "triton_first_difference_from_torch"),
+        ("the fused 4-bit GEMV against the stored Q4_1 path", "fused_q4_first_difference_from_stored"),
+    ):
         if facts[key] is not None:
             raise StepFailed(f"greedy tokens differ, {name}, from token {facts[key]} on: {tokens}")
 
@@ -241,18 +273,27 @@ def engine_step(facts: dict, quick: bool) -> None:
         tokens[backend] = [o.token_ids for o in LLM(engine=engine).generate(prompts, params, use_tqdm=False)]
         seconds[backend] = round(time.perf_counter() - start, 3)
     alone = [greedy_decode(model, p, new_tokens) for p in prompts]
-    facts.update(prompt_tokens=[len(p) for p in prompts], new_tokens=new_tokens, seconds=seconds, tokens=tokens,
-                 triton_equals_torch=tokens["triton"] == tokens["torch"],
-                 # informative: batch composition can change a GPU's rounding, so this may differ without a bug
-                 torch_equals_greedy_decode_alone=tokens["torch"] == alone)
-    facts["summary"] = (f"{len(prompts)} requests x {new_tokens} tokens; triton == torch: {facts['triton_equals_torch']}"
-                        f"; == greedy alone: {facts['torch_equals_greedy_decode_alone']}")
+    facts.update(
+        prompt_tokens=[len(p) for p in prompts],
+        new_tokens=new_tokens,
+        seconds=seconds,
+        tokens=tokens,
+        triton_equals_torch=tokens["triton"] == tokens["torch"],
+        # informative: batch composition can change a GPU's rounding, so this may differ without a bug
+        torch_equals_greedy_decode_alone=tokens["torch"] == alone,
+    )
+    facts["summary"] = (
+        f"{len(prompts)} requests x {new_tokens} tokens; triton == torch: {facts['triton_equals_torch']}"
+        f"; == greedy alone: {facts['torch_equals_greedy_decode_alone']}"
+    )
     if not facts["triton_equals_torch"]:
-        raise StepFailed(f"the engine's tokens differ between attention backends: torch {tokens['torch']}, "
-                         f"triton {tokens['triton']}")
+        raise StepFailed(
+            f"the engine's tokens differ between attention backends: torch {tokens['torch']}, triton {tokens['triton']}"
+        )
 
 
 # --- training: a collective over NCCL ------------------------------------------------------------------
+
 
 def nccl_all_reduce_worker(rank: int, world_size: int, numel: int, seed: int) -> dict:
     """A ``run_workers`` worker on GPU ``rank``: ``dist.all_reduce`` and the course's ring, checked against the sum."""

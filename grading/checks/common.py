@@ -53,8 +53,9 @@ def call_each(fn, cases: list[list]) -> list:
     return [fn(*case) for case in cases]
 
 
-def number_mismatch(got, expected: list, cases: list, what: str, describe: Callable[[list], str],
-                    rel: float, integral: bool = False) -> Mismatch | None:
+def number_mismatch(
+    got, expected: list, cases: list, what: str, describe: Callable[[list], str], rel: float, integral: bool = False
+) -> Mismatch | None:
     """The first case where ``got`` differs from ``expected`` (relative tolerance ``rel``)."""
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"{what}: expected {len(expected)} results, got {got!r:.80}")
@@ -79,15 +80,20 @@ def array_mismatch(got, expected, what: str, where: str, atol: float, rtol: floa
         return Mismatch(what, f"on {where}: the result is not a rectangular array of numbers")
     expected_array = np.asarray(expected, dtype=np.float64)
     if got_array.shape != expected_array.shape:
-        return Mismatch(what + " (wrong shape)",
-                        f"on {where}: expected shape {list(expected_array.shape)}, got {list(got_array.shape)}")
+        return Mismatch(
+            what + " (wrong shape)",
+            f"on {where}: expected shape {list(expected_array.shape)}, got {list(got_array.shape)}",
+        )
     bad = ~np.isclose(got_array, expected_array, atol=atol, rtol=rtol, equal_nan=False)
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
         worst = float(np.nanmax(np.abs(got_array - expected_array))) if not np.isnan(got_array).all() else float("nan")
-        return Mismatch(what, f"on {where}: {int(bad.sum())} of {bad.size} elements differ; at index {list(index)} "
-                              f"expected {expected_array[index]:.6g}, got {got_array[index]:.6g} "
-                              f"(largest difference {worst:.3g}, tolerance {atol:g})")
+        return Mismatch(
+            what,
+            f"on {where}: {int(bad.sum())} of {bad.size} elements differ; at index {list(index)} "
+            f"expected {expected_array[index]:.6g}, got {got_array[index]:.6g} "
+            f"(largest difference {worst:.3g}, tolerance {atol:g})",
+        )
     return None
 
 
@@ -101,8 +107,9 @@ def token_difference(got: list[int], expected: list[int]) -> str:
     return f"the first {step} tokens agree, then {then} (expected {expected}, got {got})"
 
 
-def type_mismatch(got, cases: list, want: type, what: str, describe: Callable[[list], str],
-                  hint: str = "") -> Mismatch | None:
+def type_mismatch(
+    got, cases: list, want: type, what: str, describe: Callable[[list], str], hint: str = ""
+) -> Mismatch | None:
     """The first case whose result is not exactly of type ``want`` (a bool is no int, a float no int)."""
     if type(got) is not list:
         return None  # the shape of the results is number_mismatch's to report

@@ -10,14 +10,16 @@ import time
 from grading.checks.common import call_each, number_mismatch, reference, type_mismatch
 from grading.registry import Check, Mismatch, register, register_shortcuts
 
-
-register_shortcuts("lab01", [
-    "infra_lib.hardware.flops:gemm_flops",
-    "infra_lib.hardware.flops:achieved_tflops",
-    "infra_lib.timing:time_op",
-    "infra_lib.kernels.profiling:dominant_op",
-    "infra_lib.kernels.profiling:self_times",
-])
+register_shortcuts(
+    "lab01",
+    [
+        "infra_lib.hardware.flops:gemm_flops",
+        "infra_lib.hardware.flops:achieved_tflops",
+        "infra_lib.timing:time_op",
+        "infra_lib.kernels.profiling:dominant_op",
+        "infra_lib.kernels.profiling:self_times",
+    ],
+)
 
 
 def _reference(name: str):
@@ -25,6 +27,7 @@ def _reference(name: str):
 
 
 # --- task 1: gemm_flops -------------------------------------------------------------------
+
 
 def _mnk(case) -> str:
     return "m={}, n={}, k={}".format(*case)
@@ -44,40 +47,48 @@ def _large_shapes(rng: random.Random) -> list[list[int]]:
     ]
 
 
-_EXACT_COUNT_HINT = ("a count of operations is a whole number and must stay exact at any size: a Python int does, a "
-                     "float rounds every count above 2**53 (an 8192-cube GEMM's is already over 10**12).")
+_EXACT_COUNT_HINT = (
+    "a count of operations is a whole number and must stay exact at any size: a Python int does, a "
+    "float rounds every count above 2**53 (an 8192-cube GEMM's is already over 10**12)."
+)
 
 
 def _compare_flops(got, expected, cases) -> Mismatch | None:
-    return (number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12)
-            or type_mismatch(got, cases, int, "gemm_flops must return the count as an int", _mnk, _EXACT_COUNT_HINT))
+    return number_mismatch(got, expected, cases, "gemm_flops returned the wrong count", _mnk, 1e-12) or type_mismatch(
+        got, cases, int, "gemm_flops must return the count as an int", _mnk, _EXACT_COUNT_HINT
+    )
 
 
-register(Check(
-    check_id="lab01.gemm_flops",
-    task="lab01 task 1: gemm_flops",
-    reference=_reference("gemm_flops"),
-    make_inputs=_small_shapes,
-    drive=call_each,
-    compare=_compare_flops,
-    hint="each entry of C is a dot product of length k, one multiply and one add per step, and both count as "
-    "operations (the fused multiply-add convention of every datasheet), the first step's add included.",
-))
+register(
+    Check(
+        check_id="lab01.gemm_flops",
+        task="lab01 task 1: gemm_flops",
+        reference=_reference("gemm_flops"),
+        make_inputs=_small_shapes,
+        drive=call_each,
+        compare=_compare_flops,
+        hint="each entry of C is a dot product of length k, one multiply and one add per step, and both count as "
+        "operations (the fused multiply-add convention of every datasheet), the first step's add included.",
+    )
+)
 
-register(Check(
-    check_id="lab01.gemm_flops_shapes",
-    task="lab01 task 1: gemm_flops",
-    reference=_reference("gemm_flops"),
-    make_inputs=_large_shapes,
-    drive=call_each,
-    compare=_compare_flops,
-    hint="the same count holds for every shape, with no special case: a single row (a decode GEMV), a reduction "
-    "of length one, an empty dimension (no work at all) and sizes whose count does not fit in 32 bits, so it "
-    "must stay an exact int.",
-))
+register(
+    Check(
+        check_id="lab01.gemm_flops_shapes",
+        task="lab01 task 1: gemm_flops",
+        reference=_reference("gemm_flops"),
+        make_inputs=_large_shapes,
+        drive=call_each,
+        compare=_compare_flops,
+        hint="the same count holds for every shape, with no special case: a single row (a decode GEMV), a reduction "
+        "of length one, an empty dimension (no work at all) and sizes whose count does not fit in 32 bits, so it "
+        "must stay an exact int.",
+    )
+)
 
 
 # --- task 2: time_op -------------------------------------------------------------------------
+
 
 def _timing_plan(rng: random.Random) -> dict:
     # More cold calls than half the timed ones, so that skipping the warm-up moves the
@@ -153,12 +164,17 @@ def _drive_timer(asynchronous: bool):
         runs = []
         for _ in range(TIMER_ATTEMPTS):
             workload = _Workload(plan, asynchronous)
-            seconds = time_op(workload.fn, warmup=plan["warmup"], iters=plan["iters"],
-                              sync=workload.sync if asynchronous else None)
-            runs.append({"seconds": seconds, "calls": workload.calls,
-                         "warmup_leaked_ms": round(workload.leaked_s * 1000, 3)})
-            if (type(seconds) not in (int, float) or workload.calls != plan["warmup"] + plan["iters"]
-                    or seconds <= _planned_median_s(plan) + TIMER_SETTLED_S):
+            seconds = time_op(
+                workload.fn, warmup=plan["warmup"], iters=plan["iters"], sync=workload.sync if asynchronous else None
+            )
+            runs.append(
+                {"seconds": seconds, "calls": workload.calls, "warmup_leaked_ms": round(workload.leaked_s * 1000, 3)}
+            )
+            if (
+                type(seconds) not in (int, float)
+                or workload.calls != plan["warmup"] + plan["iters"]
+                or seconds <= _planned_median_s(plan) + TIMER_SETTLED_S
+            ):
                 break
         last = runs[-1]
         odd = type(last["seconds"]) not in (int, float) or last["calls"] != plan["warmup"] + plan["iters"]
@@ -184,7 +200,7 @@ def _one_middle_call(plan: dict, seconds: float) -> bool:
     ordered = sorted(plan["timed_ms"])
     if len(ordered) % 2:
         return False
-    middles = ordered[len(ordered) // 2 - 1:len(ordered) // 2 + 1]
+    middles = ordered[len(ordered) // 2 - 1 : len(ordered) // 2 + 1]
     return any(abs(seconds * 1000 - m) <= TIMER_SETTLED_S * 1000 for m in middles)
 
 
@@ -196,8 +212,10 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     mistakes this check exists for (no warm-up: a cold call's 45-60 ms; a mean: the 150 ms
     outlier spread over five calls; no sync: about 0 ms).
     """
-    setting = (f"warmup={plan['warmup']}, iters={plan['iters']}, per-call costs {plan['timed_ms']} ms "
-               f"after {plan['warmup']} cold calls of {plan['cold_ms']} ms")
+    setting = (
+        f"warmup={plan['warmup']}, iters={plan['iters']}, per-call costs {plan['timed_ms']} ms "
+        f"after {plan['warmup']} cold calls of {plan['cold_ms']} ms"
+    )
     if got["calls"] != expected["calls"]:
         return Mismatch(
             "time_op called fn the wrong number of times",
@@ -210,13 +228,19 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     highest = want + _allowed_overshoot_s(expected, want)
     if not want * 0.9 <= seconds <= highest:
         in_milliseconds = want * 900 <= seconds <= highest * 1000
-        hint = ("the value is about a thousand times the median call: time_op returns seconds, the unit "
-                "time.perf_counter() counts in, not milliseconds." if in_milliseconds else "")
+        hint = (
+            "the value is about a thousand times the median call: time_op returns seconds, the unit "
+            "time.perf_counter() counts in, not milliseconds."
+            if in_milliseconds
+            else ""
+        )
         what = "time_op returned the wrong time"
         if _one_middle_call(plan, seconds):
             what = "time_op returned one of the two middle calls, not the median of an even number of timed calls"
-            hint = ("with an even number of timed calls there is no single middle call: the median is the mean of the "
-                    "two middle durations, as statistics.median computes it, not the upper or the lower one.")
+            hint = (
+                "with an even number of timed calls there is no single middle call: the median is the mean of the "
+                "two middle durations, as statistics.median computes it, not the upper or the lower one."
+            )
         return Mismatch(
             what,
             f"with {setting}: expected about {want * 1000:.1f} ms (the median timed call), got {seconds * 1000:.1f} ms",
@@ -234,33 +258,38 @@ def _compare_timer(got: dict, expected: dict, plan: dict) -> Mismatch | None:
     return None
 
 
-register(Check(
-    check_id="lab01.time_op_warmup",
-    task="lab01 task 2: time_op",
-    reference=_reference("time_op"),
-    make_inputs=_timing_plan,
-    drive=_drive_timer(asynchronous=False),
-    compare=_compare_timer,
-    hint="the first calls are cold and must stay out of the measurement, and one slow call must not move the "
-    "result: the median of the individually timed calls, not a mean or one total, in seconds, with fn called "
-    "exactly warmup plus iters times. chapter 01, section “5 · Gotcha 1: the first call is not a typical call”.",
-))
+register(
+    Check(
+        check_id="lab01.time_op_warmup",
+        task="lab01 task 2: time_op",
+        reference=_reference("time_op"),
+        make_inputs=_timing_plan,
+        drive=_drive_timer(asynchronous=False),
+        compare=_compare_timer,
+        hint="the first calls are cold and must stay out of the measurement, and one slow call must not move the "
+        "result: the median of the individually timed calls, not a mean or one total, in seconds, with fn called "
+        "exactly warmup plus iters times. chapter 01, section “5 · Gotcha 1: the first call is not a typical call”.",
+    )
+)
 
-register(Check(
-    check_id="lab01.time_op_sync",
-    task="lab01 task 2: time_op",
-    reference=_reference("time_op"),
-    make_inputs=_even_timing_plan,
-    drive=_drive_timer(asynchronous=True),
-    compare=_compare_timer,
-    hint="fn may only queue work, as a GPU launch does, so a clock stopped when fn returns has timed the launch, "
-    "not the work: when a sync is given, every timed call must include the wait for its queued work, and work "
-    "queued during warm-up must not leak into the first measurement. chapter 01, section “6 · Gotcha 2: stopping "
-    "the clock before the work is done”.",
-))
+register(
+    Check(
+        check_id="lab01.time_op_sync",
+        task="lab01 task 2: time_op",
+        reference=_reference("time_op"),
+        make_inputs=_even_timing_plan,
+        drive=_drive_timer(asynchronous=True),
+        compare=_compare_timer,
+        hint="fn may only queue work, as a GPU launch does, so a clock stopped when fn returns has timed the launch, "
+        "not the work: when a sync is given, every timed call must include the wait for its queued work, and work "
+        "queued during warm-up must not leak into the first measurement. chapter 01, section “6 · Gotcha 2: stopping "
+        "the clock before the work is done”.",
+    )
+)
 
 
 # --- task 3: dominant_op ------------------------------------------------------------------------
+
 
 def _real_workload(rng: random.Random) -> dict:
     return {"kind": rng.choice(["mm", "bmm"]), "n": rng.choice([256, 320, 384]), "extra_ops": rng.randint(1, 3)}
@@ -318,12 +347,27 @@ def _synthetic_rows(rng: random.Random, device: bool) -> list[dict]:
         kernel_us = rng.randint(3000, 5000)
         rows += [
             {"key": "cudaLaunchKernel", "count": 3, "cpu_total": 9000, "cpu_self": 9000},
-            {"key": "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "count": 1,
-             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us},
-            {"key": "void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "count": 1,
-             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us // rng.randint(3, 6)},
-            {"key": "void at::native::softmax_warp_forward<float, float, float, 10, false>", "count": 2,
-             "cpu_total": 0, "cpu_self": 0, "device_self": kernel_us // rng.randint(4, 8)},
+            {
+                "key": "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32",
+                "count": 1,
+                "cpu_total": 0,
+                "cpu_self": 0,
+                "device_self": kernel_us,
+            },
+            {
+                "key": "void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>",
+                "count": 1,
+                "cpu_total": 0,
+                "cpu_self": 0,
+                "device_self": kernel_us // rng.randint(3, 6),
+            },
+            {
+                "key": "void at::native::softmax_warp_forward<float, float, float, 10, false>",
+                "count": 2,
+                "cpu_total": 0,
+                "cpu_self": 0,
+                "device_self": kernel_us // rng.randint(4, 8),
+            },
         ]
     rng.shuffle(rows)
     return rows
@@ -367,43 +411,50 @@ def _compare_names(got, expected, inputs) -> Mismatch | None:
     return Mismatch("dominant_op named the wrong op", f"expected {expected!r}, got {got!r}")
 
 
-register(Check(
-    check_id="lab01.dominant_op_real",
-    task="lab01 task 3: dominant_op",
-    reference=_reference("dominant_op"),
-    make_inputs=_real_workload,
-    drive=_drive_real_profile,
-    compare=_compare_names,
-    hint="an op's total time includes the ops it calls, so ranking by total crowns the outermost wrapper "
-    "(aten::matmul around the GEMM); the op doing the work has the largest self time, and the answer is its "
-    "name, a str. chapter 01, section “2 · Where does `a @ b` go?”.",
-))
+register(
+    Check(
+        check_id="lab01.dominant_op_real",
+        task="lab01 task 3: dominant_op",
+        reference=_reference("dominant_op"),
+        make_inputs=_real_workload,
+        drive=_drive_real_profile,
+        compare=_compare_names,
+        hint="an op's total time includes the ops it calls, so ranking by total crowns the outermost wrapper "
+        "(aten::matmul around the GEMM); the op doing the work has the largest self time, and the answer is its "
+        "name, a str. chapter 01, section “2 · Where does `a @ b` go?”.",
+    )
+)
 
-register(Check(
-    check_id="lab01.dominant_op_self_time",
-    task="lab01 task 3: dominant_op",
-    reference=_reference("dominant_op"),
-    make_inputs=lambda rng: _synthetic_rows(rng, device=False),
-    drive=_drive_synthetic,
-    compare=_compare_names,
-    hint="here the op with the largest total time is a wrapper whose child did nearly all of its work: rank by "
-    "the time each op spent in its own code, without the ops it called.",
-))
+register(
+    Check(
+        check_id="lab01.dominant_op_self_time",
+        task="lab01 task 3: dominant_op",
+        reference=_reference("dominant_op"),
+        make_inputs=lambda rng: _synthetic_rows(rng, device=False),
+        drive=_drive_synthetic,
+        compare=_compare_names,
+        hint="here the op with the largest total time is a wrapper whose child did nearly all of its work: rank by "
+        "the time each op spent in its own code, without the ops it called.",
+    )
+)
 
-register(Check(
-    check_id="lab01.dominant_op_device",
-    task="lab01 task 3: dominant_op",
-    reference=_reference("dominant_op"),
-    make_inputs=lambda rng: _synthetic_rows(rng, device=True),
-    drive=_drive_synthetic,
-    compare=_compare_names,
-    hint="a profile that recorded any device time ran on a GPU, where the CPU side only launched the kernels "
-    "(its launch calls can out-time every op): rank by device self time then, and by CPU self time only when no "
-    "device time was recorded.",
-))
+register(
+    Check(
+        check_id="lab01.dominant_op_device",
+        task="lab01 task 3: dominant_op",
+        reference=_reference("dominant_op"),
+        make_inputs=lambda rng: _synthetic_rows(rng, device=True),
+        drive=_drive_synthetic,
+        compare=_compare_names,
+        hint="a profile that recorded any device time ran on a GPU, where the CPU side only launched the kernels "
+        "(its launch calls can out-time every op): rank by device self time then, and by CPU self time only when no "
+        "device time was recorded.",
+    )
+)
 
 
 # --- task 4: achieved_tflops ----------------------------------------------------------------------
+
 
 def _rate_cases(rng: random.Random) -> list[list]:
     cases = []
@@ -432,31 +483,42 @@ def _drive_rejects(achieved_tflops, cases: list[list]) -> list[str]:
 def _compare_rejects(got, expected, cases) -> Mismatch | None:
     for case, g, e in zip(cases, got, expected):
         if g != e:
-            return Mismatch("achieved_tflops must raise ValueError when seconds <= 0",
-                            f"on seconds={case[3]!r}: expected {e}, got {g}")
+            return Mismatch(
+                "achieved_tflops must raise ValueError when seconds <= 0",
+                f"on seconds={case[3]!r}: expected {e}, got {g}",
+            )
     return None
 
 
-register(Check(
-    check_id="lab01.achieved_tflops",
-    task="lab01 task 4: achieved_tflops",
-    reference=_reference("achieved_tflops"),
-    make_inputs=_rate_cases,
-    drive=call_each,
-    compare=lambda got, expected, cases: number_mismatch(
-        got, expected, cases, "achieved_tflops returned the wrong rate",
-        lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c), 1e-9),
-    hint="a rate is the GEMM's operation count (task 1's count, multiplies and adds both counted) per second of "
-    "the measured time, reported in units of 10^12 FLOP/s; a factor of two or a power of ten is the usual slip. "
-    "chapter 01, section “7 · How fast, compared with what?”.",
-))
+register(
+    Check(
+        check_id="lab01.achieved_tflops",
+        task="lab01 task 4: achieved_tflops",
+        reference=_reference("achieved_tflops"),
+        make_inputs=_rate_cases,
+        drive=call_each,
+        compare=lambda got, expected, cases: number_mismatch(
+            got,
+            expected,
+            cases,
+            "achieved_tflops returned the wrong rate",
+            lambda c: "m={}, n={}, k={}, seconds={:.3g}".format(*c),
+            1e-9,
+        ),
+        hint="a rate is the GEMM's operation count (task 1's count, multiplies and adds both counted) per second of "
+        "the measured time, reported in units of 10^12 FLOP/s; a factor of two or a power of ten is the usual slip. "
+        "chapter 01, section “7 · How fast, compared with what?”.",
+    )
+)
 
-register(Check(
-    check_id="lab01.achieved_tflops_rejects_bad_time",
-    task="lab01 task 4: achieved_tflops",
-    reference=_reference("achieved_tflops"),
-    make_inputs=_bad_seconds,
-    drive=_drive_rejects,
-    compare=_compare_rejects,
-    hint="a time of zero or less is a measuring bug: raise ValueError instead of returning a rate.",
-))
+register(
+    Check(
+        check_id="lab01.achieved_tflops_rejects_bad_time",
+        task="lab01 task 4: achieved_tflops",
+        reference=_reference("achieved_tflops"),
+        make_inputs=_bad_seconds,
+        drive=_drive_rejects,
+        compare=_compare_rejects,
+        hint="a time of zero or less is a measuring bug: raise ValueError instead of returning a rate.",
+    )
+)

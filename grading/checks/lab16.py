@@ -22,12 +22,20 @@ from grading.registry import Check, Mismatch, register, register_answer_labs, re
 
 _clock = time.perf_counter  # taken before any answer runs: a learner rebinding time.perf_counter changes nothing
 
-LABS = {"lab06_kv_cache": "cached_attention", "lab07_paged_kv": "BlockPool", "lab08_scheduler": "schedule",
-        "lab09_spec_quant": "accept_or_resample"}
-_TASKS = {1: "lab16 task 1: lab06_kv_cache", 2: "lab16 task 2: lab07_paged_kv", 3: "lab16 task 3: lab08_scheduler",
-          4: "lab16 task 4: lab09_spec_quant", 5: "lab16 task 5: the assembled engine"}
+LABS = {
+    "lab06_kv_cache": "cached_attention",
+    "lab07_paged_kv": "BlockPool",
+    "lab08_scheduler": "schedule",
+    "lab09_spec_quant": "accept_or_resample",
+}
+_TASKS = {
+    1: "lab16 task 1: lab06_kv_cache",
+    2: "lab16 task 2: lab07_paged_kv",
+    3: "lab16 task 3: lab08_scheduler",
+    4: "lab16 task 4: lab09_spec_quant",
+    5: "lab16 task 5: the assembled engine",
+}
 _TASK_OF = {lab: _TASKS[i] for i, lab in enumerate(LABS, start=1)}
-
 
 
 def _course_lab(lab):
@@ -48,11 +56,20 @@ COURSE = {lab: _course_lab(lab) for lab in LABS}
 register_shortcuts("lab16", ["infra_lib.serving.speculative:accept_or_resample"])
 register_answer_labs("lab16", {lab: lab for lab in LABS})
 
-_QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
-              "Who wrote Romeo and Juliet?", "What is Python?", "Give me a word that rhymes with cat.",
-              "What colour is the sky on a clear day?", "How many legs does a spider have?",
-              "What is the boiling point of water in Celsius?", "Name a planet in the solar system.",
-              "Write a short title for a story about the sea.", "What is the opposite of cold?"]
+_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "What is Python?",
+    "Give me a word that rhymes with cat.",
+    "What colour is the sky on a clear day?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Name a planet in the solar system.",
+    "Write a short title for a story about the sea.",
+    "What is the opposite of cold?",
+]
 
 
 def _course():
@@ -71,15 +88,20 @@ def pieces_of(implementation, labs) -> dict:
     if implementation is COURSE:
         return {}
     if type(implementation) is not dict:
-        raise TypeError(f"check(...) needs the dict of your lab functions (engine_labs), got a "
-                        f"{type(implementation).__name__}")
+        raise TypeError(
+            f"check(...) needs the dict of your lab functions (engine_labs), got a {type(implementation).__name__}"
+        )
     from infra_lib.model.attention import attention, cached_attention
     from infra_lib.serving.block_pool import BlockPool
     from infra_lib.serving.scheduler import Scheduler
     from infra_lib.serving.speculative import accept_or_resample
 
-    course = {"cached_attention": (cached_attention, attention), "BlockPool": (BlockPool,),
-              "schedule": (Scheduler.schedule,), "accept_or_resample": (accept_or_resample,)}
+    course = {
+        "cached_attention": (cached_attention, attention),
+        "BlockPool": (BlockPool,),
+        "schedule": (Scheduler.schedule,),
+        "accept_or_resample": (accept_or_resample,),
+    }
     pieces = {}
     for lab in labs:
         name, fn = LABS[lab], implementation.get(lab)
@@ -87,8 +109,10 @@ def pieces_of(implementation, labs) -> dict:
             raise TypeError(f"engine_labs[{lab!r}] must be your {lab} function, got {type(fn).__name__}")
         got = fn()
         if type(got) is not dict or got.get(name) is None:
-            raise ValueError(f"{lab}() must return a dict with your {name}, got "
-                             f"{sorted(got) if type(got) is dict else type(got).__name__}")
+            raise ValueError(
+                f"{lab}() must return a dict with your {name}, got "
+                f"{sorted(got) if type(got) is dict else type(got).__name__}"
+            )
         piece = got[name]
         if any(piece is c for c in course[name]) or (isinstance(piece, type) and issubclass(piece, BlockPool)):
             raise ValueError(f"{lab}()'s {name} is the course's own; the capstone runs yours")
@@ -99,8 +123,13 @@ def pieces_of(implementation, labs) -> dict:
 def _config(c: dict):
     from infra_lib.serving.scheduler_output import SchedulerConfig
 
-    return SchedulerConfig(max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["budget"], block_size=c["block_size"],
-                           num_blocks=c["num_blocks"], enable_prefix_caching=False)
+    return SchedulerConfig(
+        max_num_seqs=c["max_num_seqs"],
+        max_num_batched_tokens=c["budget"],
+        block_size=c["block_size"],
+        num_blocks=c["num_blocks"],
+        enable_prefix_caching=False,
+    )
 
 
 def _prompts(tokenizer, questions):
@@ -116,8 +145,10 @@ def _run_engine(pieces, case, *, invariants=True) -> dict:
 
     loaded = _model()
     engine = assemble(loaded.model, loaded.tokenizer, _config(case["config"]), pieces)
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n))
-           for p, n in zip(_prompts(loaded.tokenizer, case["questions"]), case["new_tokens"])]
+    ids = [
+        engine.add_request(p, SamplingParams(max_new_tokens=n))
+        for p, n in zip(_prompts(loaded.tokenizer, case["questions"]), case["new_tokens"])
+    ]
     aborts = {step: rid for rid, step in case.get("aborts", {}).items()}
     violation, steps = "", 0
     with torch.inference_mode():
@@ -134,45 +165,62 @@ def _run_engine(pieces, case, *, invariants=True) -> dict:
             if steps > 2000:
                 raise RuntimeError("the engine ran 2000 steps without finishing every request")
     pool = engine.scheduler.pool
-    return {"tokens": [engine.output(i).token_ids if engine.output(i).finish_reason != "abort" else None for i in ids],
-            "texts": [engine.output(i).text for i in ids],
-            "num_free": pool.num_free, "num_blocks": pool.num_blocks, "violation": violation,
-            "held": sorted(b for b in range(pool.num_blocks) if pool.ref_count(b) != 0),
-            "preemptions": sum(engine.output(i).metrics.num_preemptions for i in ids)}
+    return {
+        "tokens": [engine.output(i).token_ids if engine.output(i).finish_reason != "abort" else None for i in ids],
+        "texts": [engine.output(i).text for i in ids],
+        "num_free": pool.num_free,
+        "num_blocks": pool.num_blocks,
+        "violation": violation,
+        "held": sorted(b for b in range(pool.num_blocks) if pool.ref_count(b) != 0),
+        "preemptions": sum(engine.output(i).metrics.num_preemptions for i in ids),
+    }
 
 
 def _where(case) -> str:
     c = case["config"]
-    return (f"SmolLM2 with max_num_seqs={c['max_num_seqs']}, a budget of {c['budget']} tokens, {c['num_blocks']} "
-            f"blocks of {c['block_size']}, {len(case['questions'])} requests")
+    return (
+        f"SmolLM2 with max_num_seqs={c['max_num_seqs']}, a budget of {c['budget']} tokens, {c['num_blocks']} "
+        f"blocks of {c['block_size']}, {len(case['questions'])} requests"
+    )
 
 
 def _compare_engine(got, expected, case):
     where = _where(case)
     if got["violation"]:
-        return Mismatch("the engine's books broke during the run", f"on {where}: {got['violation']}",
-                        hint="the engine checks the scheduler's and the pool's books after every step: a block "
-                        "counted by the pool but held by no table (or the reverse) is a leak or a double free.")
+        return Mismatch(
+            "the engine's books broke during the run",
+            f"on {where}: {got['violation']}",
+            hint="the engine checks the scheduler's and the pool's books after every step: a block "
+            "counted by the pool but held by no table (or the reverse) is a leak or a double free.",
+        )
     if got["num_free"] != got["num_blocks"] or got["held"]:
-        return Mismatch("blocks are still held once every request has finished or been aborted",
-                        f"on {where}: {got['num_blocks'] - got['num_free']} of {got['num_blocks']} blocks not free, "
-                        f"held: {got['held'][:12]}",
-                        hint="every way a request ends (finished, stopped, aborted, preempted and recomputed) must "
-                        "give each of its blocks back exactly once.")
+        return Mismatch(
+            "blocks are still held once every request has finished or been aborted",
+            f"on {where}: {got['num_blocks'] - got['num_free']} of {got['num_blocks']} blocks not free, "
+            f"held: {got['held'][:12]}",
+            hint="every way a request ends (finished, stopped, aborted, preempted and recomputed) must "
+            "give each of its blocks back exactly once.",
+        )
     for i, (g, e) in enumerate(zip(got["tokens"], expected["tokens"])):
         if g != e:
             if g is None or e is None:
                 return Mismatch("a request was aborted in one engine and not in the other", f"on {where}: request {i}")
-            return Mismatch("your engine answered a request with other tokens than the course's engine",
-                            f"on {where}: request {i} ({case['questions'][i]!r}): {token_difference(g, e)}")
+            return Mismatch(
+                "your engine answered a request with other tokens than the course's engine",
+                f"on {where}: request {i} ({case['questions'][i]!r}): {token_difference(g, e)}",
+            )
     return None
 
 
 def _engine_case(rng: random.Random, *, n: int, tight: bool = False, aborts: int = 0) -> dict:
     questions = rng.sample(_QUESTIONS, n)
     new_tokens = [rng.randint(4, 9) for _ in questions]
-    config = {"max_num_seqs": rng.choice((2, 3, 4)), "budget": rng.choice((24, 32, 48)), "block_size": 8,
-              "num_blocks": rng.randint(14, 18) if tight else 64}
+    config = {
+        "max_num_seqs": rng.choice((2, 3, 4)),
+        "budget": rng.choice((24, 32, 48)),
+        "block_size": 8,
+        "num_blocks": rng.randint(14, 18) if tight else 64,
+    }
     case = {"questions": questions, "new_tokens": new_tokens, "config": config}
     if aborts:
         case["aborts"] = {str(i): rng.randint(1, 12) for i in rng.sample(range(n), aborts)}
@@ -188,42 +236,65 @@ def _drive_for(labs, **options):
 
 def _fixed_case(tight: bool = False):
     def make(rng):
-        return {"questions": _QUESTIONS[:3], "new_tokens": [7, 5, 8],
-                "config": {"max_num_seqs": 3, "budget": 32, "block_size": 8, "num_blocks": 16 if tight else 64}}
+        return {
+            "questions": _QUESTIONS[:3],
+            "new_tokens": [7, 5, 8],
+            "config": {"max_num_seqs": 3, "budget": 32, "block_size": 8, "num_blocks": 16 if tight else 64},
+        }
 
     return make
 
 
 _PIECE_HINTS = {
     "lab06_kv_cache": "the runner calls your cached_attention once per sequence with that sequence's queries (t = its "
-                      "chunk or 1) and a cache whose append hands back every key and value so far; the mask must place "
-                      "the t queries at the end of those s positions (chapter 06).",
-    "lab07_paged_kv": "the engine allocates, frees and recomputes through your pool under preemption: a pool that passes "
-                      "lab 07's checks but fails here usually loses a block when one is freed in the middle of the "
-                      "free queue (chapter 07).",
-    "lab08_scheduler": "the engine runs your plan as it is: each running sequence's blocks must cover exactly its computed "
-                       "plus scheduled tokens, and a preempted sequence must not be scheduled in the same step "
-                       "(chapter 08).",
+    "chunk or 1) and a cache whose append hands back every key and value so far; the mask must place "
+    "the t queries at the end of those s positions (chapter 06).",
+    "lab07_paged_kv": "the engine allocates, frees and recomputes through your pool under preemption: a pool that "
+    "passes "
+    "lab 07's checks but fails here usually loses a block when one is freed in the middle of the "
+    "free queue (chapter 07).",
+    "lab08_scheduler": "the engine runs your plan as it is: each running sequence's blocks must cover exactly its "
+    "computed "
+    "plus scheduled tokens, and a preempted sequence must not be scheduled in the same step "
+    "(chapter 08).",
 }
+
 
 def piece_parts(lab: str) -> dict:
     """The fields of the checks of one lab's piece in the course's engine (tasks 1-3)."""
-    return dict(task=_TASK_OF[lab], reference=_course, drive=_drive_for((lab,)), compare=_compare_engine,
-                hint=_PIECE_HINTS[lab])
+    return dict(
+        task=_TASK_OF[lab], reference=_course, drive=_drive_for((lab,)), compare=_compare_engine, hint=_PIECE_HINTS[lab]
+    )
 
 
 register(Check(check_id="lab16.attention_in_engine", make_inputs=_fixed_case(False), **piece_parts("lab06_kv_cache")))
-register(Check(check_id="lab16.attention_in_engine_random", make_inputs=lambda rng: _engine_case(rng, n=3),
-               **piece_parts("lab06_kv_cache")))
+register(
+    Check(
+        check_id="lab16.attention_in_engine_random",
+        make_inputs=lambda rng: _engine_case(rng, n=3),
+        **piece_parts("lab06_kv_cache"),
+    )
+)
 register(Check(check_id="lab16.pool_in_engine", make_inputs=_fixed_case(True), **piece_parts("lab07_paged_kv")))
-register(Check(check_id="lab16.pool_aborts_random", make_inputs=lambda rng: _engine_case(rng, n=3, tight=True, aborts=2),
-               **piece_parts("lab07_paged_kv")))
+register(
+    Check(
+        check_id="lab16.pool_aborts_random",
+        make_inputs=lambda rng: _engine_case(rng, n=3, tight=True, aborts=2),
+        **piece_parts("lab07_paged_kv"),
+    )
+)
 register(Check(check_id="lab16.scheduler_in_engine", make_inputs=_fixed_case(True), **piece_parts("lab08_scheduler")))
-register(Check(check_id="lab16.scheduler_in_engine_random", make_inputs=lambda rng: _engine_case(rng, n=3, tight=True),
-               **piece_parts("lab08_scheduler")))
+register(
+    Check(
+        check_id="lab16.scheduler_in_engine_random",
+        make_inputs=lambda rng: _engine_case(rng, n=3, tight=True),
+        **piece_parts("lab08_scheduler"),
+    )
+)
 
 
 # --- task 4: the acceptance rule in speculative decoding ---------------------------------------------
+
 
 def _drive_speculative(implementation, case):
     import torch
@@ -244,41 +315,81 @@ def _compare_speculative(got, expected, case):
     for i, (g, e) in enumerate(zip(got, expected)):
         where = f"SmolLM2, greedy, prompt lookup draft, gamma={case['gamma']}, {case['questions'][i]!r}"
         if g["tokens"] != e["tokens"]:
-            return Mismatch("speculative decoding with your acceptance rule answered with other tokens",
-                            f"on {where}: {token_difference(g['tokens'], e['tokens'])}")
+            return Mismatch(
+                "speculative decoding with your acceptance rule answered with other tokens",
+                f"on {where}: {token_difference(g['tokens'], e['tokens'])}",
+            )
         if g["accepted"] != e["accepted"]:
-            return Mismatch("your rule accepted a different number of draft tokens than the course's",
-                            f"on {where}: {g['accepted']} accepted, expected {e['accepted']}")
+            return Mismatch(
+                "your rule accepted a different number of draft tokens than the course's",
+                f"on {where}: {g['accepted']} accepted, expected {e['accepted']}",
+            )
     return None
 
 
-_SPECULATIVE_HINT = ("greedy drafts and targets are one-hot: a draft token is kept exactly when the target's "
-                     "probability of it is 1, and the first token not kept is replaced by the target's choice "
-                     "(chapter 09).")
+_SPECULATIVE_HINT = (
+    "greedy drafts and targets are one-hot: a draft token is kept exactly when the target's "
+    "probability of it is 1, and the first token not kept is replaced by the target's choice "
+    "(chapter 09)."
+)
 
-register(Check(check_id="lab16.speculative_answers", task=_TASKS[4], reference=_course,
-               make_inputs=lambda rng: {"questions": [rng.choice(_QUESTIONS)], "new_tokens": 12, "gamma": 4},
-               drive=_drive_speculative, compare=_compare_speculative, hint=_SPECULATIVE_HINT))
-register(Check(check_id="lab16.speculative_answers_random", task=_TASKS[4], reference=_course,
-               make_inputs=lambda rng: {"questions": rng.sample(_QUESTIONS, 1), "new_tokens": rng.randint(8, 14),
-                                        "gamma": rng.randint(2, 5)},
-               drive=_drive_speculative, compare=_compare_speculative, hint=_SPECULATIVE_HINT))
+register(
+    Check(
+        check_id="lab16.speculative_answers",
+        task=_TASKS[4],
+        reference=_course,
+        make_inputs=lambda rng: {"questions": [rng.choice(_QUESTIONS)], "new_tokens": 12, "gamma": 4},
+        drive=_drive_speculative,
+        compare=_compare_speculative,
+        hint=_SPECULATIVE_HINT,
+    )
+)
+register(
+    Check(
+        check_id="lab16.speculative_answers_random",
+        task=_TASKS[4],
+        reference=_course,
+        make_inputs=lambda rng: {
+            "questions": rng.sample(_QUESTIONS, 1),
+            "new_tokens": rng.randint(8, 14),
+            "gamma": rng.randint(2, 5),
+        },
+        drive=_drive_speculative,
+        compare=_compare_speculative,
+        hint=_SPECULATIVE_HINT,
+    )
+)
 
 
 # --- task 5: the whole engine -------------------------------------------------------------------------
 
 _ALL = tuple(LABS)[:3]  # the engine's pieces (the acceptance rule is task 4's: the engine does not speculate)
 
-register(Check(check_id="lab16.engine_answers", task=_TASKS[5], reference=_course, make_inputs=_fixed_case(True),
-               drive=_drive_for(_ALL), compare=_compare_engine,
-               hint="each piece passed alone in tasks 1-3 but together they differ: look at the first request that "
-               "differs and run tasks 1-3's checks again; a piece that depends on another's private state "
-               "(a pool field the scheduler reads directly) breaks only when both are yours."))
-register(Check(check_id="lab16.engine_under_load_random", task=_TASKS[5], reference=_course,
-               make_inputs=lambda rng: _engine_case(rng, n=4, tight=True, aborts=2), drive=_drive_for(_ALL),
-               compare=_compare_engine,
-               hint="a seeded workload with preemptions and aborts: every request that is not aborted must get the "
-               "same answer as from the course's engine, and every block must come back (chapters 07 and 08)."))
+register(
+    Check(
+        check_id="lab16.engine_answers",
+        task=_TASKS[5],
+        reference=_course,
+        make_inputs=_fixed_case(True),
+        drive=_drive_for(_ALL),
+        compare=_compare_engine,
+        hint="each piece passed alone in tasks 1-3 but together they differ: look at the first request that "
+        "differs and run tasks 1-3's checks again; a piece that depends on another's private state "
+        "(a pool field the scheduler reads directly) breaks only when both are yours.",
+    )
+)
+register(
+    Check(
+        check_id="lab16.engine_under_load_random",
+        task=_TASKS[5],
+        reference=_course,
+        make_inputs=lambda rng: _engine_case(rng, n=4, tight=True, aborts=2),
+        drive=_drive_for(_ALL),
+        compare=_compare_engine,
+        hint="a seeded workload with preemptions and aborts: every request that is not aborted must get the "
+        "same answer as from the course's engine, and every block must come back (chapters 07 and 08).",
+    )
+)
 
 
 def _drive_stream(implementation, case):
@@ -302,8 +413,9 @@ def _drive_stream(implementation, case):
         return {"streamed": "".join(streamed), "text": last.text, "tokens": last.token_ids}
 
     async def all_of():
-        return await asyncio.gather(*(one(p, n) for p, n in zip(_prompts(loaded.tokenizer, case["questions"]),
-                                                                 case["new_tokens"])))
+        return await asyncio.gather(
+            *(one(p, n) for p, n in zip(_prompts(loaded.tokenizer, case["questions"]), case["new_tokens"]))
+        )
 
     box: dict = {}
 
@@ -332,23 +444,38 @@ def _compare_stream(got, expected, case):
     for i, (g, e) in enumerate(zip(got, expected)):
         where = f"{_where(case)}, request {i} ({case['questions'][i]!r})"
         if g["streamed"] != g["text"]:
-            return Mismatch("the streamed pieces of text do not join up to the whole answer",
-                            f"on {where}: streamed {g['streamed']!r}, whole {g['text']!r}")
+            return Mismatch(
+                "the streamed pieces of text do not join up to the whole answer",
+                f"on {where}: streamed {g['streamed']!r}, whole {g['text']!r}",
+            )
         if g["tokens"] != e["tokens"]:
-            return Mismatch("streamed from your engine, a request got other tokens than from the course's",
-                            f"on {where}: {token_difference(g['tokens'], e['tokens'])}")
+            return Mismatch(
+                "streamed from your engine, a request got other tokens than from the course's",
+                f"on {where}: {token_difference(g['tokens'], e['tokens'])}",
+            )
     return None
 
 
 def _stream_case(rng):
-    return {"questions": rng.sample(_QUESTIONS, 3), "new_tokens": [rng.randint(5, 8) for _ in range(3)],
-            "config": {"max_num_seqs": 3, "budget": 32, "block_size": 8, "num_blocks": 64}}
+    return {
+        "questions": rng.sample(_QUESTIONS, 3),
+        "new_tokens": [rng.randint(5, 8) for _ in range(3)],
+        "config": {"max_num_seqs": 3, "budget": 32, "block_size": 8, "num_blocks": 64},
+    }
 
 
-register(Check(check_id="lab16.stream_equals_whole", task=_TASKS[5], reference=_course, make_inputs=_stream_case,
-               drive=_drive_stream, compare=_compare_stream,
-               hint="requests arrive while others run (the server's way): the answers must not depend on what else "
-               "is in the batch (chapter 10)."))
+register(
+    Check(
+        check_id="lab16.stream_equals_whole",
+        task=_TASKS[5],
+        reference=_course,
+        make_inputs=_stream_case,
+        drive=_drive_stream,
+        compare=_compare_stream,
+        hint="requests arrive while others run (the server's way): the answers must not depend on what else "
+        "is in the batch (chapter 10).",
+    )
+)
 
 
 # --- throughput, as a ratio to the course's engine -------------------------------------------------------
@@ -360,7 +487,8 @@ def _drive_throughput(implementation, case):
     """Output tokens per second of the best of ``case['runs']`` short offline runs.
 
     Both throughput tiers judge one measurement: they draw the same case for a seed (one inputs_group),
-    and a second check with the same functions and the same case reuses the first one's runs (the entry keeps the functions alive, so their ids stay theirs).
+    and a second check with the same functions and the same case reuses the first one's runs (the entry keeps
+    the functions alive, so their ids stay theirs).
     """
     if type(implementation) is not dict:
         return _measure_throughput(implementation, case)  # pieces_of says what it needs
@@ -394,22 +522,29 @@ def _compare_throughput(threshold):
         if type(got) is not dict or type(got.get("tokens_per_s")) not in (int, float):
             return Mismatch("the throughput run returned no measurement")
         if got.get("tokens") != expected.get("tokens"):  # speed counts only for the course's answers
-            return Mismatch("the throughput run's answers differ from the course's engine's",
-                            f"on {_where(case)}: the engine must give the same greedy tokens while it is timed")
+            return Mismatch(
+                "the throughput run's answers differ from the course's engine's",
+                f"on {_where(case)}: the engine must give the same greedy tokens while it is timed",
+            )
         ratio = throughput_ratio(got, expected)
         if ratio < threshold:
-            return Mismatch(f"your engine's throughput is {ratio:.2f}x the course's engine's; this check needs "
-                            f"{threshold:.2f}x",
-                            f"on {_where(case)}: {got['tokens_per_s']:.1f} against {expected['tokens_per_s']:.1f} "
-                            "output tokens/s (best of several runs each)")
+            return Mismatch(
+                f"your engine's throughput is {ratio:.2f}x the course's engine's; this check needs {threshold:.2f}x",
+                f"on {_where(case)}: {got['tokens_per_s']:.1f} against {expected['tokens_per_s']:.1f} "
+                "output tokens/s (best of several runs each)",
+            )
         return None
 
     return compare
 
 
 def _throughput_case(rng):
-    return {"questions": rng.sample(_QUESTIONS, 4), "new_tokens": [8] * 4, "runs": 2,
-            "config": {"max_num_seqs": 4, "budget": 64, "block_size": 16, "num_blocks": 64}}
+    return {
+        "questions": rng.sample(_QUESTIONS, 4),
+        "new_tokens": [8] * 4,
+        "runs": 2,
+        "config": {"max_num_seqs": 4, "budget": 64, "block_size": 16, "num_blocks": 64},
+    }
 
 
 THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half": 1 / 2}
@@ -417,13 +552,18 @@ THROUGHPUT_TIERS = {"lab16.throughput_a_quarter": 1 / 4, "lab16.throughput_half"
 
 def throughput_parts(check_id: str) -> dict:
     """The fields of a throughput tier's check: both tiers judge one measurement (one inputs_group)."""
-    return dict(task=_TASKS[5], reference=_course, make_inputs=_throughput_case,
-                drive=_drive_throughput, compare=_compare_throughput(THROUGHPUT_TIERS[check_id]),
-                inputs_group="lab16.throughput",
-                measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
-                hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
-                "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
-                "loops per token in attention are the usual places (chapters 07, 08 and 15).")
+    return dict(
+        task=_TASKS[5],
+        reference=_course,
+        make_inputs=_throughput_case,
+        drive=_drive_throughput,
+        compare=_compare_throughput(THROUGHPUT_TIERS[check_id]),
+        inputs_group="lab16.throughput",
+        measure=lambda got, expected: {"throughput_ratio": round(throughput_ratio(got, expected), 3)},
+        hint="measure where your engine's step spends its time (chapter 16's profile of one step): "
+        "work per waiting request in the scheduler, a pool operation that walks every block, or Python "
+        "loops per token in attention are the usual places (chapters 07, 08 and 15).",
+    )
 
 
 register(Check(check_id="lab16.throughput_a_quarter", **throughput_parts("lab16.throughput_a_quarter")))

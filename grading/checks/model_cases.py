@@ -10,8 +10,17 @@ from grading.checks.common import array_mismatch, token_difference
 from grading.registry import Mismatch
 
 # The small random decoder's LlamaConfig fields: 6 query heads over 2 KV heads of 8 dimensions, 96 token ids.
-TINY = dict(vocab_size=96, hidden_size=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
-            intermediate_size=96, max_position=64, rope_theta=1000.0)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=48,
+    n_layers=2,
+    n_heads=6,
+    n_kv_heads=2,
+    head_dim=8,
+    intermediate_size=96,
+    max_position=64,
+    rope_theta=1000.0,
+)
 
 
 def tiny_model(seed: int):
@@ -37,8 +46,12 @@ def tiny_prompts(rng: random.Random, lengths: Iterable[int]) -> list[list[int]]:
 
 def tiny_model_case(rng: random.Random, new_tokens: int) -> dict:
     """A case for the small decoder: its seed, and two prompts, of 1 token and of 3 to 12."""
-    return {"model": "tiny", "seed": rng.randrange(10**6), "new_tokens": new_tokens,
-            "prompts": tiny_prompts(rng, (1, rng.randint(3, 12)))}
+    return {
+        "model": "tiny",
+        "seed": rng.randrange(10**6),
+        "new_tokens": new_tokens,
+        "prompts": tiny_prompts(rng, (1, rng.randint(3, 12))),
+    }
 
 
 def smollm2_case(rng: random.Random, new_tokens: int, prompts: list[str], **extra) -> dict:
@@ -87,8 +100,12 @@ def greedy_through(model, prompts: list[list[int]], new_tokens: int) -> list[dic
     return results
 
 
-def in_model_comparison(where: Callable[[dict, object], str], logits_differ: str, tokens_differ: str,
-                        tolerance: Callable[[dict, dict], tuple[float, float]]):
+def in_model_comparison(
+    where: Callable[[dict, object], str],
+    logits_differ: str,
+    tokens_differ: str,
+    tolerance: Callable[[dict, dict], tuple[float, float]],
+):
     """The comparison of greedy runs through a model (``greedy_through``'s records) with the reference's:
     the logits after the prompt where the reference recorded them (``tolerance(got, expected)`` gives
     (atol, rtol)), then the tokens. ``where(case, prompt)`` names the input in the message."""

@@ -9,8 +9,17 @@ import random
 from grading.checks.triton_cases import empty_rows, row_block, with_row_gaps
 
 
-def softmax_case(rng: random.Random, rows: int, cols: int, *, block: int | None = None, pad: int = 0,
-                 out_pad: int = 0, scale: float | None = None, special: str = "") -> dict:
+def softmax_case(
+    rng: random.Random,
+    rows: int,
+    cols: int,
+    *,
+    block: int | None = None,
+    pad: int = 0,
+    out_pad: int = 0,
+    scale: float | None = None,
+    special: str = "",
+) -> dict:
     """One case: ``pad`` and ``out_pad`` are the elements past each row of x and of out (its row strides
     cols + pad and cols + out_pad); ``block`` the BLOCK launched (None: cols rounded up to a power of
     two); ``scale`` the logits' scale, where the lab draws it; ``special`` the lab's name for extreme values."""
@@ -41,5 +50,7 @@ def describe_softmax(case: dict, specials: dict[str, str]) -> str:
     extra = specials.get(case["special"], "")
     if not extra and case.get("scale", 0) >= 100:
         extra = f", logits of scale {case['scale']:g}"
-    return (f"x of shape [{case['rows']}, {case['cols']}] (in_row_stride {case['cols'] + case['pad']}, out_row_stride "
-            f"{case['cols'] + case['out_pad']}){extra}, grid ({case['rows']},), BLOCK={softmax_block(case)}")
+    return (
+        f"x of shape [{case['rows']}, {case['cols']}] (in_row_stride {case['cols'] + case['pad']}, out_row_stride "
+        f"{case['cols'] + case['out_pad']}){extra}, grid ({case['rows']},), BLOCK={softmax_block(case)}"
+    )

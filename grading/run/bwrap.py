@@ -41,8 +41,10 @@ from grading.course import GRADER_PACKAGES, REPO_ROOT
 COURSE_PARTS = GRADER_PACKAGES
 _SYSTEM = ("/usr", "/etc", "/opt")
 _LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install "
-                "bubblewrap) on a kernel that allows namespaces, or pass --no-sandbox to grade without it")
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install "
+    "bubblewrap) on a kernel that allows namespaces, or pass --no-sandbox to grade without it"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,8 +55,22 @@ def availability() -> tuple[bool, str]:
     path = shutil.which("bwrap")
     if path is None:
         return False, "bwrap (bubblewrap) is not installed"
-    probe = [path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-net",
-             "--unshare-ipc", "--die-with-parent", "--", "true"]
+    probe = [
+        path,
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--die-with-parent",
+        "--",
+        "true",
+    ]
     try:
         result = subprocess.run(probe, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -82,8 +98,17 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
         raise RuntimeError(f"cannot sandbox the kernel: {why}; {INSTALL_HINT}")
     scratch = Path(scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session",
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname", "graded-kernel"]
+    argv = [
+        shutil.which("bwrap") or "bwrap",
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--hostname",
+        "graded-kernel",
+    ]
     for path in _SYSTEM:
         argv += _bind_readonly(Path(path))
     for path in _LINKS:
@@ -102,14 +127,28 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
         argv += _bind_readonly(REPO_ROOT / part)
     for real, shown in (hide or {}).items():
         argv += ["--ro-bind", str(shown), str(real)]
-    argv += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch),
-             "--setenv", "HOME", str(scratch), "--setenv", "TMPDIR", "/tmp",
-             # ipykernel shuts down when its parent's pid is not JPY_PARENT_PID; in a PID namespace
-             # its parent is the namespace's first process. It dies with bubblewrap instead.
-             "--unsetenv", "JPY_PARENT_PID",
-             # The root that holds the mounts is a tmpfs of bubblewrap's: read-only too, so that the
-             # scratch folder is the one place the kernel can write (besides its private /tmp).
-             "--remount-ro", "/", "--"]
+    argv += [
+        "--bind",
+        str(scratch),
+        str(scratch),
+        "--chdir",
+        str(scratch),
+        "--setenv",
+        "HOME",
+        str(scratch),
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+        # ipykernel shuts down when its parent's pid is not JPY_PARENT_PID; in a PID namespace
+        # its parent is the namespace's first process. It dies with bubblewrap instead.
+        "--unsetenv",
+        "JPY_PARENT_PID",
+        # The root that holds the mounts is a tmpfs of bubblewrap's: read-only too, so that the
+        # scratch folder is the one place the kernel can write (besides its private /tmp).
+        "--remount-ro",
+        "/",
+        "--",
+    ]
     return argv
 
 
@@ -126,10 +165,29 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
 # empty network, its namespace's processes only. Modules of the course that the template imported
 # are dropped (the kernel imports them again from its view, where the lab's reference is a stub).
 
-_ARITY = {"--ro-bind": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--setenv": 2, "--hostname": 1,
-          "--proc": 1, "--dev": 1, "--tmpfs": 1, "--chdir": 1, "--unsetenv": 1, "--remount-ro": 1}
-_FLAGS = {"--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-          "--unshare-uts", "--unshare-user"}
+_ARITY = {
+    "--ro-bind": 2,
+    "--bind": 2,
+    "--dev-bind": 2,
+    "--symlink": 2,
+    "--setenv": 2,
+    "--hostname": 1,
+    "--proc": 1,
+    "--dev": 1,
+    "--tmpfs": 1,
+    "--chdir": 1,
+    "--unsetenv": 1,
+    "--remount-ro": 1,
+}
+_FLAGS = {
+    "--die-with-parent",
+    "--new-session",
+    "--unshare-pid",
+    "--unshare-net",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-user",
+}
 _NAMESPACES = ("user", "ipc", "uts", "net", "pid", "mnt")
 _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 _HOLD = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
@@ -150,7 +208,7 @@ def split_command(command: list[str]) -> tuple[list[str], list[str], dict[str, s
             continue
         if name not in _ARITY:
             raise ValueError(f"bubblewrap option the warm sandbox does not know: {name}")
-        args = options[i + 1:i + 1 + _ARITY[name]]
+        args = options[i + 1 : i + 1 + _ARITY[name]]
         if len(args) != _ARITY[name]:
             raise ValueError(f"bubblewrap option {name} lacks its arguments")
         if name == "--setenv":
@@ -160,7 +218,7 @@ def split_command(command: list[str]) -> tuple[list[str], list[str], dict[str, s
         elif name == "--chdir":
             chdir = args[0]
         i += 1 + _ARITY[name]
-    return command[:split], command[split + 1:], env, chdir
+    return command[:split], command[split + 1 :], env, chdir
 
 
 def _libc():
@@ -235,12 +293,10 @@ def _take_credentials(fields: dict[str, str]) -> None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
     eff, prm, inh = (int(fields[k], 16) for k in ("CapEff", "CapPrm", "CapInh"))
-    data = (Data * 2)(Data(eff & 0xFFFFFFFF, prm & 0xFFFFFFFF, inh & 0xFFFFFFFF),
-                      Data(eff >> 32, prm >> 32, inh >> 32))
+    data = (Data * 2)(Data(eff & 0xFFFFFFFF, prm & 0xFFFFFFFF, inh & 0xFFFFFFFF), Data(eff >> 32, prm >> 32, inh >> 32))
     _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "setting capabilities")  # v3
     if fields.get("NoNewPrivs") == "1":
         _check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
@@ -252,9 +308,14 @@ def enter(prefix: list[str], log) -> subprocess.Popen:
     holder's bubblewrap: it dies with this process (``--die-with-parent``) and takes the sandbox
     with it. Children this process forks afterwards are born in the sandbox's PID namespace."""
     info_read, info_write = os.pipe()
-    holder = subprocess.Popen([*prefix, "--info-fd", str(info_write), "--", *_HOLD], pass_fds=(info_write,),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                              start_new_session=True)  # an interrupt for the kernel never reaches it
+    holder = subprocess.Popen(
+        [*prefix, "--info-fd", str(info_write), "--", *_HOLD],
+        pass_fds=(info_write,),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        start_new_session=True,
+    )  # an interrupt for the kernel never reaches it
     os.close(info_write)
     try:
         pid = _read_ready(holder, info_read)

@@ -36,8 +36,10 @@ def _limit_output(client_class, limit_bytes: int) -> None:
                 if not cell.metadata.get("infra_lab", {}).get("output_truncated"):
                     cell.metadata.setdefault("infra_lab", {})["output_truncated"] = True
                     note = nbformat.v4.new_output(
-                        "stream", name="stdout",
-                        text=f"\n[the grader dropped this cell's output past {limit_bytes // 1024} KiB]\n")
+                        "stream",
+                        name="stdout",
+                        text=f"\n[the grader dropped this cell's output past {limit_bytes // 1024} KiB]\n",
+                    )
                     outs.append(note)
                 return None
         return original(self, outs, msg, display_id, cell_index)
@@ -78,11 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     _limit_output(PapermillNotebookClient, args.output_kb * 1024)
     try:
         run_with_papermill(  # Unix sockets: the kernel may have no network
-            args.source, args.output,
+            args.source,
+            args.output,
             parameters={name: ast.literal_eval(value) for name, value in args.p},
-            kernel_name=args.kernel, cwd=args.cwd, progress_bar=False,
-            request_save_on_cell_execute=True, execution_timeout=args.cell_timeout,
-            allow_errors=True, interrupt_on_timeout=True, start_timeout=120,
+            kernel_name=args.kernel,
+            cwd=args.cwd,
+            progress_bar=False,
+            request_save_on_cell_execute=True,
+            execution_timeout=args.cell_timeout,
+            allow_errors=True,
+            interrupt_on_timeout=True,
+            start_timeout=120,
         )
     except PapermillExecutionError:
         pass  # a cell raised: allowed, the verdicts read it from the output notebook

@@ -219,16 +219,41 @@ def execute(
     # Graded kernels fork from the template, torch already imported (grading.run.warm); one in
     # bubblewrap is then moved into the sandbox bubblewrap builds for it (grading.run.bwrap.enter).
     template = warm.template()
-    kernel = write_kernelspec(jupyter_dir, limits, status, warm=template is not None,
-                              scratch=kernel_dir if limits.bwrap else None, hide=hidden)
-    command = [sys.executable, "-m", "grading.run.child", str(source), str(output), "--kernel", kernel,
-               "--cell-timeout", str(limits.cell_timeout), "--output-kb", str(limits.output_kb),
-               "--cwd", str(kernel_dir), "--progress", str(progress)]
+    kernel = write_kernelspec(
+        jupyter_dir,
+        limits,
+        status,
+        warm=template is not None,
+        scratch=kernel_dir if limits.bwrap else None,
+        hide=hidden,
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "grading.run.child",
+        str(source),
+        str(output),
+        "--kernel",
+        kernel,
+        "--cell-timeout",
+        str(limits.cell_timeout),
+        "--output-kb",
+        str(limits.output_kb),
+        "--cwd",
+        str(kernel_dir),
+        "--progress",
+        str(progress),
+    ]
     for name, value in parameters.items():
         command += ["-p", name, repr(value)]
     jupyter_path = os.pathsep.join(p for p in (str(jupyter_dir), os.environ.get("JUPYTER_PATH", "")) if p)
-    child_env = {**os.environ, **env, "JUPYTER_PATH": jupyter_path, "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-                 **(template.env() if template else {})}
+    child_env = {
+        **os.environ,
+        **env,
+        "JUPYTER_PATH": jupyter_path,
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        **(template.env() if template else {}),
+    }
     if limits.bwrap:
         # The kernel manager writes the connection file with mkstemp: into the one folder the
         # kernel can read (its own /tmp is empty).
@@ -252,8 +277,11 @@ def execute(
             if time.monotonic() - started > budget:
                 stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
             elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
-                stop, reason, stuck = STOP_TIMEOUT, (
-                    f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"), index
+                stop, reason, stuck = (
+                    STOP_TIMEOUT,
+                    (f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"),
+                    index,
+                )
             elif spawned > limits.max_processes + _OVERHEAD[limits.bwrap, bool(in_template)]:
                 stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
             if stop:
@@ -271,8 +299,11 @@ def execute(
         # cell indices match the notebook we were given.
         by_id = {cell.get("id"): cell for cell in executed.cells}
         executed.cells = [by_id.get(cell["id"], nbformat.v4.new_code_cell()) for cell in notebook.cells]
-        truncated = [i for i, cell in enumerate(executed.cells)
-                     if cell.get("metadata", {}).get("infra_lab", {}).get("output_truncated")]
+        truncated = [
+            i
+            for i, cell in enumerate(executed.cells)
+            if cell.get("metadata", {}).get("infra_lab", {}).get("output_truncated")
+        ]
     sandbox = json.loads(status.read_text()) if status.exists() else {}
     remove_cgroup(sandbox.get("cgroup", ""))  # its processes are gone: the cgroup goes too
     result = Execution(executed, complete=not stop and code == EXIT_COMPLETE, sandbox=sandbox, truncated=truncated)

@@ -72,12 +72,20 @@ class Limits:
             if name not in ("isolate_network", "bwrap", "kernel_user") and not value > 0:
                 raise ValueError(f"limit {name} must be > 0, got {value!r}")
         if self.kernel_user and self.bwrap:
-            raise ValueError("kernel_user is for a kernel without bubblewrap; bubblewrap's view already keeps "
-                             "the grader's files out of reach")
+            raise ValueError(
+                "kernel_user is for a kernel without bubblewrap; bubblewrap's view already keeps "
+                "the grader's files out of reach"
+            )
 
 
-def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm: bool = False,
-                     scratch: Path | None = None, hide: dict[Path, Path] | None = None) -> str:
+def write_kernelspec(
+    jupyter_dir: Path,
+    limits: Limits,
+    status_file: Path,
+    warm: bool = False,
+    scratch: Path | None = None,
+    hide: dict[Path, Path] | None = None,
+) -> str:
     """Install the sandboxed kernelspec under ``jupyter_dir/kernels``; returns its name.
 
     ``warm``: the kernel manager asks the grading process's template for a forked kernel
@@ -90,8 +98,17 @@ def write_kernelspec(jupyter_dir: Path, limits: Limits, status_file: Path, warm:
     """
     spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "grading.run.sandbox", "--status", str(status_file),
-            "--memory-mb", str(limits.memory_mb), "--file-size-mb", str(limits.file_size_mb)]
+    argv = [
+        sys.executable,
+        "-m",
+        "grading.run.sandbox",
+        "--status",
+        str(status_file),
+        "--memory-mb",
+        str(limits.memory_mb),
+        "--file-size-mb",
+        str(limits.file_size_mb),
+    ]
     kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
     if limits.bwrap:
         from grading.run import bwrap
@@ -119,8 +136,10 @@ def _isolate_network() -> str:
         if libc.unshare(_CLONE_NEWNET) == 0:
             return "isolated: the kernel runs in an empty network namespace"
         code = ctypes.get_errno()
-        return f"NOT isolated: unshare(CLONE_NEWNET) failed with {errno.errorcode.get(code, code)} " \
-               "(needs root or user namespaces; run the grader in a container without network)"
+        return (
+            f"NOT isolated: unshare(CLONE_NEWNET) failed with {errno.errorcode.get(code, code)} "
+            "(needs root or user namespaces; run the grader in a container without network)"
+        )
     except (OSError, AttributeError) as exc:
         return f"NOT isolated: {exc} (run the grader in a container without network)"
 
@@ -171,8 +190,11 @@ def limit_processes(max_processes: int) -> tuple[str, str]:
         except OSError:
             pass
         return (f"not enforced by the OS ({exc.strerror or exc}); the grader's watchdog counts them", "")
-    return (f"at most {max_processes} (the grader's watchdog), and at most {tasks} tasks, threads included, "
-            f"enforced by the OS (a pids cgroup: a fork past it fails)", str(group))
+    return (
+        f"at most {max_processes} (the grader's watchdog), and at most {tasks} tasks, threads included, "
+        f"enforced by the OS (a pids cgroup: a fork past it fails)",
+        str(group),
+    )
 
 
 def remove_cgroup(path: str, wait_s: float = 5.0) -> None:
@@ -211,10 +233,14 @@ def apply_limits(memory_mb: int, file_size_mb: int, no_network: bool) -> dict[st
 
 def bwrap_status() -> dict[str, str]:
     """What bubblewrap adds to a kernel's sandbox, as its status file says it."""
-    return {"network": "isolated: bubblewrap gives the kernel an empty network namespace",
-            "view": ("bubblewrap: the system, Python, the environment, infra_lib/ and grading/ read-only; "
-                     "one scratch folder writable; solutions/, submissions and grades absent"),
-            "processes ids": "bubblewrap: a PID namespace of its own (it sees and signals only its own processes)"}
+    return {
+        "network": "isolated: bubblewrap gives the kernel an empty network namespace",
+        "view": (
+            "bubblewrap: the system, Python, the environment, infra_lib/ and grading/ read-only; "
+            "one scratch folder writable; solutions/, submissions and grades absent"
+        ),
+        "processes ids": "bubblewrap: a PID namespace of its own (it sees and signals only its own processes)",
+    }
 
 
 def _connection_file_index(command: list[str]) -> int | None:
@@ -257,8 +283,10 @@ def prepare_for_user(name: str, command: list[str]) -> tuple[list[str], str]:
     home.mkdir(mode=0o700, exist_ok=True)
     os.chown(home, user.pw_uid, user.pw_gid)
     os.environ.update(HOME=str(home), USER=name, LOGNAME=name)
-    return command, (f"the kernel ran as {name} (uid {user.pw_uid}), not as the grader's root: files only root "
-                     f"may read (the answer key) and the grader's processes were out of its reach")
+    return command, (
+        f"the kernel ran as {name} (uid {user.pw_uid}), not as the grader's root: files only root "
+        f"may read (the answer key) and the grader's processes were out of its reach"
+    )
 
 
 def drop_privileges(name: str) -> None:

@@ -67,15 +67,27 @@ COLD_ENV = "INFRA_LAB_COLD_KERNELS"
 AUTO_ENV = "INFRA_LAB_WARM_AUTO"
 PLAIN_KERNEL = "python3"  # the kernel the lessons and labs name in their metadata
 # What a graded notebook imports before its first answer: imported once, by the template.
-PRELOAD = ["numpy", "torch", "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel", "ipywidgets",
-           "grading.check", "grading.progress_panel",
-           # and what the runner that drives a graded notebook imports (grading.run.execute, papermill)
-           "grading.run.child", "grading.run.papermill_ipc", "papermill.clientwrap", "nbclient.exceptions"]
+PRELOAD = [
+    "numpy",
+    "torch",
+    "IPython",
+    "ipykernel.kernelapp",
+    "ipykernel.ipkernel",
+    "ipywidgets",
+    "grading.check",
+    "grading.progress_panel",
+    # and what the runner that drives a graded notebook imports (grading.run.execute, papermill)
+    "grading.run.child",
+    "grading.run.papermill_ipc",
+    "papermill.clientwrap",
+    "nbclient.exceptions",
+]
 _READY_S = 60.0  # how long a runner waits for a template that is still importing
 _MAX_REQUEST = 1 << 20
 
 
 # --- the grading process's side: one template per process -----------------------------------------
+
 
 class Template:
     """The template process of this grading process, started on first use."""
@@ -87,8 +99,13 @@ class Template:
         env = {**os.environ, TOKEN_ENV: self.token}
         env.pop(SOCKET_ENV, None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grading.run.warm", str(self.socket_path)], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [sys.executable, "-m", "grading.run.warm", str(self.socket_path)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def env(self) -> dict[str, str]:
         """What a runner needs to reach the template."""
@@ -112,7 +129,7 @@ class _Inherited(Template):
     """A template another process started and named in this one's environment (a test worker's,
     for the commands it runs): used while its socket exists, never stopped from here."""
 
-    def __init__(self, socket_path: str, token: str):  # noqa: super().__init__ would start a process
+    def __init__(self, socket_path: str, token: str):  # not super().__init__: that would start a process
         self.socket_path, self.token, self.process = Path(socket_path), token, None
         self.folder = self.socket_path.parent
 
@@ -129,8 +146,12 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether graded kernels are forked from a template here (POSIX with fork, and not turned off)."""
-    return (hasattr(os, "fork") and hasattr(socket, "AF_UNIX") and sys.platform != "win32"
-            and os.environ.get(COLD_ENV, "") not in ("1", "true", "yes"))
+    return (
+        hasattr(os, "fork")
+        and hasattr(socket, "AF_UNIX")
+        and sys.platform != "win32"
+        and os.environ.get(COLD_ENV, "") not in ("1", "true", "yes")
+    )
 
 
 def provisioner_installed() -> bool:
@@ -167,9 +188,12 @@ def write_plain_kernelspec(jupyter_dir: Path) -> Path:
     Returns ``jupyter_dir``, for ``JUPYTER_PATH``."""
     spec_dir = Path(jupyter_dir) / "kernels" / PLAIN_KERNEL
     spec_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "Python 3 (infra course)", "language": "python",
-            "metadata": {"kernel_provisioner": {"provisioner_name": WARM_PROVISIONER}}}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (infra course)",
+        "language": "python",
+        "metadata": {"kernel_provisioner": {"provisioner_name": WARM_PROVISIONER}},
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return Path(jupyter_dir)
 
@@ -229,6 +253,7 @@ def nbgrader_warm_kernels() -> bool:
 
 
 # --- the runner's side: the kernel provisioner -----------------------------------------------------
+
 
 def _request(cmd: list[str], cwd: str, env: dict[str, str]) -> int | None:
     """Ask the template for a kernel; its pid, or None when no template answers."""
@@ -339,9 +364,17 @@ def fork_runner(argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> F
         return None
     exit_file = Path(log).with_name(Path(log).name + ".exit")
     exit_file.unlink(missing_ok=True)
-    pid = _ask(str(current.socket_path), current.token,
-               {"runner": [str(a) for a in argv], "cwd": str(cwd), "env": dict(env), "log": str(log),
-                "exit_file": str(exit_file)})
+    pid = _ask(
+        str(current.socket_path),
+        current.token,
+        {
+            "runner": [str(a) for a in argv],
+            "cwd": str(cwd),
+            "env": dict(env),
+            "log": str(log),
+            "exit_file": str(exit_file),
+        },
+    )
     return None if pid is None else ForkedRunner(pid, exit_file)
 
 
@@ -369,6 +402,7 @@ class WarmProvisioner(LocalProvisioner):
 
 # --- the template process ---------------------------------------------------------------------------
 
+
 def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
     """Split a kernelspec's command into the sandbox's options (None for a plain kernel) and
     ipykernel's arguments."""
@@ -378,11 +412,11 @@ def _kernel_command(cmd: list[str]) -> tuple[dict | None, list[str]]:
         if cmd[1:3] != ["-m", "ipykernel_launcher"]:
             raise ValueError(f"not an ipykernel command: {cmd}")
         return None, cmd[3:]
-    args = parse_launcher(cmd[cmd.index("grading.run.sandbox") + 1:])
+    args = parse_launcher(cmd[cmd.index("grading.run.sandbox") + 1 :])
     command = _kernel_command_line(vars(args))
     if "ipykernel_launcher" not in command:
         raise ValueError(f"not an ipykernel command: {command}")
-    return vars(args), command[command.index("ipykernel_launcher") + 1:]
+    return vars(args), command[command.index("ipykernel_launcher") + 1 :]
 
 
 def _enter_child(request: dict, log_path: Path) -> None:
@@ -406,8 +440,12 @@ def _run_kernel(request: dict) -> None:
     try:
         options, kernel_args = _kernel_command(request["cmd"])
         # A sandboxed kernel logs beside its status file; a plain one in the template's folder.
-        _enter_child(request, Path(options["status"]).with_name("kernel.log") if options else
-                     Path(request["folder"]) / f"kernel-{os.getpid()}.log")
+        _enter_child(
+            request,
+            Path(options["status"]).with_name("kernel.log")
+            if options
+            else Path(request["folder"]) / f"kernel-{os.getpid()}.log",
+        )
         if options is not None and options["bwrap"]:
             _enter_bwrap(options)  # returns in the kernel, a child born in the sandbox
         elif options is not None:
@@ -448,8 +486,10 @@ def _enter_bwrap(options: dict) -> None:
         status["processes"], status["cgroup"] = limit_processes(options["max_processes"])
     status.update(bwrap_status())
     status["pid"] = os.getpid()
-    status["kernel"] = ("forked from the grader's template (torch already imported), then moved into the "
-                        "namespaces bubblewrap built for it")
+    status["kernel"] = (
+        "forked from the grader's template (torch already imported), then moved into the "
+        "namespaces bubblewrap built for it"
+    )
     Path(options["status"]).write_text(json.dumps(status), encoding="utf-8")
     holder = bwrap.enter(prefix, sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -526,7 +566,9 @@ def _valid(request: dict) -> None:
     else:
         options, _ = _kernel_command(request["cmd"])
         if options is not None and options.get("user"):  # a fork would keep the template's user (root)
-            raise ValueError("a kernel run as another user starts cold, through grading.run.sandbox, never from the template")
+            raise ValueError(
+                "a kernel run as another user starts cold, through grading.run.sandbox, never from the template"
+            )
         if options is not None and options["bwrap"]:
             from grading.run import bwrap
 

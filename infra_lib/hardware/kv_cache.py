@@ -34,8 +34,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.name}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
-                             f"({self.n_kv_heads})")
+            raise ValueError(
+                f"{self.name}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
 
 
 # Published configurations (each model's config.json on its model card).
@@ -47,8 +48,7 @@ MODELS = {
     # Qwen/Qwen2.5-7B: 28 layers, 28 query heads, 4 KV heads, hidden 3584.
     "Qwen2.5-7B": ModelConfig("Qwen2.5-7B", n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128, n_params=7.62e9),
     # HuggingFaceTB/SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, hidden 576.
-    "SmolLM2-135M": ModelConfig("SmolLM2-135M", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                                n_params=134.5e6),
+    "SmolLM2-135M": ModelConfig("SmolLM2-135M", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, n_params=134.5e6),
 }
 
 
@@ -83,11 +83,15 @@ def weight_bytes(model: ModelConfig, dtype: str | float = "bf16") -> float:
     return model.n_params * dtype_bytes(dtype)
 
 
-def kv_capacity_tokens(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
-                       reserve_bytes: float = 0) -> int:
+def kv_capacity_tokens(
+    memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float, reserve_bytes: float = 0
+) -> int:
     """Tokens of KV cache that fit once the weights and a reserve are in memory (never < 0)."""
-    for name, value in (("memory_bytes", memory_bytes), ("weight_bytes", weight_bytes),
-                        ("reserve_bytes", reserve_bytes)):
+    for name, value in (
+        ("memory_bytes", memory_bytes),
+        ("weight_bytes", weight_bytes),
+        ("reserve_bytes", reserve_bytes),
+    ):
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     if not kv_bytes_per_token > 0:
@@ -96,8 +100,9 @@ def kv_capacity_tokens(memory_bytes: float, weight_bytes: float, kv_bytes_per_to
     return max(0, int(free // kv_bytes_per_token))
 
 
-def max_concurrency(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float, context_len: int,
-                    reserve_bytes: float = 0) -> int:
+def max_concurrency(
+    memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float, context_len: int, reserve_bytes: float = 0
+) -> int:
     """Sequences of ``context_len`` tokens whose KV caches fit at once (0 when the weights
     and reserve leave no room): the physical ceiling of a serving engine's max batch."""
     if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:

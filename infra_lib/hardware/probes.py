@@ -206,7 +206,13 @@ def measure_gemm_point(
     seconds = time_op(lambda: torch.mm(a, b, out=c), warmup=warmup, iters=iters, sync=synchronizer(device))
     flops = gemm_flops(m, n, k)
     return {
-        "name": name, "kind": "gemm", "m": m, "n": n, "k": k, "seconds": seconds, "flops": flops,
+        "name": name,
+        "kind": "gemm",
+        "m": m,
+        "n": n,
+        "k": k,
+        "seconds": seconds,
+        "flops": flops,
         "intensity": arithmetic_intensity(m, n, k, bytes_per_element=a.element_size()),
         "achieved_gflops": flops / seconds / 1e9,
     }
@@ -237,7 +243,11 @@ def measure_add_point(
     c = torch.zeros(elements, device=device, dtype=dtype)
     seconds = time_op(lambda: torch.add(a, b, out=c), warmup=warmup, iters=iters, sync=synchronizer(device))
     return {
-        "name": name, "kind": "elementwise", "elements": elements, "seconds": seconds, "flops": elements,
+        "name": name,
+        "kind": "elementwise",
+        "elements": elements,
+        "seconds": seconds,
+        "flops": elements,
         "intensity": elementwise_intensity(1, inputs=2, outputs=1, bytes_per_element=element_size),
         "achieved_gflops": elements / seconds / 1e9,
     }

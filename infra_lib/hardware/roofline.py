@@ -31,8 +31,9 @@ def arithmetic_intensity(m: int, n: int, k: int, bytes_per_element: float = 2) -
     return 2 * m * n * k / ((m * k + k * n + m * n) * bytes_per_element)
 
 
-def elementwise_intensity(flops_per_element: float = 1, inputs: int = 2, outputs: int = 1,
-                          bytes_per_element: float = 2) -> float:
+def elementwise_intensity(
+    flops_per_element: float = 1, inputs: int = 2, outputs: int = 1, bytes_per_element: float = 2
+) -> float:
     """FLOPs per byte of an elementwise op (c = a + b: 1 FLOP, 2 inputs, 1 output)."""
     _positive("flops_per_element", flops_per_element, allow_zero=True)
     _positive("bytes_per_element", bytes_per_element)
@@ -63,5 +64,5 @@ def ridge_point(peak_flops: float, bandwidth: float) -> float:
 
 
 def bound(intensity: float, peak_flops: float, bandwidth: float) -> str:
-    """"memory-bound" below the ridge point, "compute-bound" at or above it."""
+    """ "memory-bound" below the ridge point, "compute-bound" at or above it."""
     return MEMORY_BOUND if intensity < ridge_point(peak_flops, bandwidth) else COMPUTE_BOUND

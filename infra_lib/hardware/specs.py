@@ -80,35 +80,65 @@ class Accelerator:
 _ROWS = [
     # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: BF16 1,979 and FP8 3,958 TFLOPS are
     # quoted with sparsity (halved here); 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s.
-    Accelerator("H100 SXM", "NVIDIA", 989, 1979, 80, 3.35, 900, "NVLink 4",
-                "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    Accelerator(
+        "H100 SXM", "NVIDIA", 989, 1979, 80, 3.35, 900, "NVLink 4", "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+    ),
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: the H100's compute with 141 GB of
     # HBM3e at 4.8 TB/s; NVLink 4 at 900 GB/s.
-    Accelerator("H200 SXM", "NVIDIA", 989, 1979, 141, 4.8, 900, "NVLink 4",
-                "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    Accelerator(
+        "H200 SXM", "NVIDIA", 989, 1979, 141, 4.8, 900, "NVLink 4", "NVIDIA H200 Tensor Core GPU datasheet (SXM)"
+    ),
     # NVIDIA HGX B200 / DGX B200 datasheets (8-GPU totals divided by 8): FP16/BF16 36 PFLOPS and
     # FP8 72 PFLOPS with sparsity, so about 2,250 and 4,500 dense per GPU. The package carries
     # 192 GB of HBM3e at 8 TB/s (Blackwell launch, GTC 2024); the DGX B200 datasheet lists
     # 1,440 GB per 8 GPUs, i.e. 180 GB usable per GPU. NVLink 5 at 1.8 TB/s.
-    Accelerator("B200", "NVIDIA", 2250, 4500, 192, 8.0, 1800, "NVLink 5",
-                "NVIDIA HGX B200 / DGX B200 datasheets; Blackwell launch, GTC 2024"),
+    Accelerator(
+        "B200",
+        "NVIDIA",
+        2250,
+        4500,
+        192,
+        8.0,
+        1800,
+        "NVLink 5",
+        "NVIDIA HGX B200 / DGX B200 datasheets; Blackwell launch, GTC 2024",
+    ),
     # NVIDIA GB300 NVL72 product page, rack totals divided by 72 GPUs: FP8 720 and BF16 360 PFLOPS
     # with sparsity give about 5,000 and 2,500 dense per GPU (approximate: NVIDIA publishes no
     # per-GPU dense table); 288 GB HBM3e per GPU, 576 TB/s per rack = 8 TB/s; NVLink 5 130 TB/s
     # per rack = 1.8 TB/s per GPU.
-    Accelerator("GB300 (per GPU)", "NVIDIA", 2500, 5000, 288, 8.0, 1800, "NVLink 5",
-                "NVIDIA GB300 NVL72 product page (rack figures / 72)"),
+    Accelerator(
+        "GB300 (per GPU)",
+        "NVIDIA",
+        2500,
+        5000,
+        288,
+        8.0,
+        1800,
+        "NVLink 5",
+        "NVIDIA GB300 NVL72 product page (rack figures / 72)",
+    ),
     # AMD Instinct MI300X data sheet: peak BF16 1,307.4 and FP8 2,614.9 TFLOPS dense (the sheet
     # lists the sparse figures separately); 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of
     # 128 GB/s = 896 GB/s aggregate.
-    Accelerator("MI300X", "AMD", 1307, 2615, 192, 5.3, 896, "Infinity Fabric",
-                "AMD Instinct MI300X accelerator data sheet"),
+    Accelerator(
+        "MI300X", "AMD", 1307, 2615, 192, 5.3, 896, "Infinity Fabric", "AMD Instinct MI300X accelerator data sheet"
+    ),
     # Huawei has published no full datasheet for the Ascend 910B. Public figures (Atlas 800T A2
     # material, press and analyst reports) vary by variant: FP16/BF16 roughly 280-400 TFLOPS;
     # we pick 320, the most often cited. 64 GB HBM2e at about 1.6 TB/s and HCCS about 392 GB/s
     # are approximate. The 910B has no FP8 units, hence None.
-    Accelerator("Ascend 910B", "Huawei", 320, None, 64, 1.6, 392, "HCCS",
-                "Huawei Atlas 800T A2 material and press reports (approximate; no full public datasheet)"),
+    Accelerator(
+        "Ascend 910B",
+        "Huawei",
+        320,
+        None,
+        64,
+        1.6,
+        392,
+        "HCCS",
+        "Huawei Atlas 800T A2 material and press reports (approximate; no full public datasheet)",
+    ),
 ]
 
 ACCELERATORS: dict[str, Accelerator] = {row.name: row for row in _ROWS}

@@ -25,12 +25,21 @@ from infra_lib.device import synchronizer
 from infra_lib.timing import time_op
 
 __all__ = [
-    "CompileCount", "GeneratedCode", "GraphBreaks", "Speedup", "aten_ops", "compare_speed",
-    "count_compiles", "generated_code", "graph_breaks", "show_generated_code",
+    "CompileCount",
+    "GeneratedCode",
+    "GraphBreaks",
+    "Speedup",
+    "aten_ops",
+    "compare_speed",
+    "count_compiles",
+    "generated_code",
+    "graph_breaks",
+    "show_generated_code",
 ]
 
 
 # --- before: the ATen operations eager mode runs --------------------------------------------
+
 
 def aten_ops(fn: Callable[..., Any], *inputs: Any, include_views: bool = False) -> list[str]:
     """The ATen operations one call of ``fn`` runs, in order ("aten.mm.default", ...).
@@ -43,9 +52,13 @@ def aten_ops(fn: Callable[..., Any], *inputs: Any, include_views: bool = False) 
 
     with torch.no_grad():
         graph = make_fx(fn)(*inputs).graph
-    return [str(node.target) for node in graph.nodes
-            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and (include_views or not node.target.is_view)]
+    return [
+        str(node.target)
+        for node in graph.nodes
+        if node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and (include_views or not node.target.is_view)
+    ]
 
 
 # --- after: the code Inductor generates ------------------------------------------------------
@@ -100,16 +113,19 @@ class GeneratedCode:
         if start is None:
             raise KeyError(f"no kernel named {name!r}; generated kernels: {', '.join(self.kernels) or 'none'}")
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("'''")), len(lines) - 1)
-        body = lines[start:end + 1]
+        body = lines[start : end + 1]
         if max_lines is not None and len(body) > max_lines:
             body = body[:max_lines] + [f"    ... ({len(body) - max_lines} more lines)"]
         return "\n".join(body)
 
     def excerpt(self, kernel_lines: int = 30) -> str:
         """A readable summary: the launch sequence, then the start of each kernel."""
-        parts = [f"# {len(self.kernels)} generated kernel(s): {', '.join(self.kernels) or 'none'}",
-                 f"# {len(self.library_calls)} library call(s): {', '.join(self.library_calls) or 'none'}",
-                 "", self.call_function()]
+        parts = [
+            f"# {len(self.kernels)} generated kernel(s): {', '.join(self.kernels) or 'none'}",
+            f"# {len(self.library_calls)} library call(s): {', '.join(self.library_calls) or 'none'}",
+            "",
+            self.call_function(),
+        ]
         parts += ["\n" + self.kernel_source(name, kernel_lines) for name in self.kernels]
         return "\n".join(parts)
 
@@ -128,8 +144,12 @@ def generated_code(fn: Callable[..., Any], *inputs: Any, dynamic: bool | None = 
         _, sources = run_and_get_code(torch.compile(fn, dynamic=dynamic), *inputs)
     torch._dynamo.reset()
     code = "\n\n".join(sources)
-    library_calls = [match.group(1) for line in code.splitlines() if not line.lstrip().startswith("#")
-                     for match in _LIBRARY_CALL.finditer(line)]
+    library_calls = [
+        match.group(1)
+        for line in code.splitlines()
+        if not line.lstrip().startswith("#")
+        for match in _LIBRARY_CALL.finditer(line)
+    ]
     return GeneratedCode(code, _KERNEL_DEFINITION.findall(code), library_calls)
 
 
@@ -140,6 +160,7 @@ def show_generated_code(fn: Callable[..., Any], *inputs: Any, kernel_lines: int 
 
 
 # --- graph breaks ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class GraphBreaks:
@@ -187,11 +208,13 @@ def graph_breaks(fn: Callable[..., Any], *inputs: Any) -> GraphBreaks:
     with _quiet_dynamo():
         explained = torch._dynamo.explain(fn)(*inputs)
     torch._dynamo.reset()
-    return GraphBreaks(explained.graph_count, explained.graph_break_count,
-                       [_break_reason(r) for r in explained.break_reasons])
+    return GraphBreaks(
+        explained.graph_count, explained.graph_break_count, [_break_reason(r) for r in explained.break_reasons]
+    )
 
 
 # --- recompilation ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CompileCount:
@@ -209,9 +232,14 @@ class CompileCount:
     dynamic: list[bool]
 
 
-def count_compiles(fn: Callable[[torch.Tensor], Any], input_shapes: Sequence[Sequence[int]], *,
-                   dynamic: bool | None = None, mark_dynamic: Sequence[int] = (),
-                   device: torch.device | str = "cpu") -> CompileCount:
+def count_compiles(
+    fn: Callable[[torch.Tensor], Any],
+    input_shapes: Sequence[Sequence[int]],
+    *,
+    dynamic: bool | None = None,
+    mark_dynamic: Sequence[int] = (),
+    device: torch.device | str = "cpu",
+) -> CompileCount:
     """Compile ``fn`` once, call it on a random tensor of each shape, count the captures.
 
     A counting backend stands in for Inductor, so this measures Dynamo's decisions in well
@@ -226,10 +254,15 @@ def count_compiles(fn: Callable[[torch.Tensor], Any], input_shapes: Sequence[Seq
     captures: list[bool] = []
 
     def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        symbolic = any(isinstance(node.meta.get("example_value"), torch.SymInt)
-                       or (isinstance(node.meta.get("example_value"), torch.Tensor)
-                           and any(isinstance(size, torch.SymInt) for size in node.meta["example_value"].shape))
-                       for node in gm.graph.nodes if node.op == "placeholder")
+        symbolic = any(
+            isinstance(node.meta.get("example_value"), torch.SymInt)
+            or (
+                isinstance(node.meta.get("example_value"), torch.Tensor)
+                and any(isinstance(size, torch.SymInt) for size in node.meta["example_value"].shape)
+            )
+            for node in gm.graph.nodes
+            if node.op == "placeholder"
+        )
         captures.append(symbolic)
         return gm.forward
 
@@ -249,6 +282,7 @@ def count_compiles(fn: Callable[[torch.Tensor], Any], input_shapes: Sequence[Seq
 
 
 # --- time ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Speedup:
@@ -276,8 +310,9 @@ class Speedup:
         return self.compile_s / saved if saved > 0 else float("inf")
 
 
-def compare_speed(fn: Callable[..., Any], *inputs: Any, warmup: int = 3, iters: int = 20,
-                  **compile_options: Any) -> Speedup:
+def compare_speed(
+    fn: Callable[..., Any], *inputs: Any, warmup: int = 3, iters: int = 20, **compile_options: Any
+) -> Speedup:
     """Time ``fn`` eagerly and compiled (``torch.compile(fn, **compile_options)``), without
     autograd, on the device of the first tensor input."""
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))

@@ -28,11 +28,39 @@ DEFAULT_BLOCK = 16  # query and key rows per tile: tl.dot's floor on a GPU, and 
 
 
 @triton.jit
-def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, n_heads, group, t, s, head_dim, scale,
-                           stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
-                           stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
-                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def flash_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    n_heads,
+    group,
+    t,
+    s,
+    head_dim,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per (query block, batch * head); grid (cdiv(t, BLOCK_M), batch * n_heads).
 
     lse is contiguous [batch, n_heads, t]; BLOCK_D >= head_dim, a power of two.
@@ -46,8 +74,11 @@ def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, n_heads, group
     q_base = q_ptr + batch * stride_qb + head * stride_qh
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
-    q = tl.load(q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
-                mask=row_in[:, None] & dim_in[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(
+        q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
+        mask=row_in[:, None] & dim_in[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
     m = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)  # running max of each row's scores
     denominator = tl.zeros((BLOCK_M,), dtype=tl.float32)  # l: running sum of exp(score - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running sum of exp(score - m) * v
@@ -58,8 +89,11 @@ def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, n_heads, group
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
         col_in = cols < end  # end <= s: lanes past s are off too
-        k = tl.load(k_base + cols[None, :] * stride_ks + dims[:, None] * stride_kd,
-                    mask=dim_in[:, None] & col_in[None, :], other=0.0)  # (BLOCK_D, BLOCK_N): K transposed
+        k = tl.load(
+            k_base + cols[None, :] * stride_ks + dims[:, None] * stride_kd,
+            mask=dim_in[:, None] & col_in[None, :],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N): K transposed
         scores = tl.dot(q, k) * scale  # (BLOCK_M, BLOCK_N), float32
         visible = col_in[None, :]
         if CAUSAL:  # only the blocks on the diagonal have keys hidden from some rows
@@ -69,22 +103,47 @@ def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, n_heads, group
         rescale = tl.exp(m - m_new)  # shrinks what was summed under the old, smaller max
         p = tl.exp(scores - m_new[:, None])
         denominator = denominator * rescale + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=col_in[:, None] & dim_in[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vs + dims[None, :] * stride_vd,
+            mask=col_in[:, None] & dim_in[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / denominator[:, None]
     out_base = out_ptr + batch * stride_ob + head * stride_oh
-    tl.store(out_base + rows[:, None] * stride_ot + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=row_in[:, None] & dim_in[None, :])
+    tl.store(
+        out_base + rows[:, None] * stride_ot + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_in[:, None] & dim_in[None, :],
+    )
     tl.store(lse_ptr + batch_head * t + rows, m + tl.log(denominator), mask=row_in)
 
 
 @triton.jit
-def attention_scores_kernel(q_ptr, k_ptr, scores_ptr, n_heads, group, t, s, head_dim, scale,
-                            stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
-                            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+def attention_scores_kernel(
+    q_ptr,
+    k_ptr,
+    scores_ptr,
+    n_heads,
+    group,
+    t,
+    s,
+    head_dim,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Naive step 1: scores[bh, i, j] = scale * q_i . k_j (-inf where masked), float32 contiguous
     [batch * n_heads, t, s]; grid (cdiv(t, BLOCK_M), cdiv(s, BLOCK_N), batch * n_heads)."""
     batch_head = tl.program_id(2)
@@ -93,21 +152,48 @@ def attention_scores_kernel(q_ptr, k_ptr, scores_ptr, n_heads, group, t, s, head
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     row_in, col_in, dim_in = rows < t, cols < s, dims < head_dim
-    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
-                mask=row_in[:, None] & dim_in[None, :], other=0.0)
-    k = tl.load(k_ptr + batch * stride_kb + (head // group) * stride_kh + cols[None, :] * stride_ks
-                + dims[:, None] * stride_kd, mask=dim_in[:, None] & col_in[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
+        mask=row_in[:, None] & dim_in[None, :],
+        other=0.0,
+    )
+    k = tl.load(
+        k_ptr + batch * stride_kb + (head // group) * stride_kh + cols[None, :] * stride_ks + dims[:, None] * stride_kd,
+        mask=dim_in[:, None] & col_in[None, :],
+        other=0.0,
+    )
     scores = tl.dot(q, k) * scale
     if CAUSAL:
         scores = tl.where(cols[None, :] <= (s - t + rows)[:, None], scores, -float("inf"))
-    tl.store(scores_ptr + batch_head * t * s + rows[:, None] * s + cols[None, :], scores,
-             mask=row_in[:, None] & col_in[None, :])
+    tl.store(
+        scores_ptr + batch_head * t * s + rows[:, None] * s + cols[None, :],
+        scores,
+        mask=row_in[:, None] & col_in[None, :],
+    )
 
 
 @triton.jit
-def attention_pv_kernel(p_ptr, v_ptr, out_ptr, n_heads, group, t, s, head_dim,
-                        stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def attention_pv_kernel(
+    p_ptr,
+    v_ptr,
+    out_ptr,
+    n_heads,
+    group,
+    t,
+    s,
+    head_dim,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Naive step 3: out = P @ V, P float32 contiguous [batch * n_heads, t, s];
     grid (cdiv(t, BLOCK_M), batch * n_heads)."""
     batch_head = tl.program_id(1)
@@ -120,13 +206,22 @@ def attention_pv_kernel(p_ptr, v_ptr, out_ptr, n_heads, group, t, s, head_dim,
     for start in range(0, s, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_in = cols < s
-        p = tl.load(p_ptr + batch_head * t * s + rows[:, None] * s + cols[None, :],
-                    mask=row_in[:, None] & col_in[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=col_in[:, None] & dim_in[None, :], other=0.0)
+        p = tl.load(
+            p_ptr + batch_head * t * s + rows[:, None] * s + cols[None, :],
+            mask=row_in[:, None] & col_in[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + cols[:, None] * stride_vs + dims[None, :] * stride_vd,
+            mask=col_in[:, None] & dim_in[None, :],
+            other=0.0,
+        )
         acc = tl.dot(p, v.to(tl.float32), acc)
-    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,
-             acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & dim_in[None, :])
+    tl.store(
+        out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_in[:, None] & dim_in[None, :],
+    )
 
 
 def _launch(kernel, grid, *args, **meta) -> None:
@@ -140,19 +235,23 @@ def _attention_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
     if k.shape != v.shape:
         raise ValueError(f"k has shape {list(k.shape)} but v has {list(v.shape)}; keys and values must match")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; convert them to one dtype, "
-                        f"e.g. k.to(q.dtype)")
+        raise TypeError(
+            f"q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; convert them to one dtype, e.g. k.to(q.dtype)"
+        )
     if batch_k != batch or head_dim_k != head_dim:
-        raise ValueError(f"q is {list(q.shape)} and k is {list(k.shape)}: batch and head_dim (dims 0 and 3) "
-                         "must match")
+        raise ValueError(f"q is {list(q.shape)} and k is {list(k.shape)}: batch and head_dim (dims 0 and 3) must match")
     if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}): each key/value "
-                         "head serves a whole group of query heads")
+        raise ValueError(
+            f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}): each key/value "
+            "head serves a whole group of query heads"
+        )
     if s == 0:
         raise ValueError(f"k has no keys (shape {list(k.shape)}): attention needs at least one key per query")
     if t > s:
-        raise ValueError(f"q has t = {t} queries but k only s = {s} keys; the queries are the last t of the "
-                         "s positions, so t <= s (append this step's keys before attending)")
+        raise ValueError(
+            f"q has t = {t} queries but k only s = {s} keys; the queries are the last t of the "
+            "s positions, so t <= s (append this step's keys before attending)"
+        )
     return batch, n_heads, n_kv_heads, t, s, head_dim
 
 
@@ -180,9 +279,16 @@ def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    scale: float | None = None, block_m: int = DEFAULT_BLOCK,
-                    block_n: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_m: int = DEFAULT_BLOCK,
+    block_n: int = DEFAULT_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the FlashAttention kernel: the score matrix is never written to memory.
 
     With this module's convention every query sees at least key 0, so no row is fully masked.
@@ -205,14 +311,35 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     block_m, block_n = check_block("block_m", block_m), check_block("block_n", block_n)
     out = torch.empty(batch, n_heads, t, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_heads, t, dtype=torch.float32, device=q.device)
-    _launch(flash_attention_kernel, (triton.cdiv(t, block_m), batch * n_heads), q, k, v, out, lse,
-            n_heads, n_heads // n_kv_heads, t, s, head_dim, scale, *q.stride(), *k.stride(), *v.stride(),
-            *out.stride(), CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim))
+    _launch(
+        flash_attention_kernel,
+        (triton.cdiv(t, block_m), batch * n_heads),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        n_heads,
+        n_heads // n_kv_heads,
+        t,
+        s,
+        head_dim,
+        scale,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        CAUSAL=bool(causal),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_block_d(head_dim),
+    )
     return out, lse
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    scale: float | None = None) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
     """The same attention as three kernels through a float32 score matrix in memory: the baseline.
 
     Scores = scale * Q K^T (masked entries written as -inf), then the course's fused softmax
@@ -223,22 +350,53 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     (batch, n_heads, n_kv_heads, t, s, head_dim), scale = _check_inputs(q, k, v, scale)
     if next_power_of_2(s) > MAX_BLOCK:
-        raise ValueError(f"s = {s} keys do not fit the softmax kernel's one-block rows (at most {MAX_BLOCK}); "
-                         "use flash_attention")
+        raise ValueError(
+            f"s = {s} keys do not fit the softmax kernel's one-block rows (at most {MAX_BLOCK}); use flash_attention"
+        )
     group, bd, blocks = n_heads // n_kv_heads, _block_d(head_dim), dict(BLOCK_M=DEFAULT_BLOCK, BLOCK_N=DEFAULT_BLOCK)
     scores = torch.empty(batch * n_heads, t, s, dtype=torch.float32, device=q.device)  # the t x s matrix
-    _launch(attention_scores_kernel, (triton.cdiv(t, DEFAULT_BLOCK), triton.cdiv(s, DEFAULT_BLOCK), batch * n_heads),
-            q, k, scores, n_heads, group, t, s, head_dim, scale, *q.stride(), *k.stride(),
-            CAUSAL=bool(causal), BLOCK_D=bd, **blocks)
+    _launch(
+        attention_scores_kernel,
+        (triton.cdiv(t, DEFAULT_BLOCK), triton.cdiv(s, DEFAULT_BLOCK), batch * n_heads),
+        q,
+        k,
+        scores,
+        n_heads,
+        group,
+        t,
+        s,
+        head_dim,
+        scale,
+        *q.stride(),
+        *k.stride(),
+        CAUSAL=bool(causal),
+        BLOCK_D=bd,
+        **blocks,
+    )
     _launch(softmax_kernel, (batch * n_heads * t,), scores, scores, s, s, s, BLOCK=next_power_of_2(s))
     out = torch.empty(batch, n_heads, t, head_dim, dtype=q.dtype, device=q.device)
-    _launch(attention_pv_kernel, (triton.cdiv(t, DEFAULT_BLOCK), batch * n_heads), scores, v, out,
-            n_heads, group, t, s, head_dim, *v.stride(), *out.stride(), BLOCK_D=bd, **blocks)
+    _launch(
+        attention_pv_kernel,
+        (triton.cdiv(t, DEFAULT_BLOCK), batch * n_heads),
+        scores,
+        v,
+        out,
+        n_heads,
+        group,
+        t,
+        s,
+        head_dim,
+        *v.stride(),
+        *out.stride(),
+        BLOCK_D=bd,
+        **blocks,
+    )
     return out
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (out, lse) in plain torch, float32 maths, GQA by repeating each key/value head."""
     (_, n_heads, n_kv_heads, t, s, head_dim) = _attention_shapes(q, k, v)
     scale = _check_scale(scale, head_dim)
@@ -264,8 +422,17 @@ def flash_cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
     return flash_attention(q, keys, values, causal=True)[0]
 
 
-def flash_attention_bytes(batch: int, n_heads: int, t: int, s: int, head_dim: int, *, causal: bool = True,
-                          block_m: int = DEFAULT_BLOCK, element_size: int = 4) -> dict[str, int]:
+def flash_attention_bytes(
+    batch: int,
+    n_heads: int,
+    t: int,
+    s: int,
+    head_dim: int,
+    *,
+    causal: bool = True,
+    block_m: int = DEFAULT_BLOCK,
+    element_size: int = 4,
+) -> dict[str, int]:
     """The bytes ``flash_attention`` moves: {"loaded": ..., "stored": ...}.
 
     Per (batch, query head), with rows of head_dim * element_size bytes: Q is read once
@@ -280,8 +447,9 @@ def flash_attention_bytes(batch: int, n_heads: int, t: int, s: int, head_dim: in
     return {"loaded": heads * (t + 2 * sum(ends)) * row, "stored": heads * t * (row + 4)}
 
 
-def naive_attention_bytes(batch: int, n_heads: int, t: int, s: int, head_dim: int,
-                          element_size: int = 4) -> dict[str, int]:
+def naive_attention_bytes(
+    batch: int, n_heads: int, t: int, s: int, head_dim: int, element_size: int = 4
+) -> dict[str, int]:
     """The bytes ``naive_attention`` moves: {"loaded": ..., "stored": ..., "scores": ...}.
 
     Per (batch, query head), with rows of head_dim * element_size bytes and float32 scores

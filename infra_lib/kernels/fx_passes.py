@@ -83,8 +83,13 @@ def _silu_input(mul: torch.fx.Node) -> torch.fx.Node | None:
     if not _is_call(mul, _MUL) or len(mul.args) != 2 or mul.kwargs:
         return None
     for gate, x in (mul.args, mul.args[::-1]):
-        if (_is_call(gate, _SIGMOID) and len(gate.args) == 1 and not gate.kwargs
-                and gate.args[0] is x and len(gate.users) == 1):
+        if (
+            _is_call(gate, _SIGMOID)
+            and len(gate.args) == 1
+            and not gate.kwargs
+            and gate.args[0] is x
+            and len(gate.users) == 1
+        ):
             return x
     return None
 

@@ -25,8 +25,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from infra_lib.kernels.triton_env import (FLOAT_DTYPES, interpreter_active, load_triton, next_power_of_2,
-                                          require_same_device, require_tensor)
+from infra_lib.kernels.triton_env import (
+    FLOAT_DTYPES,
+    interpreter_active,
+    load_triton,
+    next_power_of_2,
+    require_same_device,
+    require_tensor,
+)
 
 triton, tl = load_triton()
 
@@ -36,12 +42,37 @@ STEP_BYTES = 128  # packed bytes per weight row that one k-step reads (256 weigh
 
 
 @triton.jit
-def q4_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N, K,
-              stride_xm, stride_xk, stride_qn, stride_qg, stride_qp, stride_sn, stride_sg, stride_mn, stride_mg,
-              stride_ym, stride_yn,
-              GROUP: tl.constexpr, ZERO: tl.constexpr, HALVES: tl.constexpr, HAS_MIN: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-              BLOCK_HALF: tl.constexpr):
+def q4_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    min_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qg,
+    stride_qp,
+    stride_sn,
+    stride_sg,
+    stride_mn,
+    stride_mg,
+    stride_ym,
+    stride_yn,
+    GROUP: tl.constexpr,
+    ZERO: tl.constexpr,
+    HALVES: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """y[M, N] = x[M, K] @ W.T, W read from 4-bit groups; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
 
     Weight k of a row, in group g = k // GROUP, is scale[g] * (nibble - ZERO), plus min[g] with
@@ -89,19 +120,64 @@ def q4_kernel(x_ptr, q_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N, K,
         min_ptrs += GROUPS * stride_mg
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows[:, None] < M) & (cols[None, :] < N),
+    )
 
 
 @triton.jit
-def q4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def q4_gemv_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_ym,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """y[M, N] = x[M, K] @ W.T read from ``QuantLinear(bits=4)`` storage, through ``q4_kernel``: groups
     of GROUP weights, nibbles stored as q + 8, no minimum, no bias, one group per step;
     grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
-    q4_kernel(x_ptr, packed_ptr, scales_ptr, scales_ptr, scales_ptr, y_ptr, M, N, K, stride_xm, 1, stride_pn,
-              GROUP // 2, 1, stride_sn, 1, stride_sn, 1, stride_ym, 1, GROUP, 8, False, False, False, BLOCK_M,
-              BLOCK_N, 1, GROUP // 2)
+    q4_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        scales_ptr,
+        scales_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        1,
+        stride_pn,
+        GROUP // 2,
+        1,
+        stride_sn,
+        1,
+        stride_sn,
+        1,
+        stride_ym,
+        1,
+        GROUP,
+        8,
+        False,
+        False,
+        False,
+        BLOCK_M,
+        BLOCK_N,
+        1,
+        GROUP // 2,
+    )
 
 
 def _power_of_two(name: str, value, floor: int) -> int:
@@ -119,8 +195,10 @@ def tile_shape(m: int, block_n: int | None = None) -> tuple[int, int]:
 
 def _require_packed(name: str, value, ndim: int) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and value.dtype != torch.uint8:
-        raise TypeError(f"{name} has dtype {str(value.dtype).replace('torch.', '')}; it must be uint8, two 4-bit "
-                        "weights per byte, as stored")
+        raise TypeError(
+            f"{name} has dtype {str(value.dtype).replace('torch.', '')}; it must be uint8, two 4-bit "
+            "weights per byte, as stored"
+        )
     return require_tensor(name, value, ndim=ndim, dtypes=(torch.uint8,))
 
 
@@ -142,8 +220,9 @@ class Launch:
         return self.out
 
 
-def _launch(x, q, q_strides, scales, minimum, bias, *, group_size: int, zero: int, halves: bool, block_n,
-            k_groups) -> Launch:
+def _launch(
+    x, q, q_strides, scales, minimum, bias, *, group_size: int, zero: int, halves: bool, block_n, k_groups
+) -> Launch:
     """The launch of ``q4_kernel`` for checked inputs; ``q_strides`` = (row, group, byte in group)."""
     (m, k), n = x.shape, q.shape[0]
     block_m, block_n = tile_shape(m, block_n)
@@ -152,18 +231,48 @@ def _launch(x, q, q_strides, scales, minimum, bias, *, group_size: int, zero: in
         k_groups = min(next_power_of_2(k // group_size), max(1, STEP_BYTES // half))
     _power_of_two("k_groups", k_groups, 1)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    meta = dict(GROUP=group_size, ZERO=zero, HALVES=halves, HAS_MIN=minimum is not None,
-                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=k_groups, BLOCK_HALF=half)
+    meta = dict(
+        GROUP=group_size,
+        ZERO=zero,
+        HALVES=halves,
+        HAS_MIN=minimum is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        GROUPS=k_groups,
+        BLOCK_HALF=half,
+    )
     minimum = scales if minimum is None else minimum  # scales stand in for pointers the kernel never reads
     bias = scales if bias is None else bias
-    args = (x, q, scales, minimum, bias, y, m, n, k,
-            *x.stride(), *q_strides, *scales.stride(), *minimum.stride(), *y.stride())
+    args = (
+        x,
+        q,
+        scales,
+        minimum,
+        bias,
+        y,
+        m,
+        n,
+        k,
+        *x.stride(),
+        *q_strides,
+        *scales.stride(),
+        *minimum.stride(),
+        *y.stride(),
+    )
     return Launch(q4_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), args, meta, y)
 
 
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, *, block_n: int | None = None,
-              k_groups: int | None = None) -> torch.Tensor:
+def q4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+    k_groups: int | None = None,
+) -> torch.Tensor:
     """x @ W.T for ``QuantLinear(bits=4)``'s storage, W dequantised in registers only.
 
     Args:
@@ -183,9 +292,16 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group
     return q4_matmul_launch(x, packed, scales, group_size, bias, block_n=block_n, k_groups=k_groups)()
 
 
-def q4_matmul_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
-                     bias: torch.Tensor | None = None, *, block_n: int | None = None,
-                     k_groups: int | None = None) -> Launch:
+def q4_matmul_launch(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+    k_groups: int | None = None,
+) -> Launch:
     """The checked launch behind ``q4_matmul`` (same arguments), not yet run."""
     require_tensor("x", x, ndim=2)
     _require_packed("packed", packed, 2)
@@ -196,24 +312,46 @@ def q4_matmul_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     require_same_device(**tensors)
     if type(group_size) is not int or group_size < 2 or group_size % 2:
         raise ValueError(f"group_size must be a positive even integer (two weights share a byte), got {group_size!r}")
-    (m, k), n = x.shape, packed.shape[0]
+    (_, k), n = x.shape, packed.shape[0]
     if k % group_size:
         raise ValueError(f"x has {k} columns, not a multiple of group_size {group_size}; the kernel reads whole groups")
     if packed.shape[1] * 2 != k:
-        raise ValueError(f"packed {list(packed.shape)} holds {packed.shape[1] * 2} weights per row but x has {k} "
-                         f"columns; expected packed [n, {k // 2}]")
+        raise ValueError(
+            f"packed {list(packed.shape)} holds {packed.shape[1] * 2} weights per row but x has {k} "
+            f"columns; expected packed [n, {k // 2}]"
+        )
     if list(scales.shape) != [n, k // group_size]:
-        raise ValueError(f"scales has shape {list(scales.shape)}; expected [{n}, {k // group_size}] "
-                         f"(one per output row and group of {group_size})")
+        raise ValueError(
+            f"scales has shape {list(scales.shape)}; expected [{n}, {k // group_size}] "
+            f"(one per output row and group of {group_size})"
+        )
     if bias is not None and bias.shape[0] != n:
         raise ValueError(f"bias has {bias.shape[0]} elements but the weight has {n} output rows")
     row, byte = packed.stride()
-    return _launch(x, packed, (row, group_size // 2 * byte, byte), scales, None, bias, group_size=group_size,
-                   zero=8, halves=False, block_n=block_n, k_groups=k_groups)
+    return _launch(
+        x,
+        packed,
+        (row, group_size // 2 * byte, byte),
+        scales,
+        None,
+        bias,
+        group_size=group_size,
+        zero=8,
+        halves=False,
+        block_n=block_n,
+        k_groups=k_groups,
+    )
 
 
-def q4_1_matmul(x: torch.Tensor, d: torch.Tensor, m_min: torch.Tensor, qs: torch.Tensor, *,
-                block_n: int | None = None, k_groups: int | None = None) -> torch.Tensor:
+def q4_1_matmul(
+    x: torch.Tensor,
+    d: torch.Tensor,
+    m_min: torch.Tensor,
+    qs: torch.Tensor,
+    *,
+    block_n: int | None = None,
+    k_groups: int | None = None,
+) -> torch.Tensor:
     """x @ W.T for GGUF Q4_1 blocks as ``Q4_1Linear`` stores them, W dequantised in registers only.
 
     Args:
@@ -230,30 +368,62 @@ def q4_1_matmul(x: torch.Tensor, d: torch.Tensor, m_min: torch.Tensor, qs: torch
     return q4_1_matmul_launch(x, d, m_min, qs, block_n=block_n, k_groups=k_groups)()
 
 
-def q4_1_matmul_launch(x: torch.Tensor, d: torch.Tensor, m_min: torch.Tensor, qs: torch.Tensor, *,
-                       block_n: int | None = None, k_groups: int | None = None) -> Launch:
+def q4_1_matmul_launch(
+    x: torch.Tensor,
+    d: torch.Tensor,
+    m_min: torch.Tensor,
+    qs: torch.Tensor,
+    *,
+    block_n: int | None = None,
+    k_groups: int | None = None,
+) -> Launch:
     """The checked launch behind ``q4_1_matmul`` (same arguments), not yet run."""
     require_tensor("x", x, ndim=2)
     require_tensor("d", d, ndim=2)
     require_tensor("m_min", m_min, ndim=2)
     _require_packed("qs", qs, 3)
     require_same_device(x=x, d=d, m_min=m_min, qs=qs)
-    (m, k), n = x.shape, qs.shape[0]
+    (_, k), n = x.shape, qs.shape[0]
     if k % Q4_1_BLOCK:
         raise ValueError(f"x has {k} columns, not a multiple of the Q4_1 block ({Q4_1_BLOCK} weights)")
     if list(qs.shape) != [n, k // Q4_1_BLOCK, Q4_1_BLOCK // 2]:
-        raise ValueError(f"qs has shape {list(qs.shape)}; for x with {k} columns expected "
-                         f"[n, {k // Q4_1_BLOCK}, {Q4_1_BLOCK // 2}]")
+        raise ValueError(
+            f"qs has shape {list(qs.shape)}; for x with {k} columns expected [n, {k // Q4_1_BLOCK}, {Q4_1_BLOCK // 2}]"
+        )
     for name, value in (("d", d), ("m_min", m_min)):
         if list(value.shape) != [n, k // Q4_1_BLOCK]:
-            raise ValueError(f"{name} has shape {list(value.shape)}; expected [{n}, {k // Q4_1_BLOCK}] "
-                             "(one per output row and block)")
-    return _launch(x, qs, qs.stride(), d, m_min, None, group_size=Q4_1_BLOCK, zero=0, halves=True,
-                   block_n=block_n, k_groups=k_groups)
+            raise ValueError(
+                f"{name} has shape {list(value.shape)}; expected [{n}, {k // Q4_1_BLOCK}] "
+                "(one per output row and block)"
+            )
+    return _launch(
+        x,
+        qs,
+        qs.stride(),
+        d,
+        m_min,
+        None,
+        group_size=Q4_1_BLOCK,
+        zero=0,
+        halves=True,
+        block_n=block_n,
+        k_groups=k_groups,
+    )
 
 
-def q4_matmul_bytes(m: int, n: int, k: int, group_size: int, *, block_m: int, block_n: int, x_bytes: int = 4,
-                    scale_bytes: int = 4, min_bytes: int = 0, bias_bytes: int = 0) -> dict[str, int]:
+def q4_matmul_bytes(
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    *,
+    block_m: int,
+    block_n: int,
+    x_bytes: int = 4,
+    scale_bytes: int = 4,
+    min_bytes: int = 0,
+    bias_bytes: int = 0,
+) -> dict[str, int]:
     """The bytes ``q4_matmul`` moves: {"loaded": ..., "stored": ...}.
 
     loaded = row_tiles * (n*k/2 + n*(k/group_size)*(scale_bytes + min_bytes) + n*bias_bytes)
@@ -274,11 +444,13 @@ def q4_1_matmul_bytes(m: int, n: int, k: int, *, block_m: int, block_n: int, x_b
 
     A Q4_1 block is 20 bytes for 32 weights (16 of nibbles, 2 of d, 2 of m): 0.625 bytes a weight.
     """
-    return q4_matmul_bytes(m, n, k, Q4_1_BLOCK, block_m=block_m, block_n=block_n, x_bytes=x_bytes, scale_bytes=2,
-                           min_bytes=2)
+    return q4_matmul_bytes(
+        m, n, k, Q4_1_BLOCK, block_m=block_m, block_n=block_n, x_bytes=x_bytes, scale_bytes=2, min_bytes=2
+    )
 
 
 # --- the forward switch --------------------------------------------------------------------------
+
 
 def stored_format(module: nn.Module) -> str | None:
     """The 4-bit format ``module`` stores: "int4" for ``QuantLinear(bits=4)``'s buffers (qweight and
@@ -290,8 +462,13 @@ def stored_format(module: nn.Module) -> str | None:
     if {"d", "m", "qs"} <= buffers.keys() and buffers["qs"].dtype == torch.uint8 and buffers["qs"].dim() == 3:
         return "q4_1"
     packed = buffers.get("qweight")
-    if (getattr(module, "bits", None) == 4 and "scales" in buffers and packed is not None
-            and packed.dtype == torch.uint8 and getattr(module, "group_size", 1) % 2 == 0):
+    if (
+        getattr(module, "bits", None) == 4
+        and "scales" in buffers
+        and packed is not None
+        and packed.dtype == torch.uint8
+        and getattr(module, "group_size", 1) % 2 == 0
+    ):
         return "int4"
     return None
 

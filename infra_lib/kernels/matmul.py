@@ -18,9 +18,23 @@ CPU_BLOCK = 32  # the default tile edge in the interpreter: small tiles keep Num
 
 
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def matmul_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """C[M, N] = A[M, K] @ B[K, N]; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -28,26 +42,36 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        a_tile = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
-                         mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # (BLOCK_M, BLOCK_K)
-        b_tile = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
-                         mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)  # (BLOCK_K, BLOCK_N)
+        a_tile = tl.load(
+            a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak,
+            mask=(rows[:, None] < M) & (k[None, :] < K),
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
+        b_tile = tl.load(
+            b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=(k[:, None] < K) & (cols[None, :] < N),
+            other=0.0,
+        )  # (BLOCK_K, BLOCK_N)
         acc = tl.dot(a_tile, b_tile, acc)  # zeros in the masked lanes add nothing
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, c,
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, c, mask=(rows[:, None] < M) & (cols[None, :] < N)
+    )
 
 
 def _gpu_configs():
     shapes = [(128, 128, 32, 4, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4), (32, 64, 32, 2, 5)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-            for m, n, k, warps, stages in shapes]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for m, n, k, warps, stages in shapes
+    ]
 
 
 # On a GPU, the tile shape that runs fastest depends on the chip and the problem size:
 # the autotuner times each config once per (M, N, K) and keeps the best.
-matmul_kernel_autotuned = (None if interpreter_active()
-                           else triton.autotune(configs=_gpu_configs(), key=["M", "N", "K"])(matmul_kernel))
+matmul_kernel_autotuned = (
+    None if interpreter_active() else triton.autotune(configs=_gpu_configs(), key=["M", "N", "K"])(matmul_kernel)
+)
 
 
 def check_block(name: str, value) -> int:
@@ -59,8 +83,15 @@ def check_block(name: str, value) -> int:
     return value
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
-           block_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A @ B with the tiled kernel.
 
     Args:
@@ -79,8 +110,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int | None = None, bloc
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; convert one, e.g. b.to(a.dtype)")
     (m, k), (k_b, n) = a.shape, b.shape
     if k != k_b:
-        raise ValueError(f"a is {list(a.shape)} and b is {list(b.shape)}: a's columns ({k}) must equal b's rows "
-                         f"({k_b}); did you mean b.T?")
+        raise ValueError(
+            f"a is {list(a.shape)} and b is {list(b.shape)}: a's columns ({k}) must equal b's rows "
+            f"({k_b}); did you mean b.T?"
+        )
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     else:
@@ -91,12 +124,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int | None = None, bloc
     strides = (*a.stride(), *b.stride(), *out.stride())
     tuned = block_m is None and block_n is None and block_k is None and matmul_kernel_autotuned is not None
     if tuned:
+
         def grid(meta):
             return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
         matmul_kernel_autotuned[grid](a, b, out, m, n, k, *strides)
         return out
-    bm, bn, bk = (check_block(name, CPU_BLOCK if value is None else value)
-                  for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)))
+    bm, bn, bk = (
+        check_block(name, CPU_BLOCK if value is None else value)
+        for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k))
+    )
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     matmul_kernel[grid](a, b, out, m, n, k, *strides, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return out

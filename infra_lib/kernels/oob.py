@@ -26,8 +26,12 @@ import torch
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # A quiet NaN with a payload per argument, so that a NaN copied from one tensor's guard into
 # another's still changes the second canary. (exponent and quiet bit, payload base, payload bits)
-_NAN_BITS = {torch.float32: (0x7FC00000, 0x155500, 0xFF), torch.float64: (0x7FF8000000000000, 0x5555500, 0xFF),
-             torch.float16: (0x7E00, 0x100, 0xFF), torch.bfloat16: (0x7FC0, 0x20, 0x1F)}
+_NAN_BITS = {
+    torch.float32: (0x7FC00000, 0x155500, 0xFF),
+    torch.float64: (0x7FF8000000000000, 0x5555500, 0xFF),
+    torch.float16: (0x7E00, 0x100, 0xFF),
+    torch.bfloat16: (0x7FC0, 0x20, 0x1F),
+}
 _INT_CANARY = {1: 0xA5, 2: 0x5A5A, 4: 0x5A5A5A5A, 8: 0x5A5A5A5A5A5A5A5A}
 SIDES = {"before": "before the start of", "after": "after the end of", "between": "in the gaps between the rows of"}
 
@@ -56,12 +60,19 @@ class Violation:
         if self.kind == "store":
             return f"out-of-range store: {self.elements} element(s) written {where}; mask the tl.store"
         into = ", ".join(f"`{name}`" for name in self.poisoned) or "the outputs"
-        return (f"out-of-range load: the kernel read {where} ({self.elements} element(s) of {into} depend on it); "
-                "mask the tl.load and give `other=` a neutral value")
+        return (
+            f"out-of-range load: the kernel read {where} ({self.elements} element(s) of {into} depend on it); "
+            "mask the tl.load and give `other=` a neutral value"
+        )
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "argument": self.argument, "side": self.side, "elements": self.elements,
-                "poisoned": list(self.poisoned)}
+        return {
+            "kind": self.kind,
+            "argument": self.argument,
+            "side": self.side,
+            "elements": self.elements,
+            "poisoned": list(self.poisoned),
+        }
 
 
 @dataclass(frozen=True)
@@ -96,8 +107,10 @@ class _Slot:
         if tensor.is_complex():
             raise TypeError(f"check_bounds does not support complex tensors (`{name}`)")
         if any(st == 0 and sz > 1 for st, sz in zip(tensor.stride(), tensor.shape)):
-            raise ValueError(f"`{name}` is broadcast (a stride of 0, strides {list(tensor.stride())}); "
-                             f"pass {name}.contiguous() to check_bounds")
+            raise ValueError(
+                f"`{name}` is broadcast (a stride of 0, strides {list(tensor.stride())}); "
+                f"pass {name}.contiguous() to check_bounds"
+            )
         self.name, self.tensor, self.code = name, tensor, code
         self.span = 0 if tensor.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
         self.guard = max(4096, 2 * self.span) if guard is None else guard
@@ -105,8 +118,11 @@ class _Slot:
         owned = torch.zeros(total, dtype=torch.bool, device=tensor.device)
         torch.as_strided(owned, tensor.shape, tensor.stride(), self.guard).fill_(True)
         position = torch.arange(total, device=tensor.device)
-        self.regions = {"before": position < self.guard, "after": position >= self.guard + self.span,
-                        "between": ~owned & (position >= self.guard) & (position < self.guard + self.span)}
+        self.regions = {
+            "before": position < self.guard,
+            "after": position >= self.guard + self.span,
+            "between": ~owned & (position >= self.guard) & (position < self.guard + self.span),
+        }
         self.floating = tensor.is_floating_point()
         self.bits_dtype = _BITS[tensor.element_size()]
         if self.floating:
@@ -141,8 +157,11 @@ class _Slot:
         return {region: int((changed & mask).sum()) for region, mask in self.regions.items()}
 
     def nan(self) -> torch.Tensor:
-        return torch.isnan(self.view) if self.floating else torch.zeros(self.view.shape, dtype=torch.bool,
-                                                                          device=self.view.device)
+        return (
+            torch.isnan(self.view)
+            if self.floating
+            else torch.zeros(self.view.shape, dtype=torch.bool, device=self.view.device)
+        )
 
 
 def _arg_names(kernel, count: int) -> list[str]:
@@ -164,12 +183,14 @@ def _slots(kernel, args, meta, guard):
         where[key] = slots[ident]
     distinct = list(slots.values())
     for i, one in enumerate(distinct):
-        for other in distinct[i + 1:]:
+        for other in distinct[i + 1 :]:
             a0, b0 = one.tensor.data_ptr(), other.tensor.data_ptr()
             a1, b1 = a0 + one.span * one.tensor.element_size(), b0 + other.span * other.tensor.element_size()
             if one.span and other.span and a0 < b1 and b0 < a1:
-                raise ValueError(f"`{one.name}` and `{other.name}` overlap in memory; check_bounds needs separate "
-                                 "tensors (or the very same tensor passed twice)")
+                raise ValueError(
+                    f"`{one.name}` and `{other.name}` overlap in memory; check_bounds needs separate "
+                    "tensors (or the very same tensor passed twice)"
+                )
     return distinct, where
 
 
@@ -179,8 +200,9 @@ def _leaked(slots, values: dict, baseline: dict) -> dict[str, int]:
     return {name: n for name, n in counts.items() if n}
 
 
-def check_bounds(kernel, grid, *args, guard_elements: int | None = None, raise_on_error: bool = True,
-                 **meta) -> BoundsReport:
+def check_bounds(
+    kernel, grid, *args, guard_elements: int | None = None, raise_on_error: bool = True, **meta
+) -> BoundsReport:
     """Launch ``kernel[grid](*args, **meta)`` with every tensor argument guarded; report what went outside.
 
     The caller's tensors receive the results, as after a plain launch.

@@ -30,16 +30,42 @@ INDEX_BYTES = 4
 
 
 @triton.jit
-def _attend_blocks(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_len, kv_head, first_block, last_block,
-                   group, head_dim, scale, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                   stride_vh, BLOCK_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _attend_blocks(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    seq_len,
+    kv_head,
+    first_block,
+    last_block,
+    group,
+    head_dim,
+    scale,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Online softmax of one KV head's query group over blocks [first_block, last_block) of one
     sequence; returns the running max [G], sum [G] and unnormalised output [G, D], in float32."""
     heads, rows, dims = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_ROWS), tl.arange(0, BLOCK_D)
     in_group, in_dim = heads < group, dims < head_dim
-    q = tl.load(q_ptr + (kv_head * group + heads)[:, None] * stride_qh + dims[None, :],
-                mask=in_group[:, None] & in_dim[None, :], other=0.0).to(tl.float32) * scale  # (G, D)
+    q = (
+        tl.load(
+            q_ptr + (kv_head * group + heads)[:, None] * stride_qh + dims[None, :],
+            mask=in_group[:, None] & in_dim[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        * scale
+    )  # (G, D)
     row_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -47,10 +73,16 @@ def _attend_blocks(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_len, kv_head,
         block = tl.load(table_ptr + i).to(tl.int64)  # the indirection: where position i * BLOCK_SIZE lives
         live = (rows < BLOCK_SIZE) & (i * BLOCK_SIZE + rows < seq_len)  # (R,): the last block may be partial
         tile = live[:, None] & in_dim[None, :]
-        k = tl.load(k_cache_ptr + block * stride_kb + rows[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=tile, other=0.0).to(tl.float32)  # (R, D)
-        v = tl.load(v_cache_ptr + block * stride_vb + rows[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=tile, other=0.0).to(tl.float32)
+        k = tl.load(
+            k_cache_ptr + block * stride_kb + rows[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+            mask=tile,
+            other=0.0,
+        ).to(tl.float32)  # (R, D)
+        v = tl.load(
+            v_cache_ptr + block * stride_vb + rows[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+            mask=tile,
+            other=0.0,
+        ).to(tl.float32)
         scores = tl.where(live[None, :], tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))  # (G, R)
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: every visited block has a live row
         rescale = tl.exp(row_max - new_max)  # what is already accumulated shrinks to the new max
@@ -62,61 +94,172 @@ def _attend_blocks(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_len, kv_head,
 
 
 @triton.jit
-def paged_decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, group, head_dim, scale,
-                        stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
-                        stride_vb, stride_vt, stride_vh, stride_table, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+def paged_decode_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    group,
+    head_dim,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_table,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """out[seq, group of kv_head] = attention over the whole context; grid (batch, n_kv_heads)."""
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    _, row_sum, acc = _attend_blocks(q_ptr + seq * stride_qb, k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_table,
-                                     seq_len, kv_head, 0, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE, group, head_dim,
-                                     scale, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                     stride_vh, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BLOCK_D)
+    _, row_sum, acc = _attend_blocks(
+        q_ptr + seq * stride_qb,
+        k_cache_ptr,
+        v_cache_ptr,
+        tables_ptr + seq * stride_table,
+        seq_len,
+        kv_head,
+        0,
+        (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE,
+        group,
+        head_dim,
+        scale,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_SIZE,
+        BLOCK_ROWS,
+        BLOCK_G,
+        BLOCK_D,
+    )
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # an empty context (seq_len 0) gives zeros
     heads, dims = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + seq * stride_ob + (kv_head * group + heads)[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(heads < group)[:, None] & (dims < head_dim)[None, :])
+    tl.store(
+        out_ptr + seq * stride_ob + (kv_head * group + heads)[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(heads < group)[:, None] & (dims < head_dim)[None, :],
+    )
 
 
 @triton.jit
-def paged_decode_split_kernel(max_ptr, sum_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
-                              group, head_dim, scale, partitions, stride_qb, stride_qh, stride_pb, stride_ph,
-                              stride_ab, stride_ah, stride_ap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                              stride_vh, stride_table, BLOCK_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                              BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+def paged_decode_split_kernel(
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    group,
+    head_dim,
+    scale,
+    partitions,
+    stride_qb,
+    stride_qh,
+    stride_pb,
+    stride_ph,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_table,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Partial (max, sum, acc) of one slice of a context; grid (batch, n_kv_heads, partitions)."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     per_part = (num_blocks + partitions - 1) // partitions
     first = tl.minimum(part * per_part, num_blocks)  # a slice past the end is empty: max -inf, sum 0
-    row_max, row_sum, acc = _attend_blocks(q_ptr + seq * stride_qb, k_cache_ptr, v_cache_ptr,
-                                           tables_ptr + seq * stride_table, seq_len, kv_head, first,
-                                           tl.minimum(first + per_part, num_blocks), group, head_dim, scale,
-                                           stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                           stride_vh, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BLOCK_D)
+    row_max, row_sum, acc = _attend_blocks(
+        q_ptr + seq * stride_qb,
+        k_cache_ptr,
+        v_cache_ptr,
+        tables_ptr + seq * stride_table,
+        seq_len,
+        kv_head,
+        first,
+        tl.minimum(first + per_part, num_blocks),
+        group,
+        head_dim,
+        scale,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_SIZE,
+        BLOCK_ROWS,
+        BLOCK_G,
+        BLOCK_D,
+    )
     lanes, dims = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads, in_group = kv_head * group + lanes, lanes < group
     where = seq * stride_pb + heads * stride_ph + part
     tl.store(max_ptr + where, row_max, mask=in_group)
     tl.store(sum_ptr + where, row_sum, mask=in_group)
-    tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + dims[None, :], acc,
-             mask=in_group[:, None] & (dims < head_dim)[None, :])
+    tl.store(
+        acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + dims[None, :],
+        acc,
+        mask=in_group[:, None] & (dims < head_dim)[None, :],
+    )
 
 
 @triton.jit
-def merge_partitions_kernel(out_ptr, max_ptr, sum_ptr, acc_ptr, head_dim, partitions, stride_ob, stride_oh,
-                            stride_pb, stride_ph, stride_ab, stride_ah, stride_ap,
-                            BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+def merge_partitions_kernel(
+    out_ptr,
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
+    head_dim,
+    partitions,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """out[seq, head] from its partitions' partials, each rescaled to the overall max; grid (batch, n_heads)."""
     seq, head = tl.program_id(0), tl.program_id(1)
     parts, dims = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
     inside, in_dim = parts < partitions, dims < head_dim
     part_max = tl.load(max_ptr + seq * stride_pb + head * stride_ph + parts, mask=inside, other=float("-inf"))
     part_sum = tl.load(sum_ptr + seq * stride_pb + head * stride_ph + parts, mask=inside, other=0.0)
-    part_acc = tl.load(acc_ptr + seq * stride_ab + head * stride_ah + parts[:, None] * stride_ap + dims[None, :],
-                       mask=inside[:, None] & in_dim[None, :], other=0.0)  # (P, D)
+    part_acc = tl.load(
+        acc_ptr + seq * stride_ab + head * stride_ah + parts[:, None] * stride_ap + dims[None, :],
+        mask=inside[:, None] & in_dim[None, :],
+        other=0.0,
+    )  # (P, D)
     top = tl.max(part_max, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)  # an empty context leaves every partition at -inf
     weight = tl.exp(part_max - top)  # (P,): 0 for an empty slice
@@ -127,13 +270,15 @@ def merge_partitions_kernel(out_ptr, max_ptr, sum_ptr, acc_ptr, head_dim, partit
 
 # --- the wrapper and its checks ----------------------------------------------------------------------
 
+
 def _lengths(seq_lens, batch: int) -> list[int]:
     values = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     if len(values) != batch:
         raise ValueError(f"seq_lens gives {len(values)} lengths for a batch of {batch} queries; give one per sequence")
     if any(int(s) != s or s < 0 for s in values):
-        raise ValueError(f"seq_lens must be whole numbers >= 0 (0: an empty context, its output is zeros), "
-                         f"got {values}")
+        raise ValueError(
+            f"seq_lens must be whole numbers >= 0 (0: an empty context, its output is zeros), got {values}"
+        )
     return [int(s) for s in values]
 
 
@@ -149,16 +294,21 @@ def _table_tensor(block_tables, lengths: list[int], block_size: int, num_blocks:
     else:
         rows = [list(table) for table in block_tables]
         if len(rows) != len(lengths):
-            raise ValueError(f"block_tables has {len(rows)} tables for a batch of {len(lengths)}; "
-                             "give one per sequence")
+            raise ValueError(
+                f"block_tables has {len(rows)} tables for a batch of {len(lengths)}; give one per sequence"
+            )
     for i, (row, s, n) in enumerate(zip(rows, lengths, needed)):
         if len(row) < n:
-            raise ValueError(f"sequence {i} has {s} tokens, {n} blocks of {block_size} slots, but its block table "
-                             f"holds {len(row)} block ids; allocate its blocks before attending")
+            raise ValueError(
+                f"sequence {i} has {s} tokens, {n} blocks of {block_size} slots, but its block table "
+                f"holds {len(row)} block ids; allocate its blocks before attending"
+            )
         bad = [b for b in row[:n] if not 0 <= b < num_blocks]
         if bad:
-            raise ValueError(f"sequence {i}'s block table names block {bad[0]}, outside the cache's "
-                             f"{num_blocks} blocks (0..{num_blocks - 1})")
+            raise ValueError(
+                f"sequence {i}'s block table names block {bad[0]}, outside the cache's "
+                f"{num_blocks} blocks (0..{num_blocks - 1})"
+            )
     width = max([1] + needed)
     padded = [row[:width] + [0] * (width - len(row[:width])) for row in rows]
     return torch.tensor(padded, dtype=INDEX_DTYPE, device=device)
@@ -170,21 +320,28 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, split_k):
     require_tensor("v_cache", v_cache, ndim=4, contiguous_last=True)
     device = require_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
     if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError(f"q is {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: use one dtype, "
-                        f"e.g. q.to(k_cache.dtype)")
+        raise TypeError(
+            f"q is {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: use one dtype, e.g. q.to(k_cache.dtype)"
+        )
     batch, n_heads, t, head_dim = q.shape
     if t != 1:
-        raise ValueError(f"q holds t={t} queries per sequence; decode attention takes the one new token (t = 1): "
-                         "use paged_attention for a prefill")
+        raise ValueError(
+            f"q holds t={t} queries per sequence; decode attention takes the one new token (t = 1): "
+            "use paged_attention for a prefill"
+        )
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache is {list(k_cache.shape)} but v_cache is {list(v_cache.shape)}; one layer's keys "
-                         "and values share the shape [num_blocks, block_size, n_kv_heads, head_dim]")
+        raise ValueError(
+            f"k_cache is {list(k_cache.shape)} but v_cache is {list(v_cache.shape)}; one layer's keys "
+            "and values share the shape [num_blocks, block_size, n_kv_heads, head_dim]"
+        )
     num_blocks, block_size, n_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"q has head_dim {head_dim} but the cache {cache_head_dim}")
     if n_heads % n_kv_heads:
-        raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads; n_heads must "
-                         "be a multiple of n_kv_heads (the cache's third dimension)")
+        raise ValueError(
+            f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads; n_heads must "
+            "be a multiple of n_kv_heads (the cache's third dimension)"
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
@@ -196,8 +353,16 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, split_k):
     return tables, torch.tensor(lengths, dtype=INDEX_DTYPE, device=device), float(scale)
 
 
-def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables, seq_lens, *,
-                    scale: float | None = None, split_k: int | None = None):
+def decode_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables,
+    seq_lens,
+    *,
+    scale: float | None = None,
+    split_k: int | None = None,
+):
     """Check the inputs; return ``(out, launches)``, each launch ``(kernel, grid, args, meta)`` to run in order.
 
     ``paged_decode_attention`` runs them; the bounds checker (``oob.check_bounds``) can run them instead.
@@ -207,8 +372,12 @@ def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    meta = dict(BLOCK_SIZE=block_size, BLOCK_ROWS=next_power_of_2(block_size), BLOCK_G=next_power_of_2(group),
-                BLOCK_D=next_power_of_2(head_dim))
+    meta = dict(
+        BLOCK_SIZE=block_size,
+        BLOCK_ROWS=next_power_of_2(block_size),
+        BLOCK_G=next_power_of_2(group),
+        BLOCK_D=next_power_of_2(head_dim),
+    )
     caches = (*k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0))
     inputs = (q, k_cache, v_cache, tables, lengths)
     if split_k is None or split_k == 1:
@@ -218,16 +387,42 @@ def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(batch, n_heads, split_k, head_dim, dtype=torch.float32, device=q.device)
     partials = (part_max.stride(0), part_max.stride(1), *part_acc.stride()[:3])
-    split_args = (part_max, part_sum, part_acc, *inputs, group, head_dim, scale, split_k, q.stride(0), q.stride(1),
-                  *partials, *caches)
+    split_args = (
+        part_max,
+        part_sum,
+        part_acc,
+        *inputs,
+        group,
+        head_dim,
+        scale,
+        split_k,
+        q.stride(0),
+        q.stride(1),
+        *partials,
+        *caches,
+    )
     merge_args = (out, part_max, part_sum, part_acc, head_dim, split_k, out.stride(0), out.stride(1), *partials)
-    return out, [(paged_decode_split_kernel, (batch, n_kv_heads, split_k), split_args, meta),
-                 (merge_partitions_kernel, (batch, n_heads), merge_args,
-                  dict(BLOCK_P=next_power_of_2(split_k), BLOCK_D=meta["BLOCK_D"]))]
+    return out, [
+        (paged_decode_split_kernel, (batch, n_kv_heads, split_k), split_args, meta),
+        (
+            merge_partitions_kernel,
+            (batch, n_heads),
+            merge_args,
+            dict(BLOCK_P=next_power_of_2(split_k), BLOCK_D=meta["BLOCK_D"]),
+        ),
+    ]
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables, seq_lens, *,
-                           scale: float | None = None, split_k: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables,
+    seq_lens,
+    *,
+    scale: float | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
     """Decode attention of each sequence's one new query over its paged keys and values.
 
     Equal to ``paged_attention`` (``paged_gather.py``) with t = 1, without the gather.
@@ -272,8 +467,10 @@ def paged_decode_cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: t
 
 # --- the baseline, and what each path moves --------------------------------------------------------------
 
-def gather_then_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables, seq_lens, *,
-                       scale: float | None = None) -> torch.Tensor:
+
+def gather_then_attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables, seq_lens, *, scale: float | None = None
+) -> torch.Tensor:
     """The gathering baseline: copy each sequence's K/V rows into consecutive blocks of a new cache
     (torch indexing), then run the same decode kernel over the copy (its tables count 0, 1, 2, ...)."""
     tables, lengths, _ = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
@@ -296,9 +493,17 @@ def gather_then_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return paged_decode_attention(q, *copies, consecutive, lengths, scale=scale)
 
 
-def paged_decode_bytes(seq_lens, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
-                       element_size: int = 4, *, split_k: int | None = None,
-                       gathered: bool = False) -> dict[str, int]:
+def paged_decode_bytes(
+    seq_lens,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    element_size: int = 4,
+    *,
+    split_k: int | None = None,
+    gathered: bool = False,
+) -> dict[str, int]:
     """The bytes the decode kernels move: {"loaded": ..., "stored": ...} (block ids and lengths int32).
 
     In place: every program (a sequence and KV head) loads its length, its group's queries, one

@@ -22,8 +22,10 @@ def block_table_tensor(block_tables, width: int, device) -> torch.Tensor:
     """Block tables as ``[batch, width]`` int64, ragged lists padded with block 0 (masked later)."""
     if isinstance(block_tables, torch.Tensor):
         if block_tables.dim() != 2 or block_tables.shape[1] < width:
-            raise ValueError(f"block_tables must be [batch, >= {width}] to cover the longest sequence, "
-                             f"got {list(block_tables.shape)}")
+            raise ValueError(
+                f"block_tables must be [batch, >= {width}] to cover the longest sequence, "
+                f"got {list(block_tables.shape)}"
+            )
         return block_tables[:, :width].to(device=device, dtype=torch.int64)
     rows = []
     for table in block_tables:
@@ -36,8 +38,9 @@ def _check_tables(block_tables, seq_lens: list[int], block_size: int) -> None:
     if not isinstance(block_tables, torch.Tensor):
         for i, (table, s) in enumerate(zip(block_tables, seq_lens)):
             if len(table) * block_size < s:
-                raise ValueError(f"sequence {i} has {s} tokens but its table holds {len(table)} blocks of "
-                                 f"{block_size} slots")
+                raise ValueError(
+                    f"sequence {i} has {s} tokens but its table holds {len(table)} blocks of {block_size} slots"
+                )
 
 
 def gather_blocks(cache: torch.Tensor, block_tables, seq_lens: Sequence[int]) -> torch.Tensor:
@@ -58,8 +61,9 @@ def gather_blocks(cache: torch.Tensor, block_tables, seq_lens: Sequence[int]) ->
     return rows.view(tables.shape[0], width * block_size, n_kv_heads, head_dim)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables,
-                    seq_lens: Sequence[int]) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables, seq_lens: Sequence[int]
+) -> torch.Tensor:
     """Causal grouped-query attention of each sequence's newest ``t`` queries over its paged keys.
 
     Args:
@@ -76,8 +80,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch, n_heads, t, head_dim = q.shape
     seq_lens = [int(s) for s in seq_lens]
     if len(seq_lens) != batch or any(s < t for s in seq_lens):
-        raise ValueError(f"seq_lens must give {batch} lengths, each >= t={t} (the new tokens are "
-                         f"in the cache), got {seq_lens}")
+        raise ValueError(
+            f"seq_lens must give {batch} lengths, each >= t={t} (the new tokens are in the cache), got {seq_lens}"
+        )
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     # whole blocks, in the cache's own row layout: [batch, L, n_kv * hd], every K/V head side by side

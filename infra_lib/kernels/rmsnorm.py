@@ -43,8 +43,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.T
     require_tensor("weight", weight, ndim=1, contiguous_last=True)
     require_same_device(x=x, weight=weight)
     if weight.shape[0] != x.shape[1]:
-        raise ValueError(f"weight has {weight.shape[0]} elements but x has {x.shape[1]} columns (shape "
-                         f"{list(x.shape)}); they must match")
+        raise ValueError(
+            f"weight has {weight.shape[0]} elements but x has {x.shape[1]} columns (shape "
+            f"{list(x.shape)}); they must match"
+        )
     if weight.dtype != x.dtype:
         raise TypeError(f"weight is {weight.dtype} but x is {x.dtype}; convert it with weight.to(x.dtype)")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0 or math.isinf(eps):

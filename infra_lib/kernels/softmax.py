@@ -96,12 +96,16 @@ def _check_rows(x: torch.Tensor, out: torch.Tensor | None, name: str = "x") -> t
         require_tensor("out", out, ndim=2, contiguous_last=True)
         require_same_device(**{name: x, "out": out})
         if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"out has shape {list(out.shape)} and dtype {out.dtype}; it must match {name}: "
-                             f"{list(x.shape)}, {x.dtype} (or pass out=None)")
+            raise ValueError(
+                f"out has shape {list(out.shape)} and dtype {out.dtype}; it must match {name}: "
+                f"{list(x.shape)}, {x.dtype} (or pass out=None)"
+            )
     block = next_power_of_2(x.shape[1])
     if block > MAX_BLOCK:
-        raise ValueError(f"rows of {x.shape[1]} elements do not fit one block (at most {MAX_BLOCK}); "
-                         "split the row or use torch.softmax")
+        raise ValueError(
+            f"rows of {x.shape[1]} elements do not fit one block (at most {MAX_BLOCK}); "
+            "split the row or use torch.softmax"
+        )
     return out, block
 
 

@@ -55,8 +55,10 @@ class Traffic:
         return self.flops / self.bytes_moved if self.bytes_moved else 0.0
 
     def __str__(self) -> str:
-        return (f"loaded {self.bytes_loaded:,} B in {self.loads:,} loads, stored {self.bytes_stored:,} B in "
-                f"{self.stores:,} stores, {self.flops:,} dot FLOPs ({self.intensity:.2f} FLOP/B)")
+        return (
+            f"loaded {self.bytes_loaded:,} B in {self.loads:,} loads, stored {self.bytes_stored:,} B in "
+            f"{self.stores:,} stores, {self.flops:,} dot FLOPs ({self.intensity:.2f} FLOP/B)"
+        )
 
 
 _active: list[Traffic] = []
@@ -78,8 +80,11 @@ def _note_storages(arg_names, args, kwargs) -> None:
             storage = tensor.untyped_storage()
             ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
     ranges.sort()
-    _storages.update(starts=np.array([r[0] for r in ranges], np.uint64),
-                     ends=np.array([r[1] for r in ranges], np.uint64), names=[r[2] for r in ranges])
+    _storages.update(
+        starts=np.array([r[0] for r in ranges], np.uint64),
+        ends=np.array([r[1] for r in ranges], np.uint64),
+        names=[r[2] for r in ranges],
+    )
 
 
 def _bytes_by_argument(ptrs, mask) -> dict[str, int]:
@@ -137,8 +142,11 @@ def _install(builder) -> None:
             counter.flops += flops
         return dot(a, b, *rest, **options)
 
-    for name, hook in (("create_masked_load", counted_load), ("create_masked_store", counted_store),
-                       ("create_dot", counted_dot)):
+    for name, hook in (
+        ("create_masked_load", counted_load),
+        ("create_masked_store", counted_store),
+        ("create_dot", counted_dot),
+    ):
         _saved[name] = builder.__dict__.get(name)
         setattr(builder, name, hook)
     _saved["GridExecutor"] = init_args
@@ -174,9 +182,11 @@ def count_traffic():
             GPU, out of Python's sight: use a profiler such as Nsight Compute there).
     """
     if not interpreter_active():
-        raise RuntimeError("counting traffic needs Triton's interpreter (TRITON_INTERPRET=1, the default without "
-                           "a GPU); compiled GPU kernels are measured with a profiler instead, e.g. "
-                           "`ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum python script.py`")
+        raise RuntimeError(
+            "counting traffic needs Triton's interpreter (TRITON_INTERPRET=1, the default without "
+            "a GPU); compiled GPU kernels are measured with a profiler instead, e.g. "
+            "`ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum python script.py`"
+        )
     load_triton()
     from triton.runtime.interpreter import interpreter_builder
 

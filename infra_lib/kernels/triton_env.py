@@ -17,8 +17,7 @@ import torch
 INTERPRET_ENV = "TRITON_INTERPRET"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_INSTALL_HINT = ("Triton ships wheels for Linux only: run chapter 03 on Linux or WSL2 "
-                 "(on Linux, run `make .venv` again)")
+_INSTALL_HINT = "Triton ships wheels for Linux only: run chapter 03 on Linux or WSL2 (on Linux, run `make .venv` again)"
 
 
 def _interpreted(triton) -> bool:
@@ -71,7 +70,8 @@ def load_triton():
                 "triton was imported before TRITON_INTERPRET=1 was set, so its kernels would need a GPU; "
                 "restart the Python kernel (Kernel > Restart) and run "
                 "`from infra_lib.kernels.triton_env import load_triton; triton, tl = load_triton()` "
-                "before anything imports triton")
+                "before anything imports triton"
+            )
     import triton.language as tl
 
     if _interpreted(triton):
@@ -94,6 +94,7 @@ def _skip_discarded_overflow_checks() -> None:
 
     try:
         from triton.runtime.interpreter import interpreter_builder
+
         options = interpreter_builder.options
         if not options.debug and options.sanitize_overflow:
             interpreter_builder.options = replace(options, sanitize_overflow=False)
@@ -120,15 +121,23 @@ def _skip_repatching_inside_a_launch() -> None:
     try:
         import triton.language as tl
         from triton.runtime import interpreter
-        executor, function, error = interpreter.GridExecutor, interpreter.InterpretedFunction, interpreter.InterpreterError
+
+        executor, function, error = (
+            interpreter.GridExecutor,
+            interpreter.InterpretedFunction,
+            interpreter.InterpreterError,
+        )
     except (ImportError, AttributeError):  # another Triton version: leave it as it is
         return
     if getattr(function.__call__, "skips_repatching", False):
         return
 
     def languages(fn) -> set[int]:
-        return {id(value) for value in getattr(fn, "__globals__", {}).values()
-                if inspect.ismodule(value) and (value is tl or value is tl.core)}
+        return {
+            id(value)
+            for value in getattr(fn, "__globals__", {}).values()
+            if inspect.ismodule(value) and (value is tl or value is tl.core)
+        }
 
     launches: list[set[int]] = []  # the language modules each running launch swapped
     swapped_by_helpers: set[int] = set()  # swapped by a helper call, never swapped back
@@ -173,8 +182,10 @@ def kernel_device() -> torch.device:
 
 # --- the checks kernel wrappers run on their inputs ------------------------------------------
 
-def require_tensor(name: str, value, *, ndim: int | None = None, dtypes=FLOAT_DTYPES,
-                   contiguous_last: bool = False) -> torch.Tensor:
+
+def require_tensor(
+    name: str, value, *, ndim: int | None = None, dtypes=FLOAT_DTYPES, contiguous_last: bool = False
+) -> torch.Tensor:
     """Check one kernel input; return it.
 
     Args:
@@ -193,25 +204,34 @@ def require_tensor(name: str, value, *, ndim: int | None = None, dtypes=FLOAT_DT
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(value.dtype).replace('torch.', '')}; use one of {allowed} "
-                        f"(e.g. {name}.float())")
+        raise TypeError(
+            f"{name} has dtype {str(value.dtype).replace('torch.', '')}; use one of {allowed} (e.g. {name}.float())"
+        )
     if ndim is not None and value.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {list(value.shape)}"
-                         + (f"; reshape it, e.g. {name}.reshape(-1, {name}.shape[-1])" if ndim == 2 else ""))
+        raise ValueError(
+            f"{name} must have {ndim} dimension(s), got shape {list(value.shape)}"
+            + (f"; reshape it, e.g. {name}.reshape(-1, {name}.shape[-1])" if ndim == 2 else "")
+        )
     if value.numel() == 0:
         raise ValueError(f"{name} is empty (shape {list(value.shape)}); the kernel needs at least one element")
     kind = value.device.type
     if kind == "cpu" and not interpreter_active():
-        raise ValueError(f"{name} is on the CPU but Triton runs compiled here; move it to the GPU "
-                         f"({name}.cuda()) or set TRITON_INTERPRET=1 before importing triton")
+        raise ValueError(
+            f"{name} is on the CPU but Triton runs compiled here; move it to the GPU "
+            f"({name}.cuda()) or set TRITON_INTERPRET=1 before importing triton"
+        )
     if value.dtype == torch.bfloat16 and interpreter_active():
-        raise TypeError(f"{name} is bfloat16, which Triton's interpreter cannot compute with; use {name}.float() "
-                        f"or {name}.half() (bfloat16 works in kernels compiled for a GPU)")
+        raise TypeError(
+            f"{name} is bfloat16, which Triton's interpreter cannot compute with; use {name}.float() "
+            f"or {name}.half() (bfloat16 works in kernels compiled for a GPU)"
+        )
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {value.device}, where Triton cannot run; use {name}.cpu() or {name}.cuda()")
     if contiguous_last and value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
-        raise ValueError(f"{name} has stride {value.stride(-1)} along its last dimension; the kernel reads rows as "
-                         f"contiguous blocks: pass {name}.contiguous()")
+        raise ValueError(
+            f"{name} has stride {value.stride(-1)} along its last dimension; the kernel reads rows as "
+            f"contiguous blocks: pass {name}.contiguous()"
+        )
     return value
 
 

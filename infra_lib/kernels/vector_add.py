@@ -31,14 +31,18 @@ def add(x: torch.Tensor, y: torch.Tensor, *, block: int = ADD_BLOCK) -> torch.Te
     require_tensor("y", y)
     require_same_device(x=x, y=y)
     if x.shape != y.shape:
-        raise ValueError(f"x has shape {list(x.shape)} but y has {list(y.shape)}; this kernel does not broadcast: "
-                         "expand and .contiguous() the smaller one first")
+        raise ValueError(
+            f"x has shape {list(x.shape)} but y has {list(y.shape)}; this kernel does not broadcast: "
+            "expand and .contiguous() the smaller one first"
+        )
     if x.dtype != y.dtype:
         raise TypeError(f"x is {x.dtype} but y is {y.dtype}; convert one, e.g. y.to(x.dtype)")
     for name, t in (("x", x), ("y", y)):
         if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (strides {list(t.stride())}); the kernel reads flat memory: "
-                             f"pass {name}.contiguous()")
+            raise ValueError(
+                f"{name} is not contiguous (strides {list(t.stride())}); the kernel reads flat memory: "
+                f"pass {name}.contiguous()"
+            )
     if type(block) is not int or block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block!r}")
     out = torch.empty_like(x)

@@ -49,8 +49,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return weights @ v
 
 
-def cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                     cache: LayerCache) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: LayerCache) -> torch.Tensor:
     """Append this step's keys/values to ``cache`` and attend over everything cached.
 
     Returns ``[batch, n_heads, t, head_dim]``.

@@ -45,8 +45,15 @@ class KVCache:
 class DenseLayerCache(LayerCache):
     """Preallocated ``[batch, n_kv_heads, capacity, head_dim]`` buffers for keys and values."""
 
-    def __init__(self, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         shape = (batch, n_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -64,16 +71,20 @@ class DenseLayerCache(LayerCache):
         expected = (self.k.shape[0], self.k.shape[1], None, self.k.shape[3])
         for name, tensor in (("k_new", k_new), ("v_new", v_new)):
             if tensor.dim() != 4 or any(e is not None and e != s for e, s in zip(expected, tensor.shape)):
-                raise ValueError(f"{name} must be [batch={expected[0]}, n_kv_heads={expected[1]}, t, "
-                                 f"head_dim={expected[3]}], got {list(tensor.shape)}")
+                raise ValueError(
+                    f"{name} must be [batch={expected[0]}, n_kv_heads={expected[1]}, t, "
+                    f"head_dim={expected[3]}], got {list(tensor.shape)}"
+                )
         if k_new.shape != v_new.shape:
             raise ValueError(f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} differ in shape")
         end = self._length + k_new.shape[2]
         if end > self.capacity:
-            raise RuntimeError(f"the KV cache holds {self.capacity} tokens; appending {k_new.shape[2]} "
-                               f"to {self._length} would overflow it (make a larger cache)")
-        self.k[:, :, self._length:end] = k_new
-        self.v[:, :, self._length:end] = v_new
+            raise RuntimeError(
+                f"the KV cache holds {self.capacity} tokens; appending {k_new.shape[2]} "
+                f"to {self._length} would overflow it (make a larger cache)"
+            )
+        self.k[:, :, self._length : end] = k_new
+        self.v[:, :, self._length : end] = v_new
         self._length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -81,25 +92,39 @@ class DenseLayerCache(LayerCache):
         """Forget every token after the first ``length``, as if they had never been appended."""
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
-        self.k[:, :, length:self._length] = 0
-        self.v[:, :, length:self._length] = 0
+        self.k[:, :, length : self._length] = 0
+        self.v[:, :, length : self._length] = 0
         self._length = length
 
 
 class DenseKVCache(KVCache):
     """One ``DenseLayerCache`` per decoder layer."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.layers = [DenseLayerCache(batch, n_kv_heads, capacity, head_dim, dtype, device)
-                       for _ in range(n_layers)]
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.layers = [DenseLayerCache(batch, n_kv_heads, capacity, head_dim, dtype, device) for _ in range(n_layers)]
 
     @classmethod
-    def for_model(cls, config, batch: int = 1, capacity: int | None = None,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "DenseKVCache":
+    def for_model(
+        cls,
+        config,
+        batch: int = 1,
+        capacity: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "DenseKVCache":
         """A cache sized for ``config`` (a ``LlamaConfig``); ``capacity`` defaults to its context."""
-        return cls(config.n_layers, batch, config.n_kv_heads, capacity or config.max_position,
-                   config.head_dim, dtype, device)
+        return cls(
+            config.n_layers, batch, config.n_kv_heads, capacity or config.max_position, config.head_dim, dtype, device
+        )
 
     def layer(self, index: int) -> DenseLayerCache:
         return self.layers[index]
@@ -129,4 +154,4 @@ class DenseKVCache(KVCache):
 
     def bytes_used(self) -> int:
         """Bytes holding cached tokens (what a token-exact allocator would reserve)."""
-        return sum((c.k[:, :, :c.length].nbytes + c.v[:, :, :c.length].nbytes) for c in self.layers)
+        return sum((c.k[:, :, : c.length].nbytes + c.v[:, :, : c.length].nbytes) for c in self.layers)

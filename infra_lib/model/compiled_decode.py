@@ -35,8 +35,16 @@ import torch.nn.functional as F
 from infra_lib.model.model import Llama, apply_rope
 
 
-def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def layer_step(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
     """One decoder layer on ``x`` ``[1, t, d]`` at ``positions`` ``[t]``: its keys and values are
     written into ``keys``/``values`` ``[1, n_kv_heads, capacity, head_dim]`` at those positions, and
     its queries attend over the whole buffers under ``mask`` ``[1, 1, t, capacity]`` (True: may attend)."""
@@ -115,9 +123,11 @@ class StaticDecoder:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         self._check_ids(prompt)
         if len(prompt) + max_new_tokens - 1 > self.capacity:
-            raise ValueError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need "
-                             f"{len(prompt) + max_new_tokens - 1} cache slots; this decoder holds {self.capacity} "
-                             "(build it with a larger capacity)")
+            raise ValueError(
+                f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need "
+                f"{len(prompt) + max_new_tokens - 1} cache slots; this decoder holds {self.capacity} "
+                "(build it with a larger capacity)"
+            )
 
     def _check_ids(self, tokens: list[int]) -> None:
         vocab = self.model.config.vocab_size

@@ -44,8 +44,16 @@ class LlamaConfig:
     eos_token_id: int = 2
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "intermediate_size", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
@@ -106,8 +114,9 @@ class LlamaConfig:
         """Read a Hugging Face ``config.json`` of a Llama, Mistral-style or Qwen2 model."""
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "smollm"):
-            raise ValueError(f"config.json describes a {model_type!r} model; this loader reads llama, "
-                             "mistral and qwen2 decoders")
+            raise ValueError(
+                f"config.json describes a {model_type!r} model; this loader reads llama, mistral and qwen2 decoders"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
         scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})

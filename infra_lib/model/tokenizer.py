@@ -58,8 +58,16 @@ class Tokenizer:
         split_digits: pre-tokenise every digit on its own.
     """
 
-    def __init__(self, tokens: list[str], merges: list[tuple[str, str]], special: list[int],
-                 bos_id: int, eos_id: int, chat_template: str | None = None, split_digits: bool = False):
+    def __init__(
+        self,
+        tokens: list[str],
+        merges: list[tuple[str, str]],
+        special: list[int],
+        bos_id: int,
+        eos_id: int,
+        chat_template: str | None = None,
+        split_digits: bool = False,
+    ):
         self.tokens = list(tokens)
         self.vocab = {t: i for i, t in enumerate(self.tokens)}
         self.ranks = {pair: rank for rank, pair in enumerate(merges)}
@@ -83,7 +91,7 @@ class Tokenizer:
 
     def pre_tokenize(self, text: str) -> list[str]:
         pieces = []
-        for chunk in (self._digit_split(text) if self.split_digits else [text]):
+        for chunk in self._digit_split(text) if self.split_digits else [text]:
             pieces.extend(self._word.findall(chunk))
         return pieces
 
@@ -91,7 +99,7 @@ class Tokenizer:
         out, last = [], 0
         for m in self._digit.finditer(text):
             if m.start() > last:
-                out.append(text[last:m.start()])
+                out.append(text[last : m.start()])
             out.append(m.group())
             last = m.end()
         if last < len(text):
@@ -162,16 +170,20 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered with the model's own template."""
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
             raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
         if not messages:
             raise ValueError("messages is empty")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         return _compiled_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokens[self.bos_id], eos_token=self.tokens[self.eos_id])
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokens[self.bos_id],
+            eos_token=self.tokens[self.eos_id],
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)
@@ -188,9 +200,15 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         types = list(fields.get("tokenizer.ggml.token_type", []))
         special = [i for i, t in enumerate(types) if t in (3, 4)]  # CONTROL, USER_DEFINED
-        return cls(tokens, merges, special, int(fields["tokenizer.ggml.bos_token_id"]),
-                   int(fields["tokenizer.ggml.eos_token_id"]), fields.get("tokenizer.chat_template"),
-                   split_digits=fields.get("tokenizer.ggml.pre") in ("smollm", "starcoder"))
+        return cls(
+            tokens,
+            merges,
+            special,
+            int(fields["tokenizer.ggml.bos_token_id"]),
+            int(fields["tokenizer.ggml.eos_token_id"]),
+            fields.get("tokenizer.chat_template"),
+            split_digits=fields.get("tokenizer.ggml.pre") in ("smollm", "starcoder"),
+        )
 
     @classmethod
     def from_tokenizer_json(cls, path: str | Path, config: dict | None = None) -> "Tokenizer":
@@ -223,9 +241,15 @@ class Tokenizer:
                 value = value.get("content")
             return (added.get(value) if value in added else vocab.get(value, default)) if value else default
 
-        return cls(tokens, merges, special, token_id("bos_token", special[0] if special else 0),
-                   token_id("eos_token", special[0] if special else 0), settings.get("chat_template"),
-                   split_digits='"Digits"' in pre)
+        return cls(
+            tokens,
+            merges,
+            special,
+            token_id("bos_token", special[0] if special else 0),
+            token_id("eos_token", special[0] if special else 0),
+            settings.get("chat_template"),
+            split_digits='"Digits"' in pre,
+        )
 
 
 class StreamDecoder:

@@ -25,8 +25,9 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float, utilisat
     return price_per_hour / (tokens_per_s * 3600 * utilisation) * 1e6
 
 
-def max_rate_under_slo(curve: list[dict], slo_ms: float, metric: str = "p99_ttft_ms",
-                       rate_key: str = "request_rate") -> float:
+def max_rate_under_slo(
+    curve: list[dict], slo_ms: float, metric: str = "p99_ttft_ms", rate_key: str = "request_rate"
+) -> float:
     """The highest request rate at which ``metric`` stays within ``slo_ms`` on one replica.
 
     Args:
@@ -58,18 +59,35 @@ def replicas_needed(target_rate: float, rate_per_replica: float, headroom: float
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must lie in [0, 1), got {headroom}")
     if rate_per_replica <= 0:
-        raise ValueError("one replica cannot meet the SLO at any measured rate: lower the load per replica, "
-                         "relax the SLO or use faster hardware")
+        raise ValueError(
+            "one replica cannot meet the SLO at any measured rate: lower the load per replica, "
+            "relax the SLO or use faster hardware"
+        )
     return max(1, math.ceil(target_rate / (rate_per_replica * (1 - headroom)) - 1e-9)) if target_rate else 0
 
 
-def plan_capacity(target_rate: float, curve: list[dict], slo_ms: float, *, metric: str = "p99_ttft_ms",
-                  price_per_hour: float = 0.0, headroom: float = 0.2, tokens_per_request: float | None = None) -> dict:
+def plan_capacity(
+    target_rate: float,
+    curve: list[dict],
+    slo_ms: float,
+    *,
+    metric: str = "p99_ttft_ms",
+    price_per_hour: float = 0.0,
+    headroom: float = 0.2,
+    tokens_per_request: float | None = None,
+) -> dict:
     """Replicas, hourly cost and cost per 1M tokens to serve ``target_rate`` requests/s at the SLO."""
     per_replica = max_rate_under_slo(curve, slo_ms, metric)
     replicas = replicas_needed(target_rate, per_replica, headroom)
-    plan = {"target_rate": target_rate, "slo_ms": slo_ms, "metric": metric, "rate_per_replica": per_replica,
-            "headroom": headroom, "replicas": replicas, "cost_per_hour": replicas * price_per_hour}
+    plan = {
+        "target_rate": target_rate,
+        "slo_ms": slo_ms,
+        "metric": metric,
+        "rate_per_replica": per_replica,
+        "headroom": headroom,
+        "replicas": replicas,
+        "cost_per_hour": replicas * price_per_hour,
+    }
     if tokens_per_request and target_rate > 0:
         tokens_per_s = target_rate * tokens_per_request
         plan["cost_per_million_tokens"] = plan["cost_per_hour"] / (tokens_per_s * 3600) * 1e6

@@ -109,24 +109,31 @@ def goodput(timings: list[RequestTiming], duration_s: float, slo_ms: dict[str, f
 
 def _stats(name: str, seconds: list[float], percentiles) -> dict[str, float]:
     ms = [v * 1000 for v in seconds if not math.isnan(v)]
-    out = {f"mean_{name}_ms": statistics.fmean(ms) if ms else float("nan"),
-           f"median_{name}_ms": percentile(ms, 50),
-           f"std_{name}_ms": statistics.pstdev(ms) if ms else float("nan")}
+    out = {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else float("nan"),
+        f"median_{name}_ms": percentile(ms, 50),
+        f"std_{name}_ms": statistics.pstdev(ms) if ms else float("nan"),
+    }
     for p in percentiles:
         out[f"p{p:g}_{name}_ms"] = percentile(ms, p)
     return out
 
 
-def summarize(timings: list[RequestTiming], duration_s: float, slo_ms: dict[str, float] | None = None,
-              percentiles=(50, 90, 99)) -> dict[str, float]:
+def summarize(
+    timings: list[RequestTiming], duration_s: float, slo_ms: dict[str, float] | None = None, percentiles=(50, 90, 99)
+) -> dict[str, float]:
     """vLLM's benchmark summary of a run that lasted ``duration_s`` seconds.
 
     Latencies are over the successful requests; throughputs divide by the whole duration.
     """
     ok = [t for t in timings if t.success]
-    out = {"completed": len(ok), "failed": len(timings) - len(ok), "duration_s": duration_s,
-           "total_input_tokens": sum(t.prompt_tokens for t in ok),
-           "total_output_tokens": sum(t.output_tokens for t in ok)}
+    out = {
+        "completed": len(ok),
+        "failed": len(timings) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": sum(t.prompt_tokens for t in ok),
+        "total_output_tokens": sum(t.output_tokens for t in ok),
+    }
     out["request_throughput"] = len(ok) / duration_s
     out["output_throughput"] = out["total_output_tokens"] / duration_s
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration_s

@@ -35,6 +35,7 @@ STAGES = ("candidate", "production", "previous", "rejected", "rolled back")
 
 # --- the version card and the registry ---------------------------------------------------------------
 
+
 @dataclass
 class VersionCard:
     """What was measured on one version of the model.
@@ -123,6 +124,7 @@ class Registry:
 
 # --- measuring a version -----------------------------------------------------------------------------
 
+
 def evidence_nll(model, tokenizer, items: list[tuple[str, str, str]]) -> float:
     """Mean negative log-likelihood per token of each item's evidence, given its passage and question.
 
@@ -136,11 +138,13 @@ def evidence_nll(model, tokenizer, items: list[tuple[str, str, str]]) -> float:
     total, count = 0.0, 0
     with torch.inference_mode():
         for passage, question, evidence in items:
-            prompt = tokenizer.encode_chat([{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}])
+            prompt = tokenizer.encode_chat(
+                [{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}]
+            )
             answer = tokenizer.encode(evidence, allow_special=False)
             ids = torch.tensor([prompt + answer], device=device)
-            logits = model(ids)[0, len(prompt) - 1:-1].float()
-            total += float(F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum"))
+            logits = model(ids)[0, len(prompt) - 1 : -1].float()
+            total += float(F.cross_entropy(logits, ids[0, len(prompt) :], reduction="sum"))
             count += len(answer)
     return total / count
 
@@ -163,15 +167,27 @@ def decode_speed(model, prompt_ids: list[int], new_tokens: int = 16) -> float:
     return new_tokens / (time.perf_counter() - started)
 
 
-def measure(name: str, weights: str, model, tokenizer, heldout_ids: list[int],
-            rag_items: list[tuple[str, str, str]], *, decode_tokens: int = 16) -> VersionCard:
+def measure(
+    name: str,
+    weights: str,
+    model,
+    tokenizer,
+    heldout_ids: list[int],
+    rag_items: list[tuple[str, str, str]],
+    *,
+    decode_tokens: int = 16,
+) -> VersionCard:
     """The card of one version: perplexity, RAG evidence score, decode speed and weight memory."""
     from infra_lib.model.quant import perplexity, weight_bytes
 
-    return VersionCard(name=name, weights=weights, perplexity=perplexity(model, heldout_ids),
-                       evidence_nll=evidence_nll(model, tokenizer, rag_items),
-                       tokens_per_s=decode_speed(model, heldout_ids[:32], decode_tokens),
-                       weight_mb=weight_bytes(model) / 1e6)
+    return VersionCard(
+        name=name,
+        weights=weights,
+        perplexity=perplexity(model, heldout_ids),
+        evidence_nll=evidence_nll(model, tokenizer, rag_items),
+        tokens_per_s=decode_speed(model, heldout_ids[:32], decode_tokens),
+        weight_mb=weight_bytes(model) / 1e6,
+    )
 
 
 def rag_items(questions, documents, limit: int, window: int = 600) -> list[tuple[str, str, str]]:
@@ -182,11 +198,12 @@ def rag_items(questions, documents, limit: int, window: int = 600) -> list[tuple
     for q in questions[:limit]:
         text = texts[q.doc_id]
         start = max(0, q.start - window // 2)
-        items.append((text[start:start + window], q.question, q.evidence))
+        items.append((text[start : start + window], q.question, q.evidence))
     return items
 
 
 # --- the evaluation gate -----------------------------------------------------------------------------
+
 
 @dataclass
 class GateResult:
@@ -194,8 +211,13 @@ class GateResult:
     reasons: list[str]
 
 
-def gate(candidate: VersionCard, current: VersionCard, *, perplexity_tolerance: float = 0.05,
-         evidence_tolerance: float = 0.05) -> GateResult:
+def gate(
+    candidate: VersionCard,
+    current: VersionCard,
+    *,
+    perplexity_tolerance: float = 0.05,
+    evidence_tolerance: float = 0.05,
+) -> GateResult:
     """Whether ``candidate`` may serve: its perplexity and its RAG evidence score no more than the
     tolerances (relative) worse than ``current``'s. Speed and memory are reported, not gated: a
     slower version is the canary's business.
@@ -209,26 +231,33 @@ def gate(candidate: VersionCard, current: VersionCard, *, perplexity_tolerance: 
         ValueError: a tolerance that is negative or not a finite number, or a current score that is
             nan, infinite or negative (production's card is broken: there is nothing to compare with).
     """
-    scores = (("perplexity", current.perplexity, candidate.perplexity, perplexity_tolerance),
-              ("RAG evidence NLL", current.evidence_nll, candidate.evidence_nll, evidence_tolerance))
+    scores = (
+        ("perplexity", current.perplexity, candidate.perplexity, perplexity_tolerance),
+        ("RAG evidence NLL", current.evidence_nll, candidate.evidence_nll, evidence_tolerance),
+    )
     for what, theirs, _, tolerance in scores:
         if not (math.isfinite(tolerance) and tolerance >= 0):
             raise ValueError(f"the {what} tolerance must be a finite fraction >= 0 (0.05 is 5%), got {tolerance!r}")
         if not (math.isfinite(theirs) and theirs >= 0):
-            raise ValueError(f"{current.name}'s {what} is {theirs!r}: the current version's scores must be finite "
-                             "and >= 0 to compare a candidate with; measure it again")
+            raise ValueError(
+                f"{current.name}'s {what} is {theirs!r}: the current version's scores must be finite "
+                "and >= 0 to compare a candidate with; measure it again"
+            )
     reasons = []
     for what, theirs, ours, tolerance in scores:
         limit = theirs * (1 + tolerance)
         ok = math.isfinite(ours) and ours <= limit
-        reasons.append(f"{what} {ours:.3f} against {theirs:.3f} for {current.name} "
-                       f"({'within' if ok else 'past'} the limit {limit:.3f})")
+        reasons.append(
+            f"{what} {ours:.3f} against {theirs:.3f} for {current.name} "
+            f"({'within' if ok else 'past'} the limit {limit:.3f})"
+        )
         if not ok:
             return GateResult(False, reasons)
     return GateResult(True, reasons)
 
 
 # --- the canary --------------------------------------------------------------------------------------
+
 
 @dataclass
 class RolloutPolicy:
@@ -262,11 +291,20 @@ class RolloutPolicy:
             return "rollback", f"error rate {errors:.0%} above {self.max_error_rate:.0%}"
         ours = p99([s.latency_s for s in candidate if s.ok])
         theirs = p99([s.latency_s for s in production if s.ok])
-        if ours > self.min_p99_s and theirs > 0 and ours > min(self.max_p99_ratio * theirs, theirs + self.max_p99_added_s):
-            return "rollback", (f"P99 latency {ours * 1000:.0f} ms, {ours / theirs:.1f}x production's {theirs * 1000:.0f} ms "
-                                f"({(ours - theirs) * 1000:.0f} ms more)")
-        return "advance", (f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms against production's "
-                           f"{theirs * 1000:.0f} ms" if theirs else f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms")
+        if (
+            ours > self.min_p99_s
+            and theirs > 0
+            and ours > min(self.max_p99_ratio * theirs, theirs + self.max_p99_added_s)
+        ):
+            return "rollback", (
+                f"P99 latency {ours * 1000:.0f} ms, {ours / theirs:.1f}x production's {theirs * 1000:.0f} ms "
+                f"({(ours - theirs) * 1000:.0f} ms more)"
+            )
+        return "advance", (
+            f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms against production's {theirs * 1000:.0f} ms"
+            if theirs
+            else f"error rate {errors:.0%}, P99 {ours * 1000:.0f} ms"
+        )
 
 
 def p99(values: list[float]) -> float:
@@ -335,10 +373,15 @@ class Rollout:
         if len(ours) < self.policy.window:
             return None
         # Production's baseline: its latest requests of the rollout (at 100% the step has none of its own).
-        baseline = [s for s in self.served if s.version == self.production][-self.policy.baseline:]
+        baseline = [s for s in self.served if s.version == self.production][-self.policy.baseline :]
         verdict, why = self._verdict(ours, baseline)
-        decision = {"time": time.time() if now is None else now, "step": self.step, "share": self.share,
-                    "verdict": verdict, "why": why}
+        decision = {
+            "time": time.time() if now is None else now,
+            "step": self.step,
+            "share": self.share,
+            "verdict": verdict,
+            "why": why,
+        }
         self.decisions.append(decision)
         if verdict == "rollback":
             self.outcome = "rolled back"
@@ -352,16 +395,22 @@ class Rollout:
 # How each simulated candidate serves, against production's latency (log-normal, median 0.8 s):
 # its median latency, a fixed delay added to every request, and its share of failed requests.
 BEHAVIOURS = {
-    "faster": {"median_s": 0.6, "delay_s": 0.0, "errors": 0.0},   # int8: less memory traffic per token
+    "faster": {"median_s": 0.6, "delay_s": 0.0, "errors": 0.0},  # int8: less memory traffic per token
     "same": {"median_s": 0.8, "delay_s": 0.0, "errors": 0.0},
-    "flaky": {"median_s": 0.8, "delay_s": 0.0, "errors": 0.2},    # one request in five fails
-    "slow": {"median_s": 0.8, "delay_s": 2.0, "errors": 0.0},     # a slow dependency in front of it
+    "flaky": {"median_s": 0.8, "delay_s": 0.0, "errors": 0.2},  # one request in five fails
+    "slow": {"median_s": 0.8, "delay_s": 2.0, "errors": 0.0},  # a slow dependency in front of it
     "sluggish": {"median_s": 1.9, "delay_s": 0.0, "errors": 0.0},  # 2.4x slower, with no fixed delay
 }
 
 
-def simulate_rollout(behaviour: str, policy: RolloutPolicy | None = None, judge: Callable | None = None,
-                     seed: int = 0, requests: int = 600, rate: float = 4.0) -> Rollout:
+def simulate_rollout(
+    behaviour: str,
+    policy: RolloutPolicy | None = None,
+    judge: Callable | None = None,
+    seed: int = 0,
+    requests: int = 600,
+    rate: float = 4.0,
+) -> Rollout:
     """A canary rollout on a simulated clock: ``requests`` arrive at ``rate`` per second, each goes to
     the candidate with the rollout's share of the moment, and takes a seeded latency of its version
     (production: log-normal with a median of 0.8 s; the candidate: ``BEHAVIOURS[behaviour]``). Every
@@ -401,8 +450,15 @@ class CanaryRouter:
         judge: decides each step instead of ``policy.judge`` (see ``Rollout``).
     """
 
-    def __init__(self, upstreams: dict[str, str], registry: Registry, candidate: str, policy: RolloutPolicy | None = None,
-                 seed: int = 0, judge: Callable | None = None):
+    def __init__(
+        self,
+        upstreams: dict[str, str],
+        registry: Registry,
+        candidate: str,
+        policy: RolloutPolicy | None = None,
+        seed: int = 0,
+        judge: Callable | None = None,
+    ):
         production = registry.production
         if production is None or production not in upstreams or candidate not in upstreams:
             raise ValueError(f"the router needs a server for production ({production}) and the candidate ({candidate})")
@@ -442,22 +498,30 @@ class CanaryRouter:
         @app.get("/rollout")
         async def state():
             r = self.rollout
-            return {"production": r.production, "candidate": r.candidate, "outcome": r.outcome, "share": r.share,
-                    "decisions": r.decisions, "served": {v: sum(s.version == v for s in r.served)
-                                                         for v in (r.production, r.candidate)}}
+            return {
+                "production": r.production,
+                "candidate": r.candidate,
+                "outcome": r.outcome,
+                "share": r.share,
+                "decisions": r.decisions,
+                "served": {v: sum(s.version == v for s in r.served) for v in (r.production, r.candidate)},
+            }
 
         async def forward(request: Request, path: str):
             version, step, share = self._choose()
             body = await request.body()
             started = time.perf_counter()
-            upstream = client.build_request("POST", self.upstreams[version] + path, content=body,
-                                            headers={"content-type": "application/json"})
+            upstream = client.build_request(
+                "POST", self.upstreams[version] + path, content=body, headers={"content-type": "application/json"}
+            )
             try:
                 response = await client.send(upstream, stream=True)
             except httpx.HTTPError as exc:
                 self._record(Served(version, started, time.perf_counter() - started, False, step, share))
-                return JSONResponse({"error": {"message": f"upstream {version} failed: {exc}", "type": "upstream_error"}},
-                                    status_code=502)
+                return JSONResponse(
+                    {"error": {"message": f"upstream {version} failed: {exc}", "type": "upstream_error"}},
+                    status_code=502,
+                )
 
             async def relay():
                 # Served well: a 200 whose body reached its end, or a stream that reached "data: [DONE]"
@@ -473,9 +537,12 @@ class CanaryRouter:
                     await response.aclose()
                     self._record(Served(version, started, time.perf_counter() - started, ok and finished, step, share))
 
-            return StreamingResponse(relay(), status_code=response.status_code,
-                                     media_type=response.headers.get("content-type"),
-                                     headers={"x-served-by": version})
+            return StreamingResponse(
+                relay(),
+                status_code=response.status_code,
+                media_type=response.headers.get("content-type"),
+                headers={"x-served-by": version},
+            )
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):

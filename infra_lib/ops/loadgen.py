@@ -57,10 +57,14 @@ class LoadResult:
 
     def to_json(self, path=None) -> dict:
         """Everything as JSON-ready data (written to ``path`` when given), with the machine."""
-        data = {"config": self.config, "summary": self.summary, "status_counts": self.status_counts,
-                "disconnected": self.disconnected, "machine": {"platform": platform.platform(),
-                                                               "python": platform.python_version()},
-                "requests": [t.as_dict() for t in self.timings]}
+        data = {
+            "config": self.config,
+            "summary": self.summary,
+            "status_counts": self.status_counts,
+            "disconnected": self.disconnected,
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "requests": [t.as_dict() for t in self.timings],
+        }
         if path is not None:
             with open(path, "w") as f:
                 json.dump(data, f, indent=1, default=float)
@@ -82,7 +86,7 @@ async def _one(client, url: str, body: dict, timing: RequestTiming, hang_up_afte
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             now = time.perf_counter()
             if payload == "[DONE]":
                 break
@@ -91,7 +95,11 @@ async def _one(client, url: str, body: dict, timing: RequestTiming, hang_up_afte
                 timing.success, timing.error = False, f"stream error: {data['error'].get('message')}"
                 break
             for choice in data.get("choices") or ():
-                carries = "content" in (choice.get("delta") or {}) if "delta" in choice else choice.get("finish_reason") is None
+                carries = (
+                    "content" in (choice.get("delta") or {})
+                    if "delta" in choice
+                    else choice.get("finish_reason") is None
+                )
                 if carries:
                     timing.chunk_times.append(now)
                     chunks += 1
@@ -107,11 +115,24 @@ async def _one(client, url: str, body: dict, timing: RequestTiming, hang_up_afte
         return "200" if timing.success else "stream_error"
 
 
-async def run_load_async(base_url: str, prompts: list, *, model: str, rate: float = float("inf"),
-                         burstiness: float = 1.0, max_concurrency: int | None = None, max_tokens: int = 32,
-                         ignore_eos: bool = True, temperature: float = 0.0, endpoint: str = "chat",
-                         disconnect_after: dict[int, int] | None = None, seed: int = 0, progress: bool = True,
-                         timeout_s: float = 600.0, slo_ms: dict[str, float] | None = None) -> LoadResult:
+async def run_load_async(
+    base_url: str,
+    prompts: list,
+    *,
+    model: str,
+    rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    max_tokens: int = 32,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    endpoint: str = "chat",
+    disconnect_after: dict[int, int] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+    slo_ms: dict[str, float] | None = None,
+) -> LoadResult:
     """Send ``prompts`` (str each) to ``base_url`` open-loop and measure every request.
 
     Args:
@@ -143,8 +164,14 @@ async def run_load_async(base_url: str, prompts: list, *, model: str, rate: floa
 
         async def fire(i: int, prompt) -> None:
             await asyncio.sleep(max(0.0, start + sends[i] - time.perf_counter()))
-            body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                    "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            body = {
+                "model": model,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": ignore_eos,
+            }
             if endpoint == "chat":
                 body["messages"] = [{"role": "user", "content": prompt}]
             else:
@@ -159,7 +186,11 @@ async def run_load_async(base_url: str, prompts: list, *, model: str, rate: floa
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 timing = timing or timings[i] or RequestTiming(send_time=time.perf_counter())
                 timings[i] = timing
-                timing.success, timing.error, timing.end_time = False, f"{type(exc).__name__}: {exc}", time.perf_counter()
+                timing.success, timing.error, timing.end_time = (
+                    False,
+                    f"{type(exc).__name__}: {exc}",
+                    time.perf_counter(),
+                )
                 status = type(exc).__name__
             finally:
                 if held:
@@ -171,12 +202,24 @@ async def run_load_async(base_url: str, prompts: list, *, model: str, rate: floa
         duration = time.perf_counter() - start
     bar.close()
     counted = [t for i, t in enumerate(timings) if i not in disconnect_after]
-    config = {"base_url": base_url, "model": model, "num_requests": len(prompts), "rate": rate,
-              "burstiness": burstiness, "max_concurrency": max_concurrency, "max_tokens": max_tokens,
-              "ignore_eos": ignore_eos, "temperature": temperature, "endpoint": endpoint, "seed": seed,
-              "disconnecting": len(disconnect_after), "slo_ms": slo_ms}
-    return LoadResult(timings, duration, summarize(counted, duration, slo_ms), config, statuses,
-                      statuses.get("disconnected", 0))
+    config = {
+        "base_url": base_url,
+        "model": model,
+        "num_requests": len(prompts),
+        "rate": rate,
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+        "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
+        "temperature": temperature,
+        "endpoint": endpoint,
+        "seed": seed,
+        "disconnecting": len(disconnect_after),
+        "slo_ms": slo_ms,
+    }
+    return LoadResult(
+        timings, duration, summarize(counted, duration, slo_ms), config, statuses, statuses.get("disconnected", 0)
+    )
 
 
 def run_load(base_url: str, prompts: list, **kwargs) -> LoadResult:

@@ -108,8 +108,13 @@ class TracedServer:
         store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size, weight.dtype, weight.device)
         self.runner = TimedModelRunner(model, store, self.watch)
         self.tokenizer = TimedTokenizer(tokenizer, self.watch)
-        self.engine = LLMEngine(self.runner, config, self.tokenizer, scheduler=TimedScheduler(config, self.watch),
-                                events=EventLog(maxlen=20_000))
+        self.engine = LLMEngine(
+            self.runner,
+            config,
+            self.tokenizer,
+            scheduler=TimedScheduler(config, self.watch),
+            events=EventLog(maxlen=20_000),
+        )
         self.profiler = KernelProfiler()
         self.engine.events.subscribe(self.profiler.on_event)
         self.model_name = model_name or DEFAULT_MODEL_NAME
@@ -123,15 +128,17 @@ class TracedServer:
         self.server.stop()
 
     def _post(self, client, messages, max_tokens: int) -> dict:
-        response = client.post(f"{self.server.url}/v1/chat/completions",
-                               json={"model": self.model_name, "messages": messages, "max_tokens": max_tokens,
-                                     "temperature": 0})
+        response = client.post(
+            f"{self.server.url}/v1/chat/completions",
+            json={"model": self.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+        )
         if response.status_code != 200:
             raise RuntimeError(f"the server answered {response.status_code}: {response.text[:300]}")
         return response.json()
 
-    def trace(self, messages: list[dict], max_tokens: int = 16, profile_kernels: bool = True,
-              warmup: bool = True) -> RequestTrace:
+    def trace(
+        self, messages: list[dict], max_tokens: int = 16, profile_kernels: bool = True, warmup: bool = True
+    ) -> RequestTrace:
         """Send one greedy chat request and return where its time went.
 
         Args:
@@ -163,8 +170,9 @@ class TracedServer:
         if capture is None or capture.finished_at is None:
             raise RuntimeError("the engine's event log never reported the traced request finishing")
         arrival = self.engine.events.events("arrived", capture.request_id)[0].time + clock_offset
-        inside = {name: self.watch.seconds(name) for name in
-                  ("tokenize", "scheduler", "forward", "sampling", "detokenize")}
+        inside = {
+            name: self.watch.seconds(name) for name in ("tokenize", "scheduler", "forward", "sampling", "detokenize")
+        }
         kernels = sum(capture.kernel_ops.values())
         window = capture.finished_at - arrival
         layers = {
@@ -183,12 +191,22 @@ class TracedServer:
         notes = [] if profile_kernels else ["kernels not separated from model_python (profile_kernels=False)"]
         if body["choices"][0]["message"]["content"] != output.text:
             raise RuntimeError("the HTTP answer differs from the engine's record of the traced request")
-        return RequestTrace(layers, received - sent, dict(capture.kernel_ops), self.watch.count("forward"),
-                            list(output.prompt_ids), list(output.token_ids), output.text, profile_kernels, notes)
+        return RequestTrace(
+            layers,
+            received - sent,
+            dict(capture.kernel_ops),
+            self.watch.count("forward"),
+            list(output.prompt_ids),
+            list(output.token_ids),
+            output.text,
+            profile_kernels,
+            notes,
+        )
 
 
-def trace_request(model, tokenizer, messages: list[dict], max_tokens: int = 16, profile_kernels: bool = True,
-                  warmup: bool = True) -> RequestTrace:
+def trace_request(
+    model, tokenizer, messages: list[dict], max_tokens: int = 16, profile_kernels: bool = True, warmup: bool = True
+) -> RequestTrace:
     """Start a traced server on ``model``, trace one request (see ``TracedServer.trace``), stop it."""
     with TracedServer(model, tokenizer) as server:
         return server.trace(messages, max_tokens, profile_kernels, warmup)

@@ -27,9 +27,24 @@ from infra_lib.serving.prefix_cache import HashPrefixCache, PrefixCache, block_h
 from infra_lib.serving.radix_cache import RadixPrefixCache
 
 __all__ = [
-    "BlockAllocator", "BlockPool", "BlockTable", "HashPrefixCache", "OutOfBlocks", "PagedDecode", "PagedKVCache",
-    "PagedKVStore", "PagedLayerCache", "PrefixCache", "RadixPrefixCache", "block_hash", "blocks_needed",
-    "chained_block_hashes", "gather_kv", "paged_attention", "paged_cached_attention", "paged_greedy_decode",
+    "BlockAllocator",
+    "BlockPool",
+    "BlockTable",
+    "HashPrefixCache",
+    "OutOfBlocks",
+    "PagedDecode",
+    "PagedKVCache",
+    "PagedKVStore",
+    "PagedLayerCache",
+    "PrefixCache",
+    "RadixPrefixCache",
+    "block_hash",
+    "blocks_needed",
+    "chained_block_hashes",
+    "gather_kv",
+    "paged_attention",
+    "paged_cached_attention",
+    "paged_greedy_decode",
     "wasted_slots",
 ]
 
@@ -42,13 +57,42 @@ from infra_lib.serving.model_runner import ModelRunner
 from infra_lib.serving.scheduler import Scheduler
 from infra_lib.serving.scheduler_output import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from infra_lib.serving.sequence import RequestMetrics, Sequence, SequenceStatus
-from infra_lib.serving.sim_clock import (SimClock, SimulatedRunner, StepCostModel, calibrate,
-                                         calibration_shapes, fit_step_costs, step_shape)
+from infra_lib.serving.sim_clock import (
+    SimClock,
+    SimulatedRunner,
+    StepCostModel,
+    calibrate,
+    calibration_shapes,
+    fit_step_costs,
+    step_shape,
+)
 from infra_lib.serving.workload import WorkloadRequest, random_workload, replay, summarize
 
 __all__ += [
-    "EngineEvent", "EventLog", "LLM", "LLMEngine", "ModelRunner", "RequestMetrics", "RequestOutput", "ScheduledSeq", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "SimClock", "SimulatedRunner",
-    "StepCostModel", "StepRecord", "WallClock", "WorkloadRequest", "calibrate", "calibration_shapes",
-    "fit_step_costs", "random_workload", "replay", "step_shape", "summarize",
+    "EngineEvent",
+    "EventLog",
+    "LLM",
+    "LLMEngine",
+    "ModelRunner",
+    "RequestMetrics",
+    "RequestOutput",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+    "SimClock",
+    "SimulatedRunner",
+    "StepCostModel",
+    "StepRecord",
+    "WallClock",
+    "WorkloadRequest",
+    "calibrate",
+    "calibration_shapes",
+    "fit_step_costs",
+    "random_workload",
+    "replay",
+    "step_shape",
+    "summarize",
 ]

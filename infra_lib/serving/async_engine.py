@@ -85,8 +85,9 @@ class AsyncLLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    async def submit(self, prompt, params: SamplingParams, stop: tuple[str, ...] = (),
-                     arrival_time: float | None = None) -> tuple[int, asyncio.Queue]:
+    async def submit(
+        self, prompt, params: SamplingParams, stop: tuple[str, ...] = (), arrival_time: float | None = None
+    ) -> tuple[int, asyncio.Queue]:
         """Queue a request; returns its id and the queue its ``RequestOutput``s arrive on.
 
         ``arrival_time``: when the request arrived, on the engine's clock (default: now; a server
@@ -98,8 +99,10 @@ class AsyncLLMEngine:
             raise EngineDead(f"the engine loop is not running{': ' + repr(self.error) if self.error else ''}")
         with self._lock:
             if self._outstanding >= self.capacity:
-                raise QueueFull(f"{self._outstanding} requests outstanding, the limit is {self.capacity} "
-                                f"(max_num_seqs {self.engine.config.max_num_seqs} + queue {self.max_queue_len})")
+                raise QueueFull(
+                    f"{self._outstanding} requests outstanding, the limit is {self.capacity} "
+                    f"(max_num_seqs {self.engine.config.max_num_seqs} + queue {self.max_queue_len})"
+                )
             self._outstanding += 1
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
@@ -121,7 +124,9 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    async def generate(self, prompt, params: SamplingParams, stop: tuple[str, ...] = ()) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams, stop: tuple[str, ...] = ()
+    ) -> AsyncIterator[RequestOutput]:
         """Submit and yield the request's outputs until it finishes; leaving early aborts it."""
         request_id, outputs = await self.submit(prompt, params, stop)
         finished = False

@@ -57,8 +57,10 @@ class BlockPool:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if prefix_cache is not None and prefix_cache.block_size != block_size:
-            raise ValueError(f"the prefix cache hashes blocks of {prefix_cache.block_size} tokens but the pool's "
-                             f"blocks hold {block_size}: build both with the same block_size")
+            raise ValueError(
+                f"the prefix cache hashes blocks of {prefix_cache.block_size} tokens but the pool's "
+                f"blocks hold {block_size}: build both with the same block_size"
+            )
         self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
         self._ref_counts = [0] * num_blocks
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = next out
@@ -126,8 +128,10 @@ class BlockPool:
         for b in block_ids:
             drops[b] = drops.get(b, 0) + 1
             if drops[b] > self._ref_counts[b]:
-                raise ValueError(f"block {b} has reference count {self._ref_counts[b]} and cannot be freed "
-                                 f"{drops[b]} time(s) (a double free): free each table's blocks once")
+                raise ValueError(
+                    f"block {b} has reference count {self._ref_counts[b]} and cannot be freed "
+                    f"{drops[b]} time(s) (a double free): free each table's blocks once"
+                )
         for b in block_ids:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
@@ -250,5 +254,7 @@ class BlockPool:
         return n
 
     def __repr__(self) -> str:
-        return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free}, "
-                f"prefix_cache={type(self.prefix_cache).__name__ if self.prefix_cache else None})")
+        return (
+            f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free}, "
+            f"prefix_cache={type(self.prefix_cache).__name__ if self.prefix_cache else None})"
+        )

@@ -86,8 +86,15 @@ class LLMEngine:
         events: the log the engine writes request lifecycle events to (default: a new unbounded one).
     """
 
-    def __init__(self, runner, config: SchedulerConfig = SchedulerConfig(), tokenizer=None,
-                 scheduler: Scheduler | None = None, clock=None, events: EventLog | None = None):
+    def __init__(
+        self,
+        runner,
+        config: SchedulerConfig = SchedulerConfig(),
+        tokenizer=None,
+        scheduler: Scheduler | None = None,
+        clock=None,
+        events: EventLog | None = None,
+    ):
         self.runner, self.tokenizer = runner, tokenizer
         self.scheduler = scheduler if scheduler is not None else Scheduler(config)
         self.config = self.scheduler.config
@@ -98,8 +105,15 @@ class LLMEngine:
         self.events = events if events is not None else EventLog()
 
     @classmethod
-    def from_model(cls, model: Llama, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
-                   attention_backend: str = "torch", native: str | None = None, **kwargs) -> LLMEngine:
+    def from_model(
+        cls,
+        model: Llama,
+        tokenizer=None,
+        config: SchedulerConfig = SchedulerConfig(),
+        attention_backend: str = "torch",
+        native: str | None = None,
+        **kwargs,
+    ) -> LLMEngine:
         """An engine on ``model`` with a paged KV store of ``config.num_blocks`` blocks; its attention
         runs in PyTorch (``"torch"``) or in the course's Triton kernels (``"triton"``). ``native``, a
         weight format (``"fp32"``, ``"bf16"``, ``"int8"``), runs the engine's small steps in C
@@ -109,14 +123,24 @@ class LLMEngine:
         if native is not None:
             from infra_lib.serving.native_runner import NativeModelRunner
 
-            return cls(NativeModelRunner(model, store, native, attention_backend=attention_backend), config, tokenizer,
-                       **kwargs)
+            return cls(
+                NativeModelRunner(model, store, native, attention_backend=attention_backend),
+                config,
+                tokenizer,
+                **kwargs,
+            )
         return cls(ModelRunner(model, store, attention_backend), config, tokenizer, **kwargs)
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def add_request(self, prompt, params: SamplingParams = SamplingParams(), *, stop: tuple[str, ...] = (),
-                    arrival_time: float | None = None) -> int:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams = SamplingParams(),
+        *,
+        stop: tuple[str, ...] = (),
+        arrival_time: float | None = None,
+    ) -> int:
         """Queue a request; returns its id.
 
         Args:
@@ -125,8 +149,9 @@ class LLMEngine:
             stop: strings that end the output (the text is cut before the match).
             arrival_time: on the engine's clock (default: now).
         """
-        if self.tokenizer is None and not (isinstance(prompt, (list, tuple)) and prompt
-                                           and all(isinstance(t, int) for t in prompt)):
+        if self.tokenizer is None and not (
+            isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt)
+        ):
             raise ValueError("without a tokenizer the engine takes prompts as lists of token ids")
         ids = prompt_ids(self.tokenizer, list(prompt) if isinstance(prompt, tuple) else prompt)
         seq_id = len(self.sequences)
@@ -138,12 +163,16 @@ class LLMEngine:
         seq.max_tokens = min(seq.max_tokens, context)
         most_positions = seq.max_tokens - 1  # the last token is sampled, never computed
         if blocks_needed(most_positions, self.config.block_size) > self.config.num_blocks:
-            raise ValueError(f"request {seq_id} may need {most_positions} KV positions, more than the pool's "
-                             f"{self.config.num_blocks} blocks of {self.config.block_size} hold: lower "
-                             "max_new_tokens or give the pool more blocks")
+            raise ValueError(
+                f"request {seq_id} may need {most_positions} KV positions, more than the pool's "
+                f"{self.config.num_blocks} blocks of {self.config.block_size} hold: lower "
+                "max_new_tokens or give the pool more blocks"
+            )
         if not self.config.enable_chunked_prefill and most_positions > self.config.max_num_batched_tokens:
-            raise ValueError(f"request {seq_id} may need to (re)compute {most_positions} tokens in one step but the "
-                             f"budget is {self.config.max_num_batched_tokens}: enable chunked prefill or raise it")
+            raise ValueError(
+                f"request {seq_id} may need to (re)compute {most_positions} tokens in one step but the "
+                f"budget is {self.config.max_num_batched_tokens}: enable chunked prefill or raise it"
+            )
         if params.stop_ids is None and self.tokenizer is not None:
             seq.stop_ids = frozenset((self.tokenizer.eos_id,))
         seq.stop_strings = tuple(stop)
@@ -176,22 +205,34 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
-                raise PlanRefused(f"step {out.step} scheduled nothing with {len(self.scheduler.waiting)} waiting and "
-                                  f"{len(self.scheduler.running)} running: the scheduler made no progress "
-                                  f"({'; '.join(out.reasons) or 'no reason given'})", out)
+                raise PlanRefused(
+                    f"step {out.step} scheduled nothing with {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running: the scheduler made no progress "
+                    f"({'; '.join(out.reasons) or 'no reason given'})",
+                    out,
+                )
             return []
         both = [s.seq_id for s in out.scheduled if s.seq_id in out.preempted]
         if both:  # a preempted sequence gave its blocks back: running it would write to blocks it lost
-            raise PlanRefused(f"step {out.step} scheduled seq {both} and preempted it in the same step: the scheduler "
-                              "gave a plan that cannot run (the plan was not run)", out)
+            raise PlanRefused(
+                f"step {out.step} scheduled seq {both} and preempted it in the same step: the scheduler "
+                "gave a plan that cannot run (the plan was not run)",
+                out,
+            )
         start = self.clock.now()
         batch = [(self.sequences[s.seq_id], s) for s in out.scheduled]
         for seq_id in out.preempted:
             self.events.emit("preempted", start, seq_id)
         for seq_id in out.admitted:
             seq = self.sequences[seq_id]
-            self.events.emit("admitted", start, seq_id, cached_tokens=out.num_cached_tokens.get(seq_id, 0),
-                             prompt_tokens=seq.num_prompt_tokens, first=seq.metrics.first_scheduled_time is None)
+            self.events.emit(
+                "admitted",
+                start,
+                seq_id,
+                cached_tokens=out.num_cached_tokens.get(seq_id, 0),
+                prompt_tokens=seq.num_prompt_tokens,
+                first=seq.metrics.first_scheduled_time is None,
+            )
         for seq, _ in batch:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
@@ -200,14 +241,24 @@ class LLMEngine:
         now = self.clock.now()
         self.steps.append(StepRecord(start, now, out))
         outputs = [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
-        self.events.emit("step", now, start=start, **self._queues(), batched_tokens=out.num_batched_tokens,
-                         prefill_tokens=out.num_prefill_tokens, decode_seqs=out.num_decode_seqs)
+        self.events.emit(
+            "step",
+            now,
+            start=start,
+            **self._queues(),
+            batched_tokens=out.num_batched_tokens,
+            prefill_tokens=out.num_prefill_tokens,
+            decode_seqs=out.num_decode_seqs,
+        )
         return outputs
 
     def _queues(self) -> dict:
         """The queues and the KV pool now (what the running, waiting and KV-usage gauges show)."""
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_usage": 1 - self.scheduler.pool.num_free / self.config.num_blocks}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": 1 - self.scheduler.pool.num_free / self.config.num_blocks,
+        }
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.append_token(token)
@@ -229,7 +280,7 @@ class LLMEngine:
             if reason == "length" or token in seq.stop_ids:
                 seq.text += decoder.flush() if decoder is not None else ""
             self._finish(seq, reason, now)
-        return self._output(seq, [token], seq.text[len(before):])
+        return self._output(seq, [token], seq.text[len(before) :])
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -237,13 +288,29 @@ class LLMEngine:
         self._decoders.pop(seq.seq_id, None)
         # the queues after the release: an abort between steps is followed by no step event, so the
         # gauges must not wait for one
-        self.events.emit("finished", now, seq.seq_id, reason=reason, prompt_tokens=seq.num_prompt_tokens,
-                         output_tokens=len(seq.output_ids), **self._queues())
+        self.events.emit(
+            "finished",
+            now,
+            seq.seq_id,
+            reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            output_tokens=len(seq.output_ids),
+            **self._queues(),
+        )
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
-        return RequestOutput(seq.seq_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.is_finished,
-                             seq.finish_reason, seq.metrics, new_ids, new_text)
+        return RequestOutput(
+            seq.seq_id,
+            list(seq.prompt_ids),
+            list(seq.output_ids),
+            seq.text,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.metrics,
+            new_ids,
+            new_text,
+        )
 
     def check_invariants(self) -> None:
         """The scheduler's invariants, finished requests hold nothing, outputs within their limits."""

@@ -9,5 +9,7 @@ class OutOfBlocks(RuntimeError):
 
     def __init__(self, requested: int, free: int, total: int):
         self.requested, self.free, self.total = requested, free, total
-        super().__init__(f"need {requested} free KV block(s) but only {free} of {total} are free: finish or "
-                         "preempt a sequence to free its blocks, or give the pool more blocks")
+        super().__init__(
+            f"need {requested} free KV block(s) but only {free} of {total} are free: finish or "
+            "preempt a sequence to free its blocks, or give the pool more blocks"
+        )

@@ -69,8 +69,9 @@ class EventLog:
         """The kept events, oldest first, optionally only one kind or one request."""
         with self._lock:
             events = list(self._events)
-        return [e for e in events if (kind is None or e.kind == kind)
-                and (request_id is None or e.request_id == request_id)]
+        return [
+            e for e in events if (kind is None or e.kind == kind) and (request_id is None or e.request_id == request_id)
+        ]
 
     def __len__(self) -> int:
         return len(self._events)
@@ -84,9 +85,19 @@ class EventLog:
         for e in self.events():
             if e.request_id < 0:
                 continue
-            r = out.setdefault(e.request_id, {"arrival": None, "admitted": None, "token_times": [],
-                                              "finish": None, "reason": None, "preemptions": 0,
-                                              "prompt_tokens": None, "cached_tokens": 0})
+            r = out.setdefault(
+                e.request_id,
+                {
+                    "arrival": None,
+                    "admitted": None,
+                    "token_times": [],
+                    "finish": None,
+                    "reason": None,
+                    "preemptions": 0,
+                    "prompt_tokens": None,
+                    "cached_tokens": 0,
+                },
+            )
             if e.kind == "arrived":
                 r["arrival"], r["prompt_tokens"] = e.time, e.data.get("prompt_tokens")
             elif e.kind == "admitted" and r["admitted"] is None:

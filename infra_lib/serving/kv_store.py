@@ -17,16 +17,30 @@ from infra_lib.serving.paged_attention import gather_kv
 class PagedKVStore:
     """Every layer's K and V blocks: ``k[layer]``, ``v[layer]`` ``[num_blocks, block_size, n_kv_heads, head_dim]``."""
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
 
     @classmethod
-    def for_model(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> "PagedKVStore":
+    def for_model(
+        cls,
+        config,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "PagedKVStore":
         """A store shaped for ``config`` (a ``LlamaConfig``)."""
         return cls(config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim, dtype, device)
 
@@ -38,8 +52,7 @@ class PagedKVStore:
 
     def gather(self, layer: int, block_ids: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's keys and values, ``[1, n_kv_heads, seq_len, head_dim]`` each."""
-        return (gather_kv(self.k[layer], [block_ids], [seq_len]),
-                gather_kv(self.v[layer], [block_ids], [seq_len]))
+        return (gather_kv(self.k[layer], [block_ids], [seq_len]), gather_kv(self.v[layer], [block_ids], [seq_len]))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write's copy: block ``src``'s slots into block ``dst``, every layer."""
@@ -58,5 +71,7 @@ class PagedKVStore:
             raise AssertionError(f"{len(self.k)} K and {len(self.v)} V tensors for {self.n_layers} layers")
         shapes = {tuple(t.shape) for t in self.k + self.v}
         if len(shapes) != 1 or next(iter(shapes))[:2] != (self.num_blocks, self.block_size):
-            raise AssertionError(f"K/V tensors shaped {sorted(shapes)}, expected [{self.num_blocks}, "
-                                 f"{self.block_size}, n_kv_heads, head_dim]")
+            raise AssertionError(
+                f"K/V tensors shaped {sorted(shapes)}, expected [{self.num_blocks}, "
+                f"{self.block_size}, n_kv_heads, head_dim]"
+            )

@@ -24,14 +24,25 @@ class LLM:
         model, tokenizer, config: as for ``LLMEngine.from_model``; or pass a ready ``engine``.
     """
 
-    def __init__(self, model: Llama | None = None, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
-                 engine: LLMEngine | None = None):
+    def __init__(
+        self,
+        model: Llama | None = None,
+        tokenizer=None,
+        config: SchedulerConfig = SchedulerConfig(),
+        engine: LLMEngine | None = None,
+    ):
         if engine is None and model is None:
             raise ValueError("LLM needs a model (or a ready engine)")
         self.engine = engine if engine is not None else LLMEngine.from_model(model, tokenizer, config)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(), *,
-                 stop: tuple[str, ...] = (), use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        *,
+        stop: tuple[str, ...] = (),
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Finished outputs in the order of ``prompts``: one prompt (text, token ids, a conversation) or a list.
 
         ``sampling_params`` is one for all or one per prompt; a progress bar counts finished requests.

@@ -63,8 +63,10 @@ class ModelRunner:
 
     def __init__(self, model: Llama, store: PagedKVStore, attention_backend: str = "torch"):
         if store.n_layers != model.config.n_layers:
-            raise ValueError(f"the store has {store.n_layers} layers, the model {model.config.n_layers}: "
-                             "build it with PagedKVStore.for_model(model.config, ...)")
+            raise ValueError(
+                f"the store has {store.n_layers} layers, the model {model.config.n_layers}: "
+                "build it with PagedKVStore.for_model(model.config, ...)"
+            )
         self.model, self.store = model, store
         self.max_position = model.config.max_position
         self.decode_attention, self.chunk_attention = attention_backends(attention_backend)
@@ -74,8 +76,9 @@ class ModelRunner:
         """Compute the step; return the next token of every sequence that samples, by seq_id."""
         samplers = [seq for seq, s in batch if s.samples]
         logits = self.forward(batch).cpu()  # [len(samplers), vocab]; per-request generators live on the CPU
-        return {seq.seq_id: int(sample(logits[i:i + 1], seq.params, seq.generator)[0])
-                for i, seq in enumerate(samplers)}
+        return {
+            seq.seq_id: int(sample(logits[i : i + 1], seq.params, seq.generator)[0]) for i, seq in enumerate(samplers)
+        }
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -103,10 +106,11 @@ class ModelRunner:
     @staticmethod
     def scheduled_ids(seq: Sequence, s: ScheduledSeq) -> list[int]:
         """The token ids of the positions the step computes for ``seq``; ValueError if it lacks them."""
-        ids = seq.token_ids[s.start:s.start + s.num_tokens]
+        ids = seq.token_ids[s.start : s.start + s.num_tokens]
         if len(ids) != s.num_tokens:
-            raise ValueError(f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for "
-                             f"{s.start}..{s.start + s.num_tokens - 1}")
+            raise ValueError(
+                f"seq {seq.seq_id} has {seq.num_tokens} tokens; step asks for {s.start}..{s.start + s.num_tokens - 1}"
+            )
         return ids
 
     def _attention_plan(self, batch: Batch, device) -> dict:
@@ -142,8 +146,8 @@ class ModelRunner:
         k_cache, v_cache = self.store.k[index], self.store.v[index]
         out = torch.empty_like(q)  # [1, heads, T, hd]
         for rows, n, blocks, context_len in plan["chunks"]:
-            chunk = q[:, :, rows:rows + n]  # [1, heads, n, hd]
-            out[:, :, rows:rows + n] = self.chunk_attention(chunk, k_cache, v_cache, [blocks], [context_len])
+            chunk = q[:, :, rows : rows + n]  # [1, heads, n, hd]
+            out[:, :, rows : rows + n] = self.chunk_attention(chunk, k_cache, v_cache, [blocks], [context_len])
         at = plan["decode_rows"]
         if at is not None:
             q_dec = q[0][:, at].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]

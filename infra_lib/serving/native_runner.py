@@ -35,8 +35,16 @@ import torch
 
 from infra_lib.kernels.paged_gather import block_table_tensor
 from infra_lib.model.model import Llama
-from infra_lib.model.native_decode import (FORMAT_CODE, NativeUnavailable, check_native_model, data_pointer, fp32,
-                                           native_library, stored_weight, take_shared_tensors)
+from infra_lib.model.native_decode import (
+    FORMAT_CODE,
+    NativeUnavailable,
+    check_native_model,
+    data_pointer,
+    fp32,
+    native_library,
+    stored_weight,
+    take_shared_tensors,
+)
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.model_runner import Batch, ModelRunner
 
@@ -74,10 +82,26 @@ class PanelWeights:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = packed(attn.q_proj, attn.k_proj, attn.v_proj), packed(attn.o_proj)
             gate, up, down = packed(mlp.gate_proj), packed(mlp.up_proj), packed(mlp.down_proj)
-            tensors = [fp32(layer.input_layernorm.weight), qkv[0], qkv[1], fp32(attn.q_proj.bias),
-                       fp32(attn.k_proj.bias), fp32(attn.v_proj.bias), o[0], o[1], fp32(attn.o_proj.bias),
-                       fp32(layer.post_attention_layernorm.weight), gate[0], gate[1], up[0], up[1], down[0], down[1],
-                       k_cache, v_cache]
+            tensors = [
+                fp32(layer.input_layernorm.weight),
+                qkv[0],
+                qkv[1],
+                fp32(attn.q_proj.bias),
+                fp32(attn.k_proj.bias),
+                fp32(attn.v_proj.bias),
+                o[0],
+                o[1],
+                fp32(attn.o_proj.bias),
+                fp32(layer.post_attention_layernorm.weight),
+                gate[0],
+                gate[1],
+                up[0],
+                up[1],
+                down[0],
+                down[1],
+                k_cache,
+                v_cache,
+            ]
             self.keep += [t for t in tensors if t is not None]
             pointers += [data_pointer(t) for t in tensors]
         if len(pointers) != model.config.n_layers * library.infra_native_batch_param_count():
@@ -102,8 +126,15 @@ class NativeModelRunner(ModelRunner):
     ``native_steps`` and ``fallback_steps`` count the steps each path ran.
     """
 
-    def __init__(self, model: Llama, store: PagedKVStore, weights: str = "fp32", max_tokens: int = 512,
-                 fallback: Llama | None = None, attention_backend: str = "torch"):
+    def __init__(
+        self,
+        model: Llama,
+        store: PagedKVStore,
+        weights: str = "fp32",
+        max_tokens: int = 512,
+        fallback: Llama | None = None,
+        attention_backend: str = "torch",
+    ):
         check_native_model(model, weights, "NativeModelRunner")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -111,18 +142,35 @@ class NativeModelRunner(ModelRunner):
         if fallback.config != model.config:
             raise ValueError("the fallback model must have the model's config (the same layers and shapes)")
         layer = store.k[0]
-        if layer.dtype != torch.float32 or layer.device.type != "cpu" or not all(
-                t.is_contiguous() for t in store.k + store.v):
-            raise ValueError(f"NativeModelRunner reads a contiguous fp32 store on the CPU, got {layer.dtype} "
-                             f"on {layer.device}")
+        if (
+            layer.dtype != torch.float32
+            or layer.device.type != "cpu"
+            or not all(t.is_contiguous() for t in store.k + store.v)
+        ):
+            raise ValueError(
+                f"NativeModelRunner reads a contiguous fp32 store on the CPU, got {layer.dtype} on {layer.device}"
+            )
         super().__init__(fallback, store, attention_backend)
         self.library = native_library()
         self.weights, self.max_tokens = weights, max_tokens
         self.native = PanelWeights(model, weights, store.k, store.v)
         config = model.config
-        dims = [config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim, config.intermediate_size,
-                config.vocab_size, config.n_layers, config.max_position, max_tokens, 0, 0, store.block_size, 1,
-                FORMAT_CODE[weights]]
+        dims = [
+            config.hidden_size,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.n_layers,
+            config.max_position,
+            max_tokens,
+            0,
+            0,
+            store.block_size,
+            1,
+            FORMAT_CODE[weights],
+        ]
         if len(dims) != self.library.infra_native_batch_dim_count() or self.library.infra_native_row_fields() != 4:
             raise NativeUnavailable("the C step and this module disagree on the batched step's fields")
         self._dims = (ctypes.c_long * len(dims))(*dims)
@@ -150,8 +198,9 @@ class NativeModelRunner(ModelRunner):
                 raise ValueError(f"position {end - 1} exceeds the model's context of {self.max_position}")
             table = seq.block_table
             if end > table.capacity:
-                raise IndexError(f"seq {seq.seq_id}: positions up to {end - 1} lie outside its table's "
-                                 f"{table.capacity} slots")
+                raise IndexError(
+                    f"seq {seq.seq_id}: positions up to {end - 1} lie outside its table's {table.capacity} slots"
+                )
             for position, token in zip(range(s.start, end), ids):
                 rows.append((token, position, table.slot(position), index))
             tables.append(table.blocks)
@@ -175,9 +224,21 @@ class NativeModelRunner(ModelRunner):
         dims[_ROWS] = len(rows)
         w = self.native
         status = self.library.infra_native_batch_step(
-            dims, w.eps, w.pointers, w.embed.data_ptr(), w.final_norm.data_ptr(), w.lm_head.data_ptr(),
-            data_pointer(w.lm_head_scale), w.cos.data_ptr(), w.sin.data_ptr(), rows_t.data_ptr(), tables_t.data_ptr(),
-            samples_t.data_ptr() if samples else None, self._scratch.data_ptr(), self._logits.data_ptr())
+            dims,
+            w.eps,
+            w.pointers,
+            w.embed.data_ptr(),
+            w.final_norm.data_ptr(),
+            w.lm_head.data_ptr(),
+            data_pointer(w.lm_head_scale),
+            w.cos.data_ptr(),
+            w.sin.data_ptr(),
+            rows_t.data_ptr(),
+            tables_t.data_ptr(),
+            samples_t.data_ptr() if samples else None,
+            self._scratch.data_ptr(),
+            self._logits.data_ptr(),
+        )
         if status != 0:
             raise ValueError(f"a position lies past the model's context of {self.max_position}")
-        return self._logits[:len(samples)].clone()
+        return self._logits[: len(samples)].clone()

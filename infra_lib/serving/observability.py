@@ -29,8 +29,29 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infra_lib.serving.events import EngineEvent, EventLog
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -50,32 +71,63 @@ class ServingMetrics:
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", label, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.", label, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                              label, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      label, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   label, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (a request's KV blocks taken away).",
-                                   label, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", label, registry=r
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", label, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", label, registry=r
+        )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Preemptions (a request's KV blocks taken away).", label, registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted.", label, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                               label + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first output token.", label,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between successive output tokens.", label,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", label,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first admission.", label,
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.busy = Counter("infra_lab:engine_busy_seconds", "Seconds the engine spent inside steps.", label,
-                            registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", label + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Arrival to first output token.",
+            label,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Gap between successive output tokens.",
+            label,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", label, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first admission.", label, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.busy = Counter(
+            "infra_lab:engine_busy_seconds", "Seconds the engine spent inside steps.", label, registry=r
+        )
         self.steps = Counter("infra_lab:engine_steps", "Engine steps run.", label, registry=r)
-        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time, self.busy, self.steps):
+        for metric in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.busy,
+            self.steps,
+        ):
             self._l(metric)  # every series exists (at 0) from the start, as a scraper expects
         for reason in ("stop", "length", "abort"):
             self._l(self.success, finished_reason=reason)

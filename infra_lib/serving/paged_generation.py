@@ -36,8 +36,15 @@ class PagedDecode:
 
 
 @torch.inference_mode()
-def paged_greedy_decode(model: Llama, store: PagedKVStore, pool: BlockAllocator, prompt: list[int],
-                        max_new_tokens: int, stop_id: int | None = None, release: bool = True) -> PagedDecode:
+def paged_greedy_decode(
+    model: Llama,
+    store: PagedKVStore,
+    pool: BlockAllocator,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_id: int | None = None,
+    release: bool = True,
+) -> PagedDecode:
     """Prefill the uncached part of ``prompt``, then feed back one greedy token per step.
 
     Every step reserves its slots before the forward pass, so the sequence's full blocks are

@@ -51,8 +51,10 @@ class PagedLayerCache(LayerCache):
     def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store this step's ``[1, n_kv_heads, t, head_dim]`` keys/values in their slots."""
         if k_new.dim() != 4 or k_new.shape[0] != 1 or k_new.shape != v_new.shape:
-            raise ValueError(f"a paged sequence takes k_new/v_new [1, n_kv_heads, t, head_dim] of one shape, "
-                             f"got {list(k_new.shape)} and {list(v_new.shape)}")
+            raise ValueError(
+                f"a paged sequence takes k_new/v_new [1, n_kv_heads, t, head_dim] of one shape, "
+                f"got {list(k_new.shape)} and {list(v_new.shape)}"
+            )
         start = self._length
         end = self.sequence._start_layer_write(self.index, start, k_new.shape[2])
         slots = self.sequence.table.slot_mapping(start, end, device=self.k_cache.device)
@@ -70,8 +72,10 @@ class PagedKVCache(KVCache):
 
     def __init__(self, store: PagedKVStore, pool: BlockAllocator):
         if (store.num_blocks, store.block_size) != (pool.num_blocks, pool.block_size):
-            raise ValueError(f"the store has {store.num_blocks} blocks of {store.block_size} slots but the pool "
-                             f"{pool.num_blocks} of {pool.block_size}: build both with the same numbers")
+            raise ValueError(
+                f"the store has {store.num_blocks} blocks of {store.block_size} slots but the pool "
+                f"{pool.num_blocks} of {pool.block_size}: build both with the same numbers"
+            )
         self.store, self.pool = store, pool
         self.table = BlockTable(pool.block_size)
         self.layers = [PagedLayerCache(self, i) for i in range(store.n_layers)]
@@ -128,7 +132,7 @@ class PagedKVCache(KVCache):
     @property
     def pending_token_ids(self) -> list[int] | None:
         """The reserved tokens not yet computed (what the next forward runs); None if unknown."""
-        return None if self._token_ids is None else self._token_ids[self._seq_len:self._reserved]
+        return None if self._token_ids is None else self._token_ids[self._seq_len : self._reserved]
 
     @property
     def token_ids(self) -> list[int] | None:
@@ -215,7 +219,7 @@ class PagedKVCache(KVCache):
         full = self._seq_len // self.table.block_size
         if self._token_ids is not None and full > self._blocks_registered and hasattr(self.pool, "cache_blocks"):
             bs = self.table.block_size
-            self.pool.cache_blocks(self._token_ids[:full * bs], self.table.blocks[:full])
+            self.pool.cache_blocks(self._token_ids[: full * bs], self.table.blocks[:full])
             self._blocks_registered = full
 
     def _check_usable(self) -> None:

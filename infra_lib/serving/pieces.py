@@ -38,17 +38,39 @@ class Piece:
     lesson: str  # where the course shows how to make it fast
 
 
-PIECES: dict[str, Piece] = {p.name: p for p in (
-    Piece("cached_attention", "lab06_kv_cache", "cached GQA attention",
-          "the runner's attention, one sequence at a time over its gathered K/V",
-          "chapter 06 (the KV cache) and chapter 15 (paged decode attention: all sequences in one call)"),
-    Piece("BlockPool", "lab07_paged_kv", "the block pool", "the scheduler's pool",
-          "chapter 07 (the free queue: every operation O(blocks touched))"),
-    Piece("schedule", "lab08_scheduler", "the scheduler step", "Scheduler.schedule",
-          "chapter 08 (a step plans in O(running + admitted); no work per waiting request)"),
-    Piece("accept_or_resample", "lab09_spec_quant", "the speculative acceptance rule",
-          "speculative_decode's acceptance rule", "chapter 09 (speculative decoding)"),
-)}
+PIECES: dict[str, Piece] = {
+    p.name: p
+    for p in (
+        Piece(
+            "cached_attention",
+            "lab06_kv_cache",
+            "cached GQA attention",
+            "the runner's attention, one sequence at a time over its gathered K/V",
+            "chapter 06 (the KV cache) and chapter 15 (paged decode attention: all sequences in one call)",
+        ),
+        Piece(
+            "BlockPool",
+            "lab07_paged_kv",
+            "the block pool",
+            "the scheduler's pool",
+            "chapter 07 (the free queue: every operation O(blocks touched))",
+        ),
+        Piece(
+            "schedule",
+            "lab08_scheduler",
+            "the scheduler step",
+            "Scheduler.schedule",
+            "chapter 08 (a step plans in O(running + admitted); no work per waiting request)",
+        ),
+        Piece(
+            "accept_or_resample",
+            "lab09_spec_quant",
+            "the speculative acceptance rule",
+            "speculative_decode's acceptance rule",
+            "chapter 09 (speculative decoding)",
+        ),
+    )
+}
 
 
 def owners(pieces: dict | None) -> dict[str, str]:
@@ -64,6 +86,7 @@ def _unknown(pieces: dict) -> None:
 
 
 # --- the block pool: the scheduler's calls on top of the lab's six operations ---------------------
+
 
 class PoolForScheduler:
     """A lab 07 pool (``num_free``, ``ref_count``, ``allocate``, ``free``, ``fork``, ``prepare_write``)
@@ -118,6 +141,7 @@ class PoolForScheduler:
 
 # --- the scheduler step --------------------------------------------------------------------------
 
+
 def scheduler_class(schedule):
     """``Scheduler`` whose ``schedule`` is the lab 08 function ``schedule(self) -> SchedulerOutput``."""
     if not callable(schedule):
@@ -134,6 +158,7 @@ def scheduler_class(schedule):
 
 
 # --- attention -------------------------------------------------------------------------------------
+
 
 class GatheredCache:
     """The lab 06 ``LayerCache`` a learner's ``cached_attention`` expects, over one sequence's K/V that
@@ -161,11 +186,13 @@ def attention_from(cached_attention):
         t, outs = q.shape[2], []
         for b, (table, length) in enumerate(zip(block_tables, seq_lens)):
             k, v = gather_kv(k_cache, [table], [length]), gather_kv(v_cache, [table], [length])
-            out = cached_attention(q[b:b + 1], k[:, :, -t:], v[:, :, -t:], GatheredCache(k, v))
-            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q[b:b + 1].shape):
+            out = cached_attention(q[b : b + 1], k[:, :, -t:], v[:, :, -t:], GatheredCache(k, v))
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q[b : b + 1].shape):
                 got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"cached_attention returned {got} for queries {list(q[b:b + 1].shape)}; "
-                                 "it must return [batch, n_heads, t, head_dim]")
+                raise ValueError(
+                    f"cached_attention returned {got} for queries {list(q[b : b + 1].shape)}; "
+                    "it must return [batch, n_heads, t, head_dim]"
+                )
             outs.append(out.to(q.dtype))
         return torch.cat(outs)
 
@@ -174,7 +201,10 @@ def attention_from(cached_attention):
 
 # --- assembling ------------------------------------------------------------------------------------
 
-def assemble(model, tokenizer=None, config: SchedulerConfig = SchedulerConfig(), pieces: dict | None = None, **engine_kwargs):
+
+def assemble(
+    model, tokenizer=None, config: SchedulerConfig = SchedulerConfig(), pieces: dict | None = None, **engine_kwargs
+):
     """An ``LLMEngine`` on ``model`` with the given pieces in place of the course's.
 
     Args:
@@ -208,18 +238,32 @@ def assemble(model, tokenizer=None, config: SchedulerConfig = SchedulerConfig(),
     return engine
 
 
-def speculate(model, prompt_ids: list[int], max_new_tokens: int, accept_or_resample=None, gamma: int = 4,
-              stop_ids: tuple[int, ...] = ()):
+def speculate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    accept_or_resample=None,
+    gamma: int = 4,
+    stop_ids: tuple[int, ...] = (),
+):
     """Greedy speculative decoding of one prompt with a prompt-lookup draft, through the given
     acceptance rule (None: the course's); returns the ``SpeculativeResult``."""
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving.speculative import NgramDraft, speculative_decode
 
-    return speculative_decode(model, prompt_ids, NgramDraft(model.config.vocab_size), gamma, SamplingParams(max_new_tokens=max_new_tokens),
-                              stop_ids=stop_ids, accept=accept_or_resample)
+    return speculative_decode(
+        model,
+        prompt_ids,
+        NgramDraft(model.config.vocab_size),
+        gamma,
+        SamplingParams(max_new_tokens=max_new_tokens),
+        stop_ids=stop_ids,
+        accept=accept_or_resample,
+    )
 
 
 # --- probing: is a piece written at all? ---------------------------------------------------------------
+
 
 def _probe_pool(cls) -> None:
     pool = cls(4, 2)
@@ -250,8 +294,12 @@ def _probe_accept(fn) -> None:
     fn(p, q, [1], torch.Generator().manual_seed(0))
 
 
-_PROBES = {"BlockPool": _probe_pool, "schedule": _probe_schedule, "cached_attention": _probe_attention,
-           "accept_or_resample": _probe_accept}
+_PROBES = {
+    "BlockPool": _probe_pool,
+    "schedule": _probe_schedule,
+    "cached_attention": _probe_attention,
+    "accept_or_resample": _probe_accept,
+}
 
 
 def probe(name: str, piece) -> str | None:

@@ -39,7 +39,7 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: 
         count = min(count, max_blocks)
     hashes, parent = [], None
     for i in range(count):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
 
@@ -100,8 +100,10 @@ class PrefixCache(ABC):
         """How many of ``block_ids`` are full blocks of ``token_ids``."""
         full = len(token_ids) // self.block_size
         if len(block_ids) < full:
-            raise ValueError(f"{len(token_ids)} tokens fill {full} blocks of {self.block_size} but only "
-                             f"{len(block_ids)} block ids were given")
+            raise ValueError(
+                f"{len(token_ids)} tokens fill {full} blocks of {self.block_size} but only "
+                f"{len(block_ids)} block ids were given"
+            )
         return full
 
 
@@ -145,8 +147,9 @@ class HashPrefixCache(PrefixCache):
 
     def check_invariants(self):
         if len(self._block_of) != len(self._hash_of):
-            raise AssertionError(f"{len(self._block_of)} hashes map to blocks but {len(self._hash_of)} blocks "
-                                 "map to hashes")
+            raise AssertionError(
+                f"{len(self._block_of)} hashes map to blocks but {len(self._hash_of)} blocks map to hashes"
+            )
         for h, b in self._block_of.items():
             if self._hash_of.get(b) != h:
                 raise AssertionError(f"hash {h.hex()[:12]} names block {b}, which maps back to another hash")

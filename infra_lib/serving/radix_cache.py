@@ -37,7 +37,7 @@ class RadixPrefixCache(PrefixCache):
 
     def _edges(self, token_ids: Sequence[int], count: int):
         bs = self.block_size
-        return (tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs]) for i in range(count))
+        return (tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs]) for i in range(count))
 
     def longest_prefix(self, token_ids, max_blocks):
         hits, node = [], self.root

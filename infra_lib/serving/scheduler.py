@@ -38,8 +38,10 @@ class Scheduler:
             cache = HashPrefixCache(config.block_size) if config.enable_prefix_caching else None
             pool = BlockPool(config.num_blocks, config.block_size, cache)
         if (pool.num_blocks, pool.block_size) != (config.num_blocks, config.block_size):
-            raise ValueError(f"the pool has {pool.num_blocks} blocks of {pool.block_size} but the config says "
-                             f"{config.num_blocks} of {config.block_size}: build both from the same numbers")
+            raise ValueError(
+                f"the pool has {pool.num_blocks} blocks of {pool.block_size} but the config says "
+                f"{config.num_blocks} of {config.block_size}: build both from the same numbers"
+            )
         self.config, self.pool = config, pool
         self.waiting: deque[Sequence] = deque()  # FCFS; a preempted sequence re-enters at the front
         self.running: deque[Sequence] = deque()  # admission order: running[-1] is the newest
@@ -110,7 +112,7 @@ class Scheduler:
             seq.num_computed_tokens += s.num_tokens
             full = seq.num_computed_tokens // self.config.block_size
             if self.pool.prefix_cache is not None and full > s.start // self.config.block_size:
-                self.pool.cache_blocks(seq.token_ids[:full * self.config.block_size], seq.block_table.blocks[:full])
+                self.pool.cache_blocks(seq.token_ids[: full * self.config.block_size], seq.block_table.blocks[:full])
         self._scheduled = {}
 
     # --- predicate / action pairs ----------------------------------------------------------------
@@ -132,7 +134,7 @@ class Scheduler:
 
     def can_admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether blocks for the cached prefix plus ``num_tokens`` more can be found."""
-        head = seq.token_ids[:self.cached_tokens(seq) + num_tokens]
+        head = seq.token_ids[: self.cached_tokens(seq) + num_tokens]
         return self.pool.can_allocate_prompt(head)
 
     def admit(self, seq: Sequence, num_tokens: int) -> None:
@@ -141,7 +143,7 @@ class Scheduler:
         if not self.waiting or self.waiting[0] is not seq:
             raise ValueError(f"seq {seq.seq_id} is not at the front of the waiting queue (FCFS)")
         cached = self.cached_tokens(seq)
-        seq.block_table.blocks, hit = self.pool.allocate_prompt(seq.token_ids[:cached + num_tokens])
+        seq.block_table.blocks, hit = self.pool.allocate_prompt(seq.token_ids[: cached + num_tokens])
         self.waiting.popleft()
         seq.num_computed_tokens, seq.status = hit, SequenceStatus.RUNNING
         if seq.metrics.num_preemptions == 0:  # the first admission
@@ -186,12 +188,15 @@ class Scheduler:
         none both scheduled and preempted, whole prompts only when chunked prefill is off."""
         cfg = self.config
         if out.num_batched_tokens > cfg.max_num_batched_tokens:
-            raise AssertionError(f"step {out.step} scheduled {out.num_batched_tokens} tokens, budget "
-                                 f"{cfg.max_num_batched_tokens}")
+            raise AssertionError(
+                f"step {out.step} scheduled {out.num_batched_tokens} tokens, budget {cfg.max_num_batched_tokens}"
+            )
         ids = [s.seq_id for s in out.scheduled]
         if len(ids) > cfg.max_num_seqs or len(set(ids)) != len(ids) or any(s.num_tokens < 1 for s in out.scheduled):
-            raise AssertionError(f"step {out.step} schedules {ids}: at most {cfg.max_num_seqs} distinct sequences, "
-                                 "each with at least one token")
+            raise AssertionError(
+                f"step {out.step} schedules {ids}: at most {cfg.max_num_seqs} distinct sequences, "
+                "each with at least one token"
+            )
         both = [i for i in ids if i in out.preempted]
         if both:
             raise AssertionError(f"step {out.step} scheduled seq {both} and preempted it in the same step")
@@ -206,8 +211,10 @@ class Scheduler:
             raise AssertionError(f"{len(self.running)} sequences running, max_num_seqs is {cfg.max_num_seqs}")
         ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
         if len(set(ids)) != len(ids):
-            raise AssertionError(f"a sequence is queued twice: running {[s.seq_id for s in self.running]}, "
-                                 f"waiting {[s.seq_id for s in self.waiting]}")
+            raise AssertionError(
+                f"a sequence is queued twice: running {[s.seq_id for s in self.running]}, "
+                f"waiting {[s.seq_id for s in self.waiting]}"
+            )
         holders = [0] * self.pool.num_blocks
         for seq in self.running:
             pending = self._scheduled.get(seq.seq_id, 0)
@@ -215,8 +222,9 @@ class Scheduler:
                 raise AssertionError(f"running {seq} has the wrong status or computed count")
             want = blocks_needed(seq.num_computed_tokens + pending, cfg.block_size)
             if len(seq.block_table) != want:
-                raise AssertionError(f"{seq} holds {len(seq.block_table)} blocks; its computed + scheduled "
-                                     f"tokens need {want}")
+                raise AssertionError(
+                    f"{seq} holds {len(seq.block_table)} blocks; its computed + scheduled tokens need {want}"
+                )
             seq.block_table.check_invariants()
             written = seq.block_table.block_indices(seq.num_computed_tokens, seq.num_computed_tokens + pending)
             shared = [seq.block_table.blocks[i] for i in written if self.pool.ref_count(seq.block_table.blocks[i]) != 1]
@@ -225,8 +233,11 @@ class Scheduler:
             for b in seq.block_table.blocks:
                 holders[b] += 1
         for seq in self.waiting:
-            if seq.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) or seq.block_table.blocks \
-                    or seq.num_computed_tokens:
+            if (
+                seq.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+                or seq.block_table.blocks
+                or seq.num_computed_tokens
+            ):
                 raise AssertionError(f"waiting {seq} must hold no blocks and no computed tokens")
         counts = [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
         if counts != holders:

@@ -87,8 +87,11 @@ class SchedulerOutput:
         """Record that ``seq`` computes its next ``num_tokens`` positions in this step."""
         start = seq.num_computed_tokens
         decode = bool(seq.output_ids) and start == seq.num_tokens - 1
-        self.scheduled.append(ScheduledSeq(seq.seq_id, num_tokens, start, "decode" if decode else "prefill",
-                                           start + num_tokens == seq.num_tokens))
+        self.scheduled.append(
+            ScheduledSeq(
+                seq.seq_id, num_tokens, start, "decode" if decode else "prefill", start + num_tokens == seq.num_tokens
+            )
+        )
 
     @property
     def num_batched_tokens(self) -> int:
@@ -112,7 +115,11 @@ class SchedulerOutput:
 
     def as_dict(self) -> dict:
         """The decisions as JSON-stable plain data (lists, no tuples or int keys): what lab checks compare."""
-        return {"step": self.step, "scheduled": [[s.seq_id, s.num_tokens, s.kind] for s in self.scheduled],
-                "admitted": list(self.admitted), "preempted": list(self.preempted),
-                "num_cached_tokens": [[i, n] for i, n in self.num_cached_tokens.items()],
-                "num_batched_tokens": self.num_batched_tokens}
+        return {
+            "step": self.step,
+            "scheduled": [[s.seq_id, s.num_tokens, s.kind] for s in self.scheduled],
+            "admitted": list(self.admitted),
+            "preempted": list(self.preempted),
+            "num_cached_tokens": [[i, n] for i, n in self.num_cached_tokens.items()],
+            "num_batched_tokens": self.num_batched_tokens,
+        }

@@ -90,8 +90,15 @@ class Sequence:
         arrival_time: clock time of arrival.
     """
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                 block_size: int = 16, arrival_index: int = 0, arrival_time: float = 0.0):
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        block_size: int = 16,
+        arrival_index: int = 0,
+        arrival_time: float = 0.0,
+    ):
         if not prompt_ids:
             raise ValueError(f"request {seq_id} has an empty prompt: give it at least one token")
         self.seq_id, self.params = seq_id, params
@@ -134,5 +141,7 @@ class Sequence:
         self.output_ids.append(int(token_id))
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+"
-                f"{len(self.output_ids)}, computed={self.num_computed_tokens}, blocks={self.block_table.blocks})")
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_prompt_tokens}+"
+            f"{len(self.output_ids)}, computed={self.num_computed_tokens}, blocks={self.block_table.blocks})"
+        )

@@ -27,10 +27,9 @@ import json
 import socket
 import threading
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Literal
-
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +49,7 @@ MAX_BODY_BYTES = 1 << 20
 
 
 # --- the request bodies (only what this server implements; unknown fields are ignored) ----------
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -97,9 +97,16 @@ class CompletionRequest(_SamplingRequest):
 
 # --- errors --------------------------------------------------------------------------------------
 
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -120,8 +127,11 @@ def _validation_error(exc: ValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {errors[0].get('msg')}", code="invalid_json")
     # Of a union's alternatives, the one whose type matched says the most ("at most 4 items")
     first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
-    path = [str(p) for p in first.get("loc", ())
-            if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS or p[:1].isupper()))]
+    path = [
+        str(p)
+        for p in first.get("loc", ())
+        if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS or p[:1].isupper()))
+    ]
     where = ".".join(path)
     got = first.get("input")
     shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
@@ -129,6 +139,7 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 # --- the app -------------------------------------------------------------------------------------
+
 
 @dataclass
 class ServerState:
@@ -140,8 +151,14 @@ class ServerState:
     started: int
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, metrics: ServingMetrics | None = None,
-               max_tokens_default: int = 256, downstream_delay_s: float = 0.0):
+def create_app(
+    engine: AsyncLLMEngine,
+    model_name: str = DEFAULT_MODEL_NAME,
+    *,
+    metrics: ServingMetrics | None = None,
+    max_tokens_default: int = 256,
+    downstream_delay_s: float = 0.0,
+):
     """A FastAPI app serving ``engine`` (started with the app, stopped with it).
 
     Args:
@@ -177,9 +194,18 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.started,
-                                            "owned_by": "infra-lab",
-                                            "max_model_len": engine.engine.runner.max_position}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": state.started,
+                    "owned_by": "infra-lab",
+                    "max_model_len": engine.engine.runner.max_position,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -191,8 +217,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         arrival = await _arrive()
         tokenizer = engine.engine.tokenizer
         if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer (no chat template): use /v1/completions with the "
-                                "prompt as a list of token ids", param="messages")
+            raise APIError(
+                400,
+                "this model has no tokenizer (no chat template): use /v1/completions with the "
+                "prompt as a list of token ids",
+                param="messages",
+            )
         ids = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         return await _complete(request, body, ids, arrival, chat=True)
 
@@ -203,8 +233,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         tokenizer = engine.engine.tokenizer
         if isinstance(body.prompt, str):
             if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                               param="prompt")
+                raise APIError(
+                    400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt"
+                )
             ids = tokenizer.encode(body.prompt)
         else:
             vocab = engine.engine.runner.model.config.vocab_size if hasattr(engine.engine.runner, "model") else None
@@ -229,8 +260,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         except ValidationError as exc:
             raise _validation_error(exc) from None
         if body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r} "
-                                "(see GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     def _output_limit(body: _SamplingRequest, num_prompt: int, chat: bool) -> int:
@@ -238,34 +273,50 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         without one, ``max_tokens_default`` lowered to what the context leaves after the prompt."""
         context = engine.engine.runner.max_position
         if num_prompt >= context:
-            raise APIError(400, f"the prompt has {num_prompt} tokens; the model's context length is {context} "
-                                f"tokens, and at least one of them must be left for the output: shorten the prompt",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
-        asked, field = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
-                        else (body.max_tokens, "max_tokens"))
+            raise APIError(
+                400,
+                f"the prompt has {num_prompt} tokens; the model's context length is {context} "
+                f"tokens, and at least one of them must be left for the output: shorten the prompt",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        asked, field = (
+            (body.max_completion_tokens, "max_completion_tokens")
+            if body.max_completion_tokens
+            else (body.max_tokens, "max_tokens")
+        )
         if asked is None:
             return min(max_tokens_default, context - num_prompt)
         if num_prompt + asked > context:
-            raise APIError(400, f"{field} is {asked}, but the model's context length is {context} tokens and the "
-                                f"prompt takes {num_prompt} of them ({num_prompt} + {asked} = {num_prompt + asked} "
-                                f"> {context}): ask for at most {context - num_prompt} tokens or shorten the prompt",
-                           param=field, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{field} is {asked}, but the model's context length is {context} tokens and the "
+                f"prompt takes {num_prompt} of them ({num_prompt} + {asked} = {num_prompt + asked} "
+                f"> {context}): ask for at most {context - num_prompt} tokens or shorten the prompt",
+                param=field,
+                code="context_length_exceeded",
+            )
         return asked
 
     async def _complete(request, body: _SamplingRequest, prompt: list[int], arrival: float, chat: bool):
         max_tokens = _output_limit(body, len(prompt), chat)
-        params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                                seed=body.seed, max_new_tokens=max_tokens,
-                                stop_ids=() if body.ignore_eos else None)
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            max_new_tokens=max_tokens,
+            stop_ids=() if body.ignore_eos else None,
+        )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")
         try:
             request_id, outputs = await engine.submit(prompt, params, stop, arrival_time=arrival)
         except QueueFull as exc:
-            raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
-                           code="queue_full") from None
+            raise APIError(
+                429, f"the server is busy: {exc}; retry later", type="rate_limit_error", code="queue_full"
+            ) from None
         except EngineDead as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
         except ValueError as exc:
@@ -275,8 +326,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
         response_id = f"{kind}-{request_id:08x}{state.started:x}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, request_id, outputs, response_id, chat, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream(request, request_id, outputs, response_id, chat, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await _whole(request, request_id, outputs, response_id, chat)
 
     async def _next(request, outputs):
@@ -312,12 +366,22 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
                 engine.abort(request_id)
         usage = _usage(out)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "finish_reason": out.finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
-        return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+            "usage": usage,
+        }
 
     async def _stream(request, request_id, outputs, response_id, chat, include_usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -344,11 +408,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
                 finished = out.finished
                 if out.new_token_ids:  # one chunk per token (its text may be empty: half a UTF-8 character)
                     delta = {"content": out.new_text} if chat else None
-                    choice = ({"index": 0, "delta": delta, "finish_reason": None, "logprobs": None} if chat
-                              else {"index": 0, "text": out.new_text, "finish_reason": None, "logprobs": None})
+                    choice = (
+                        {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+                        if chat
+                        else {"index": 0, "text": out.new_text, "finish_reason": None, "logprobs": None}
+                    )
                     yield chunk([choice])
-            final = ({"index": 0, "delta": {}, "finish_reason": out.finish_reason, "logprobs": None} if chat
-                     else {"index": 0, "text": "", "finish_reason": out.finish_reason, "logprobs": None})
+            final = (
+                {"index": 0, "delta": {}, "finish_reason": out.finish_reason, "logprobs": None}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": out.finish_reason, "logprobs": None}
+            )
             yield chunk([final])
             if include_usage:
                 yield chunk([], _usage(out))
@@ -361,17 +431,31 @@ def create_app(engine: AsyncLLMEngine, model_name: str = DEFAULT_MODEL_NAME, *, 
 
 
 def _usage(out) -> dict:
-    return {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.token_ids),
-            "total_tokens": len(out.prompt_ids) + len(out.token_ids)}
+    return {
+        "prompt_tokens": len(out.prompt_ids),
+        "completion_tokens": len(out.token_ids),
+        "total_tokens": len(out.prompt_ids) + len(out.token_ids),
+    }
 
 
 # --- building and running ------------------------------------------------------------------------
 
-def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, max_num_seqs: int = 16,
-                 kv_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, max_queue_len: int = 256,
-                 event_log_len: int | None = 200_000, pieces: dict | None = None,
-                 native: str | None = None) -> AsyncLLMEngine:
+
+def build_engine(
+    model=None,
+    tokenizer=None,
+    *,
+    model_path: str | None = None,
+    max_num_seqs: int = 16,
+    kv_blocks: int = 512,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 512,
+    enable_prefix_caching: bool = True,
+    max_queue_len: int = 256,
+    event_log_len: int | None = 200_000,
+    pieces: dict | None = None,
+    native: str | None = None,
+) -> AsyncLLMEngine:
     """An ``AsyncLLMEngine`` on ``model`` (default: ``model_path``, else the course's SmolLM2).
 
     ``pieces``: a learner's engine pieces (``infra_lib.serving.pieces``); with a learner's block
@@ -382,6 +466,7 @@ def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, m
         raise ValueError("a learner's engine runs its own pieces in PyTorch: serve it without --native")
     if model is None:
         from infra_lib.model.loaders import load_default, load_gguf, load_hf_dir
+
         if model_path is None:
             loaded = load_default()
         elif str(model_path).endswith(".gguf"):
@@ -391,8 +476,13 @@ def build_engine(model=None, tokenizer=None, *, model_path: str | None = None, m
         model, tokenizer = loaded.model, loaded.tokenizer if tokenizer is None else tokenizer
     if pieces and pieces.get("BlockPool") is not None:
         enable_prefix_caching = False
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             block_size=block_size, num_blocks=kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_blocks=kv_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     if pieces:
         from infra_lib.serving.pieces import assemble
 
@@ -410,8 +500,10 @@ def listen_problem(host: str, port: int) -> str | None:
             return None
     except (OSError, OverflowError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return (f"cannot listen on {host}:{port} ({reason}); pass --port with a free port, "
-                f"or --host with an address of this machine")
+        return (
+            f"cannot listen on {host}:{port} ({reason}); pass --port with a free port, "
+            f"or --host with an address of this machine"
+        )
 
 
 def free_port() -> int:
@@ -433,8 +525,9 @@ class ServerThread:
         import uvicorn
 
         self.app, self.port = app, port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.startup_timeout_s = startup_timeout_s
 
@@ -467,8 +560,9 @@ class ServerThread:
 def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
     """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C.
     ``pieces``: a learner's engine pieces (``--engine learner``), None for the course's engine."""
-    import uvicorn
     from pathlib import Path
+
+    import uvicorn
 
     for name in ("port", "max_num_seqs", "kv_blocks", "max_num_batched_tokens", "max_tokens_default"):
         if getattr(args, name) < 1:
@@ -480,23 +574,35 @@ def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
         raise SystemExit(problem)
     native = getattr(args, "native", None)
     if pieces and native:
-        raise SystemExit("--native runs the course's engine in C; a learner's engine (--engine learner) runs its "
-                         "own pieces: leave --native out")
+        raise SystemExit(
+            "--native runs the course's engine in C; a learner's engine (--engine learner) runs its "
+            "own pieces: leave --native out"
+        )
     print("loading the model ...", flush=True)
     try:
-        engine = build_engine(model_path=args.model_path, max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
-                              pieces=pieces, native=native)
+        engine = build_engine(
+            model_path=args.model_path,
+            max_num_seqs=args.max_num_seqs,
+            kv_blocks=args.kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_queue_len=args.max_queue_len,
+            pieces=pieces,
+            native=native,
+        )
     except NativeUnavailable as exc:
-        raise SystemExit(f"--native {native}: the engine's step in C is unavailable here: {exc}\n"
-                         "serve without --native (the same engine in PyTorch)") from None
+        raise SystemExit(
+            f"--native {native}: the engine's step in C is unavailable here: {exc}\n"
+            "serve without --native (the same engine in PyTorch)"
+        ) from None
     name = args.served_model_name or (Path(args.model_path).stem if args.model_path else DEFAULT_MODEL_NAME)
     app = create_app(engine, name, max_tokens_default=args.max_tokens_default)
     base = f"http://{args.host}:{args.port}/v1"
-    print(f"serving {name!r} at {base}\n"
-          f"  from openai import OpenAI\n"
-          f"  client = OpenAI(base_url={base!r}, api_key='unused')\n"
-          f"  client.chat.completions.create(model={name!r}, messages=[{{'role': 'user', 'content': 'Hi'}}])",
-          flush=True)
+    print(
+        f"serving {name!r} at {base}\n"
+        f"  from openai import OpenAI\n"
+        f"  client = OpenAI(base_url={base!r}, api_key='unused')\n"
+        f"  client.chat.completions.create(model={name!r}, messages=[{{'role': 'user', 'content': 'Hi'}}])",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

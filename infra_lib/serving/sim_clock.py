@@ -80,8 +80,12 @@ class StepCostModel:
             raise ValueError(f"step-cost coefficients must be >= 0 seconds, got {bad}")
 
     def cost(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        return (self.fixed_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_seq_s * decode_seqs
-                + self.kv_read_per_token_s * context_tokens)
+        return (
+            self.fixed_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_seq_s * decode_seqs
+            + self.kv_read_per_token_s * context_tokens
+        )
 
     def step_cost(self, scheduled) -> float:
         """Cost of a step given its ``ScheduledSeq`` list (or a ``SchedulerOutput``'s ``scheduled``)."""
@@ -104,8 +108,9 @@ class SimulatedRunner:
         max_position: the context limit the engine enforces.
     """
 
-    def __init__(self, cost_model: StepCostModel, clock: SimClock | None = None, token_id: int = 0,
-                 max_position: int = 1 << 20):
+    def __init__(
+        self, cost_model: StepCostModel, clock: SimClock | None = None, token_id: int = 0, max_position: int = 1 << 20
+    ):
         self.cost_model, self.clock = cost_model, clock or SimClock()
         self.token_id, self.max_position = token_id, max_position
 
@@ -129,8 +134,15 @@ def calibration_shapes(max_context: int = 256) -> list[list[tuple[int, int]]]:
     return steps
 
 
-def calibrate(model: Llama, *, block_size: int = 16, max_context: int = 256, iters: int = 3,
-              shapes: list[list[tuple[int, int]]] | None = None, seed: int = 0) -> StepCostModel:
+def calibrate(
+    model: Llama,
+    *,
+    block_size: int = 16,
+    max_context: int = 256,
+    iters: int = 3,
+    shapes: list[list[tuple[int, int]]] | None = None,
+    seed: int = 0,
+) -> StepCostModel:
     """Fit a ``StepCostModel`` to real ``ModelRunner`` steps timed on this machine.
 
     Each step shape (default ``calibration_shapes(max_context)``) runs on random token ids through a
@@ -147,8 +159,9 @@ def calibrate(model: Llama, *, block_size: int = 16, max_context: int = 256, ite
     per_step = [sum(blocks_needed(start + n, block_size) for start, n in step) for step in shapes]
     pool = BlockPool(max(per_step), block_size)
     weight = model.embed_tokens.weight
-    runner = ModelRunner(model, PagedKVStore.for_model(model.config, pool.num_blocks, block_size,
-                                                       weight.dtype, weight.device))
+    runner = ModelRunner(
+        model, PagedKVStore.for_model(model.config, pool.num_blocks, block_size, weight.dtype, weight.device)
+    )
     batches = []
     for step in shapes:
         batch = []

@@ -38,8 +38,9 @@ from infra_lib.model.model import Llama
 from infra_lib.model.sampling import SamplingParams, probabilities
 
 
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int],
-                       generator: torch.Generator | None = None) -> tuple[list[int], int]:
+def accept_or_resample(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
     """The speculative acceptance rule for one step.
 
     Args:
@@ -54,8 +55,9 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int]
     """
     gamma = len(draft_tokens)
     if p.dim() != 2 or q.dim() != 2 or p.shape[0] != gamma + 1 or q.shape != (gamma, p.shape[1]):
-        raise ValueError(f"expected p [γ+1, vocab] and q [γ, vocab] with γ = {gamma}, got p {list(p.shape)} and "
-                         f"q {list(q.shape)}")
+        raise ValueError(
+            f"expected p [γ+1, vocab] and q [γ, vocab] with γ = {gamma}, got p {list(p.shape)} and q {list(q.shape)}"
+        )
     accepted: list[int] = []
     for i, token in enumerate(draft_tokens):
         p_x, q_x = float(p[i, token]), float(q[i, token])
@@ -91,6 +93,7 @@ def predicted_speedup(acceptance: float, gamma: int, cost_ratio: float) -> float
 
 
 # --- drafts ------------------------------------------------------------------------------------
+
 
 class LayerSkipDraft:
     """The target's first ``num_layers`` decoder layers, its final norm and its head, as a draft.
@@ -146,8 +149,9 @@ class LayerSkipDraft:
             self.cached += rest
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], gamma: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+    def propose(
+        self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> tuple[list[int], torch.Tensor]:
         """``gamma`` draft tokens continuing ``tokens`` and their distributions ``[gamma, vocab]``."""
         self._sync(tokens)
         last, out, dists = tokens[-1], [], []
@@ -182,12 +186,13 @@ class NgramDraft:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, not the tail itself
-                if tokens[start:start + n] == tail:
-                    return tokens[start + n:start + n + gamma]
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + gamma]
         return []
 
-    def propose(self, tokens: list[int], gamma: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+    def propose(
+        self, tokens: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> tuple[list[int], torch.Tensor]:
         found = self.lookup(tokens, gamma)
         q = torch.zeros(len(found), self.vocab_size)
         if found:
@@ -196,6 +201,7 @@ class NgramDraft:
 
 
 # --- the loop ----------------------------------------------------------------------------------
+
 
 @dataclass
 class SpeculativeResult:
@@ -251,9 +257,16 @@ class SpeculativeResult:
 
 
 @torch.inference_mode()
-def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int = 4,
-                       params: SamplingParams = SamplingParams(), stop_ids: tuple[int, ...] = (),
-                       on_step=None, accept=None) -> SpeculativeResult:
+def speculative_decode(
+    target: Llama,
+    prompt_ids: list[int],
+    draft,
+    gamma: int = 4,
+    params: SamplingParams = SamplingParams(),
+    stop_ids: tuple[int, ...] = (),
+    on_step=None,
+    accept=None,
+) -> SpeculativeResult:
     """Generate with ``target`` from ``prompt_ids``, ``draft`` proposing up to ``gamma`` tokens a step.
 
     Args:
@@ -287,7 +300,7 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
         t0 = time.perf_counter()
         draft_tokens, q = draft.propose(tokens, step_gamma, params, generator) if step_gamma else ([], None)
         draft_tokens = [int(t) for t in draft_tokens[:step_gamma]]
-        q = q[:len(draft_tokens)] if q is not None else torch.zeros(0, target.config.vocab_size)
+        q = q[: len(draft_tokens)] if q is not None else torch.zeros(0, target.config.vocab_size)
         t1 = time.perf_counter()
         before = cache.seq_len
         logits = target(torch.tensor([[tokens[-1]] + draft_tokens], device=weight.device), cache)[0]
@@ -295,9 +308,10 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
         rule = accept if accept is not None else accept_or_resample
         accepted, next_token = rule(p, q.float(), draft_tokens, generator)
         accepted, next_token = [int(t) for t in accepted], int(next_token)
-        if accepted != draft_tokens[:len(accepted)]:
-            raise ValueError(f"the acceptance rule accepted {accepted}, which is not a prefix of the draft's "
-                             f"{draft_tokens}")
+        if accepted != draft_tokens[: len(accepted)]:
+            raise ValueError(
+                f"the acceptance rule accepted {accepted}, which is not a prefix of the draft's {draft_tokens}"
+            )
         cache.truncate(before + 1 + len(accepted))  # keep the last token and the accepted drafts
         result.draft_seconds += t1 - t0
         result.target_seconds += time.perf_counter() - t1
@@ -321,7 +335,8 @@ def speculative_decode(target: Llama, prompt_ids: list[int], draft, gamma: int =
 
 
 @torch.inference_mode()
-def plain_decode(target: Llama, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                 stop_ids: tuple[int, ...] = ()) -> SpeculativeResult:
+def plain_decode(
+    target: Llama, prompt_ids: list[int], params: SamplingParams = SamplingParams(), stop_ids: tuple[int, ...] = ()
+) -> SpeculativeResult:
     """The baseline: one target pass per token, through the same loop with no draft."""
     return speculative_decode(target, prompt_ids, NgramDraft(target.config.vocab_size), 0, params, stop_ids)

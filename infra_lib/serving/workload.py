@@ -29,9 +29,16 @@ class WorkloadRequest:
         return len(self.prompt_ids)
 
 
-def random_workload(num_requests: int, seed: int = 0, *, rate: float = float("inf"),
-                    prompt_len: tuple[int, int] = (16, 128), output_len: tuple[int, int] = (8, 64),
-                    shared_prefix_len: int = 0, vocab_size: int = 1000) -> list[WorkloadRequest]:
+def random_workload(
+    num_requests: int,
+    seed: int = 0,
+    *,
+    rate: float = float("inf"),
+    prompt_len: tuple[int, int] = (16, 128),
+    output_len: tuple[int, int] = (8, 64),
+    shared_prefix_len: int = 0,
+    vocab_size: int = 1000,
+) -> list[WorkloadRequest]:
     """Requests with Poisson arrivals at ``rate`` per second (inf: all at time 0) and lengths drawn
     uniformly from the inclusive ranges; the first ``shared_prefix_len`` prompt tokens are common to
     all (a system prompt, for prefix caching)."""
@@ -85,7 +92,11 @@ def summarize(outputs: list, duration: float | None = None) -> dict[str, float]:
     end = max(o.metrics.finish_time for o in outputs)
     tokens = sum(len(o.token_ids) for o in outputs)
     span = duration if duration is not None else end - start
-    return {"requests": len(outputs), "mean_ttft_s": statistics.fmean(ttft),
-            "mean_tpot_s": statistics.fmean(tpot) if tpot else float("nan"),
-            "output_tokens_per_s": tokens / span if span > 0 else float("inf"),
-            "makespan_s": end - start, "preemptions": sum(o.metrics.num_preemptions for o in outputs)}
+    return {
+        "requests": len(outputs),
+        "mean_ttft_s": statistics.fmean(ttft),
+        "mean_tpot_s": statistics.fmean(tpot) if tpot else float("nan"),
+        "output_tokens_per_s": tokens / span if span > 0 else float("inf"),
+        "makespan_s": end - start,
+        "preemptions": sum(o.metrics.num_preemptions for o in outputs),
+    }

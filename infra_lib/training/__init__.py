@@ -20,6 +20,19 @@ from infra_lib.training.pipeline import Slot, bubble_fraction, gpipe_schedule, s
 from infra_lib.training.zero import ZeroStage1Adam, shard_bounds, zero_memory_per_device, zero_table
 
 __all__ = [
-    "DistComm", "Slot", "ThreadComm", "ThreadGroup", "WorkerError", "ZeroStage1Adam", "bubble_fraction", "gpipe_schedule", "ring_all_reduce",
-    "ring_bytes_sent", "run_workers", "schedule_bubble", "shard_bounds", "zero_memory_per_device", "zero_table",
+    "DistComm",
+    "Slot",
+    "ThreadComm",
+    "ThreadGroup",
+    "WorkerError",
+    "ZeroStage1Adam",
+    "bubble_fraction",
+    "gpipe_schedule",
+    "ring_all_reduce",
+    "ring_bytes_sent",
+    "run_workers",
+    "schedule_bubble",
+    "shard_bounds",
+    "zero_memory_per_device",
+    "zero_table",
 ]

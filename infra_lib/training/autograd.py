@@ -45,12 +45,19 @@ class Value:
         op: the op's name, for reading the graph.
     """
 
-    def __init__(self, data: torch.Tensor, parents: tuple[Value, ...] = (), backward_fn: BackwardFn | None = None,
-                 op: str = "input"):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        parents: tuple[Value, ...] = (),
+        backward_fn: BackwardFn | None = None,
+        op: str = "input",
+    ):
         if not isinstance(data, torch.Tensor) or not data.is_floating_point():
             kind = f"a {data.dtype} tensor" if isinstance(data, torch.Tensor) else type(data).__name__
-            raise TypeError(f"Value wraps a float32 or float64 torch tensor, got {kind} "
-                            "(token ids go to embedding(ids, table) as a plain LongTensor)")
+            raise TypeError(
+                f"Value wraps a float32 or float64 torch tensor, got {kind} "
+                "(token ids go to embedding(ids, table) as a plain LongTensor)"
+            )
         self.data = data.detach()
         self.grad: torch.Tensor | None = None
         self.parents = parents
@@ -73,8 +80,10 @@ class Value:
         """
         if grad is None:
             if self.data.numel() != 1:
-                raise ValueError(f"backward() without a gradient needs a one-element output (a loss); this one has "
-                                 f"shape {tuple(self.shape)}: pass backward(grad) with a tensor of that shape")
+                raise ValueError(
+                    f"backward() without a gradient needs a one-element output (a loss); this one has "
+                    f"shape {tuple(self.shape)}: pass backward(grad) with a tensor of that shape"
+                )
             grad = torch.ones_like(self.data)
         elif grad.shape != self.shape:
             raise ValueError(f"backward(grad): grad has shape {tuple(grad.shape)}, the output {tuple(self.shape)}")
@@ -131,8 +140,10 @@ class Value:
         in the selected positions, zeros elsewhere."""
         parts = index if isinstance(index, tuple) else (index,)
         if not all(p is Ellipsis or p is None or isinstance(p, (int, slice)) for p in parts):
-            raise TypeError(f"index a Value with ints, slices, ... and None, got {index!r}; "
-                            "gather rows by id with embedding(ids, table)")
+            raise TypeError(
+                f"index a Value with ints, slices, ... and None, got {index!r}; "
+                "gather rows by id with embedding(ids, table)"
+            )
 
         def backward(grad):
             full = torch.zeros_like(self.data)
@@ -177,8 +188,10 @@ def _broadcast_shape(a: torch.Size, b: torch.Size, what: str) -> torch.Size:
     try:
         return torch.broadcast_shapes(a, b)
     except RuntimeError:
-        raise ValueError(f"{what}: shapes {tuple(a)} and {tuple(b)} do not broadcast (sizes must match or be 1, "
-                         "aligned from the last dim)") from None
+        raise ValueError(
+            f"{what}: shapes {tuple(a)} and {tuple(b)} do not broadcast (sizes must match or be 1, "
+            "aligned from the last dim)"
+        ) from None
 
 
 def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -193,28 +206,35 @@ def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 # --- elementwise, with torch broadcasting -------------------------------------------------------
 
+
 def add(a, b) -> Value:
     """``a + b`` with torch broadcasting; each input's gradient is summed back to its own shape."""
     a, b = _pair(a, b)
     _broadcast_shape(a.shape, b.shape, "add")
-    return Value(a.data + b.data, (a, b),
-                 lambda grad: (_sum_to_shape(grad, a.shape), _sum_to_shape(grad, b.shape)), "add")
+    return Value(
+        a.data + b.data, (a, b), lambda grad: (_sum_to_shape(grad, a.shape), _sum_to_shape(grad, b.shape)), "add"
+    )
 
 
 def sub(a, b) -> Value:
     """``a - b`` with torch broadcasting."""
     a, b = _pair(a, b)
     _broadcast_shape(a.shape, b.shape, "sub")
-    return Value(a.data - b.data, (a, b),
-                 lambda grad: (_sum_to_shape(grad, a.shape), _sum_to_shape(-grad, b.shape)), "sub")
+    return Value(
+        a.data - b.data, (a, b), lambda grad: (_sum_to_shape(grad, a.shape), _sum_to_shape(-grad, b.shape)), "sub"
+    )
 
 
 def mul(a, b) -> Value:
     """``a * b`` with torch broadcasting; a number or a plain tensor is a constant (``x * 0.5``)."""
     a, b = _pair(a, b)
     _broadcast_shape(a.shape, b.shape, "mul")
-    return Value(a.data * b.data, (a, b),
-                 lambda grad: (_sum_to_shape(grad * b.data, a.shape), _sum_to_shape(grad * a.data, b.shape)), "mul")
+    return Value(
+        a.data * b.data,
+        (a, b),
+        lambda grad: (_sum_to_shape(grad * b.data, a.shape), _sum_to_shape(grad * a.data, b.shape)),
+        "mul",
+    )
 
 
 def neg(x) -> Value:
@@ -232,18 +252,23 @@ def silu(x) -> Value:
 
 # --- matmul and moving elements around ------------------------------------------------------------
 
+
 def matmul(a, b) -> Value:
     """``a @ b``: ``[..., n, k] @ [..., k, m] -> [..., n, m]``, batch dims broadcast (e.g.
     ``[B, T, d] @ [d, n]``)."""
     a, b = _pair(a, b)
     if a.data.dim() < 2 or b.data.dim() < 2 or a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"matmul needs [..., n, k] @ [..., k, m] (at least 2-D, inner sizes equal), "
-                         f"got {tuple(a.shape)} @ {tuple(b.shape)}")
+        raise ValueError(
+            f"matmul needs [..., n, k] @ [..., k, m] (at least 2-D, inner sizes equal), "
+            f"got {tuple(a.shape)} @ {tuple(b.shape)}"
+        )
     _broadcast_shape(a.shape[:-2], b.shape[:-2], f"matmul {tuple(a.shape)} @ {tuple(b.shape)}, batch dims")
 
     def backward(grad):  # grad [..., n, m]
-        return (_sum_to_shape(grad @ b.data.transpose(-1, -2), a.shape),
-                _sum_to_shape(a.data.transpose(-1, -2) @ grad, b.shape))
+        return (
+            _sum_to_shape(grad @ b.data.transpose(-1, -2), a.shape),
+            _sum_to_shape(a.data.transpose(-1, -2) @ grad, b.shape),
+        )
 
     return Value(a.data @ b.data, (a, b), backward, "matmul")
 
@@ -274,8 +299,12 @@ def repeat_kv(x, group: int) -> Value:
     if x.data.dim() != 4:
         raise ValueError(f"repeat_kv needs [batch, n_kv_heads, t, head_dim], got shape {tuple(x.shape)}")
     batch, n_kv_heads, t, head_dim = x.shape
-    return Value(x.data.repeat_interleave(group, dim=1), (x,),
-                 lambda grad: (grad.reshape(batch, n_kv_heads, group, t, head_dim).sum(2),), "repeat_kv")
+    return Value(
+        x.data.repeat_interleave(group, dim=1),
+        (x,),
+        lambda grad: (grad.reshape(batch, n_kv_heads, group, t, head_dim).sum(2),),
+        "repeat_kv",
+    )
 
 
 def embedding(ids: torch.Tensor, table) -> Value:
@@ -298,6 +327,7 @@ def embedding(ids: torch.Tensor, table) -> Value:
 
 # --- the Llama-specific ops -------------------------------------------------------------------------
 
+
 def softmax_backward(probs: torch.Tensor, grad_probs: torch.Tensor) -> torch.Tensor:
     """The gradient of a softmax's input scores, from its output ``probs`` and the gradient of ``probs``.
 
@@ -314,8 +344,9 @@ def softmax_backward(probs: torch.Tensor, grad_probs: torch.Tensor) -> torch.Ten
     return probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
 
 
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``y = x / sqrt(mean(x^2) + eps) * weight`` (over the last dim).
 
     Args:
@@ -400,9 +431,11 @@ def cross_entropy(logits, targets: torch.Tensor) -> Value:
     """
     logits = _as_value(logits)
     if not isinstance(targets, torch.Tensor) or targets.dtype != torch.long or targets.shape != logits.shape[:-1]:
-        raise ValueError(f"cross_entropy targets must be int64 of shape {tuple(logits.shape[:-1])} for logits "
-                         f"{tuple(logits.shape)}, got {getattr(targets, 'dtype', type(targets).__name__)} "
-                         f"{tuple(getattr(targets, 'shape', ()))}")
+        raise ValueError(
+            f"cross_entropy targets must be int64 of shape {tuple(logits.shape[:-1])} for logits "
+            f"{tuple(logits.shape)}, got {getattr(targets, 'dtype', type(targets).__name__)} "
+            f"{tuple(getattr(targets, 'shape', ()))}"
+        )
     vocab = logits.shape[-1]
     flat, ids = logits.data.reshape(-1, vocab), targets.reshape(-1)  # [n, vocab], [n]
     if ids.numel() == 0:
@@ -424,8 +457,10 @@ def cross_entropy(logits, targets: torch.Tensor) -> Value:
 
 # --- checking gradients -------------------------------------------------------------------------
 
-def numeric_gradient(f: Callable[..., Value | torch.Tensor], inputs: Sequence[torch.Tensor],
-                     eps: float = 1e-6) -> list[torch.Tensor]:
+
+def numeric_gradient(
+    f: Callable[..., Value | torch.Tensor], inputs: Sequence[torch.Tensor], eps: float = 1e-6
+) -> list[torch.Tensor]:
     """Central differences ``(f(x + eps) - f(x - eps)) / (2 eps)``, one element at a time, in float64.
 
     Args:
@@ -462,6 +497,7 @@ def numeric_gradient(f: Callable[..., Value | torch.Tensor], inputs: Sequence[to
 
 # --- the course's Llama, written with these ops ---------------------------------------------------
 
+
 def llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Value, dict[str, Value]]:
     """The forward of ``model`` (no cache) and its next-token cross-entropy, built from Values.
 
@@ -478,8 +514,9 @@ def llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> tup
     """
     config = model.config
     if tokens.dim() != 2 or targets.shape != tokens.shape:
-        raise ValueError(f"tokens and targets must both be [batch, t], got {tuple(tokens.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"tokens and targets must both be [batch, t], got {tuple(tokens.shape)} and {tuple(targets.shape)}"
+        )
     if tokens.shape[1] > config.max_position:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's context of {config.max_position}")
     params, by_tensor = {}, {}
@@ -513,8 +550,9 @@ def _rope(x: Value, cos: torch.Tensor, sin: torch.Tensor) -> Value:
     return x * cos + rotated * sin
 
 
-def _attention(h: Value, params: dict[str, Value], prefix: str, config: LlamaConfig, cos: torch.Tensor,
-               sin: torch.Tensor) -> Value:
+def _attention(
+    h: Value, params: dict[str, Value], prefix: str, config: LlamaConfig, cos: torch.Tensor, sin: torch.Tensor
+) -> Value:
     """Causal grouped-query attention of ``h`` ``[batch, t, d]``, as ``infra_lib.model.attention.attention``."""
     batch, t, _ = h.shape
     head_dim = config.head_dim

@@ -76,8 +76,10 @@ class ThreadGroup:
             rank = min(errors)
             raise RuntimeError(f"rank {rank} raised {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
         if any(t.is_alive() for t in threads):
-            raise TimeoutError(f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} did not finish in "
-                               f"{timeout_s} s: a receive is waiting for a message no rank sent")
+            raise TimeoutError(
+                f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} did not finish in "
+                f"{timeout_s} s: a receive is waiting for a message no rank sent"
+            )
         return results
 
 
@@ -97,13 +99,17 @@ class ThreadComm:
             raise TypeError(f"rank {self.rank}: peers must be integers, got {to!r} and {source!r}") from None
         for peer in (to, source):
             if not 0 <= peer < self.world_size:
-                raise ValueError(f"rank {self.rank}: peer {peer} is not a rank of a group of {self.world_size} "
-                                 f"(ranks 0..{self.world_size - 1})")
+                raise ValueError(
+                    f"rank {self.rank}: peer {peer} is not a rank of a group of {self.world_size} "
+                    f"(ranks 0..{self.world_size - 1})"
+                )
         self.group._queues[(self.rank, to)].put(send.detach().clone())
         message = self.group._queues[(source, self.rank)].get(timeout=20)
         if message.shape != recv.shape:
-            raise ValueError(f"rank {self.rank} received {list(message.shape)} from rank {source} into a buffer of "
-                             f"shape {list(recv.shape)}: both sides must use the same chunk")
+            raise ValueError(
+                f"rank {self.rank} received {list(message.shape)} from rank {source} into a buffer of "
+                f"shape {list(recv.shape)}: both sides must use the same chunk"
+            )
         recv.copy_(message)
         self.bytes_sent += send.nbytes
 

@@ -51,8 +51,9 @@ def make_optimizer(model, name: str, lr: float):
     raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
 
 
-def train_single(steps: int = 20, global_batch: int = 64, seed: int = 0, optimizer: str = "sgd",
-                 lr: float = 0.1) -> dict:
+def train_single(
+    steps: int = 20, global_batch: int = 64, seed: int = 0, optimizer: str = "sgd", lr: float = 0.1
+) -> dict:
     """One process, the whole global batch per step: the reference trajectory."""
     model = make_model(seed)
     x, y = make_dataset(seed=seed)
@@ -93,14 +94,23 @@ def allreduce_gradients(params, bucket_bytes: int = 1 << 16, use_ring: bool = Fa
         flat /= world
         offset = 0
         for p in bucket:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
             offset += p.numel()
     return len(buckets)
 
 
-def ddp_worker(rank: int, world_size: int, steps: int = 20, global_batch: int = 64, seed: int = 0,
-               optimizer: str = "sgd", lr: float = 0.1, bucket_bytes: int = 1 << 16, use_ring: bool = False,
-               zero1: bool = False) -> dict:
+def ddp_worker(
+    rank: int,
+    world_size: int,
+    steps: int = 20,
+    global_batch: int = 64,
+    seed: int = 0,
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    bucket_bytes: int = 1 << 16,
+    use_ring: bool = False,
+    zero1: bool = False,
+) -> dict:
     """A worker for ``run_workers``: data-parallel training on this rank's slice of each global batch.
 
     Returns the global loss of every step (the mean over ranks of the local losses), the final
@@ -119,7 +129,7 @@ def ddp_worker(rank: int, world_size: int, steps: int = 20, global_batch: int = 
     local = global_batch // world_size
     losses, calls = [], 0
     for xb, yb in batches(x, y, global_batch, steps):
-        xb, yb = xb[rank * local:(rank + 1) * local], yb[rank * local:(rank + 1) * local]
+        xb, yb = xb[rank * local : (rank + 1) * local], yb[rank * local : (rank + 1) * local]
         opt.zero_grad()
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
@@ -128,13 +138,18 @@ def ddp_worker(rank: int, world_size: int, steps: int = 20, global_batch: int = 
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
-    out = {"losses": losses, "params": [p.detach().tolist() for p in model.parameters()], "allreduce_calls": calls,
-           "param_bytes": sum(p.nbytes for p in model.parameters()),
-           "grad_bytes": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)}
+    out = {
+        "losses": losses,
+        "params": [p.detach().tolist() for p in model.parameters()],
+        "allreduce_calls": calls,
+        "param_bytes": sum(p.nbytes for p in model.parameters()),
+        "grad_bytes": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+    }
     if zero1:
         out["optimizer_state_bytes"] = opt.state_bytes()
         out["num_params"] = opt.numel
     else:
-        out["optimizer_state_bytes"] = sum(t.nbytes for s in opt.state.values() for t in s.values()
-                                           if isinstance(t, torch.Tensor) and t.dim() > 0)
+        out["optimizer_state_bytes"] = sum(
+            t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
     return out

@@ -89,8 +89,9 @@ def run_workers(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0,
             # another program can take it in between, or connect to it. Start the group again on
             # a new port; whatever a rank that did connect had begun is discarded with it.
             if attempt == _GROUP_ATTEMPTS or time.monotonic() > deadline:
-                raise WorkerError(f"the {world_size} workers could not form a process group "
-                                  f"({attempt} attempt(s)):\n{exc}") from None
+                raise WorkerError(
+                    f"the {world_size} workers could not form a process group ({attempt} attempt(s)):\n{exc}"
+                ) from None
     raise AssertionError("unreachable")
 
 
@@ -101,8 +102,10 @@ def _run_once(fn, world_size: int, args: tuple, deadline: float, timeout_s: floa
     ctx = _context()
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
@@ -113,11 +116,15 @@ def _run_once(fn, world_size: int, args: tuple, deadline: float, timeout_s: floa
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
                 if dead:
-                    raise WorkerError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                    raise WorkerError(
+                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(out))
-                    raise WorkerError(f"ranks {missing} did not finish within {timeout_s} s (a collective waiting "
-                                      "for a rank that never joins it hangs: check every rank calls it)")
+                    raise WorkerError(
+                        f"ranks {missing} did not finish within {timeout_s} s (a collective waiting "
+                        "for a rank that never joins it hangs: check every rank calls it)"
+                    ) from None
                 continue
             if status == "no group":
                 raise _GroupDidNotForm(f"rank {rank}: {value.strip().splitlines()[-1]}")

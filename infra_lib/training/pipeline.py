@@ -29,8 +29,7 @@ class Slot:
     end: float
 
 
-def gpipe_schedule(stages: int, microbatches: int, forward_time: float = 1.0,
-                   backward_time: float = 2.0) -> list[Slot]:
+def gpipe_schedule(stages: int, microbatches: int, forward_time: float = 1.0, backward_time: float = 2.0) -> list[Slot]:
     """The GPipe timeline: all forwards (stage s runs micro-batch i at step s + i), then all backwards
     in reverse stage order. Returns every slot; the makespan is ``max(slot.end)``."""
     bubble_fraction(stages, microbatches)  # validates

@@ -18,8 +18,18 @@ from infra_lib.training.autograd import llama_loss
 from infra_lib.training.train_step import text_batches, text_tokens, tiny_config, tiny_model
 
 
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
     """One AdamW step on one tensor, in place, as ``torch.optim.AdamW`` (``foreach=False``) takes it.
 
     Decoupled weight decay shrinks the weight itself (it never enters the moments); the moments are
@@ -35,8 +45,8 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
@@ -44,10 +54,23 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 Update = Callable[..., None]
 
 
-def train_tiny(steps: int, *, adamw: Update = adamw_update, seed: int = 0, vocab_size: int = 256,
-               hidden_size: int = 32, n_layers: int = 2, batch: int = 4, seq_len: int = 32, lr: float = 3e-3,
-               betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-               dtype: torch.dtype = torch.float64, grad_norms: list | None = None) -> list[float]:
+def train_tiny(
+    steps: int,
+    *,
+    adamw: Update = adamw_update,
+    seed: int = 0,
+    vocab_size: int = 256,
+    hidden_size: int = 32,
+    n_layers: int = 2,
+    batch: int = 4,
+    seq_len: int = 32,
+    lr: float = 3e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    dtype: torch.dtype = torch.float64,
+    grad_norms: list | None = None,
+) -> list[float]:
     """Train a tiny byte-level Llama for ``steps`` steps with ``llama_loss`` and ``adamw``; the losses.
 
     Each step: the loss of a batch of windows of the course's sample text, ``backward`` through the
@@ -67,9 +90,16 @@ def train_tiny(steps: int, *, adamw: Update = adamw_update, seed: int = 0, vocab
         ``steps`` losses, plain floats.
     """
     head_dim = 16
-    config = tiny_config(vocab_size=vocab_size, hidden_size=hidden_size, n_layers=n_layers,
-                         n_heads=hidden_size // head_dim, n_kv_heads=max(1, hidden_size // head_dim // 2),
-                         head_dim=head_dim, intermediate_size=3 * hidden_size, max_position=seq_len)
+    config = tiny_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        n_layers=n_layers,
+        n_heads=hidden_size // head_dim,
+        n_kv_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim,
+        intermediate_size=3 * hidden_size,
+        max_position=seq_len,
+    )
     model = tiny_model(config, seed=seed).to(dtype).requires_grad_(False)
     named = dict(model.named_parameters())  # a tied table once
     state = {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in named.items()}
@@ -84,6 +114,5 @@ def train_tiny(steps: int, *, adamw: Update = adamw_update, seed: int = 0, vocab
             grad_norms.append({name: float(values[name].grad.norm()) for name in named})
         for name, param in named.items():
             exp_avg, exp_avg_sq = state[name]
-            adamw(param.data, values[name].grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
-                  weight_decay)
+            adamw(param.data, values[name].grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
     return losses

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from infra_lib.training.zero import shard_bounds
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           gather: bool = True) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gather: bool = True
+) -> torch.Tensor:
     """This rank's share of ``F.linear(x, weight, bias)`` with ``weight`` split by output rows;
     with ``gather`` the full output on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -44,8 +45,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return partial if bias is None else partial + bias
 
 
-def tensor_parallel_worker(rank: int, world_size: int, seed: int = 0, batch: int = 5, d_in: int = 24,
-                           d_hidden: int = 30, d_out: int = 7) -> dict:
+def tensor_parallel_worker(
+    rank: int, world_size: int, seed: int = 0, batch: int = 5, d_in: int = 24, d_hidden: int = 30, d_out: int = 7
+) -> dict:
     """A worker for ``run_workers``: an MLP's two layers split column- then row-wise against the unsplit
     layers on the same seeded weights; returns the max differences."""
     g = torch.Generator().manual_seed(seed)

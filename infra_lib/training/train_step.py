@@ -35,17 +35,35 @@ from infra_lib.model.model import Llama
 
 PRECISIONS = ("fp32", "bf16")
 WORKING_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = {"fp32": ("fp32", False), "fp32+checkpoint": ("fp32", True),
-            "bf16": ("bf16", False), "bf16+checkpoint": ("bf16", True)}
+VARIANTS = {
+    "fp32": ("fp32", False),
+    "fp32+checkpoint": ("fp32", True),
+    "bf16": ("bf16", False),
+    "bf16+checkpoint": ("bf16", True),
+}
 
 
-def tiny_config(vocab_size: int = 256, hidden_size: int = 128, n_layers: int = 4, n_heads: int = 4,
-                n_kv_heads: int = 2, head_dim: int = 32, intermediate_size: int = 384,
-                max_position: int = 256) -> LlamaConfig:
+def tiny_config(
+    vocab_size: int = 256,
+    hidden_size: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 384,
+    max_position: int = 256,
+) -> LlamaConfig:
     """A Llama small enough to train on one CPU thread: 0.82 M parameters with the defaults."""
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, n_layers=n_layers, n_heads=n_heads,
-                       n_kv_heads=n_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-                       max_position=max_position)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position=max_position,
+    )
 
 
 def tiny_model(config: LlamaConfig | None = None, seed: int = 0, std: float = 0.02) -> Llama:
@@ -70,8 +88,9 @@ def text_tokens() -> torch.Tensor:
     return torch.tensor(list(heldout_text().encode("utf-8")), dtype=torch.long)
 
 
-def text_batches(tokens: torch.Tensor, batch: int, seq_len: int,
-                 seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def text_batches(
+    tokens: torch.Tensor, batch: int, seq_len: int, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless random windows of ``tokens``: ``(inputs, targets)``, each ``[batch, seq_len]``, where
     ``targets`` is ``inputs`` shifted one token to the left (the next token at every position)."""
     if tokens.dim() != 1:
@@ -134,8 +153,14 @@ class MasterWeightAdamW:
         return sum(m.nbytes for m in self.masters) + optimizer_state_bytes(self.inner)
 
 
-def make_optimizer(model: Llama, precision: str = "fp32", *, lr: float = 3e-3,
-                   betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.01):
+def make_optimizer(
+    model: Llama,
+    precision: str = "fp32",
+    *,
+    lr: float = 3e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.01,
+):
     """The optimizer for ``precision``; for ``"bf16"`` this also casts ``model`` to bf16 in place.
 
     ``"fp32"``: ``torch.optim.AdamW`` on the parameters themselves. ``"bf16"``: fp32 masters are
@@ -147,8 +172,10 @@ def make_optimizer(model: Llama, precision: str = "fp32", *, lr: float = 3e-3,
     if precision == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if any(p.dtype != torch.float32 for p in params):
-        raise ValueError("make_optimizer(model, 'bf16') copies its fp32 masters from the model, so it needs an "
-                         "fp32 model; build a fresh one (tiny_model()) instead of passing one already cast")
+        raise ValueError(
+            "make_optimizer(model, 'bf16') copies its fp32 masters from the model, so it needs an "
+            "fp32 model; build a fresh one (tiny_model()) instead of passing one already cast"
+        )
     masters = [p.detach().clone() for p in params]
     model.to(torch.bfloat16)
     return MasterWeightAdamW(params, masters, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -177,18 +204,29 @@ def forward_logits(model: Llama, tokens: torch.Tensor, *, checkpoint: bool = Fal
 
 def check_batch(model: Llama, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     if inputs.dim() != 2 or inputs.shape != targets.shape:
-        raise ValueError(f"inputs and targets must both be [batch, seq_len]; got {list(inputs.shape)} and "
-                         f"{list(targets.shape)} (text_batches gives matching pairs)")
+        raise ValueError(
+            f"inputs and targets must both be [batch, seq_len]; got {list(inputs.shape)} and "
+            f"{list(targets.shape)} (text_batches gives matching pairs)"
+        )
     if inputs.shape[1] > model.config.max_position:
         raise ValueError(f"seq_len {inputs.shape[1]} exceeds the model's max_position {model.config.max_position}")
     for name, tokens in (("inputs", inputs), ("targets", targets)):
         if tokens.dtype != torch.long or int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size:
-            raise ValueError(f"{name} must be int64 token ids in [0, {model.config.vocab_size}); got dtype "
-                             f"{tokens.dtype}, values {int(tokens.min())}..{int(tokens.max())}")
+            raise ValueError(
+                f"{name} must be int64 token ids in [0, {model.config.vocab_size}); got dtype "
+                f"{tokens.dtype}, values {int(tokens.min())}..{int(tokens.max())}"
+            )
 
 
-def train_step(model: Llama, optimizer, inputs: torch.Tensor, targets: torch.Tensor, *,
-               precision: str = "fp32", checkpoint: bool = False) -> float:
+def train_step(
+    model: Llama,
+    optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    precision: str = "fp32",
+    checkpoint: bool = False,
+) -> float:
     """Forward, cross-entropy, backward and one optimizer step; returns the loss.
 
     The gradients of this step stay on the parameters afterwards (they are cleared at the start
@@ -208,12 +246,16 @@ def train_step(model: Llama, optimizer, inputs: torch.Tensor, targets: torch.Ten
     check_precision(precision)
     dtype = WORKING_DTYPE[precision]
     if next(model.parameters()).dtype != dtype:
-        raise ValueError(f"precision={precision!r} needs a {dtype} model, this one is "
-                         f"{next(model.parameters()).dtype}; make its optimizer with make_optimizer(model, "
-                         f"{precision!r})")
+        raise ValueError(
+            f"precision={precision!r} needs a {dtype} model, this one is "
+            f"{next(model.parameters()).dtype}; make its optimizer with make_optimizer(model, "
+            f"{precision!r})"
+        )
     if (precision == "bf16") != isinstance(optimizer, MasterWeightAdamW):
-        raise ValueError(f"precision={precision!r} does not match the optimizer {type(optimizer).__name__}; "
-                         f"use make_optimizer(model, {precision!r})")
+        raise ValueError(
+            f"precision={precision!r} does not match the optimizer {type(optimizer).__name__}; "
+            f"use make_optimizer(model, {precision!r})"
+        )
     check_batch(model, inputs, targets)
     optimizer.zero_grad()  # set to None: the previous step's gradients are freed before the forward
     logits = forward_logits(model, inputs, checkpoint=checkpoint)  # [batch, seq_len, vocab]
@@ -227,8 +269,12 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of every tensor an optimizer keeps (for ``MasterWeightAdamW``, its masters too)."""
     if isinstance(optimizer, MasterWeightAdamW):
         return optimizer.state_bytes()
-    return sum(value.nbytes for state in optimizer.state.values() for value in state.values()
-               if isinstance(value, torch.Tensor))
+    return sum(
+        value.nbytes
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 @contextlib.contextmanager
@@ -252,8 +298,15 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
         yield saved
 
 
-def memory_breakdown(model: Llama, optimizer, inputs: torch.Tensor, targets: torch.Tensor, *,
-                     precision: str = "fp32", checkpoint: bool = False) -> dict[str, float]:
+def memory_breakdown(
+    model: Llama,
+    optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    precision: str = "fp32",
+    checkpoint: bool = False,
+) -> dict[str, float]:
     """Take one real training step and count its bytes.
 
     Returns:
@@ -272,14 +325,20 @@ def memory_breakdown(model: Llama, optimizer, inputs: torch.Tensor, targets: tor
     gradients = sum(p.grad.nbytes for p in params if p.grad is not None)
     optimizer_bytes = optimizer_state_bytes(optimizer)
     activations = sum(saved.values())
-    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_bytes,
-            "activations": activations, "peak": parameters + gradients + optimizer_bytes + activations,
-            "num_parameters": num_parameters,
-            "bytes_per_parameter": (parameters + gradients + optimizer_bytes) / num_parameters}
+    return {
+        "parameters": parameters,
+        "gradients": gradients,
+        "optimizer": optimizer_bytes,
+        "activations": activations,
+        "peak": parameters + gradients + optimizer_bytes + activations,
+        "num_parameters": num_parameters,
+        "bytes_per_parameter": (parameters + gradients + optimizer_bytes) / num_parameters,
+    }
 
 
-def memory_report(config: LlamaConfig | None = None, batch: int = 8, seq_len: int = 128,
-                  seed: int = 0) -> dict[str, dict[str, float]]:
+def memory_report(
+    config: LlamaConfig | None = None, batch: int = 8, seq_len: int = 128, seed: int = 0
+) -> dict[str, dict[str, float]]:
     """``memory_breakdown`` of a fresh model for each of ``VARIANTS`` (fp32, bf16, each with and
     without checkpointing), on the same batch of text."""
     inputs, targets = next(text_batches(text_tokens(), batch, seq_len, seed))
@@ -287,13 +346,21 @@ def memory_report(config: LlamaConfig | None = None, batch: int = 8, seq_len: in
     for name, (precision, checkpoint) in VARIANTS.items():
         model = tiny_model(config, seed)
         optimizer = make_optimizer(model, precision)
-        report[name] = memory_breakdown(model, optimizer, inputs, targets, precision=precision,
-                                        checkpoint=checkpoint)
+        report[name] = memory_breakdown(model, optimizer, inputs, targets, precision=precision, checkpoint=checkpoint)
     return report
 
 
-def train(steps: int = 300, *, precision: str = "fp32", checkpoint: bool = False, batch: int = 8,
-          seq_len: int = 128, lr: float = 3e-3, seed: int = 0, config: LlamaConfig | None = None) -> list[float]:
+def train(
+    steps: int = 300,
+    *,
+    precision: str = "fp32",
+    checkpoint: bool = False,
+    batch: int = 8,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    seed: int = 0,
+    config: LlamaConfig | None = None,
+) -> list[float]:
     """Train a fresh ``tiny_model`` on the sample text for ``steps`` steps; the loss of every step.
 
     With the defaults the loss falls from ln(256) ≈ 5.5 through a plateau near 3 (byte frequencies
@@ -304,5 +371,6 @@ def train(steps: int = 300, *, precision: str = "fp32", checkpoint: bool = False
     model = tiny_model(config, seed)
     optimizer = make_optimizer(model, precision, lr=lr)
     batches = text_batches(text_tokens(), batch, seq_len, seed)
-    return [train_step(model, optimizer, *next(batches), precision=precision, checkpoint=checkpoint)
-            for _ in range(steps)]
+    return [
+        train_step(model, optimizer, *next(batches), precision=precision, checkpoint=checkpoint) for _ in range(steps)
+    ]

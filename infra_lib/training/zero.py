@@ -25,8 +25,15 @@ import torch.distributed as dist
 STAGES = (0, 1, 2, 3)
 
 
-def zero_memory_per_device(num_params: float, num_devices: int, stage: int, *, param_bytes: float = 2,
-                           grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
+def zero_memory_per_device(
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> float:
     """Bytes of parameters, gradients and optimizer state per device under ZeRO ``stage``."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -79,14 +86,14 @@ class ZeroStage1Adam:
 
     @torch.no_grad()
     def step(self) -> None:
-        grad = torch.cat([p.grad.reshape(-1) for p in self.params])[self.start:self.end]
+        grad = torch.cat([p.grad.reshape(-1) for p in self.params])[self.start : self.end]
         b1, b2 = self.betas
         self.steps += 1
         self.exp_avg.mul_(b1).add_(grad, alpha=1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        bias1, bias2 = 1 - b1**self.steps, 1 - b2**self.steps
         denom = (self.exp_avg_sq / bias2).sqrt_().add_(self.eps)
-        shard = self._flat_params()[self.start:self.end]  # this rank's slice of the (identical) parameters
+        shard = self._flat_params()[self.start : self.end]  # this rank's slice of the (identical) parameters
         shard.addcdiv_(self.exp_avg, denom, value=-self.lr / bias1)
         sizes = [shard_bounds(self.numel, self.world, r) for r in range(self.world)]
         gathered = [torch.empty(e - s) for s, e in sizes]
@@ -94,7 +101,7 @@ class ZeroStage1Adam:
         flat = torch.cat(gathered)
         offset = 0
         for p in self.params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def zero_grad(self) -> None:

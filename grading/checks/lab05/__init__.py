@@ -23,12 +23,26 @@ from grading.registry import register_shortcuts
 
 # The autograd's ops and ``train_tiny`` are the stack the last check runs the learner's pieces in: they
 # are no reference, and stay whole in the graded kernel; only the three formulas are stubbed there.
-register_shortcuts("lab05", ["infra_lib.training.zero:zero_memory_per_device", "infra_lib.training.zero:zero_table",
-                             "infra_lib.training.zero:shard_bounds", "infra_lib.training.collectives:ring_all_reduce",
-                             "infra_lib.training.autograd:softmax_backward",
-                             "infra_lib.training.autograd:rms_norm_backward",
-                             "infra_lib.training.scratch_train:adamw_update"])
+register_shortcuts(
+    "lab05",
+    [
+        "infra_lib.training.zero:zero_memory_per_device",
+        "infra_lib.training.zero:zero_table",
+        "infra_lib.training.zero:shard_bounds",
+        "infra_lib.training.collectives:ring_all_reduce",
+        "infra_lib.training.autograd:softmax_backward",
+        "infra_lib.training.autograd:rms_norm_backward",
+        "infra_lib.training.scratch_train:adamw_update",
+    ],
+)
 
-from . import (task1_zero_memory, task2_shard_bounds, task3_ring_all_reduce,  # noqa: E402,F401  (register the checks)
-               task4_softmax_backward, task5_rms_norm_backward, task6_adamw_update, training_run)
+from . import (  # noqa: E402,F401  (register the checks)
+    task1_zero_memory,
+    task2_shard_bounds,
+    task3_ring_all_reduce,
+    task4_softmax_backward,
+    task5_rms_norm_backward,
+    task6_adamw_update,
+    training_run,
+)
 from .process_group import answer_source, run_on_process_group  # noqa: E402,F401  (the lab's last cell imports them)

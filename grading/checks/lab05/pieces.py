@@ -23,8 +23,11 @@ def record(value) -> dict:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return {"values": value.detach().double().tolist(), "dtype": str(value.dtype).replace("torch.", ""),
-                "shape": list(value.shape)}
+        return {
+            "values": value.detach().double().tolist(),
+            "dtype": str(value.dtype).replace("torch.", ""),
+            "shape": list(value.shape),
+        }
     return {"type": type(value).__name__}
 
 
@@ -36,11 +39,19 @@ def _tolerance_for(dtype: str, expected, tight: bool = False) -> tuple[float, fl
     top = float(np.abs(np.asarray(expected, dtype=np.float64)).max()) if np.size(expected) else 1.0
     if tight:
         return (4e-6 if dtype == "float32" else 1e-12) * max(top, 1e-300), 0.0
-    return ((2e-6 * max(top, 1e-30), 1e-4) if dtype == "float32" else (1e-12 * max(top, 1e-300), 1e-9))
+    return (2e-6 * max(top, 1e-30), 1e-4) if dtype == "float32" else (1e-12 * max(top, 1e-300), 1e-9)
 
 
-def tensor_problem(name: str, got: dict, want: dict, where: str, variants, what: str,
-                    tight: bool = False, noun: str = "the returned tensor") -> Mismatch | None:
+def tensor_problem(
+    name: str,
+    got: dict,
+    want: dict,
+    where: str,
+    variants,
+    what: str,
+    tight: bool = False,
+    noun: str = "the returned tensor",
+) -> Mismatch | None:
     """Shape, dtype, then values of one recorded tensor (``noun``); a value mismatch (``what``) names the
     first variant (a classic mistake, computed in float64 on the same inputs) that the result matches."""
     import numpy as np
@@ -50,12 +61,16 @@ def tensor_problem(name: str, got: dict, want: dict, where: str, variants, what:
         return Mismatch(f"{name} must return a torch tensor", f"on {where}: got a {got.get('type')}")
     if got["shape"] != want["shape"]:
         note = next((why for why, value in pairs if list(np.shape(value)) == got["shape"]), "")
-        return Mismatch(f"{noun} from {name} has the wrong shape", f"on {where}: expected shape {want['shape']}, got "
-                                                        f"{got['shape']}" + (f"; {note}" if note else ""))
+        return Mismatch(
+            f"{noun} from {name} has the wrong shape",
+            f"on {where}: expected shape {want['shape']}, got {got['shape']}" + (f"; {note}" if note else ""),
+        )
     if got["dtype"] != want["dtype"]:
-        return Mismatch(f"{noun} from {name} has the wrong dtype",
-                        f"on {where}: expected {want['dtype']} (the inputs' dtype), got {got['dtype']}; make new "
-                        "tensors with the inputs' dtype (torch.zeros_like, or dtype=x.dtype)")
+        return Mismatch(
+            f"{noun} from {name} has the wrong dtype",
+            f"on {where}: expected {want['dtype']} (the inputs' dtype), got {got['dtype']}; make new "
+            "tensors with the inputs' dtype (torch.zeros_like, or dtype=x.dtype)",
+        )
     atol, rtol = _tolerance_for(want["dtype"], want["values"], tight)
     problem = array_mismatch(got["values"], want["values"], what, where, atol=atol, rtol=rtol)
     if problem is None:
@@ -111,8 +126,10 @@ class NoTorchAutograd(_Refused):
     ``torch.autograd.grad`` all reach the engine through one function, replaced here (also where an answer
     imported ``grad`` by name)."""
 
-    MESSAGE = ("lab05 tasks 4 and 5 ask for the backward formula itself, in tensor ops: torch.autograd "
-               "(requires_grad, .backward(), torch.autograd.grad) is not part of an answer")
+    MESSAGE = (
+        "lab05 tasks 4 and 5 ask for the backward formula itself, in tensor ops: torch.autograd "
+        "(requires_grad, .backward(), torch.autograd.grad) is not part of an answer"
+    )
 
     def targets(self) -> list[tuple]:
         import torch.autograd
@@ -124,8 +141,9 @@ class NoTorchAutograd(_Refused):
 class NoTorchAdam(_Refused):
     """For the length of a drive, torch's own Adam and AdamW refuse to run: the task is the update itself."""
 
-    MESSAGE = ("lab05 task 6 asks for the update itself: torch.optim.AdamW is what it is compared with, not part "
-               "of an answer")
+    MESSAGE = (
+        "lab05 task 6 asks for the update itself: torch.optim.AdamW is what it is compared with, not part of an answer"
+    )
 
     def targets(self) -> list[tuple]:
         import importlib
@@ -133,5 +151,6 @@ class NoTorchAdam(_Refused):
         adam, adamw = (importlib.import_module(f"torch.optim.{name}") for name in ("adam", "adamw"))
         # The module-level functions that Adam.step and AdamW.step call (the classes' own step is
         # re-wrapped by torch when an optimizer is made, so it is left alone).
-        return [(adam, name) for name in ("adam", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")] + \
-            [(adamw, "adamw")]
+        return [(adam, name) for name in ("adam", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")] + [
+            (adamw, "adamw")
+        ]

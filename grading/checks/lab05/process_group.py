@@ -16,9 +16,15 @@ def answer_source(fn) -> str:
     return "".join(lines) if lines else inspect.getsource(fn)
 
 
-def run_on_process_group(sources: list[str], name: str = "ring_all_reduce", world_size: int = 2,
-                         shapes: tuple = ((4096,), (1000, 3), (7,)), seed: int = 0, repeats: int = 3,
-                         timeout_s: float = 60.0) -> list[list[dict]]:
+def run_on_process_group(
+    sources: list[str],
+    name: str = "ring_all_reduce",
+    world_size: int = 2,
+    shapes: tuple = ((4096,), (1000, 3), (7,)),
+    seed: int = 0,
+    repeats: int = 3,
+    timeout_s: float = 60.0,
+) -> list[list[dict]]:
     """Run the function ``name`` defined by ``sources`` (answer cells) on a gloo group of ``world_size``
     processes, against ``dist.all_reduce`` on the same seeded tensors; per rank, one row per shape.
 
@@ -28,12 +34,14 @@ def run_on_process_group(sources: list[str], name: str = "ring_all_reduce", worl
     """
     from infra_lib.training.launcher import run_workers
 
-    return run_workers(_answer_worker, world_size, (list(sources), name, [list(s) for s in shapes], seed, repeats),
-                       timeout_s=timeout_s)
+    return run_workers(
+        _answer_worker, world_size, (list(sources), name, [list(s) for s in shapes], seed, repeats), timeout_s=timeout_s
+    )
 
 
-def _answer_worker(rank: int, world_size: int, sources: list[str], name: str, shapes: list, seed: int,
-                   repeats: int) -> list[dict]:
+def _answer_worker(
+    rank: int, world_size: int, sources: list[str], name: str, shapes: list, seed: int, repeats: int
+) -> list[dict]:
     import time
 
     import torch
@@ -65,7 +73,14 @@ def _answer_worker(rank: int, world_size: int, sources: list[str], name: str, sh
 
         ring_s = best_of(lambda t: ring(t, DistComm()), shape)
         dist_s = best_of(dist.all_reduce, shape)
-        rows.append({"shape": list(shape), "bytes": tensor.nbytes, "bytes_sent": comm.bytes_sent,
-                     "max_abs_error": float((tensor - expected).abs().max()) if tensor.numel() else 0.0,
-                     "ring_s": ring_s, "all_reduce_s": dist_s})
+        rows.append(
+            {
+                "shape": list(shape),
+                "bytes": tensor.nbytes,
+                "bytes_sent": comm.bytes_sent,
+                "max_abs_error": float((tensor - expected).abs().max()) if tensor.numel() else 0.0,
+                "ring_s": ring_s,
+                "all_reduce_s": dist_s,
+            }
+        )
     return rows

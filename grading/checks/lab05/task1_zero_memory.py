@@ -50,20 +50,30 @@ def _zero_edge_cases(rng: random.Random) -> list[dict]:
         _zero_case(0, 16, 3),
         _zero_case(1e12, 4096, rng.choice([1, 2])),
         _zero_case(rng.choice([175e9, 530e9]), 1, 1),
-        _zero_case(1e9, 8, 4), _zero_case(1e9, 8, -1), _zero_case(1e9, 0, 1), _zero_case(1e9, -4, 2),
-        _zero_case(1e9, 2.5, 1), _zero_case(1e9, 8.0, 1), _zero_case(-1, 8, 1),
+        _zero_case(1e9, 8, 4),
+        _zero_case(1e9, 8, -1),
+        _zero_case(1e9, 0, 1),
+        _zero_case(1e9, -4, 2),
+        _zero_case(1e9, 2.5, 1),
+        _zero_case(1e9, 8.0, 1),
+        _zero_case(-1, 8, 1),
         # A stage is compared by value, as Python compares numbers: 1.0 and True are stage 1, False stage 0;
         # 1.5 and nan are no stage. A num_params of nan is not a count.
-        _zero_case(rng.choice([1e9, 2e9]), 8, 1.0), _zero_case(rng.choice([1e9, 2e9]), 8, True),
-        _zero_case(rng.choice([1e9, 2e9]), 4, False), _zero_case(1e9, 8, 1.5), _zero_case(1e9, 8, math.nan),
+        _zero_case(rng.choice([1e9, 2e9]), 8, 1.0),
+        _zero_case(rng.choice([1e9, 2e9]), 8, True),
+        _zero_case(rng.choice([1e9, 2e9]), 4, False),
+        _zero_case(1e9, 8, 1.5),
+        _zero_case(1e9, 8, math.nan),
         _zero_case(math.nan, 8, 1),
     ]
 
 
 def _describe_zero(case: dict) -> str:
     extra = "".join(f", {k}={v:g}" for k, v in case.get("bytes", {}).items())
-    return (f"zero_memory_per_device(num_params={case['num_params']:g}, num_devices={case['num_devices']!r}, "
-            f"stage={case['stage']!r}{extra})")
+    return (
+        f"zero_memory_per_device(num_params={case['num_params']:g}, num_devices={case['num_devices']!r}, "
+        f"stage={case['stage']!r}{extra})"
+    )
 
 
 def _drive_zero(fn, cases: list[dict]) -> list:
@@ -79,6 +89,7 @@ def _zero_note(case: dict, got: float, want: float) -> str:
     per = {**_DEFAULT_BYTES, **case.get("bytes", {})}
     psi, n, stage = case["num_params"], case["num_devices"], case["stage"]
     p, g, k = (per[name] * psi for name in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+
     def same(value: float) -> bool:
         return _close(got, value) and not _close(want, value)
 
@@ -87,17 +98,23 @@ def _zero_note(case: dict, got: float, want: float) -> str:
     if case.get("bytes") and same(_stage_bytes(stage, *(_DEFAULT_BYTES[name] * psi for name in _DEFAULT_BYTES), n)):
         return "; that uses the default 2/2/12 bytes: use the param_bytes, grad_bytes and optimizer_bytes passed in"
     if stage == 2 and same((p + g + k) / n):
-        return ("; at stage 2 the parameters stay whole on every device: only the gradients and the optimizer "
-                "state are divided by num_devices (dividing the parameters too is stage 3)")
+        return (
+            "; at stage 2 the parameters stay whole on every device: only the gradients and the optimizer "
+            "state are divided by num_devices (dividing the parameters too is stage 3)"
+        )
     if stage == 1 and same(p + (g + k) / n):
         return "; stage 1 shards only the optimizer state: the gradients are sharded from stage 2 on"
     if stage == 1 and same((p + g + k) / n):
-        return ("; at stage 1 only the optimizer state (optimizer_bytes per parameter) is divided by num_devices: "
-                "the parameters and gradients stay whole")
+        return (
+            "; at stage 1 only the optimizer state (optimizer_bytes per parameter) is divided by num_devices: "
+            "the parameters and gradients stay whole"
+        )
     if stage in (1, 2) and same(_stage_bytes(stage, p, g, p + g + k, n)):
         whole = per["param_bytes"] + per["grad_bytes"] + per["optimizer_bytes"]
-        return (f"; the optimizer state is optimizer_bytes = {per['optimizer_bytes']:g} bytes per parameter (fp32 "
-                f"master weights, momentum, variance); {whole:g} is the whole per-parameter state")
+        return (
+            f"; the optimizer state is optimizer_bytes = {per['optimizer_bytes']:g} bytes per parameter (fp32 "
+            f"master weights, momentum, variance); {whole:g} is the whole per-parameter state"
+        )
     if same(_stage_bytes(stage, p, 0, k, n)):
         return "; you left out the gradients (grad_bytes per parameter): every stage keeps them, whole or sharded"
     if same(_stage_bytes(stage, 0, g, k, n)):
@@ -106,8 +123,10 @@ def _zero_note(case: dict, got: float, want: float) -> str:
         return f"; that is stage 0 (nothing sharded): stage {stage} divides part of the state by num_devices"
     for other in range(4):
         if other != stage and same(_stage_bytes(other, p, g, k, n)):
-            return (f"; that is stage {other}'s figure: stage 0 shards nothing, 1 the optimizer state, 2 the "
-                    "gradients too, 3 the parameters too")
+            return (
+                f"; that is stage {other}'s figure: stage 0 shards nothing, 1 the optimizer state, 2 the "
+                "gradients too, 3 the parameters too"
+            )
     if stage > 0 and same(_stage_bytes(stage, p, g, k, 1 / n)):
         return "; you multiplied by num_devices: each device holds 1 / num_devices of a sharded part"
     return ""
@@ -124,38 +143,68 @@ def _compare_zero(got, expected, cases: list[dict]) -> Mismatch | None:
             if got_kind == "raised" and str(value).split(":")[0] == error:
                 continue
             got_text = f"it raised {value}" if got_kind == "raised" else f"it returned {value!r}"
-            return Mismatch(f"zero_memory_per_device should raise {error} on an invalid input",
-                            f"on {where}: {got_text}; raise ValueError for a stage that is not 0, 1, 2 or 3 by "
-                            "value (1.5 and nan are none of them), num_devices that is not a positive int, or a "
-                            "num_params that is negative or nan")
+            return Mismatch(
+                f"zero_memory_per_device should raise {error} on an invalid input",
+                f"on {where}: {got_text}; raise ValueError for a stage that is not 0, 1, 2 or 3 by "
+                "value (1.5 and nan are none of them), num_devices that is not a positive int, or a "
+                "num_params that is negative or nan",
+            )
         if got_kind == "raised":
-            note = ("; a stage is compared by value, as `stage in (0, 1, 2, 3)` compares it: 1.0 and True are "
-                    "stage 1, False stage 0" if type(case["stage"]) is not int else "")
-            return Mismatch("zero_memory_per_device raised an exception on a valid input",
-                            f"on {where}: expected {want:g} bytes, your code raised {value}{note}")
+            note = (
+                "; a stage is compared by value, as `stage in (0, 1, 2, 3)` compares it: 1.0 and True are "
+                "stage 1, False stage 0"
+                if type(case["stage"]) is not int
+                else ""
+            )
+            return Mismatch(
+                "zero_memory_per_device raised an exception on a valid input",
+                f"on {where}: expected {want:g} bytes, your code raised {value}{note}",
+            )
         if got_kind != "value" or not is_number(value):
-            return Mismatch("zero_memory_per_device must return a number of bytes (an int or a float)",
-                            f"on {where}: got {value!r:.80}")
+            return Mismatch(
+                "zero_memory_per_device must return a number of bytes (an int or a float)",
+                f"on {where}: got {value!r:.80}",
+            )
         if not _close(value, want):
-            return Mismatch("zero_memory_per_device returned the wrong number of bytes",
-                            f"on {where}: expected {want:.6g} bytes ({want / 1e9:.4g} GB), got {value:.6g}"
-                            + _zero_note(case, value, want))
+            return Mismatch(
+                "zero_memory_per_device returned the wrong number of bytes",
+                f"on {where}: expected {want:.6g} bytes ({want / 1e9:.4g} GB), got {value:.6g}"
+                + _zero_note(case, value, want),
+            )
     return None
 
 
-_ZERO_HINT = ("each ZeRO stage shards one more part of the training state across the devices: stage 0 nothing, "
-              "stage 1 the optimizer state, stage 2 the gradients as well, stage 3 the parameters as well; a sharded "
-              "part is split among the devices, an unsharded one stays whole on every device. Count each part with "
-              "the byte counts passed in and return bytes, not GB (chapter 05, section “6 · ZeRO: sharding the "
-              "training state”).")
+_ZERO_HINT = (
+    "each ZeRO stage shards one more part of the training state across the devices: stage 0 nothing, "
+    "stage 1 the optimizer state, stage 2 the gradients as well, stage 3 the parameters as well; a sharded "
+    "part is split among the devices, an unsharded one stays whole on every device. Count each part with "
+    "the byte counts passed in and return bytes, not GB (chapter 05, section “6 · ZeRO: sharding the "
+    "training state”)."
+)
 
-register(Check(check_id="lab05.zero_memory", task=TASK, reference=reference(_ZERO, "zero_memory_per_device"),
-               make_inputs=_zero_cases, drive=_drive_zero, compare=_compare_zero, hint=_ZERO_HINT))
-register(Check(check_id="lab05.zero_memory_edges", task=TASK,
-               reference=reference(_ZERO, "zero_memory_per_device"), make_inputs=_zero_edge_cases,
-               drive=_drive_zero, compare=_compare_zero,
-               hint=_ZERO_HINT + " Other byte counts (optimizer_bytes=0 for plain SGD), no parameters, one device, "
-                                 "stages given as 1.0, True or False (compared by value: stages 1, 1 and 0), and "
-                                 "invalid arguments (a stage that is none of 0 to 3, 1.5 and nan included, a "
-                                 "num_devices that is not a positive int, a num_params that is negative or nan), "
-                                 "which raise ValueError."))
+register(
+    Check(
+        check_id="lab05.zero_memory",
+        task=TASK,
+        reference=reference(_ZERO, "zero_memory_per_device"),
+        make_inputs=_zero_cases,
+        drive=_drive_zero,
+        compare=_compare_zero,
+        hint=_ZERO_HINT,
+    )
+)
+register(
+    Check(
+        check_id="lab05.zero_memory_edges",
+        task=TASK,
+        reference=reference(_ZERO, "zero_memory_per_device"),
+        make_inputs=_zero_edge_cases,
+        drive=_drive_zero,
+        compare=_compare_zero,
+        hint=_ZERO_HINT + " Other byte counts (optimizer_bytes=0 for plain SGD), no parameters, one device, "
+        "stages given as 1.0, True or False (compared by value: stages 1, 1 and 0), and "
+        "invalid arguments (a stage that is none of 0 to 3, 1.5 and nan included, a "
+        "num_devices that is not a positive int, a num_params that is negative or nan), "
+        "which raise ValueError.",
+    )
+)

@@ -20,8 +20,9 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def _ring_case(rng: random.Random, world: int, shape: list[int], dtype: str = "float32",
-               layout: str = "contiguous") -> dict:
+def _ring_case(
+    rng: random.Random, world: int, shape: list[int], dtype: str = "float32", layout: str = "contiguous"
+) -> dict:
     return {"world": world, "shape": shape, "dtype": dtype, "layout": layout, "seed": rng.randrange(10**6)}
 
 
@@ -32,14 +33,22 @@ def _divisible_shape(rng: random.Random, world: int, two_d: bool = False, large:
 
 
 def _ring_sum_cases(rng: random.Random) -> list[dict]:
-    return [_ring_case(rng, 2, _divisible_shape(rng, 2)), _ring_case(rng, 3, _divisible_shape(rng, 3)),
-            _ring_case(rng, 4, _divisible_shape(rng, 4)), _ring_case(rng, 4, _divisible_shape(rng, 4, two_d=True))]
+    return [
+        _ring_case(rng, 2, _divisible_shape(rng, 2)),
+        _ring_case(rng, 3, _divisible_shape(rng, 3)),
+        _ring_case(rng, 4, _divisible_shape(rng, 4)),
+        _ring_case(rng, 4, _divisible_shape(rng, 4, two_d=True)),
+    ]
 
 
 def _ring_sum_more_cases(rng: random.Random) -> list[dict]:
-    return [_ring_case(rng, 5, _divisible_shape(rng, 5)), _ring_case(rng, 6, _divisible_shape(rng, 6, large=True)),
-            _ring_case(rng, 8, _divisible_shape(rng, 8)), _ring_case(rng, 3, _divisible_shape(rng, 3, two_d=True)),
-            _ring_case(rng, 2, _divisible_shape(rng, 2, large=True))]
+    return [
+        _ring_case(rng, 5, _divisible_shape(rng, 5)),
+        _ring_case(rng, 6, _divisible_shape(rng, 6, large=True)),
+        _ring_case(rng, 8, _divisible_shape(rng, 8)),
+        _ring_case(rng, 3, _divisible_shape(rng, 3, two_d=True)),
+        _ring_case(rng, 2, _divisible_shape(rng, 2, large=True)),
+    ]
 
 
 def _ring_traffic_cases(rng: random.Random) -> list[dict]:
@@ -47,9 +56,12 @@ def _ring_traffic_cases(rng: random.Random) -> list[dict]:
 
 
 def _ring_traffic_more_cases(rng: random.Random) -> list[dict]:
-    return [_ring_case(rng, 5, _divisible_shape(rng, 5, large=True)), _ring_case(rng, 8, _divisible_shape(rng, 8)),
-            _ring_case(rng, 4, [4 * rng.randint(8, 32)], dtype="float64"),
-            _ring_case(rng, 6, _divisible_shape(rng, 6, two_d=True))]
+    return [
+        _ring_case(rng, 5, _divisible_shape(rng, 5, large=True)),
+        _ring_case(rng, 8, _divisible_shape(rng, 8)),
+        _ring_case(rng, 4, [4 * rng.randint(8, 32)], dtype="float64"),
+        _ring_case(rng, 6, _divisible_shape(rng, 6, two_d=True)),
+    ]
 
 
 def _uneven(rng: random.Random, world: int) -> int:
@@ -105,12 +117,17 @@ def rank_tensor(case: dict, rank: int):
 
 def _describe_ring(case: dict) -> str:
     shape, layout = case["shape"], case["layout"]
-    made = {"contiguous": "", "transposed": f", non-contiguous: x.t() of a {shape[::-1]} tensor",
-            "strided": f", non-contiguous: x[:, ::2] of a {shape[:1] + [2 * n for n in shape[1:]]} tensor",
-            "permuted": f", non-contiguous: x.permute(2, 1, 0) of a {shape[::-1]} tensor"}[layout]
+    made = {
+        "contiguous": "",
+        "transposed": f", non-contiguous: x.t() of a {shape[::-1]} tensor",
+        "strided": f", non-contiguous: x[:, ::2] of a {shape[:1] + [2 * n for n in shape[1:]]} tensor",
+        "permuted": f", non-contiguous: x.permute(2, 1, 0) of a {shape[::-1]} tensor",
+    }[layout]
     numel = math.prod(shape)
-    return (f"world size {case['world']}, each rank a torch.{case['dtype']} tensor of shape {shape} "
-            f"({_count(numel, 'element')}{made})")
+    return (
+        f"world size {case['world']}, each rank a torch.{case['dtype']} tensor of shape {shape} "
+        f"({_count(numel, 'element')}{made})"
+    )
 
 
 class _CountingComm:
@@ -161,8 +178,13 @@ def _run_ring_case(ring, case: dict) -> list:
         else:
             returned = f"a {type(out).__name__}"
         peers = sorted([to, source] for to, source in counting.peers if type(to) is int and type(source) is int)
-        return {"values": tensor.tolist(), "returned": returned, "bytes": int(comm.bytes_sent),
-                "messages": counting.messages, "peers": peers}
+        return {
+            "values": tensor.tolist(),
+            "returned": returned,
+            "bytes": int(comm.bytes_sent),
+            "messages": counting.messages,
+            "peers": peers,
+        }
 
     tensors = [rank_tensor(case, rank) for rank in range(case["world"])]
     try:
@@ -171,13 +193,20 @@ def _run_ring_case(ring, case: dict) -> list:
         waiting = [r for r, c in sorted(comms.items()) if not c.done and c.waiting]
         running = [r for r, c in sorted(comms.items()) if not c.done and not c.waiting]
         if running:
-            text = (f"TimeoutError: {_ranks(running)} still running your code after {RANK_TIMEOUT_S:g} s, outside "
-                    "exchange (a loop that never ends?)")
+            text = (
+                f"TimeoutError: {_ranks(running)} still running your code after {RANK_TIMEOUT_S:g} s, outside "
+                "exchange (a loop that never ends?)"
+            )
             return ["raised", text]
-        calls = "; ".join(f"rank {r} sent to {comms[r].last[0]!r} and waits for {comms[r].last[1]!r} "
-                          f"(its exchange number {comms[r].messages})" for r in waiting)
-        text = (f"TimeoutError: {_ranks(waiting)} waiting in exchange after {RANK_TIMEOUT_S:g} s for a message no "
-                f"rank sent: {calls}")
+        calls = "; ".join(
+            f"rank {r} sent to {comms[r].last[0]!r} and waits for {comms[r].last[1]!r} "
+            f"(its exchange number {comms[r].messages})"
+            for r in waiting
+        )
+        text = (
+            f"TimeoutError: {_ranks(waiting)} waiting in exchange after {RANK_TIMEOUT_S:g} s for a message no "
+            f"rank sent: {calls}"
+        )
         return ["raised", text[:400] + _sends_line(comms)]
     except RuntimeError as exc:  # a rank raised: the group names it
         if isinstance(exc.__cause__, (NotImplementedError, MemoryError)):
@@ -203,7 +232,7 @@ def _sends_line(comms: dict) -> str:
 
 
 def _ring_order(numel: int, world: int, rank: int) -> list[str]:
-    """"sent/received" elements at each of a ring rank's 2 (W - 1) exchanges (chunks from an even split)."""
+    """ "sent/received" elements at each of a ring rank's 2 (W - 1) exchanges (chunks from an even split)."""
     sizes = [numel // world + (c < numel % world) for c in range(world)]
     scatter = [(sizes[(rank - step) % world], sizes[(rank - step - 1) % world]) for step in range(world - 1)]
     gather = [(sizes[(rank + 1 - step) % world], sizes[(rank - step) % world]) for step in range(world - 1)]
@@ -233,12 +262,14 @@ def _skipped_note(text: str, case: dict) -> str:
         done = listed.split()
         order = _ring_order(numel, world, int(rank))
         if _skipped_empty(done, order):
-            return (f"\n  rank {rank} left out the exchange of an empty chunk: its exchanges sent/received "
-                    f"[{' '.join(done)}] elements where the ring's are [{' '.join(order)}]. The chunk indices are "
-                    "right; the number of exchanges is not. "
-                    f"Every rank calls exchange exactly 2 (W - 1) = {2 * (world - 1)} times, also when the chunk it "
-                    "sends or receives is empty: an empty tensor is still a message, its neighbour's receive is "
-                    "waiting for it, and one left out shifts every later message by one")
+            return (
+                f"\n  rank {rank} left out the exchange of an empty chunk: its exchanges sent/received "
+                f"[{' '.join(done)}] elements where the ring's are [{' '.join(order)}]. The chunk indices are "
+                "right; the number of exchanges is not. "
+                f"Every rank calls exchange exactly 2 (W - 1) = {2 * (world - 1)} times, also when the chunk it "
+                "sends or receives is empty: an empty tensor is still a message, its neighbour's receive is "
+                "waiting for it, and one left out shifts every later message by one"
+            )
     return ""
 
 
@@ -291,23 +322,31 @@ def _raised_note(text: str, case: dict) -> str:
     if skipped:
         return skipped
     if "waiting in exchange" in text:
-        return ("\n  a rank waits in exchange for a message that no rank sent it. Every rank must call exchange the "
-                "same number of times (2 (W - 1)), each time sending to its right neighbour (rank + 1) % W and "
-                "receiving from its left neighbour (rank - 1) % W")
+        return (
+            "\n  a rank waits in exchange for a message that no rank sent it. Every rank must call exchange the "
+            "same number of times (2 (W - 1)), each time sending to its right neighbour (rank + 1) % W and "
+            "receiving from its left neighbour (rank - 1) % W"
+        )
     if "view size is not compatible" in text:
-        return ("\n  tensor.view(-1) needs a contiguous tensor: use tensor.reshape(-1) (a copy when the tensor is not "
-                "contiguous) and copy the result back into the tensor at the end")
+        return (
+            "\n  tensor.view(-1) needs a contiguous tensor: use tensor.reshape(-1) (a copy when the tensor is not "
+            "contiguous) and copy the result back into the tensor at the end"
+        )
     if "into a buffer of shape" in text:
-        return ("\n  the chunk a rank receives into must have the size of the chunk its neighbour sends in the same "
-                "step: check which chunk index each rank sends and receives at each step")
+        return (
+            "\n  the chunk a rank receives into must have the size of the chunk its neighbour sends in the same "
+            "step: check which chunk index each rank sends and receives at each step"
+        )
     if "is not a rank of a group" in text:
         return "\n  peers are 0 .. W - 1: take the neighbours modulo W, (rank + 1) % W and (rank - 1) % W"
     if "IndexError" in text and numel % world:
-        return ("\n  with fewer elements than ranks, or a size W does not divide, torch.chunk and ceil-sized chunks "
-                "give fewer than W chunks: torch.tensor_split(flat, W) (or your shard_bounds) always gives W, some "
-                "empty")
+        return (
+            "\n  with fewer elements than ranks, or a size W does not divide, torch.chunk and ceil-sized chunks "
+            "give fewer than W chunks: torch.tensor_split(flat, W) (or your shard_bounds) always gives W, some "
+            "empty"
+        )
     if "can't be cast to the desired output type" in text:
-        return ("\n  make receive buffers with the tensor's dtype, torch.empty_like(chunk): torch.empty(n) is float32")
+        return "\n  make receive buffers with the tensor's dtype, torch.empty_like(chunk): torch.empty(n) is float32"
     return ""
 
 
@@ -320,19 +359,25 @@ def _element_note(got: float, want: float, values: list[float]) -> str:
         part = sum(values[r] for r in ranks)
         which = f"rank {ranks[0]}'s value" if len(ranks) == 1 else f"the values of ranks {ranks}"
         if abs(want + part - got) <= 1e-4 * scale:
-            return (f"; that element holds the sum plus {which} again: added twice. The all-gather copies the "
-                    "finished chunks over yours (receive straight into the chunk); only the reduce-scatter adds")
+            return (
+                f"; that element holds the sum plus {which} again: added twice. The all-gather copies the "
+                "finished chunks over yours (receive straight into the chunk); only the reduce-scatter adds"
+            )
         if mask == 2**world - 1 or abs(part - got) > 1e-4 * scale:
             continue
         if len(ranks) == 1:
-            return (f"; that element holds only {which}: nothing was added into it. Either the reduce-scatter "
-                    "replaced chunks instead of adding to them (receiving straight into a chunk replaces it) or ran "
-                    f"fewer than W - 1 = {world - 1} steps, or the all-gather passed on chunks that were not "
-                    "finished yet (at every all-gather step a rank sends the finished chunk it holds or has just "
-                    "received): check which chunk each step sends and receives, in both phases")
-        return (f"; that element holds the sum over ranks {ranks} only, of {world}: each chunk needs W - 1 = "
-                f"{world - 1} reduce-scatter steps, each adding what the left neighbour sent into the chunk it sends "
-                "on at the next step")
+            return (
+                f"; that element holds only {which}: nothing was added into it. Either the reduce-scatter "
+                "replaced chunks instead of adding to them (receiving straight into a chunk replaces it) or ran "
+                f"fewer than W - 1 = {world - 1} steps, or the all-gather passed on chunks that were not "
+                "finished yet (at every all-gather step a rank sends the finished chunk it holds or has just "
+                "received): check which chunk each step sends and receives, in both phases"
+            )
+        return (
+            f"; that element holds the sum over ranks {ranks} only, of {world}: each chunk needs W - 1 = "
+            f"{world - 1} reduce-scatter steps, each adding what the left neighbour sent into the chunk it sends "
+            "on at the next step"
+        )
     return ""
 
 
@@ -346,8 +391,14 @@ def _values_problem(case: dict, got_ranks: list, want_ranks: list) -> Mismatch |
     rtol, atol = _tolerance(case["dtype"])
     want = np.asarray(want_ranks[0]["values"], dtype=np.float64)
     originals = [rank_tensor(case, r).double().numpy() for r in range(world)]
-    copied = ("; it is not contiguous, so reshape(-1) gave you a copy: copy the result back with "
-              "tensor.copy_(flat.view_as(tensor))") if case["layout"] != "contiguous" else ""
+    copied = (
+        (
+            "; it is not contiguous, so reshape(-1) gave you a copy: copy the result back with "
+            "tensor.copy_(flat.view_as(tensor))"
+        )
+        if case["layout"] != "contiguous"
+        else ""
+    )
     for rank, rank_data in enumerate(got_ranks):
         try:
             got = np.asarray(rank_data["values"], dtype=np.float64)
@@ -359,20 +410,28 @@ def _values_problem(case: dict, got_ranks: list, want_ranks: list) -> Mismatch |
         if type(returned) is dict:
             back = np.asarray(returned["values"], dtype=np.float64)
             if back.shape == want.shape and np.allclose(back, want, rtol=rtol, atol=atol):
-                return Mismatch("ring_all_reduce returned the sum but left the input tensor unchanged: all-reduce "
-                                "works in place, like dist.all_reduce",
-                                f"on {where}: rank {rank}'s input tensor does not hold the sum{copied}")
+                return Mismatch(
+                    "ring_all_reduce returned the sum but left the input tensor unchanged: all-reduce "
+                    "works in place, like dist.all_reduce",
+                    f"on {where}: rank {rank}'s input tensor does not hold the sum{copied}",
+                )
         if np.array_equal(got, originals[rank]) and want.size:
-            return Mismatch("the input tensor still holds its own values after ring_all_reduce",
-                            f"on {where}: rank {rank}'s tensor is unchanged"
-                            + (copied or "; write the sum into it (work on a view of it, or copy the result back)"))
+            return Mismatch(
+                "the input tensor still holds its own values after ring_all_reduce",
+                f"on {where}: rank {rank}'s tensor is unchanged"
+                + (copied or "; write the sum into it (work on a view of it, or copy the result back)"),
+            )
         if got.shape != want.shape:
-            return Mismatch("the tensor changed shape",
-                            f"on {where}: rank {rank}: expected shape {list(want.shape)}, got {list(got.shape)}")
+            return Mismatch(
+                "the tensor changed shape",
+                f"on {where}: rank {rank}: expected shape {list(want.shape)}, got {list(got.shape)}",
+            )
         if world > 1 and want.size and np.allclose(got, want / world, rtol=1e-5, atol=1e-6):
-            return Mismatch("ring_all_reduce averaged instead of summing",
-                            f"on {where}: rank {rank} holds the sum divided by {world}; all-reduce sums (data "
-                            "parallelism divides by W afterwards, outside the collective)")
+            return Mismatch(
+                "ring_all_reduce averaged instead of summing",
+                f"on {where}: rank {rank} holds the sum divided by {world}; all-reduce sums (data "
+                "parallelism divides by W afterwards, outside the collective)",
+            )
         flat_got, flat_want = got.reshape(-1), want.reshape(-1)
         bad = ~np.isclose(flat_got, flat_want, rtol=rtol, atol=atol)
         first = int(np.argmax(bad))
@@ -383,34 +442,44 @@ def _values_problem(case: dict, got_ranks: list, want_ranks: list) -> Mismatch |
         values = [float(o.reshape(-1)[first]) for o in originals]
         element = _element_note(float(flat_got[first]), float(flat_want[first]), values) if world > 1 else ""
         if case["dtype"] == "float64" and np.allclose(got, want, rtol=1e-5, atol=1e-5):
-            note = ("; the values are right to float32 precision only: make receive buffers with the tensor's "
-                    "dtype, torch.empty_like(chunk) (torch.empty(n) is float32)")
+            note = (
+                "; the values are right to float32 precision only: make receive buffers with the tensor's "
+                "dtype, torch.empty_like(chunk) (torch.empty(n) is float32)"
+            )
         elif finished and "added twice" not in element:
             start, end = finished[0]
-            note = (f"; rank {rank} holds the sum only in elements {start}..{end - 1}, one chunk: that is where the "
-                    f"reduce-scatter ends. The all-gather must then pass the finished chunks around the ring "
-                    f"(W - 1 = {world - 1} more steps) so that every rank has all of them")
+            note = (
+                f"; rank {rank} holds the sum only in elements {start}..{end - 1}, one chunk: that is where the "
+                f"reduce-scatter ends. The all-gather must then pass the finished chunks around the ring "
+                f"(W - 1 = {world - 1} more steps) so that every rank has all of them"
+            )
         else:
             note = element
         own = ", ".join(f"{o.reshape(-1)[first]:.4g}" for o in originals)
-        return Mismatch("ring_all_reduce did not leave the sum over the ranks in every rank's tensor",
-                        f"on {where}: rank {rank}: {int(bad.sum())} of {bad.size} elements differ; at index {index} "
-                        f"expected {flat_want[first]:.{digits}g}, got {flat_got[first]:.{digits}g} (the ranks' own "
-                        f"values there: {own}){note}")
+        return Mismatch(
+            "ring_all_reduce did not leave the sum over the ranks in every rank's tensor",
+            f"on {where}: rank {rank}: {int(bad.sum())} of {bad.size} elements differ; at index {index} "
+            f"expected {flat_want[first]:.{digits}g}, got {flat_got[first]:.{digits}g} (the ranks' own "
+            f"values there: {own}){note}",
+        )
     for rank, rank_data in enumerate(got_ranks):
         returned = rank_data["returned"]
         if returned == "the input tensor":
             continue
         if type(returned) is not dict:
-            return Mismatch("ring_all_reduce must return the tensor it reduced",
-                            f"on {where}: rank {rank} returned {returned} (end with `return tensor`)")
+            return Mismatch(
+                "ring_all_reduce must return the tensor it reduced",
+                f"on {where}: rank {rank} returned {returned} (end with `return tensor`)",
+            )
         back = np.asarray(returned["values"], dtype=np.float64)
         dtype = f"torch.{case['dtype']}"
         if returned["dtype"] != dtype or back.shape != want.shape or not np.allclose(back, want, rtol=rtol, atol=atol):
-            return Mismatch("ring_all_reduce returned a tensor other than the sum",
-                            f"on {where}: rank {rank}'s tensor holds the sum, but it returned a {returned['dtype']} "
-                            f"tensor of shape {returned['shape']} with other values (expected {dtype}, "
-                            f"{list(want.shape)}): end with `return tensor`")
+            return Mismatch(
+                "ring_all_reduce returned a tensor other than the sum",
+                f"on {where}: rank {rank}'s tensor holds the sum, but it returned a {returned['dtype']} "
+                f"tensor of shape {returned['shape']} with other values (expected {dtype}, "
+                f"{list(want.shape)}): end with `return tensor`",
+            )
     return None
 
 
@@ -424,13 +493,17 @@ def _ring_results(got, expected, cases):
         where = _describe_ring(case)
         if kind == "raised":
             if "outside exchange" in str(value):
-                return Mismatch("ring_all_reduce did not finish: a rank kept running its own code",
-                                f"on {where}: {value}")
+                return Mismatch(
+                    "ring_all_reduce did not finish: a rank kept running its own code", f"on {where}: {value}"
+                )
             if "waiting in exchange" in str(value):
-                return Mismatch("ring_all_reduce did not finish: a rank waited for a message that never came",
-                                f"on {where}: {value}{_raised_note(str(value), case)}")
-            return Mismatch("ring_all_reduce raised an exception",
-                            f"on {where}: {value}{_raised_note(str(value), case)}")
+                return Mismatch(
+                    "ring_all_reduce did not finish: a rank waited for a message that never came",
+                    f"on {where}: {value}{_raised_note(str(value), case)}",
+                )
+            return Mismatch(
+                "ring_all_reduce raised an exception", f"on {where}: {value}{_raised_note(str(value), case)}"
+            )
         if kind != "value" or type(value) is not list or len(value) != case["world"]:
             return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
         rows.append((case, value, e[1]))
@@ -466,74 +539,117 @@ def _compare_ring_traffic(got, expected, cases) -> Mismatch | None:
             chunk = tensor_bytes // world
             note = ""
             if sent == 0:
-                note = ("; you sent nothing: the ranks shared memory instead of messages, which only threads can do. "
-                        "In a process group every rank is its own process (on its own GPU): only exchange moves data")
+                note = (
+                    "; you sent nothing: the ranks shared memory instead of messages, which only threads can do. "
+                    "In a process group every rank is its own process (on its own GPU): only exchange moves data"
+                )
             elif sent == (world - 1) * tensor_bytes:
-                note = ("; that is the whole tensor in each of W - 1 steps: send one chunk (1 / W of the tensor) per "
-                        "step, in a reduce-scatter and then an all-gather")
+                note = (
+                    "; that is the whole tensor in each of W - 1 steps: send one chunk (1 / W of the tensor) per "
+                    "step, in a reduce-scatter and then an all-gather"
+                )
             elif sent % tensor_bytes == 0:
                 note = "; you sent whole tensors: a ring sends one chunk (1 / W of the tensor) per message"
             elif sent == (world - 1) * chunk:
                 note = "; that is only the reduce-scatter: the all-gather sends W - 1 chunks more"
             peers = g.get("peers") or []
             if any(pair != [(rank + 1) % world, (rank - 1) % world] for pair in peers):
-                note += (f"; rank {rank} exchanged with (to, from) {[tuple(p) for p in peers]}: in a ring it sends to "
-                         f"{(rank + 1) % world} and receives from {(rank - 1) % world} only")
-            return Mismatch("a rank sent a different number of bytes than a ring all-reduce does",
-                            f"on {where}: rank {rank} sent {sent} bytes in {_count(g['messages'], 'message')} "
-                            f"({sent / tensor_bytes:.3g} x the tensor's {tensor_bytes} bytes); a ring sends "
-                            f"2 (W - 1) / W = {share:.3g} x the tensor: {e['bytes']} bytes in 2 (W - 1) = "
-                            f"{2 * (world - 1)} messages of one {chunk}-byte chunk each{note}")
+                note += (
+                    f"; rank {rank} exchanged with (to, from) {[tuple(p) for p in peers]}: in a ring it sends to "
+                    f"{(rank + 1) % world} and receives from {(rank - 1) % world} only"
+                )
+            return Mismatch(
+                "a rank sent a different number of bytes than a ring all-reduce does",
+                f"on {where}: rank {rank} sent {sent} bytes in {_count(g['messages'], 'message')} "
+                f"({sent / tensor_bytes:.3g} x the tensor's {tensor_bytes} bytes); a ring sends "
+                f"2 (W - 1) / W = {share:.3g} x the tensor: {e['bytes']} bytes in 2 (W - 1) = "
+                f"{2 * (world - 1)} messages of one {chunk}-byte chunk each{note}",
+            )
     return None
 
 
-_RING_HINT = ("a ring all-reduce is a reduce-scatter, in which each chunk travels the ring collecting one more "
-              "rank's contribution per step (received partial sums are added to the rank's own copy), then an "
-              "all-gather, in which the finished chunks travel the ring once more and replace the stale copies "
-              "(nothing is added). The sum belongs in the tensor itself, in place, which is also what is returned; "
-              "see chapter 05, section “4 · Collectives: all-reduce, reduce-scatter, all-gather”.")
+_RING_HINT = (
+    "a ring all-reduce is a reduce-scatter, in which each chunk travels the ring collecting one more "
+    "rank's contribution per step (received partial sums are added to the rank's own copy), then an "
+    "all-gather, in which the finished chunks travel the ring once more and replace the stale copies "
+    "(nothing is added). The sum belongs in the tensor itself, in place, which is also what is returned; "
+    "see chapter 05, section “4 · Collectives: all-reduce, reduce-scatter, all-gather”."
+)
 
 
 def ring_parts() -> dict:
     """The fields every ring check shares: the task, the reference ring and the driver."""
-    return {"task": TASK, "reference": reference("infra_lib.training.collectives", "ring_all_reduce"),
-            "drive": drive_ring}
+    return {
+        "task": TASK,
+        "reference": reference("infra_lib.training.collectives", "ring_all_reduce"),
+        "drive": drive_ring,
+    }
 
 
-register(Check(check_id="lab05.ring_sum", make_inputs=_ring_sum_cases, compare=_compare_ring_sum, hint=_RING_HINT,
-               **ring_parts()))
+register(
+    Check(
+        check_id="lab05.ring_sum",
+        make_inputs=_ring_sum_cases,
+        compare=_compare_ring_sum,
+        hint=_RING_HINT,
+        **ring_parts(),
+    )
+)
 
-register(Check(check_id="lab05.ring_sum_more", make_inputs=_ring_sum_more_cases, compare=_compare_ring_sum,
-               hint=_RING_HINT + " Up to 8 ranks, tens of thousands of elements.", **ring_parts()))
+register(
+    Check(
+        check_id="lab05.ring_sum_more",
+        make_inputs=_ring_sum_more_cases,
+        compare=_compare_ring_sum,
+        hint=_RING_HINT + " Up to 8 ranks, tens of thousands of elements.",
+        **ring_parts(),
+    )
+)
 
-register(Check(
-    check_id="lab05.ring_traffic", make_inputs=_ring_traffic_cases, compare=_compare_ring_traffic,
-    hint="every message in a ring carries one chunk, 1 / W of the tensor, so each rank sends 2 (W - 1) / W of the "
-    "tensor in all, whatever W is; ranks share nothing but what exchange carries. Passing the whole tensor around "
-    "the ring also gives the sum, at W - 1 times the traffic (chapter 05, section “4 · Collectives: all-reduce, "
-    "reduce-scatter, all-gather”).",
-    **ring_parts(),
-))
+register(
+    Check(
+        check_id="lab05.ring_traffic",
+        make_inputs=_ring_traffic_cases,
+        compare=_compare_ring_traffic,
+        hint="every message in a ring carries one chunk, 1 / W of the tensor, so each rank sends 2 (W - 1) / W of the "
+        "tensor in all, whatever W is; ranks share nothing but what exchange carries. Passing the whole tensor around "
+        "the ring also gives the sum, at W - 1 times the traffic (chapter 05, section “4 · Collectives: all-reduce, "
+        "reduce-scatter, all-gather”).",
+        **ring_parts(),
+    )
+)
 
-register(Check(
-    check_id="lab05.ring_traffic_more", make_inputs=_ring_traffic_more_cases, compare=_compare_ring_traffic,
-    hint="every message carries one chunk (1 / W of the tensor), never the whole tensor, so each rank sends "
-    "2 (W - 1) / W of the tensor's bytes whatever W is. Up to 8 ranks, float64 tensors.",
-    **ring_parts(),
-))
+register(
+    Check(
+        check_id="lab05.ring_traffic_more",
+        make_inputs=_ring_traffic_more_cases,
+        compare=_compare_ring_traffic,
+        hint="every message carries one chunk (1 / W of the tensor), never the whole tensor, so each rank sends "
+        "2 (W - 1) / W of the tensor's bytes whatever W is. Up to 8 ranks, float64 tensors.",
+        **ring_parts(),
+    )
+)
 
-register(Check(
-    check_id="lab05.ring_any_tensor", make_inputs=_ring_any_cases, compare=_compare_ring_sum,
-    hint=_RING_HINT + " Sizes W does not divide (chunks differ by one element), fewer elements than ranks (empty "
-    "chunks, still exchanged: every rank makes 2 (W - 1) exchanges whatever the sizes), 2-D, non-contiguous "
-    "(flattening one gives a copy, not a view: the sum must still reach the tensor) and float64 tensors (received "
-    "data keeps the tensor's dtype).",
-    **ring_parts(),
-))
+register(
+    Check(
+        check_id="lab05.ring_any_tensor",
+        make_inputs=_ring_any_cases,
+        compare=_compare_ring_sum,
+        hint=_RING_HINT + " Sizes W does not divide (chunks differ by one element), fewer elements than ranks (empty "
+        "chunks, still exchanged: every rank makes 2 (W - 1) exchanges whatever the sizes), 2-D, non-contiguous "
+        "(flattening one gives a copy, not a view: the sum must still reach the tensor) and float64 tensors (received "
+        "data keeps the tensor's dtype).",
+        **ring_parts(),
+    )
+)
 
-register(Check(
-    check_id="lab05.ring_edges", make_inputs=_ring_edge_cases, compare=_compare_ring_sum,
-    hint=_RING_HINT + " One rank, empty tensors, fewer elements than ranks (an empty chunk is exchanged like any "
-    "other: 2 (W - 1) exchanges per rank), int64, strided and permuted views, 5 ranks.",
-    **ring_parts(),
-))
+register(
+    Check(
+        check_id="lab05.ring_edges",
+        make_inputs=_ring_edge_cases,
+        compare=_compare_ring_sum,
+        hint=_RING_HINT + " One rank, empty tensors, fewer elements than ranks (an empty chunk is exchanged like any "
+        "other: 2 (W - 1) exchanges per rank), int64, strided and permuted views, 5 ranks.",
+        **ring_parts(),
+    )
+)

@@ -9,8 +9,12 @@ import random
 from grading.checks.common import reference
 
 # the lab's tasks, as the checks name them
-TASKS = {1: "lab07 task 1: BlockPool.allocate", 2: "lab07 task 2: BlockPool.free", 3: "lab07 task 3: BlockPool.fork",
-         4: "lab07 task 4: BlockPool.prepare_write"}
+TASKS = {
+    1: "lab07 task 1: BlockPool.allocate",
+    2: "lab07 task 2: BlockPool.free",
+    3: "lab07 task 3: BlockPool.fork",
+    4: "lab07 task 4: BlockPool.prepare_write",
+}
 
 POOL_SECTION = "chapter 07, section “2 · Blocks, block tables and the block pool”"
 SHARING_SECTION = "chapter 07, section “6 · Parallel sampling: one prompt, several answers, shared blocks”"
@@ -30,8 +34,10 @@ def new_pool(pool_class, num_blocks: int, block_size: int):
     if pool_class is BlockPool and not os.environ.get(RECORD_ENV):
         return pool
     if any(isinstance(held, BlockPool) for held in [pool, *getattr(pool, "__dict__", {}).values()]):
-        raise RuntimeError("your BlockPool is built on the course's reference pool "
-                           "(infra_lib.serving.block_pool.BlockPool): keep the books yourself")
+        raise RuntimeError(
+            "your BlockPool is built on the course's reference pool "
+            "(infra_lib.serving.block_pool.BlockPool): keep the books yourself"
+        )
     return pool
 
 
@@ -41,6 +47,7 @@ def new_pool(pool_class, num_blocks: int, block_size: int):
 # returned earlier ("free the second live table"), so the learner's pool and the reference each
 # run the same script on their own state, and their traces agree step by step when they behave
 # alike. Each op is a list: [kind, *arguments]; `pick` chooses among candidates modulo their count.
+
 
 def is_id(value) -> bool:
     return type(value) is int
@@ -92,8 +99,15 @@ class Replay:
         else:
             num_free = self.pool.num_free
             counts = [self.pool.ref_count(b) for b in range(self.num_blocks)]
-        step = {"call": text, "result": None, "error": None, "out_of_blocks": None, "message": None,
-                "num_free": plain_number(num_free), "counts": [plain_number(c) for c in counts]}
+        step = {
+            "call": text,
+            "result": None,
+            "error": None,
+            "out_of_blocks": None,
+            "message": None,
+            "num_free": plain_number(num_free),
+            "counts": [plain_number(c) for c in counts],
+        }
         if self.own_calls:
             step["own"] = sorted(set(self.own_calls))
             self.own_calls.clear()
@@ -104,16 +118,20 @@ class Replay:
         else:
             step["error"], step["message"] = type(error).__name__, str(error)[:200]
             if step["error"] == "OutOfBlocks":
-                step["out_of_blocks"] = [plain_number(getattr(error, name, None))
-                                         for name in ("requested", "free", "total")]
+                step["out_of_blocks"] = [
+                    plain_number(getattr(error, name, None)) for name in ("requested", "free", "total")
+                ]
         self.steps.append(step)
         self.num_free = num_free if is_id(num_free) else 0
         self.counts = [c if is_id(c) else 0 for c in counts]
         if error is None and step["result"].startswith(("[", "(")):
             ids = list(result)
             if method == "prepare_write":  # (block to write, block copied from or None)
-                return ids if len(ids) == 2 and self._is_block(ids[0]) and (ids[1] is None or self._is_block(ids[1])) \
+                return (
+                    ids
+                    if len(ids) == 2 and self._is_block(ids[0]) and (ids[1] is None or self._is_block(ids[1]))
                     else None
+                )
             return ids if all(self._is_block(b) for b in ids) else None
         return None
 
@@ -225,13 +243,42 @@ class Replay:
 
 _RANDOM_KINDS = {
     1: {"allocate": 5, "allocate_free": 1, "can_allocate": 1, "can_allocate_free": 2, "ref_count_unknown": 1},
-    2: {"allocate": 5, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
-        "free_unknown": 1},
-    3: {"allocate": 4, "allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1, "fork": 4, "fork_bad": 1,
-        "fork_twice": 1, "fork_unknown": 1},
-    4: {"allocate": 4, "allocate_free": 1, "can_allocate_free": 1, "free": 5, "free_bad": 1, "free_twice": 1,
-        "free_unknown": 1, "fork": 3, "fork_bad": 1, "fork_twice": 1, "write": 3, "write_shared": 4, "write_free": 1,
-        "write_unknown": 1},
+    2: {
+        "allocate": 5,
+        "allocate_free": 1,
+        "can_allocate_free": 1,
+        "free": 5,
+        "free_bad": 1,
+        "free_twice": 1,
+        "free_unknown": 1,
+    },
+    3: {
+        "allocate": 4,
+        "allocate_free": 1,
+        "free": 5,
+        "free_bad": 1,
+        "free_twice": 1,
+        "fork": 4,
+        "fork_bad": 1,
+        "fork_twice": 1,
+        "fork_unknown": 1,
+    },
+    4: {
+        "allocate": 4,
+        "allocate_free": 1,
+        "can_allocate_free": 1,
+        "free": 5,
+        "free_bad": 1,
+        "free_twice": 1,
+        "free_unknown": 1,
+        "fork": 3,
+        "fork_bad": 1,
+        "fork_twice": 1,
+        "write": 3,
+        "write_shared": 4,
+        "write_free": 1,
+        "write_unknown": 1,
+    },
 }
 _FIRST_OP = {1: "allocate", 2: "free_bad", 3: "fork_bad", 4: "write_free"}  # each task's own method first
 

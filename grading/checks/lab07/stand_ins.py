@@ -15,7 +15,8 @@ from grading.checks.lab07.pool_replay import OWN_CALLS, Replay, new_pool
 # pool runs the check's own calls, and each call of another task's method is recorded with the books it met
 # (every block's count and the number free) and what the reference decided: the value it returned, the error
 # it raised, or how its books changed (the counts of the blocks it was given, how many blocks it took from the
-# front of the free queue and their counts, which blocks joined its back). In the kernel a stand-in looks its call up by the learner's books and carries
+# front of the free queue and their counts, which blocks joined its back). In the kernel a stand-in looks its
+# call up by the learner's books and carries
 # that decision out on them: taken blocks come from the front of the learner's own free queue, so an order the
 # learner's method left there shows as other blocks handed out. A call the reference never met in those books
 # (the learner's books already differ, or its method calls another task's in a way the reference does not)
@@ -24,8 +25,15 @@ from grading.checks.lab07.pool_replay import OWN_CALLS, Replay, new_pool
 # them some other way is driven with all its own methods, and a failure inside another task's method then names
 # that method and its task.
 
-METHOD_TASK = {"num_free": 1, "ref_count": 1, "can_allocate": 1, "allocate": 1, "free": 2, "fork": 3,
-               "prepare_write": 4}
+METHOD_TASK = {
+    "num_free": 1,
+    "ref_count": 1,
+    "can_allocate": 1,
+    "allocate": 1,
+    "free": 2,
+    "fork": 3,
+    "prepare_write": 4,
+}
 _BOOKS = {"num_blocks", "block_size", "ref_counts", "free_queue"}
 _ANSWERS = ("ref_count", "can_allocate")  # the methods whose decision is the value they return
 
@@ -56,15 +64,18 @@ def recording_pool(decisions: dict, task: int):
                 after, now = self.free_block_ids(), self._ref_counts
                 taken = [b for b in free if b not in set(after)]
                 changes = [[b, now[b] - counts[b]] for b in range(len(now)) if now[b] != counts[b] and b not in taken]
-                decisions.setdefault(key, ["books", changes, [now[b] for b in taken],
-                                           [b for b in after if b not in set(free)]])
+                decisions.setdefault(
+                    key, ["books", changes, [now[b] for b in taken], [b for b in after if b not in set(free)]]
+                )
             return result
 
         return call
 
-    return type("RecordedBlockPool", (BlockPool,),
-                {m: recorded(m) for m in ("allocate", "free", "fork", "prepare_write", *_ANSWERS)
-                 if METHOD_TASK[m] != task})
+    return type(
+        "RecordedBlockPool",
+        (BlockPool,),
+        {m: recorded(m) for m in ("allocate", "free", "fork", "prepare_write", *_ANSWERS) if METHOD_TASK[m] != task},
+    )
 
 
 def _carry_out(pool, method: str, args: tuple, decision: list):
@@ -74,8 +85,11 @@ def _carry_out(pool, method: str, args: tuple, decision: list):
     kind, *detail = decision
     if kind == "raise":
         name, message, numbers = detail
-        raise OutOfBlocks(*numbers) if name == "OutOfBlocks" else {"ValueError": ValueError}.get(name, RuntimeError)(
-            message)
+        raise (
+            OutOfBlocks(*numbers)
+            if name == "OutOfBlocks"
+            else {"ValueError": ValueError}.get(name, RuntimeError)(message)
+        )
     if kind == "return":
         return detail[0]
     changes, taken, joined = detail
@@ -104,9 +118,11 @@ def _stand_in(method: str, decisions: dict, passed_on: list):
         try:
             return getattr(super(type(self), self), method)(*args)
         except NotImplementedError as exc:
-            raise RuntimeError(f"the pool's books left the reference's before this {method} call, so the check "
-                               f"needs your own {method} (task {METHOD_TASK[method]}), which is not written yet: "
-                               f"{exc}") from None
+            raise RuntimeError(
+                f"the pool's books left the reference's before this {method} call, so the check "
+                f"needs your own {method} (task {METHOD_TASK[method]}), which is not written yet: "
+                f"{exc}"
+            ) from None
 
     call.__name__ = method
     return call
@@ -118,9 +134,14 @@ def _keeps_the_starting_books(pool) -> bool:
     from collections import deque
 
     books = getattr(pool, "__dict__", None)
-    return (type(books) is dict and set(books) == _BOOKS and type(books["ref_counts"]) is list
-            and type(books["free_queue"]) is deque and books["ref_counts"] == [0] * pool.num_blocks
-            and list(books["free_queue"]) == list(range(pool.num_blocks)))
+    return (
+        type(books) is dict
+        and set(books) == _BOOKS
+        and type(books["ref_counts"]) is list
+        and type(books["free_queue"]) is deque
+        and books["ref_counts"] == [0] * pool.num_blocks
+        and list(books["free_queue"]) == list(range(pool.num_blocks))
+    )
 
 
 def pool_for_task(pool_class, task: int, decisions=()):
@@ -138,12 +159,16 @@ def pool_for_task(pool_class, task: int, decisions=()):
     if not _keeps_the_starting_books(probe):
         return pool_class, False
     table, passed_on = {tuple(key): decision for key, decision in decisions}, []
-    others = {name: _stand_in(name, table, passed_on) for name in METHOD_TASK
-              if METHOD_TASK[name] != task and name != "num_free"}
+    others = {
+        name: _stand_in(name, table, passed_on)
+        for name in METHOD_TASK
+        if METHOD_TASK[name] != task and name != "num_free"
+    }
     if task != 1:
         others["num_free"] = property(lambda self: len(self.free_queue))  # the books' own count
-    return type(pool_class.__name__, (pool_class,), {**others, OWN_CALLS: passed_on,
-                                                     "__module__": pool_class.__module__}), True
+    return type(
+        pool_class.__name__, (pool_class,), {**others, OWN_CALLS: passed_on, "__module__": pool_class.__module__}
+    ), True
 
 
 def with_decisions(make, task: int):
@@ -153,8 +178,9 @@ def with_decisions(make, task: int):
         sessions = make(rng)
         for session in sessions:
             decisions: dict = {}
-            replay = Replay(recording_pool(decisions, task)(session["num_blocks"], session["block_size"]),
-                            session["num_blocks"])
+            replay = Replay(
+                recording_pool(decisions, task)(session["num_blocks"], session["block_size"]), session["num_blocks"]
+            )
             for kind, *args in session["ops"]:
                 getattr(replay, kind)(*args)
             session["decisions"] = [[list(key), decision] for key, decision in decisions.items()]
@@ -172,8 +198,11 @@ def drive_replays_for(task: int):
             cls = pool_class
             if pool_class is not BlockPool:
                 cls, isolated = pool_for_task(pool_class, task, session.get("decisions", ()))
-            replay = Replay(new_pool(cls, session["num_blocks"], session["block_size"]), session["num_blocks"],
-                            books=isolated and task != 1)
+            replay = Replay(
+                new_pool(cls, session["num_blocks"], session["block_size"]),
+                session["num_blocks"],
+                books=isolated and task != 1,
+            )
             for kind, *args in session["ops"]:
                 getattr(replay, kind)(*args)
             traces.append(replay.steps)

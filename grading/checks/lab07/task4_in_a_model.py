@@ -18,8 +18,14 @@ def _tiny_model_case(rng: random.Random) -> dict:
     block_size = rng.choice([2, 3, 4])
     lengths = [rng.randint(2, 14) for _ in range(2)]
     lengths = [n + 1 if n % block_size == 0 else n for n in lengths]  # a part-full last block is shared
-    return {"model": "tiny", "seed": rng.randrange(10**6), "block_size": block_size, "new_tokens": 8, "samples": 3,
-            "prompts": tiny_prompts(rng, lengths)}
+    return {
+        "model": "tiny",
+        "seed": rng.randrange(10**6),
+        "block_size": block_size,
+        "new_tokens": 8,
+        "samples": 3,
+        "prompts": tiny_prompts(rng, lengths),
+    }
 
 
 def _smollm2_case(rng: random.Random) -> dict:
@@ -47,8 +53,12 @@ def _parallel_samples(model, store, pool, prompt: list[int], samples: int, new_t
             out.append(int(step.argmax()))
     for sequence in sequences:
         sequence.release()
-    return {"shared_counts": shared_counts, "tokens": tokens, "top_logits": top_logits,
-            "num_free_after": plain_number(pool.num_free)}
+    return {
+        "shared_counts": shared_counts,
+        "tokens": tokens,
+        "top_logits": top_logits,
+        "num_free_after": plain_number(pool.num_free),
+    }
 
 
 def _pool_shape(case: dict, prompts: list[list[int]]) -> tuple[int, int]:
@@ -80,8 +90,9 @@ def _serve(model, store, pool, prompts: list[list[int]], case: dict, contiguous:
                     result["contiguous"] = greedy_decode(model, prompt, case["new_tokens"])
             sampled = _parallel_samples(model, store, pool, prompt, case["samples"], case["new_tokens"])
             if contiguous:
-                sampled["contiguous"] = [[t[0]] + greedy_decode(model, prompt + [t[0]], case["new_tokens"] - 1)
-                                         for t in sampled["tokens"]]
+                sampled["contiguous"] = [
+                    [t[0]] + greedy_decode(model, prompt + [t[0]], case["new_tokens"] - 1) for t in sampled["tokens"]
+                ]
             result["samples"] = sampled
             results.append(result)
     return results
@@ -100,8 +111,17 @@ def _with_model_decisions(make):
         from infra_lib.serving import PagedKVStore
 
         case = make(rng)
-        config = LlamaConfig(vocab_size=64, hidden_size=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
-                             intermediate_size=8, max_position=4096, rope_theta=1000.0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=8,
+            n_layers=1,
+            n_heads=1,
+            n_kv_heads=1,
+            head_dim=8,
+            intermediate_size=8,
+            max_position=4096,
+            rope_theta=1000.0,
+        )
         with torch.random.fork_rng():
             torch.manual_seed(0)
             model = Llama(config).eval()
@@ -134,65 +154,92 @@ def _drive_in_model(pool_class, case):
         raise
     except Exception:
         pass
-    return _serve(model, PagedKVStore.for_model(model.config, num_blocks, block_size), pool, prompts, case,
-                  contiguous=True)
+    return _serve(
+        model, PagedKVStore.for_model(model.config, num_blocks, block_size), pool, prompts, case, contiguous=True
+    )
 
 
 def _compare_in_model(got, expected, case):
     model = "SmolLM2" if case["model"] == "smollm2" else "the small random model"
     for g, e in zip(got, expected):
-        where = (f"{model}, a prompt of {e['prompt_length']} tokens, BlockPool({e['num_blocks']}, "
-                 f"{e['block_size']})")
+        where = f"{model}, a prompt of {e['prompt_length']} tokens, BlockPool({e['num_blocks']}, {e['block_size']})"
         if "tokens" in e:
             if g["tokens"] != e["contiguous"]:
-                return Mismatch("greedy decoding through your pool gives other tokens than the contiguous cache",
-                                f"on {where}, one request: {token_difference(g['tokens'], e['contiguous'])}")
+                return Mismatch(
+                    "greedy decoding through your pool gives other tokens than the contiguous cache",
+                    f"on {where}, one request: {token_difference(g['tokens'], e['contiguous'])}",
+                )
             if g["num_free_after"] != e["num_free_after"]:
-                return Mismatch("a finished request did not give all its blocks back",
-                                f"on {where}: after the request released its blocks num_free is {g['num_free_after']}, "
-                                f"expected {e['num_free_after']}")
+                return Mismatch(
+                    "a finished request did not give all its blocks back",
+                    f"on {where}: after the request released its blocks num_free is {g['num_free_after']}, "
+                    f"expected {e['num_free_after']}",
+                )
         gs, es = g["samples"], e["samples"]
         samples = len(es["tokens"])
         if gs["shared_counts"] != es["shared_counts"]:
-            return Mismatch("after forking, the prompt's blocks have the wrong reference counts",
-                            f"on {where}, {samples} samples sharing the prompt: expected counts {es['shared_counts']} "
-                            f"for the prompt's blocks, got {gs['shared_counts']}")
+            return Mismatch(
+                "after forking, the prompt's blocks have the wrong reference counts",
+                f"on {where}, {samples} samples sharing the prompt: expected counts {es['shared_counts']} "
+                f"for the prompt's blocks, got {gs['shared_counts']}",
+            )
         for i, (g_tokens, e_tokens) in enumerate(zip(gs["tokens"], es["contiguous"])):
             if g_tokens != e_tokens:
-                return Mismatch("a forked sample gives other tokens than the contiguous cache (copy-on-write?)",
-                                f"on {where}, sample {i + 1} of {samples} (prompt shared, then its own tokens): "
-                                f"{token_difference(g_tokens, e_tokens)}")
-        problem = array_mismatch(gs["top_logits"], es["top_logits"], "a forked sample's logits differ",
-                                 f"{where}, {samples} samples", atol=1e-3, rtol=1e-4)
+                return Mismatch(
+                    "a forked sample gives other tokens than the contiguous cache (copy-on-write?)",
+                    f"on {where}, sample {i + 1} of {samples} (prompt shared, then its own tokens): "
+                    f"{token_difference(g_tokens, e_tokens)}",
+                )
+        problem = array_mismatch(
+            gs["top_logits"],
+            es["top_logits"],
+            "a forked sample's logits differ",
+            f"{where}, {samples} samples",
+            atol=1e-3,
+            rtol=1e-4,
+        )
         if problem:
             return problem
         if gs["num_free_after"] != es["num_free_after"]:
-            return Mismatch("forked samples did not give all their blocks back",
-                            f"on {where}: after every sample released its blocks num_free is {gs['num_free_after']}, "
-                            f"expected {es['num_free_after']}")
+            return Mismatch(
+                "forked samples did not give all their blocks back",
+                f"on {where}: after every sample released its blocks num_free is {gs['num_free_after']}, "
+                f"expected {es['num_free_after']}",
+            )
     return None
 
 
 def in_model_parts(make) -> dict:
     """The fields of task 4's checks inside a model, with the cases ``make`` draws."""
-    return dict(task=TASKS[4], reference=POOL, make_inputs=_with_model_decisions(make), drive=_drive_in_model,
-                compare=_compare_in_model)
+    return dict(
+        task=TASKS[4],
+        reference=POOL,
+        make_inputs=_with_model_decisions(make),
+        drive=_drive_in_model,
+        compare=_compare_in_model,
+    )
 
 
-_IN_MODEL_HINT = ("here a paged KV cache drives your pool, so a slip in its books shows up as other tokens: if the "
-                  "step-by-step checks pass but a forked sample's tokens differ, a block another sample still held "
-                  "was written in place instead of copied. If blocks are still held once every sequence has been "
-                  "released, some count rose more often than it fell: sharing, copying and freeing must balance "
-                  f"({SHARING_SECTION}).")
+_IN_MODEL_HINT = (
+    "here a paged KV cache drives your pool, so a slip in its books shows up as other tokens: if the "
+    "step-by-step checks pass but a forked sample's tokens differ, a block another sample still held "
+    "was written in place instead of copied. If blocks are still held once every sequence has been "
+    "released, some count rose more often than it fell: sharing, copying and freeing must balance "
+    f"({SHARING_SECTION})."
+)
 
-register(Check(
-    check_id="lab07.pool_in_model",
-    hint=_IN_MODEL_HINT,
-    **in_model_parts(_tiny_model_case),
-))
+register(
+    Check(
+        check_id="lab07.pool_in_model",
+        hint=_IN_MODEL_HINT,
+        **in_model_parts(_tiny_model_case),
+    )
+)
 
-register(Check(
-    check_id="lab07.parallel_sampling_smollm2",
-    hint=_IN_MODEL_HINT + " This one runs SmolLM2-135M-Instruct itself.",
-    **in_model_parts(_smollm2_case),
-))
+register(
+    Check(
+        check_id="lab07.parallel_sampling_smollm2",
+        hint=_IN_MODEL_HINT + " This one runs SmolLM2-135M-Instruct itself.",
+        **in_model_parts(_smollm2_case),
+    )
+)

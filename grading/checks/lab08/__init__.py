@@ -22,5 +22,6 @@ from . import (  # noqa: F401  (each part's module registers its checks, in the 
 
 # The reference's planning and its preemption loop: an answer that calls either (``Scheduler.schedule``,
 # ``super().schedule()``, ``self.make_room(...)``) is a shortcut, found statically and while the checks run.
-register_shortcuts("lab08", ["infra_lib.serving.scheduler:Scheduler.schedule",
-                             "infra_lib.serving.scheduler:Scheduler.make_room"])
+register_shortcuts(
+    "lab08", ["infra_lib.serving.scheduler:Scheduler.schedule", "infra_lib.serving.scheduler:Scheduler.make_room"]
+)

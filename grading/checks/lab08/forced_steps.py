@@ -46,14 +46,20 @@ def scheduler_config(c: dict):
 # reservation for a running sequence, an admission. The learner's kernel only carries them out with the
 # scheduler's own actions, so it needs no planning of the course's: nothing in it decides a step.
 
+
 def simulate(run: dict, scheduler) -> None:
     """Serve the run's workload on the simulated runner with ``scheduler``."""
     from infra_lib.serving import LLMEngine, SimulatedRunner, StepCostModel, random_workload, replay
 
     w = run["workload"]
-    requests = random_workload(w["n"], w["seed"], rate=w["rate"] if w["rate"] else float("inf"),
-                               prompt_len=tuple(w["prompt_len"]), output_len=tuple(w["output_len"]),
-                               shared_prefix_len=w.get("shared_prefix_len", 0))
+    requests = random_workload(
+        w["n"],
+        w["seed"],
+        rate=w["rate"] if w["rate"] else float("inf"),
+        prompt_len=tuple(w["prompt_len"]),
+        output_len=tuple(w["output_len"]),
+        shared_prefix_len=w.get("shared_prefix_len", 0),
+    )
     engine = LLMEngine(SimulatedRunner(StepCostModel(*_UNIT_COST)), scheduler.config, scheduler=scheduler)
     replay(engine, requests, max_steps=run["max_steps"])
 
@@ -107,8 +113,10 @@ def _carry_out(scheduler, actions: list) -> object:
         queue = scheduler.waiting if action == "admit" else scheduler.running
         seq = next((s for s in queue if s.seq_id == seq_id), None)
         if seq is None:
-            raise RuntimeError(f"step {out.step} of the reference's run {action}s seq {seq_id}, which is not "
-                               f"{'waiting' if action == 'admit' else 'running'}: the run left the reference's")
+            raise RuntimeError(
+                f"step {out.step} of the reference's run {action}s seq {seq_id}, which is not "
+                f"{'waiting' if action == 'admit' else 'running'}: the run left the reference's"
+            )
         if action == "preempt":
             scheduler.preempt(seq)
             out.preempted.append(seq_id)
@@ -137,10 +145,15 @@ def _plan_on_a_copy(schedule, scheduler) -> dict:
     from infra_lib.serving.scheduler_output import SchedulerOutput
 
     waiting = scheduler.waiting
-    step = {"start": {"running": [[s.seq_id, s.num_uncomputed_tokens] for s in scheduler.running],
-                      "head": [waiting[0].seq_id, waiting[0].num_tokens, scheduler.cached_tokens(waiting[0])]
-                      if waiting else None},
-            "error": None}
+    step = {
+        "start": {
+            "running": [[s.seq_id, s.num_uncomputed_tokens] for s in scheduler.running],
+            "head": [waiting[0].seq_id, waiting[0].num_tokens, scheduler.cached_tokens(waiting[0])]
+            if waiting
+            else None,
+        },
+        "error": None,
+    }
     shadow = copy.deepcopy(scheduler)
     try:
         out = schedule(shadow)
@@ -189,8 +202,24 @@ def drive_forced(schedule, runs):
 
 
 def simulated_run(config: dict, n: int, seed: int, rate, prompt_len, output_len, shared: int = 0) -> dict:
-    full = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "block_size": 16, "num_blocks": 512,
-            "enable_chunked_prefill": True, "enable_prefix_caching": False, **config}
-    return {"config": full, "max_steps": 20_000,
-            "workload": {"n": n, "seed": seed, "rate": rate, "prompt_len": list(prompt_len),
-                         "output_len": list(output_len), "shared_prefix_len": shared}}
+    full = {
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+        "block_size": 16,
+        "num_blocks": 512,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": False,
+        **config,
+    }
+    return {
+        "config": full,
+        "max_steps": 20_000,
+        "workload": {
+            "n": n,
+            "seed": seed,
+            "rate": rate,
+            "prompt_len": list(prompt_len),
+            "output_len": list(output_len),
+            "shared_prefix_len": shared,
+        },
+    }

@@ -9,26 +9,26 @@ from grading.registry import Mismatch
 
 HINT = {  # the idea a learner has most likely missed, by the kind of difference found
     "budget": "every planned sequence spends its tokens from one budget shared by the whole step, the running "
-              "sequences and the admissions alike: what one takes, the next cannot, and the step's tokens never "
-              "add up to more than max_num_batched_tokens.",
+    "sequences and the admissions alike: what one takes, the next cannot, and the step's tokens never "
+    "add up to more than max_num_batched_tokens.",
     "max_seqs": "admissions stop while max_num_seqs sequences are running: a step may plan at most that many "
-                "sequences.",
+    "sequences.",
     "running_order": "running sequences are planned oldest first (the order of the running queue), each before "
-                     "any admission.",
+    "any admission.",
     "running_missing": "every running sequence is planned while the budget lasts, the oldest first; only once the "
-                       "budget is spent do the rest wait a step.",
+    "budget is spent do the rest wait a step.",
     "running_tokens": "a running sequence computes what it has not computed yet, cut at the budget left: 1 token "
-                      "for a decode, the rest of its prompt (or a chunk of it) for one still in prefill.",
+    "for a decode, the rest of its prompt (or a chunk of it) for one still in prefill.",
     "reserve": "a sequence goes into the plan only with blocks for the positions it computes in this step.",
     "fcfs": "admission is first come, first served: only the head of the waiting queue is ever considered, and "
-            "the first sequence that cannot come in ends the step's admissions, even when one behind it would fit.",
+    "the first sequence that cannot come in ends the step's admissions, even when one behind it would fit.",
     "admit_tokens": "a new sequence computes its tokens past its prefix-cache hit, cut at the budget left when "
-                    "chunked prefill is on.",
+    "chunked prefill is on.",
     "cut_first": "the blocks an admission asks for are those of the tokens it computes in this step: the prompt is "
-                 "cut to the budget left first, and only that chunk needs blocks now (the rest gets its blocks in "
-                 "later steps, as a running sequence).",
+    "cut to the budget left first, and only that chunk needs blocks now (the rest gets its blocks in "
+    "later steps, as a running sequence).",
     "whole": "with chunked prefill off, a prompt is admitted whole or not at all: one larger than the budget left "
-             "waits for a later step, and nobody behind it is admitted.",
+    "waits for a later step, and nobody behind it is admitted.",
     "held_back": {
         "budget exhausted": "once the budget is spent nobody more is admitted in this step.",
         "max_num_seqs": "admissions stop while max_num_seqs sequences are running.",
@@ -36,22 +36,22 @@ HINT = {  # the idea a learner has most likely missed, by the kind of difference
         "out of blocks": "a sequence whose blocks cannot be found waits, and so does everyone behind it.",
     },
     "victim": "when a running sequence cannot get its blocks, the victim is the newest running sequence (the most "
-              "recently admitted), then the next newest, as many as needed, so that the oldest keep making "
-              "progress.",
+    "recently admitted), then the next newest, as many as needed, so that the oldest keep making "
+    "progress.",
     "no_preemption": "preempt only when a running sequence cannot get the blocks for its next positions, and "
-                     "only as many sequences as that takes.",
+    "only as many sequences as that takes.",
     "missed_preemption": "when a running sequence cannot get the blocks for its next positions, blocks are freed by "
-                         "preempting running sequences, newest first; it is never skipped or planned without them.",
+    "preempting running sequences, newest first; it is never skipped or planned without them.",
     "after_preemption": "a victim gets no tokens in this step, and once a sequence has preempted itself (it was the "
-                        "newest) no later running sequence is planned: they were all preempted before it.",
+    "newest) no later running sequence is planned: they were all preempted before it.",
     "no_admission": "a step that preempted admits nobody: blocks were short a moment ago, and a waiting sequence "
-                    "never takes blocks from a running one.",
+    "never takes blocks from a running one.",
     "victim_front": "a victim goes back to the front of the waiting queue, ahead of everyone who never ran, so it "
-                    "is the next to come back.",
+    "is the next to come back.",
     "step_index": "each call plans one step and counts it once: the plan carries the index of the step it plans, "
-                  "and the scheduler's step count rises by one per call.",
+    "and the scheduler's step count rises by one per call.",
     "cached_record": "every admission records its prefix-cache hit, the number found before admitting it, and 0 is "
-                     "recorded too: the record holds one entry per admitted sequence, no more, no fewer.",
+    "recorded too: the record holds one entry per admitted sequence, no more, no fewer.",
 }
 
 
@@ -73,8 +73,10 @@ def _start_text(step: dict) -> str:
 def _step_detail(where: str, k: int, g: dict, e: dict, what: str = "") -> str:
     yours = plan_text(g) if "scheduled" in g else "(no plan)"
     extra = f"\n  {what}" if what else ""
-    return (f"on {where}: at step {k} ({_start_text(e)})\n  expected: {plan_text(e)}\n  yours:    {yours}{extra}\n"
-            "  (each step is planned from the reference's state, so earlier steps do not carry your differences)")
+    return (
+        f"on {where}: at step {k} ({_start_text(e)})\n  expected: {plan_text(e)}\n  yours:    {yours}{extra}\n"
+        "  (each step is planned from the reference's state, so earlier steps do not carry your differences)"
+    )
 
 
 def _limit(g: dict, *marks: str) -> str | None:
@@ -115,13 +117,16 @@ def _part2(g: dict, e: dict) -> tuple[str, str, str] | None:
         return "a prompt was cut into chunks although chunked prefill is off", whole, HINT["whole"]
     if g["admitted"] != e["admitted"]:
         head = e["start"]["head"]
-        if len(g["admitted"]) > len(e["admitted"]) and g["admitted"][:len(e["admitted"])] == e["admitted"]:
+        if len(g["admitted"]) > len(e["admitted"]) and g["admitted"][: len(e["admitted"])] == e["admitted"]:
             reason = next((r for r in e.get("reasons", []) if "waits" in r), "")
             first, held = g["admitted"][len(e["admitted"])], (e.get("waiting") or [None])[0]
             if held is not None and first != held:  # the head could not come in, and one behind it did
-                return ("a sequence was admitted ahead of one that arrived before it and could not come in",
-                        f"seq {first} was admitted ahead of seq {held}, which the reference holds back"
-                        + (f" ({reason})" if reason else ""), HINT["fcfs"])
+                return (
+                    "a sequence was admitted ahead of one that arrived before it and could not come in",
+                    f"seq {first} was admitted ahead of seq {held}, which the reference holds back"
+                    + (f" ({reason})" if reason else ""),
+                    HINT["fcfs"],
+                )
             hint = next((h for mark, h in HINT["held_back"].items() if reason.startswith(mark)), HINT["fcfs"])
             return "a sequence was admitted that the reference holds back", reason, hint
         if g["admitted"] and (not e["admitted"] or g["admitted"][0] != e["admitted"][0]):
@@ -163,25 +168,36 @@ def _part3(g: dict, e: dict) -> tuple[str, str, str] | None:
 def _part5(g: dict, e: dict) -> tuple[str, str, str] | None:
     """(what, extra detail, hint) for a slip in the step's records."""
     if (g["step"], g["num_steps_after"]) != (e["step"], e["num_steps_after"]):
-        return ("the step index is wrong", f"the plan says step {g['step']} and the scheduler counted "
-                f"{g['num_steps_after']} steps after it; expected step {e['step']} and {e['num_steps_after']}",
-                HINT["step_index"])
+        return (
+            "the step index is wrong",
+            f"the plan says step {g['step']} and the scheduler counted "
+            f"{g['num_steps_after']} steps after it; expected step {e['step']} and {e['num_steps_after']}",
+            HINT["step_index"],
+        )
     recorded = {seq_id: n for seq_id, n in g["num_cached_tokens"]}
     took = {seq_id: n for seq_id, n in g["hits"]}
     if recorded != took:
         missing = sorted(set(took) - set(recorded))
         if missing:
-            return ("an admission's prefix-cache hit is not recorded",
-                    f"num_cached_tokens has no entry for seq {missing[0]} (its admission took {took[missing[0]]} "
-                    f"cached tokens); recorded {recorded}", HINT["cached_record"])
+            return (
+                "an admission's prefix-cache hit is not recorded",
+                f"num_cached_tokens has no entry for seq {missing[0]} (its admission took {took[missing[0]]} "
+                f"cached tokens); recorded {recorded}",
+                HINT["cached_record"],
+            )
         extra = sorted(set(recorded) - set(took))
         if extra:
-            return ("num_cached_tokens records a sequence that was not admitted",
-                    f"seq {extra[0]} is recorded but not admitted in this step", HINT["cached_record"])
+            return (
+                "num_cached_tokens records a sequence that was not admitted",
+                f"seq {extra[0]} is recorded but not admitted in this step",
+                HINT["cached_record"],
+            )
         wrong = next(i for i in took if recorded[i] != took[i])
-        return ("an admission's recorded prefix-cache hit is wrong",
-                f"seq {wrong}: recorded {recorded[wrong]}, its admission took {took[wrong]} cached tokens",
-                HINT["cached_record"])
+        return (
+            "an admission's recorded prefix-cache hit is wrong",
+            f"seq {wrong}: recorded {recorded[wrong]}, its admission took {took[wrong]} cached tokens",
+            HINT["cached_record"],
+        )
     return None
 
 
@@ -215,9 +231,11 @@ def judge_for(part: int):
                 if not _judged(part, g, e) and not g["error"]:
                     continue
                 if g["error"]:
-                    return Mismatch(f"your schedule raised {g['error'].split(':', 1)[0]} at step {k}",
-                                    _step_detail(where, k, g, e, f"it raised {g['error']}"),
-                                    hint="read the error: it names the line of your schedule that raised.")
+                    return Mismatch(
+                        f"your schedule raised {g['error'].split(':', 1)[0]} at step {k}",
+                        _step_detail(where, k, g, e, f"it raised {g['error']}"),
+                        hint="read the error: it names the line of your schedule that raised.",
+                    )
                 if (part == 2 and e["admitted"]) or (part == 3 and e["preempted"]):
                     seen["steps"] += 1
                 if part == 5:
@@ -228,14 +246,19 @@ def judge_for(part: int):
                     what, extra, hint = problem
                     return Mismatch(what, _step_detail(where, k, g, e, extra), hint=hint)
         if part in (2, 3) and not seen["steps"]:
-            return Mismatch(f"part {part} could not be judged: no step of its workloads left part 1's rules intact",
-                            "every step that " + ("admits" if part == 2 else "preempts") + " in the reference's "
-                            "run also breaks part 1's rules in yours", hint="fix part 1 first.")
+            return Mismatch(
+                f"part {part} could not be judged: no step of its workloads left part 1's rules intact",
+                "every step that " + ("admits" if part == 2 else "preempts") + " in the reference's "
+                "run also breaks part 1's rules in yours",
+                hint="fix part 1 first.",
+            )
         if part == 5 and not (seen["hit"] and seen["zero"]):
-            return Mismatch("the records could not be judged: your scheduler admitted no sequence "
-                            + ("with a prefix-cache hit" if seen["zero"] else "at all"),
-                            "these workloads share prompt prefixes, so the reference admits sequences with hits and "
-                            "without", hint="fix part 2 (admission) first.")
+            return Mismatch(
+                "the records could not be judged: your scheduler admitted no sequence "
+                + ("with a prefix-cache hit" if seen["zero"] else "at all"),
+                "these workloads share prompt prefixes, so the reference admits sequences with hits and without",
+                hint="fix part 2 (admission) first.",
+            )
         return None
 
     return compare
@@ -243,5 +266,10 @@ def judge_for(part: int):
 
 def forced_parts(part: int, make) -> dict:
     """The fields of a simulated check of ``part`` whose runs ``make`` draws."""
-    return dict(task=TASKS[1], reference=schedule_reference, make_inputs=with_reference_steps(make), drive=drive_forced,
-                compare=judge_for(part))
+    return dict(
+        task=TASKS[1],
+        reference=schedule_reference,
+        make_inputs=with_reference_steps(make),
+        drive=drive_forced,
+        compare=judge_for(part),
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.lab08.forced_steps import TASKS, scheduler_config, schedule_reference
+from grading.checks.lab08.forced_steps import TASKS, schedule_reference, scheduler_config
 from grading.checks.lab08.plans import describe_config, plan_text
 from grading.checks.model_cases import TINY, tiny_model
 from grading.registry import Check, Mismatch, register
@@ -88,16 +88,22 @@ def _compare_steps(got: list, expected: list, where: str) -> Mismatch | None:
             continue
         for field, what in _FIELDS:
             if g.get(field) != e.get(field):
-                before = (f"the steps before agreed; after step {k - 1}: {plan_text(expected[k - 1])}" if k
-                          else "it was the first step")
-                return Mismatch(f"{what}: yours differs from the reference scheduler's",
-                                f"on {where}: at step {k}, {field}: expected {e.get(field)}, got {g.get(field)}\n"
-                                f"  the reference's step {k}: {plan_text(e)}\n  {before}")
+                before = (
+                    f"the steps before agreed; after step {k - 1}: {plan_text(expected[k - 1])}"
+                    if k
+                    else "it was the first step"
+                )
+                return Mismatch(
+                    f"{what}: yours differs from the reference scheduler's",
+                    f"on {where}: at step {k}, {field}: expected {e.get(field)}, got {g.get(field)}\n"
+                    f"  the reference's step {k}: {plan_text(e)}\n  {before}",
+                )
         return Mismatch("a step differs from the reference scheduler's", f"on {where}: at step {k}")
     if len(got) != len(expected):
-        return Mismatch("your scheduler took a different number of steps than the reference",
-                        f"on {where}: {len(got)} steps instead of {len(expected)}; the first {min(len(got), len(expected))} "
-                        "agree")
+        return Mismatch(
+            "your scheduler took a different number of steps than the reference",
+            f"on {where}: {len(got)} steps instead of {len(expected)}; the first {min(len(got), len(expected))} agree",
+        )
     return None
 
 
@@ -108,48 +114,99 @@ def _violation(g: dict, e: dict, where: str) -> Mismatch:
     k = len(g["steps"])
     first = _compare_steps(g["steps"], e["steps"][:k], where) if k else None
     if first is not None and "different number of steps" not in first.what:
-        return Mismatch(first.what, f"{first.detail}\n  and then the run stopped: {g['violation']}",
-                        hint=first.hint, reason=first.reason)
-    return Mismatch("your scheduler broke an invariant of the scheduler (check_invariants / check_output, or an "
-                    "empty plan)", f"on {where}: {g['violation']}")
+        return Mismatch(
+            first.what,
+            f"{first.detail}\n  and then the run stopped: {g['violation']}",
+            hint=first.hint,
+            reason=first.reason,
+        )
+    return Mismatch(
+        "your scheduler broke an invariant of the scheduler (check_invariants / check_output, or an empty plan)",
+        f"on {where}: {g['violation']}",
+    )
 
 
 # --- part 4: the real engine on a small random model ------------------------------------------------
 
+
 def _tiny_prompts(rng: random.Random, count: int, shared_len: int) -> list[list[int]]:
     vocab = TINY["vocab_size"]
     shared = [rng.randrange(vocab) for _ in range(shared_len)]
-    return [shared[:rng.randint(0, shared_len)] + [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
-            for _ in range(count)]
+    return [
+        shared[: rng.randint(0, shared_len)] + [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        for _ in range(count)
+    ]
 
 
 def _engine_case(rng: random.Random) -> dict:
-    return {"seed": rng.randrange(10**6), "new_tokens": 8, "runs": [
-        {"config": {"max_num_seqs": 4, "max_num_batched_tokens": 512, "block_size": 4, "num_blocks": 64},
-         "prompts": _tiny_prompts(rng, 6, 6)},
-        {"config": {"max_num_seqs": 8, "max_num_batched_tokens": 3, "block_size": 4, "num_blocks": 64},
-         "prompts": _tiny_prompts(rng, 4, 6)},
-    ]}
+    return {
+        "seed": rng.randrange(10**6),
+        "new_tokens": 8,
+        "runs": [
+            {
+                "config": {"max_num_seqs": 4, "max_num_batched_tokens": 512, "block_size": 4, "num_blocks": 64},
+                "prompts": _tiny_prompts(rng, 6, 6),
+            },
+            {
+                "config": {"max_num_seqs": 8, "max_num_batched_tokens": 3, "block_size": 4, "num_blocks": 64},
+                "prompts": _tiny_prompts(rng, 4, 6),
+            },
+        ],
+    }
 
 
 def _engine_prefix_case(rng: random.Random) -> dict:
-    return {"seed": rng.randrange(10**6), "new_tokens": 6, "runs": [
-        # prefix caching on a pool large enough for everyone: cache hits at admission, chunks of 8
-        {"config": {"max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 2, "num_blocks": 64,
-                    "enable_prefix_caching": True}, "prompts": _tiny_prompts(rng, 4, 6)},
-        {"config": {"max_num_seqs": 3, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 64,
-                    "enable_chunked_prefill": False}, "prompts": _tiny_prompts(rng, 3, 4)},
-    ]}
+    return {
+        "seed": rng.randrange(10**6),
+        "new_tokens": 6,
+        "runs": [
+            # prefix caching on a pool large enough for everyone: cache hits at admission, chunks of 8
+            {
+                "config": {
+                    "max_num_seqs": 4,
+                    "max_num_batched_tokens": 8,
+                    "block_size": 2,
+                    "num_blocks": 64,
+                    "enable_prefix_caching": True,
+                },
+                "prompts": _tiny_prompts(rng, 4, 6),
+            },
+            {
+                "config": {
+                    "max_num_seqs": 3,
+                    "max_num_batched_tokens": 64,
+                    "block_size": 4,
+                    "num_blocks": 64,
+                    "enable_chunked_prefill": False,
+                },
+                "prompts": _tiny_prompts(rng, 3, 4),
+            },
+        ],
+    }
 
 
 def _engine_preemption_case(rng: random.Random) -> dict:
-    return {"seed": rng.randrange(10**6), "new_tokens": 10, "runs": [
-        {"config": {"max_num_seqs": 6, "max_num_batched_tokens": 32, "block_size": 2, "num_blocks": 14},
-         "prompts": _tiny_prompts(rng, 6, 6)},  # a pool this small forces preemptions
-        # prefix caching on a pool that small: cache hits at admission, and preemptions
-        {"config": {"max_num_seqs": 6, "max_num_batched_tokens": 8, "block_size": 2, "num_blocks": 14,
-                    "enable_prefix_caching": True}, "prompts": _tiny_prompts(rng, 6, 6)},
-    ]}
+    return {
+        "seed": rng.randrange(10**6),
+        "new_tokens": 10,
+        "runs": [
+            {
+                "config": {"max_num_seqs": 6, "max_num_batched_tokens": 32, "block_size": 2, "num_blocks": 14},
+                "prompts": _tiny_prompts(rng, 6, 6),
+            },  # a pool this small forces preemptions
+            # prefix caching on a pool that small: cache hits at admission, and preemptions
+            {
+                "config": {
+                    "max_num_seqs": 6,
+                    "max_num_batched_tokens": 8,
+                    "block_size": 2,
+                    "num_blocks": 14,
+                    "enable_prefix_caching": True,
+                },
+                "prompts": _tiny_prompts(rng, 6, 6),
+            },
+        ],
+    }
 
 
 def _drive_engine(schedule, case):
@@ -164,13 +221,20 @@ def _drive_engine(schedule, case):
     for run in case["runs"]:
         config = scheduler_config({"enable_chunked_prefill": True, "enable_prefix_caching": False, **run["config"]})
         engine = LLMEngine.from_model(model, config=config, scheduler=cls(config))
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=case["new_tokens"], stop_ids=()))
-               for p in run["prompts"]]
+        ids = [
+            engine.add_request(p, SamplingParams(max_new_tokens=case["new_tokens"], stop_ids=()))
+            for p in run["prompts"]
+        ]
         steps: list[dict] = []
         after = _watch_steps(engine, steps)
         planning = _PlanWatch(engine.scheduler)
-        result = {"steps": steps, "violation": None, "tokens": None, "num_free": None,
-                  "contiguous": [greedy_decode(model, p, case["new_tokens"]) for p in run["prompts"]]}
+        result = {
+            "steps": steps,
+            "violation": None,
+            "tokens": None,
+            "num_free": None,
+            "contiguous": [greedy_decode(model, p, case["new_tokens"]) for p in run["prompts"]],
+        }
         try:
             for _ in range(2_000):
                 if not engine.has_unfinished():
@@ -192,8 +256,10 @@ def _drive_engine(schedule, case):
             # Raised by the course's engine while it ran the plan your schedule returned: the plan is
             # the cause, so it is recorded and compared like any other step.
             steps.append(_record(engine, planning.last))
-            result["violation"] = (f"step {planning.last.step}: the engine could not run the plan your scheduler "
-                                   f"returned ({type(exc).__name__} in the course's engine: {exc})")
+            result["violation"] = (
+                f"step {planning.last.step}: the engine could not run the plan your scheduler "
+                f"returned ({type(exc).__name__} in the course's engine: {exc})"
+            )
         results.append(result)
     return results
 
@@ -220,48 +286,63 @@ def _compare_engine(got, expected, case):
         return Mismatch("the check recorded the wrong number of runs")
     for run, g, e in zip(case["runs"], got, expected):
         config = {"enable_chunked_prefill": True, "enable_prefix_caching": False, **run["config"]}
-        where = (f"the small random model, {describe_config(config)}, {len(run['prompts'])} prompts of "
-                 f"{[len(p) for p in run['prompts']]} tokens, {case['new_tokens']} new tokens each")
+        where = (
+            f"the small random model, {describe_config(config)}, {len(run['prompts'])} prompts of "
+            f"{[len(p) for p in run['prompts']]} tokens, {case['new_tokens']} new tokens each"
+        )
         if g["violation"]:
             return _violation(g, e, where)
         for i, (tokens, want) in enumerate(zip(g["tokens"], e["contiguous"])):
             if tokens != want:
-                return Mismatch("the engine driven by your scheduler generates other tokens than greedy decoding",
-                                f"on {where}: request {i}: expected {want}, got {tokens}")
+                return Mismatch(
+                    "the engine driven by your scheduler generates other tokens than greedy decoding",
+                    f"on {where}: request {i}: expected {want}, got {tokens}",
+                )
         if g["num_free"] != e["num_free"]:
-            return Mismatch("blocks are still held after every request finished",
-                            f"on {where}: {g['num_free']} blocks free, expected {e['num_free']}")
+            return Mismatch(
+                "blocks are still held after every request finished",
+                f"on {where}: {g['num_free']} blocks free, expected {e['num_free']}",
+            )
     return None
 
 
 def engine_parts(make) -> dict:
     """The fields of a check in the real engine whose cases ``make`` draws."""
-    return dict(task=TASKS[1], reference=schedule_reference, make_inputs=make, drive=_drive_engine, compare=_compare_engine)
+    return dict(
+        task=TASKS[1], reference=schedule_reference, make_inputs=make, drive=_drive_engine, compare=_compare_engine
+    )
 
 
-register(Check(
-    check_id="lab08.engine_tiny_model",
-    **engine_parts(_engine_case),
-    hint="the real engine computes exactly the positions each plan schedules, so tokens that differ from greedy "
-    "decoding mean a plan skipped or repeated positions: a prompt cut into chunks continues exactly where its "
-    "previous chunk stopped, and no sequence is planned for more tokens than it has left to compute. If the "
-    "simulated checks fail as well, fix those first: they name the first step that differs.",
-))
+register(
+    Check(
+        check_id="lab08.engine_tiny_model",
+        **engine_parts(_engine_case),
+        hint="the real engine computes exactly the positions each plan schedules, so tokens that differ from greedy "
+        "decoding mean a plan skipped or repeated positions: a prompt cut into chunks continues exactly where its "
+        "previous chunk stopped, and no sequence is planned for more tokens than it has left to compute. If the "
+        "simulated checks fail as well, fix those first: they name the first step that differs.",
+    )
+)
 
-register(Check(
-    check_id="lab08.engine_prefix_cache",
-    **engine_parts(_engine_prefix_case),
-    hint="the real engine computes exactly the positions each plan schedules, so a plan that skips or repeats "
-    "positions gives other tokens than greedy decoding: a sequence admitted with a prefix-cache hit computes "
-    "only what follows the cached blocks. If the simulated checks fail as well, fix those first."
-    + " Prefix caching, and whole prompts.",
-))
+register(
+    Check(
+        check_id="lab08.engine_prefix_cache",
+        **engine_parts(_engine_prefix_case),
+        hint="the real engine computes exactly the positions each plan schedules, so a plan that skips or repeats "
+        "positions gives other tokens than greedy decoding: a sequence admitted with a prefix-cache hit computes "
+        "only what follows the cached blocks. If the simulated checks fail as well, fix those first."
+        + " Prefix caching, and whole prompts.",
+    )
+)
 
-register(Check(
-    check_id="lab08.engine_preemption",
-    **engine_parts(_engine_preemption_case),
-    hint="on a pool this small the engine preempts: a victim gives back its blocks and gets no tokens in that step, "
-    "and once readmitted it recomputes its prompt and every token it had generated, so its tokens still equal "
-    "greedy decoding; every request must finish. If the simulated checks fail as well, fix those first."
-    + " Tight pools that force preemptions.",
-))
+register(
+    Check(
+        check_id="lab08.engine_preemption",
+        **engine_parts(_engine_preemption_case),
+        hint="on a pool this small the engine preempts: a victim gives back its blocks and gets no tokens in that "
+        "step, "
+        "and once readmitted it recomputes its prompt and every token it had generated, so its tokens still equal "
+        "greedy decoding; every request must finish. If the simulated checks fail as well, fix those first."
+        + " Tight pools that force preemptions.",
+    )
+)

@@ -21,15 +21,26 @@ from . import (  # noqa: F401  (each task's module registers its checks, in task
     task2_dequantize,
     task3_expected_tokens,
     task4_acceptance,
-    task4_statistics,
     task4_in_decoding,
+    task4_statistics,
 )
 from .task4_acceptance import using_acceptance_rule  # noqa: F401  (the lab's notebook uses it)
 
-register_shortcuts("lab09", [f"{SPEC}:{name}" for name in
-                             ("accept_or_resample", "expected_tokens_per_step", "predicted_speedup")]
-                   + [f"{QUANT}:{name}" for name in ("quantize_int8_groupwise", "dequantize_int8_groupwise",
-                                                     "quantize_symmetric", "dequantize_symmetric", "QuantLinear",
-                                                     "quantize_model",
-                                                     # the input rules of tasks 1 and 2, which the two above call
-                                                     "_check_weight", "_check_group_size")])
+register_shortcuts(
+    "lab09",
+    [f"{SPEC}:{name}" for name in ("accept_or_resample", "expected_tokens_per_step", "predicted_speedup")]
+    + [
+        f"{QUANT}:{name}"
+        for name in (
+            "quantize_int8_groupwise",
+            "dequantize_int8_groupwise",
+            "quantize_symmetric",
+            "dequantize_symmetric",
+            "QuantLinear",
+            "quantize_model",
+            # the input rules of tasks 1 and 2, which the two above call
+            "_check_weight",
+            "_check_group_size",
+        )
+    ],
+)

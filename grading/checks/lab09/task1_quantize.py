@@ -9,8 +9,8 @@ from grading.checks.lab09.tasks import QUANT, TASKS, expect_raise
 from grading.checks.lab09.weights import describe_weight, groups, shape, tensor_result, weight, weight_case
 from grading.registry import Check, Mismatch, register
 
-
 # --- task 1: quantize_int8_groupwise ---------------------------------------------------------------
+
 
 def _quantize_cases(rng: random.Random) -> list[dict]:
     return [
@@ -32,8 +32,10 @@ def _quantize_edge_cases(rng: random.Random) -> list[dict]:
         weight_case(rng, 4, 64, 16, layout="1d"),
         weight_case(rng, 4, 64, 16, layout="3d"),
         weight_case(rng, 4, 64, 16, layout="int"),
-        *(weight_case(rng, 4, 64, 16, non_finite=kind, non_finite_at=[rng.randrange(4), rng.randrange(64)])
-          for kind in ("nan", "inf", "-inf")),
+        *(
+            weight_case(rng, 4, 64, 16, non_finite=kind, non_finite_at=[rng.randrange(4), rng.randrange(64)])
+            for kind in ("nan", "inf", "-inf")
+        ),
         weight_case(rng, 4, 64, True),  # a bool is no group size, though Python counts True as 1
         *(weight_case(rng, 4, 64, group) for group in (0, -16, 16.0)),  # not a positive int
     ]
@@ -55,11 +57,18 @@ def _drive_quantize(quantize, cases: list[dict]) -> list:
         if item[0] == "value":
             value = item[1]
             if type(value) not in (tuple, list) or len(value) != 2:
-                item = ["value", {"problem": f"quantize_int8_groupwise must return (q, scales), got "
-                                             f"{type(value).__name__}"}]
+                item = [
+                    "value",
+                    {"problem": f"quantize_int8_groupwise must return (q, scales), got {type(value).__name__}"},
+                ]
             else:
-                item = ["value", {"q": tensor_result(value[0], "q", "quantize_int8_groupwise"),
-                                  "scales": tensor_result(value[1], "scales", "quantize_int8_groupwise")}]
+                item = [
+                    "value",
+                    {
+                        "q": tensor_result(value[0], "q", "quantize_int8_groupwise"),
+                        "scales": tensor_result(value[1], "scales", "quantize_int8_groupwise"),
+                    },
+                ]
         results.append(item)
     return results
 
@@ -77,16 +86,19 @@ def _scale_note(got, want, w) -> str:
     for qmax in (128, 255, 256):
         if np.allclose(got, want * 127 / qmax, rtol=1e-5):
             return f"; you divided by {qmax}: symmetric int8 uses -127..127, so scale = max |w| / 127"
-    if np.allclose(got, grouped.max(axis=-1) / 127, rtol=1e-5) or np.allclose(got, -grouped.min(axis=-1) / 127,
-                                                                              rtol=1e-5):
+    if np.allclose(got, grouped.max(axis=-1) / 127, rtol=1e-5) or np.allclose(
+        got, -grouped.min(axis=-1) / 127, rtol=1e-5
+    ):
         return "; take the largest ABSOLUTE value: w.abs().amax(...) (a group's largest weight may be negative)"
     per_row = np.abs(w).max(axis=1, keepdims=True) / 127
     if got.shape == want.shape and np.allclose(got, np.broadcast_to(per_row, want.shape), rtol=1e-5):
         return "; that is one scale per row: each group of group_size consecutive values needs its own"
     strided = np.abs(w.reshape(rows, size, groups)).max(axis=1) / 127
     if np.allclose(got, strided, rtol=1e-5):
-        return ("; your groups take every n-th value of the row: a group is group_size CONSECUTIVE values, "
-                "w.reshape(out, in // group_size, group_size)")
+        return (
+            "; your groups take every n-th value of the row: a group is group_size CONSECUTIVE values, "
+            "w.reshape(out, in // group_size, group_size)"
+        )
     if np.isnan(got).any() and np.isnan(got).sum() < got.size:
         return "; an all-zero group has scale 0, not nan"
     return ""
@@ -104,12 +116,16 @@ def _q_note(got_q, want_q, w, scales) -> str:
         return ""
 
     def mostly(candidate) -> bool:
-        return (float(np.mean(got_q[clear] == candidate[clear])) > 0.98
-                and float(np.mean(want_q[clear] == candidate[clear])) < 0.9)
+        return (
+            float(np.mean(got_q[clear] == candidate[clear])) > 0.98
+            and float(np.mean(want_q[clear] == candidate[clear])) < 0.9
+        )
 
     if mostly(np.trunc(ratio).clip(-127, 127)):
-        return ("; those are w / scale cut toward zero (.to(torch.int8) truncates): round to the nearest integer "
-                "first, torch.round(w / scale)")
+        return (
+            "; those are w / scale cut toward zero (.to(torch.int8) truncates): round to the nearest integer "
+            "first, torch.round(w / scale)"
+        )
     if mostly(np.floor(ratio).clip(-127, 127)):
         return "; those are w / scale rounded down (floor): round to the nearest integer, torch.round(w / scale)"
     return ""
@@ -123,8 +139,10 @@ def _compare_quantize_one(case: dict, g, e) -> Mismatch | None:
     if want_kind == "raised":
         return expect_raise("quantize_int8_groupwise", got_kind, got, str(want), where)
     if got_kind == "raised":
-        return Mismatch(f"quantize_int8_groupwise raised {str(got).split(':')[0]} on a valid weight",
-                        f"on {where}: your code raised {got}")
+        return Mismatch(
+            f"quantize_int8_groupwise raised {str(got).split(':')[0]} on a valid weight",
+            f"on {where}: your code raised {got}",
+        )
     if got_kind != "value" or type(got) is not dict:
         return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
     if "problem" in got:
@@ -133,29 +151,38 @@ def _compare_quantize_one(case: dict, g, e) -> Mismatch | None:
         if "problem" in got[part]:
             return Mismatch(got[part]["problem"], f"on {where}")
     if got["q"]["dtype"] != "torch.int8":
-        return Mismatch("q must be stored as torch.int8", f"on {where}: got {got['q']['dtype']}; convert with "
-                                                          ".to(torch.int8) after rounding and clamping")
+        return Mismatch(
+            "q must be stored as torch.int8",
+            f"on {where}: got {got['q']['dtype']}; convert with .to(torch.int8) after rounding and clamping",
+        )
     if got["scales"]["dtype"] != "torch.float32":
-        return Mismatch("scales must be torch.float32, whatever the weight's dtype",
-                        f"on {where}: got {got['scales']['dtype']}; compute from w.float()")
+        return Mismatch(
+            "scales must be torch.float32, whatever the weight's dtype",
+            f"on {where}: got {got['scales']['dtype']}; compute from w.float()",
+        )
     w = np.asarray(weight(case).float().tolist(), dtype=np.float64)
     want_scales = np.asarray(want["scales"]["values"], dtype=np.float64)
     want_q = np.asarray(want["q"]["values"], dtype=np.float64)
     if shape(got["scales"]["values"]) != list(want_scales.shape):
-        return Mismatch("scales have the wrong shape: one scale per group, [out, in // group_size]",
-                        f"on {where}: expected {list(want_scales.shape)}, got {shape(got['scales']['values'])}")
+        return Mismatch(
+            "scales have the wrong shape: one scale per group, [out, in // group_size]",
+            f"on {where}: expected {list(want_scales.shape)}, got {shape(got['scales']['values'])}",
+        )
     if shape(got["q"]["values"]) != list(want_q.shape):
-        return Mismatch("q has the wrong shape: the same as the weight, [out, in]",
-                        f"on {where}: expected {list(want_q.shape)}, got {shape(got['q']['values'])}")
+        return Mismatch(
+            "q has the wrong shape: the same as the weight, [out, in]",
+            f"on {where}: expected {list(want_q.shape)}, got {shape(got['q']['values'])}",
+        )
     got_scales = np.asarray(got["scales"]["values"], dtype=np.float64)
     bad = ~np.isclose(got_scales, want_scales, rtol=1e-6, atol=0.0)
     if bad.any():
         r, k = (int(i) for i in np.argwhere(bad)[0])
-        return Mismatch("quantize_int8_groupwise computed the wrong scales",
-                        f"on {where}: {int(bad.sum())} of {bad.size} scales differ; scale [{r}, {k}] (row {r}, "
-                        f"weights {k * case['group']}..{(k + 1) * case['group'] - 1}) expected "
-                        f"{want_scales[r, k]:.6g}, got {got_scales[r, k]:.6g}"
-                        + _scale_note(got_scales, want_scales, w))
+        return Mismatch(
+            "quantize_int8_groupwise computed the wrong scales",
+            f"on {where}: {int(bad.sum())} of {bad.size} scales differ; scale [{r}, {k}] (row {r}, "
+            f"weights {k * case['group']}..{(k + 1) * case['group'] - 1}) expected "
+            f"{want_scales[r, k]:.6g}, got {got_scales[r, k]:.6g}" + _scale_note(got_scales, want_scales, w),
+        )
     got_q = np.asarray(got["q"]["values"], dtype=np.float64)
     if np.abs(got_q).max(initial=0) > 127:
         r, c = (int(i) for i in np.argwhere(np.abs(got_q) > 127)[0])
@@ -167,17 +194,21 @@ def _compare_quantize_one(case: dict, g, e) -> Mismatch | None:
     bad = off & ~(near_tie & (np.abs(got_q - want_q) <= 1))
     if bad.any():
         r, c = (int(i) for i in np.argwhere(bad)[0])
-        return Mismatch("quantize_int8_groupwise computed the wrong int8 values",
-                        f"on {where}: {int(bad.sum())} of {bad.size} values differ; at [{r}, {c}] w = {w[r, c]:.6g}, "
-                        f"scale = {scale_per_weight[r, c]:.6g}, w / scale = {ratio[r, c]:.4f}: expected "
-                        f"{want_q[r, c]:g}, got {got_q[r, c]:g}" + _q_note(got_q, want_q, w, want_scales))
+        return Mismatch(
+            "quantize_int8_groupwise computed the wrong int8 values",
+            f"on {where}: {int(bad.sum())} of {bad.size} values differ; at [{r}, {c}] w = {w[r, c]:.6g}, "
+            f"scale = {scale_per_weight[r, c]:.6g}, w / scale = {ratio[r, c]:.4f}: expected "
+            f"{want_q[r, c]:g}, got {got_q[r, c]:g}" + _q_note(got_q, want_q, w, want_scales),
+        )
     error = np.abs(w - got_q * scale_per_weight)
     bound = scale_per_weight / 2 * (1 + 1e-4) + 1e-30  # a float32 tie can land a few ulps past half a step
     if (error > bound).any():
         r, c = (int(i) for i in np.argwhere(error > bound)[0])
-        return Mismatch("a dequantised weight lies further from w than half a step",
-                        f"on {where}: at [{r}, {c}] |w - q * scale| = {error[r, c]:.3g}, bound scale / 2 = "
-                        f"{scale_per_weight[r, c] / 2:.3g}")
+        return Mismatch(
+            "a dequantised weight lies further from w than half a step",
+            f"on {where}: at [{r}, {c}] |w - q * scale| = {error[r, c]:.3g}, bound scale / 2 = "
+            f"{scale_per_weight[r, c] / 2:.3g}",
+        )
     return None
 
 
@@ -191,32 +222,61 @@ def _compare_quantize(got, expected, cases):
     return None
 
 
-_QUANTIZE_HINT = ("each run of group_size consecutive weights in a row is a group with its own scale, set by the "
-                  "group's largest magnitude (not its largest value, not the row's) so that this weight lands on the "
-                  "edge of the symmetric range [-127, 127]; every weight is then rounded to the nearest step, not cut "
-                  "toward zero, and kept inside that range (chapter 09, section “5 · Weight-only quantisation”). q is "
-                  "int8 with w's shape and scales is float32 with one entry per group, computed in float32 whatever "
-                  "w's dtype; an all-zero group has scale 0 and q 0, never nan, and ValueError is raised for a weight "
-                  "that is not a 2-D floating-point tensor or holds nan or inf, and for a group_size that is not a "
-                  "positive int (a bool is not one) dividing the row.")
+_QUANTIZE_HINT = (
+    "each run of group_size consecutive weights in a row is a group with its own scale, set by the "
+    "group's largest magnitude (not its largest value, not the row's) so that this weight lands on the "
+    "edge of the symmetric range [-127, 127]; every weight is then rounded to the nearest step, not cut "
+    "toward zero, and kept inside that range (chapter 09, section “5 · Weight-only quantisation”). q is "
+    "int8 with w's shape and scales is float32 with one entry per group, computed in float32 whatever "
+    "w's dtype; an all-zero group has scale 0 and q 0, never nan, and ValueError is raised for a weight "
+    "that is not a 2-D floating-point tensor or holds nan or inf, and for a group_size that is not a "
+    "positive int (a bool is not one) dividing the row."
+)
 
 
 _QUANTIZE_REFERENCE = reference(QUANT, "quantize_int8_groupwise")
 
 
-register(Check(check_id="lab09.quantize_int8", task=TASKS[1], reference=_QUANTIZE_REFERENCE,
-               make_inputs=_quantize_cases, drive=_drive_quantize, compare=_compare_quantize, hint=_QUANTIZE_HINT))
+register(
+    Check(
+        check_id="lab09.quantize_int8",
+        task=TASKS[1],
+        reference=_QUANTIZE_REFERENCE,
+        make_inputs=_quantize_cases,
+        drive=_drive_quantize,
+        compare=_compare_quantize,
+        hint=_QUANTIZE_HINT,
+    )
+)
 
 
-register(Check(check_id="lab09.quantize_int8_edges", task=TASKS[1], reference=_QUANTIZE_REFERENCE,
-               make_inputs=_quantize_edge_cases, drive=_drive_quantize, compare=_compare_quantize,
-               hint=_QUANTIZE_HINT + (" Group size 1, whole rows of zeros, float64/float16/bfloat16 weights, and "
-                                      "invalid arguments: 1-D, 3-D and integer weights, a weight holding nan, inf or "
-                                      "-inf, a group_size that does not divide the row, and the bool True as "
-                                      "group_size.")))
+register(
+    Check(
+        check_id="lab09.quantize_int8_edges",
+        task=TASKS[1],
+        reference=_QUANTIZE_REFERENCE,
+        make_inputs=_quantize_edge_cases,
+        drive=_drive_quantize,
+        compare=_compare_quantize,
+        hint=_QUANTIZE_HINT
+        + (
+            " Group size 1, whole rows of zeros, float64/float16/bfloat16 weights, and "
+            "invalid arguments: 1-D, 3-D and integer weights, a weight holding nan, inf or "
+            "-inf, a group_size that does not divide the row, and the bool True as "
+            "group_size."
+        ),
+    )
+)
 
 
-register(Check(check_id="lab09.quantize_int8_llm_rows", task=TASKS[1], reference=_QUANTIZE_REFERENCE,
-               make_inputs=_quantize_llm_cases, drive=_drive_quantize, compare=_compare_quantize,
-               hint=_QUANTIZE_HINT + " Rows as long as SmolLM2's projections, small weights with outlier input "
-                                     "channels."))
+register(
+    Check(
+        check_id="lab09.quantize_int8_llm_rows",
+        task=TASKS[1],
+        reference=_QUANTIZE_REFERENCE,
+        make_inputs=_quantize_llm_cases,
+        drive=_drive_quantize,
+        compare=_compare_quantize,
+        hint=_QUANTIZE_HINT + " Rows as long as SmolLM2's projections, small weights with outlier input channels.",
+    )
+)

@@ -11,7 +11,6 @@ from grading.checks.lab09.task4_acceptance import ACCEPT_HINT, as_step
 from grading.checks.lab09.tasks import SPEC, TASKS
 from grading.registry import Check, Mismatch, register
 
-
 # the distribution of what the rule emits
 
 _DRAWS = 6000
@@ -60,11 +59,16 @@ def _distribution_cases(rng: random.Random) -> list[dict]:
         far_q.append([round(x, 6) for x in _normalised(weights)])
     zero_p = [_row(rng, vocab, zeros=2) for _ in range(4)]
     cases = [
-        _distribution_case(rng, "a draft close to the target, gamma=2", close_p,
-                           [_towards(rng, row, 0.7) for row in close_p[:2]]),
+        _distribution_case(
+            rng, "a draft close to the target, gamma=2", close_p, [_towards(rng, row, 0.7) for row in close_p[:2]]
+        ),
         _distribution_case(rng, "a draft that prefers the target's least likely tokens, gamma=1", far_p, far_q),
-        _distribution_case(rng, "a draft with mass on tokens the target never picks (p = 0), gamma=3", zero_p,
-                           [_row(rng, vocab) for _ in range(3)]),
+        _distribution_case(
+            rng,
+            "a draft with mass on tokens the target never picks (p = 0), gamma=3",
+            zero_p,
+            [_row(rng, vocab) for _ in range(3)],
+        ),
     ]
     half_q, half_p = [], []
     for _ in range(2):  # the draft proposes half the tokens, each twice as often as the target: p / q = 1/2
@@ -74,15 +78,21 @@ def _distribution_cases(rng: random.Random) -> list[dict]:
         half_q.append([round(w, 6) for w in weights])
         half_p.append([round(w / 2 + o / 2, 6) for w, o in zip(weights, others)])
     half_p.append(_row(rng, vocab))
-    return cases + [_distribution_case(rng, "a draft that proposes half the tokens, each twice as often as the "
-                                            "target wants it, gamma=2", half_p, half_q)]
+    return cases + [
+        _distribution_case(
+            rng,
+            "a draft that proposes half the tokens, each twice as often as the target wants it, gamma=2",
+            half_p,
+            half_q,
+        )
+    ]
 
 
 def _distribution_more_cases(rng: random.Random) -> list[dict]:
     vocab = rng.randint(6, 8)
     soft_p = [_row(rng, vocab) for _ in range(4)]
     one_hot_q = []
-    for row in soft_p[:3]:  # a deterministic draft (prompt lookup) under a sampling target
+    for _row_p in soft_p[:3]:  # a deterministic draft (prompt lookup) under a sampling target
         token = rng.randrange(vocab)
         one_hot_q.append([1.0 if i == token else 0.0 for i in range(vocab)])
     same_p = [_row(rng, vocab) for _ in range(3)]
@@ -90,12 +100,24 @@ def _distribution_more_cases(rng: random.Random) -> list[dict]:
     sharp_p = [_row(rng, vocab, sharp=True) for _ in range(5)]
     return [
         _distribution_case(rng, "a one-hot draft (prompt lookup) under a sampling target, gamma=3", soft_p, one_hot_q),
-        _distribution_case(rng, "a draft whose first row equals the target's, gamma=2", same_p,
-                           [list(same_p[0]), _towards(rng, same_p[1], 0.5)]),
-        _distribution_case(rng, "a draft that never proposes some of the target's tokens (q = 0), gamma=2",
-                           [_row(rng, vocab) for _ in range(3)], missing_q),
-        _distribution_case(rng, "a sharp target and a draft close to it, gamma=4", sharp_p,
-                           [_towards(rng, row, 0.85) for row in sharp_p[:4]]),
+        _distribution_case(
+            rng,
+            "a draft whose first row equals the target's, gamma=2",
+            same_p,
+            [list(same_p[0]), _towards(rng, same_p[1], 0.5)],
+        ),
+        _distribution_case(
+            rng,
+            "a draft that never proposes some of the target's tokens (q = 0), gamma=2",
+            [_row(rng, vocab) for _ in range(3)],
+            missing_q,
+        ),
+        _distribution_case(
+            rng,
+            "a sharp target and a draft close to it, gamma=4",
+            sharp_p,
+            [_towards(rng, row, 0.85) for row in sharp_p[:4]],
+        ),
     ]
 
 
@@ -109,14 +131,26 @@ def _drive_distribution(rule, cases: list[dict]) -> list[dict]:
         p, q = torch.tensor(case["p"]), torch.tensor(case["q"])
         gamma, vocab, n = q.shape[0], p.shape[1], case["draws"]
         draft_gen = torch.Generator().manual_seed(case["seed"])
-        drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=draft_gen)
-                              for i in range(gamma)], dim=1).tolist() if gamma else [[] for _ in range(n)]
+        drafts = (
+            torch.stack(
+                [torch.multinomial(q[i], n, replacement=True, generator=draft_gen) for i in range(gamma)], dim=1
+            ).tolist()
+            if gamma
+            else [[] for _ in range(n)]
+        )
         generator = torch.Generator().manual_seed(case["seed"] + 1)
         lengths = [0] * (gamma + 1)
         emitted = [[0] * vocab for _ in range(gamma + 1)]
         resampled = [0] * vocab
-        record = {"lengths": lengths, "emitted": emitted, "resampled_first": resampled, "raised": None,
-                  "malformed": None, "not_prefix": None, "steps": 0}
+        record = {
+            "lengths": lengths,
+            "emitted": emitted,
+            "resampled_first": resampled,
+            "raised": None,
+            "malformed": None,
+            "not_prefix": None,
+            "steps": 0,
+        }
         for draft in drafts:
             item = outcome(rule, p.clone(), q.clone(), list(draft), generator)
             if item[0] == "raised":
@@ -126,10 +160,13 @@ def _drive_distribution(rule, cases: list[dict]) -> list[dict]:
             if not problem and len(accepted) == gamma and token is None:
                 problem = "returned no next token"
             if problem:
-                record["malformed"] = {"draft": draft, "problem": problem,
-                                       "all_accepted": accepted is not None and accepted == draft}
+                record["malformed"] = {
+                    "draft": draft,
+                    "problem": problem,
+                    "all_accepted": accepted is not None and accepted == draft,
+                }
                 break
-            if accepted != draft[:len(accepted)]:
+            if accepted != draft[: len(accepted)]:
                 record["not_prefix"] = {"draft": draft, "accepted": accepted, "next": token}
                 break
             record["steps"] += 1
@@ -143,6 +180,7 @@ def _drive_distribution(rule, cases: list[dict]) -> list[dict]:
 
 
 # the exact distributions the rule (or a classic mistake) produces, in this process
+
 
 def _residual(p_row, q_row):
     import torch
@@ -163,19 +201,32 @@ def _rule_model(p, q, accept: str = "ratio", resample: str = "residual", bonus: 
     for i in range(gamma):
         ratio = torch.where(q[i] > 0, torch.clamp(p[i] / torch.where(q[i] > 0, q[i], 1.0), max=1.0), 0.0)
         swapped = torch.where(p[i] > 0, torch.clamp(q[i] / torch.where(p[i] > 0, p[i], 1.0), max=1.0), 1.0)
-        keep = {"ratio": ratio, "reversed": torch.where(q[i] > 0, 1 - ratio, 0.0), "always": torch.ones_like(ratio),
-                "p": p[i], "deterministic": (p[i] >= q[i]).double(), "swapped": swapped}[accept]
+        keep = {
+            "ratio": ratio,
+            "reversed": torch.where(q[i] > 0, 1 - ratio, 0.0),
+            "always": torch.ones_like(ratio),
+            "p": p[i],
+            "deterministic": (p[i] >= q[i]).double(),
+            "swapped": swapped,
+        }[accept]
         accepted = q[i] * keep
         beta = float(accepted.sum())
         residual = _residual(p[i], q[i])
-        replacement = {"residual": residual, "p": p[i], "reversed": _residual(q[i], p[i]),
-                       "argmax": torch.nn.functional.one_hot(residual.argmax(), p.shape[1]).double()}[resample]
+        replacement = {
+            "residual": residual,
+            "p": p[i],
+            "reversed": _residual(q[i], p[i]),
+            "argmax": torch.nn.functional.one_hot(residual.argmax(), p.shape[1]).double(),
+        }[resample]
         betas.append(min(beta, 1.0))
         emitted.append(accepted + (1 - beta) * replacement)
         if i == 0:
             first_resample = replacement
-    last = {"p": p[gamma], "argmax": torch.nn.functional.one_hot(p[gamma].argmax(), p.shape[1]).double(),
-            "previous": p[gamma - 1] if gamma else p[gamma]}[bonus]
+    last = {
+        "p": p[gamma],
+        "argmax": torch.nn.functional.one_hot(p[gamma].argmax(), p.shape[1]).double(),
+        "previous": p[gamma - 1] if gamma else p[gamma],
+    }[bonus]
     emitted.append(last)
     lengths = []
     reach = 1.0
@@ -183,8 +234,11 @@ def _rule_model(p, q, accept: str = "ratio", resample: str = "residual", bonus: 
         lengths.append(reach * (1 - beta))
         reach *= beta
     lengths.append(reach)
-    return {"lengths": torch.tensor(lengths, dtype=torch.float64), "emitted": emitted,
-            "resampled_first": first_resample}
+    return {
+        "lengths": torch.tensor(lengths, dtype=torch.float64),
+        "emitted": emitted,
+        "resampled_first": first_resample,
+    }
 
 
 def _shared_draw_lengths(p, q):
@@ -202,37 +256,88 @@ def _shared_draw_lengths(p, q):
         options.append([(float(q[i, x]), float(ratio[x])) for x in range(q.shape[1]) if float(q[i, x]) > 0])
     reach = [1.0]  # reach[k]: the chance that at least k draft tokens are kept
     for k in range(1, gamma + 1):
-        reach.append(sum(math.prod(chance for chance, _ in combo) * min(ratio for _, ratio in combo)
-                         for combo in itertools.product(*options[:k])))
+        reach.append(
+            sum(
+                math.prod(chance for chance, _ in combo) * min(ratio for _, ratio in combo)
+                for combo in itertools.product(*options[:k])
+            )
+        )
     return torch.tensor([reach[k] - reach[k + 1] for k in range(gamma)] + [reach[gamma]], dtype=torch.float64)
 
 
 # (the change from the correct rule, what the learner did and what to do instead)
 _MISTAKES = (
-    ({"resample": "p"}, ("at a rejection you drew the replacement from p: draw it from max(0, p - q), normalised. "
-                         "Drawing from p gives the draft's tokens a second chance, so the output leans towards the "
-                         "draft's favourite tokens")),
-    ({"resample": "reversed"}, ("at a rejection you drew from max(0, q - p): the replacement comes from the "
-                                "target's excess over the draft, max(0, p - q), normalised")),
-    ({"resample": "argmax"}, ("at a rejection you took the argmax of max(0, p - q): draw the replacement at random "
-                              "from it, in proportion to its (normalised) weights")),
-    ({"accept": "reversed"}, ("you keep a draft token when u > p(x) / q(x) (or reject it when u < p(x) / q(x)): "
-                              "keep it when u < p(x) / q(x), so that a token the target likes at least as much as "
-                              "the draft is always kept")),
-    ({"accept": "swapped"}, ("you keep a draft token with probability min(1, q(x) / p(x)), the ratio upside down: "
-                             "keep it with probability min(1, p(x) / q(x)), so that a token the target wants at least "
-                             "as much as the draft is always kept, and one the draft over-proposes is kept only in "
-                             "the proportion p(x) / q(x)")),
-    ({"accept": "always"}, ("every draft token is accepted, whatever the target thinks: keep draft token x with "
-                            "probability min(1, p(x) / q(x))")),
-    ({"accept": "p"}, ("you keep a draft token with probability p(x): the acceptance probability is "
-                       "min(1, p(x) / q(x))")),
-    ({"accept": "deterministic"}, ("you keep a draft token when p(x) >= q(x), without a random draw: keep it with "
-                                   "probability min(1, p(x) / q(x)), decided by a uniform random draw of its own")),
-    ({"bonus": "argmax"}, ("when every draft token is accepted you took the argmax of p[gamma]: draw the bonus "
-                           "token at random from p[gamma], as the target would sample it")),
-    ({"bonus": "previous"}, ("when every draft token is accepted you drew the bonus token from p[gamma - 1]: it "
-                             "comes from p[gamma], the target's row after the last draft token")),
+    (
+        {"resample": "p"},
+        (
+            "at a rejection you drew the replacement from p: draw it from max(0, p - q), normalised. "
+            "Drawing from p gives the draft's tokens a second chance, so the output leans towards the "
+            "draft's favourite tokens"
+        ),
+    ),
+    (
+        {"resample": "reversed"},
+        (
+            "at a rejection you drew from max(0, q - p): the replacement comes from the "
+            "target's excess over the draft, max(0, p - q), normalised"
+        ),
+    ),
+    (
+        {"resample": "argmax"},
+        (
+            "at a rejection you took the argmax of max(0, p - q): draw the replacement at random "
+            "from it, in proportion to its (normalised) weights"
+        ),
+    ),
+    (
+        {"accept": "reversed"},
+        (
+            "you keep a draft token when u > p(x) / q(x) (or reject it when u < p(x) / q(x)): "
+            "keep it when u < p(x) / q(x), so that a token the target likes at least as much as "
+            "the draft is always kept"
+        ),
+    ),
+    (
+        {"accept": "swapped"},
+        (
+            "you keep a draft token with probability min(1, q(x) / p(x)), the ratio upside down: "
+            "keep it with probability min(1, p(x) / q(x)), so that a token the target wants at least "
+            "as much as the draft is always kept, and one the draft over-proposes is kept only in "
+            "the proportion p(x) / q(x)"
+        ),
+    ),
+    (
+        {"accept": "always"},
+        (
+            "every draft token is accepted, whatever the target thinks: keep draft token x with "
+            "probability min(1, p(x) / q(x))"
+        ),
+    ),
+    (
+        {"accept": "p"},
+        ("you keep a draft token with probability p(x): the acceptance probability is min(1, p(x) / q(x))"),
+    ),
+    (
+        {"accept": "deterministic"},
+        (
+            "you keep a draft token when p(x) >= q(x), without a random draw: keep it with "
+            "probability min(1, p(x) / q(x)), decided by a uniform random draw of its own"
+        ),
+    ),
+    (
+        {"bonus": "argmax"},
+        (
+            "when every draft token is accepted you took the argmax of p[gamma]: draw the bonus "
+            "token at random from p[gamma], as the target would sample it"
+        ),
+    ),
+    (
+        {"bonus": "previous"},
+        (
+            "when every draft token is accepted you drew the bonus token from p[gamma - 1]: it "
+            "comes from p[gamma], the target's row after the last draft token"
+        ),
+    ),
 )
 
 
@@ -317,20 +422,29 @@ def _distribution_problem(case: dict, record: dict) -> Mismatch | None:
     if type(record) is not dict or "lengths" not in record:
         return Mismatch("the check recorded a malformed result", f"on {where}: {record!r:.80}")
     if record["raised"]:
-        return Mismatch(f"accept_or_resample raised {str(record['raised']).split(':')[0]}",
-                        f"on {where}: your code raised {record['raised']}")
+        return Mismatch(
+            f"accept_or_resample raised {str(record['raised']).split(':')[0]}",
+            f"on {where}: your code raised {record['raised']}",
+        )
     if record["malformed"]:
         bad = record["malformed"]
         if bad["all_accepted"] and "next" in bad["problem"]:
-            return Mismatch("when every draft token is accepted, still return a next token: the bonus token, drawn "
-                            "from p[gamma]", f"on {where}: with draft {bad['draft']} your function {bad['problem']}")
-        return Mismatch("accept_or_resample must return (accepted, next_token): a list of accepted draft token ids "
-                        "and one token id", f"on {where}: with draft {bad['draft']} your function {bad['problem']}")
+            return Mismatch(
+                "when every draft token is accepted, still return a next token: the bonus token, drawn from p[gamma]",
+                f"on {where}: with draft {bad['draft']} your function {bad['problem']}",
+            )
+        return Mismatch(
+            "accept_or_resample must return (accepted, next_token): a list of accepted draft token ids "
+            "and one token id",
+            f"on {where}: with draft {bad['draft']} your function {bad['problem']}",
+        )
     if record["not_prefix"]:
         bad = record["not_prefix"]
-        return Mismatch("your accepted tokens are not the draft's first tokens: stop at the first rejection (the "
-                        "draft tokens after it were guessed after a token that is not in the output)",
-                        f"on {where}: draft {bad['draft']}, your accepted {bad['accepted']}, next {bad['next']}")
+        return Mismatch(
+            "your accepted tokens are not the draft's first tokens: stop at the first rejection (the "
+            "draft tokens after it were guessed after a token that is not in the output)",
+            f"on {where}: draft {bad['draft']}, your accepted {bad['accepted']}, next {bad['next']}",
+        )
     model = _rule_model(p, q)
     value, name, counts, probs = _worst(record, model)
     if value >= _FAIL_P:
@@ -338,57 +452,82 @@ def _distribution_problem(case: dict, record: dict) -> Mismatch | None:
     fitting = []
     for change, message in _MISTAKES:
         mistake = _rule_model(p, q, **change)
-        if all(float(torch.as_tensor(a).sub(torch.as_tensor(b)).abs().max()) < 1e-12
-               for (_, _, a), (_, _, b) in zip(_statistics(record, model), _statistics(record, mistake))):
+        if all(
+            float(torch.as_tensor(a).sub(torch.as_tensor(b)).abs().max()) < 1e-12
+            for (_, _, a), (_, _, b) in zip(_statistics(record, model), _statistics(record, mistake))
+        ):
             continue  # this mistake changes nothing on this case
         if _worst(record, mistake)[0] > _FITS_P:
             fitting.append(message)
     if fitting:
-        named = fitting[0] if len(fitting) == 1 else (
-            "on this case it fits more than one known mistake: "
-            + "; or ".join(f"({i}) {message}" for i, message in enumerate(fitting, start=1)))
-        return Mismatch(f"what your rule emits is not distributed as the target's p: {named}",
-                        f"on {where}: {_statistic_text(name, gamma)} (chi-square p-value {value:.2g})\n"
-                        + _detail_table(name, counts, probs, p, q))
-    if (gamma > 1 and chi_square_p_value(record["lengths"], model["lengths"]) < _FAIL_P
-            and chi_square_p_value(record["lengths"], _shared_draw_lengths(p, q)) > _FITS_P):
-        return Mismatch("what your rule emits is not distributed as the target's p: one uniform draw decided every "
-                        "draft token of a step; each judged token needs a uniform draw of its own, independent of the "
-                        "others, or the acceptances of one step stop being independent",
-                        f"on {where}: the number of draft tokens accepted per step fits a draw shared by the step "
-                        f"(chi-square p-value {chi_square_p_value(record['lengths'], model['lengths']):.2g} against "
-                        "independent draws)\n" + _detail_table("lengths", record["lengths"], model["lengths"], p, q))
+        named = (
+            fitting[0]
+            if len(fitting) == 1
+            else (
+                "on this case it fits more than one known mistake: "
+                + "; or ".join(f"({i}) {message}" for i, message in enumerate(fitting, start=1))
+            )
+        )
+        return Mismatch(
+            f"what your rule emits is not distributed as the target's p: {named}",
+            f"on {where}: {_statistic_text(name, gamma)} (chi-square p-value {value:.2g})\n"
+            + _detail_table(name, counts, probs, p, q),
+        )
+    if (
+        gamma > 1
+        and chi_square_p_value(record["lengths"], model["lengths"]) < _FAIL_P
+        and chi_square_p_value(record["lengths"], _shared_draw_lengths(p, q)) > _FITS_P
+    ):
+        return Mismatch(
+            "what your rule emits is not distributed as the target's p: one uniform draw decided every "
+            "draft token of a step; each judged token needs a uniform draw of its own, independent of the "
+            "others, or the acceptances of one step stop being independent",
+            f"on {where}: the number of draft tokens accepted per step fits a draw shared by the step "
+            f"(chi-square p-value {chi_square_p_value(record['lengths'], model['lengths']):.2g} against "
+            "independent draws)\n" + _detail_table("lengths", record["lengths"], model["lengths"], p, q),
+        )
     steps = record["steps"]
     if name == "lengths" and record["lengths"][gamma] == 0 and float(model["lengths"][gamma]) * steps > 30:
-        return Mismatch("no step accepted all its draft tokens: when every draft token is accepted, return them all "
-                        "as accepted and draw one more, the bonus token, from p[gamma]",
-                        f"on {where}: expected about {float(model['lengths'][gamma]) * steps:.0f} of {steps} steps "
-                        f"to accept all {gamma}\n" + _detail_table(name, counts, probs, p, q))
+        return Mismatch(
+            "no step accepted all its draft tokens: when every draft token is accepted, return them all "
+            "as accepted and draw one more, the bonus token, from p[gamma]",
+            f"on {where}: expected about {float(model['lengths'][gamma]) * steps:.0f} of {steps} steps "
+            f"to accept all {gamma}\n" + _detail_table(name, counts, probs, p, q),
+        )
     if name == "lengths":
         mean = sum(k * c for k, c in enumerate(counts)) / max(steps, 1)
         want = float(sum(k * x for k, x in enumerate(model["lengths"])))
         more = "too many" if mean > want else "too few"
-        return Mismatch(f"your rule accepts {more} draft tokens: keep draft token x with probability "
-                        "min(1, p(x) / q(x))",
-                        f"on {where}: {mean:.3f} accepted per step, expected {want:.3f} (sum over positions of the "
-                        f"chance that all tokens up to it are kept, each kept with probability sum_x min(p, q))\n"
-                        + _detail_table(name, counts, probs, p, q))
+        return Mismatch(
+            f"your rule accepts {more} draft tokens: keep draft token x with probability min(1, p(x) / q(x))",
+            f"on {where}: {mean:.3f} accepted per step, expected {want:.3f} (sum over positions of the "
+            f"chance that all tokens up to it are kept, each kept with probability sum_x min(p, q))\n"
+            + _detail_table(name, counts, probs, p, q),
+        )
     zero = [i for i, c in enumerate(counts) if c and float(probs[i]) <= 1e-12]
     if zero:
         if name == "resampled_first":
-            why = ("the replacement is drawn from max(0, p - q), normalised, which is 0 wherever q >= p: a token the "
-                   "draft already proposes at least as often as the target wants can never be the replacement")
+            why = (
+                "the replacement is drawn from max(0, p - q), normalised, which is 0 wherever q >= p: a token the "
+                "draft already proposes at least as often as the target wants can never be the replacement"
+            )
         elif name == f"position {gamma}":
             why = f"the bonus token is drawn from p[{gamma}], the target's row after the last draft token"
         else:
-            why = ("a draft token with p(x) = 0 must always be rejected, and the replacement from max(0, p - q) "
-                   "never picks it either")
-        return Mismatch(f"{_statistic_text(name, gamma)} came out as a token it can never be",
-                        f"on {where}: token {zero[0]} has probability 0 there, yet your rule emitted it "
-                        f"{counts[zero[0]]} times; {why}\n" + _detail_table(name, counts, probs, p, q))
-    return Mismatch(f"{_statistic_text(name, gamma)} is not distributed as it should be",
-                    f"on {where}: chi-square p-value {value:.2g} (a correct rule stays above {_FAIL_P:g})\n"
-                    + _detail_table(name, counts, probs, p, q))
+            why = (
+                "a draft token with p(x) = 0 must always be rejected, and the replacement from max(0, p - q) "
+                "never picks it either"
+            )
+        return Mismatch(
+            f"{_statistic_text(name, gamma)} came out as a token it can never be",
+            f"on {where}: token {zero[0]} has probability 0 there, yet your rule emitted it "
+            f"{counts[zero[0]]} times; {why}\n" + _detail_table(name, counts, probs, p, q),
+        )
+    return Mismatch(
+        f"{_statistic_text(name, gamma)} is not distributed as it should be",
+        f"on {where}: chi-square p-value {value:.2g} (a correct rule stays above {_FAIL_P:g})\n"
+        + _detail_table(name, counts, probs, p, q),
+    )
 
 
 def _detail_table(name: str, counts: list, probs, p, q) -> str:
@@ -396,7 +535,7 @@ def _detail_table(name: str, counts: list, probs, p, q) -> str:
     probs = probs.tolist()
     noise = sum(math.sqrt(x * (1 - x) / total) for x in probs) * math.sqrt(2 / math.pi) / 2
     distance = sum(abs(c / total - x) for c, x in zip(counts, probs)) / 2
-    head = (f"  total variation distance {distance:.3f} (sampling noise at {total} draws: about {noise:.3f})\n")
+    head = f"  total variation distance {distance:.3f} (sampling noise at {total} draws: about {noise:.3f})\n"
     if name == "lengths":
         return head + _table(counts, probs, {"expected": probs}).replace("token:", "accepted:")
     rows = {}
@@ -422,22 +561,39 @@ def _compare_distribution(got, expected, cases):
     return None
 
 
-_DISTRIBUTION_HINT = (ACCEPT_HINT + " This check runs your rule thousands of times, and each emitted position must "
-                      "follow the target's distribution there: resampling a rejection from p itself gives the draft's "
-                      "favourite tokens a second chance, and keeping or rejecting without a random draw skews how "
-                      "many draft tokens are kept.")
+_DISTRIBUTION_HINT = (
+    ACCEPT_HINT + " This check runs your rule thousands of times, and each emitted position must "
+    "follow the target's distribution there: resampling a rejection from p itself gives the draft's "
+    "favourite tokens a second chance, and keeping or rejecting without a random draw skews how "
+    "many draft tokens are kept."
+)
 
 
-register(Check(check_id="lab09.accept_distribution", task=TASKS[4], reference=reference(SPEC, "accept_or_resample"),
-               make_inputs=_distribution_cases, drive=_drive_distribution, compare=_compare_distribution,
-               hint=_DISTRIBUTION_HINT))
+register(
+    Check(
+        check_id="lab09.accept_distribution",
+        task=TASKS[4],
+        reference=reference(SPEC, "accept_or_resample"),
+        make_inputs=_distribution_cases,
+        drive=_drive_distribution,
+        compare=_compare_distribution,
+        hint=_DISTRIBUTION_HINT,
+    )
+)
 
 
-register(Check(check_id="lab09.accept_distribution_more", task=TASKS[4],
-               reference=reference(SPEC, "accept_or_resample"), make_inputs=_distribution_more_cases,
-               drive=_drive_distribution, compare=_compare_distribution,
-               hint=_DISTRIBUTION_HINT + " One-hot drafts under a sampling target, a draft row equal to the "
-                                         "target's, tokens the draft never proposes, gamma = 4."))
+register(
+    Check(
+        check_id="lab09.accept_distribution_more",
+        task=TASKS[4],
+        reference=reference(SPEC, "accept_or_resample"),
+        make_inputs=_distribution_more_cases,
+        drive=_drive_distribution,
+        compare=_compare_distribution,
+        hint=_DISTRIBUTION_HINT + " One-hot drafts under a sampling target, a draft row equal to the "
+        "target's, tokens the draft never proposes, gamma = 4.",
+    )
+)
 
 
 # every draw from the generator: the same seed gives the same steps, whatever the global generator holds
@@ -450,9 +606,15 @@ def _generator_cases(rng: random.Random) -> list[dict]:
     cases = []
     for gamma in (1, 3):
         p = [_row(rng, vocab) for _ in range(gamma + 1)]
-        cases.append({"label": f"a draft close to the target, gamma={gamma}, vocabulary of {vocab} tokens",
-                      "p": p, "q": [_towards(rng, row, 0.6) for row in p[:gamma]], "seed": rng.randrange(10**6),
-                      "global_seeds": rng.sample(range(10**6), 2)})
+        cases.append(
+            {
+                "label": f"a draft close to the target, gamma={gamma}, vocabulary of {vocab} tokens",
+                "p": p,
+                "q": [_towards(rng, row, 0.6) for row in p[:gamma]],
+                "seed": rng.randrange(10**6),
+                "global_seeds": rng.sample(range(10**6), 2),
+            }
+        )
     return cases
 
 
@@ -467,8 +629,9 @@ def _drive_generator(rule, cases: list[dict]) -> list[dict]:
         p, q = torch.tensor(case["p"]), torch.tensor(case["q"])
         gamma, vocab = q.shape[0], p.shape[1]
         draft_gen = torch.Generator().manual_seed(case["seed"])
-        drafts = torch.stack([torch.multinomial(q[i], _REPEATS, replacement=True, generator=draft_gen)
-                              for i in range(gamma)], dim=1).tolist()
+        drafts = torch.stack(
+            [torch.multinomial(q[i], _REPEATS, replacement=True, generator=draft_gen) for i in range(gamma)], dim=1
+        ).tolist()
         runs = []
         with torch.random.fork_rng(devices=[]):
             for global_seed in case["global_seeds"]:
@@ -485,8 +648,13 @@ def _drive_generator(rule, cases: list[dict]) -> list[dict]:
                     if problem:
                         break
                     steps.append([accepted, token])
-                runs.append({"steps": steps, "problem": problem,
-                             "global_untouched": bool(torch.equal(before, torch.get_rng_state()))})
+                runs.append(
+                    {
+                        "steps": steps,
+                        "problem": problem,
+                        "global_untouched": bool(torch.equal(before, torch.get_rng_state())),
+                    }
+                )
         results.append({"runs": runs})
     return results
 
@@ -495,33 +663,49 @@ def _compare_generator(got, expected, cases):
     if type(got) is not list or len(got) != len(expected):
         return Mismatch(f"the check expected {len(expected)} results, got {got!r:.80}")
     for case, g in zip(cases, got):
-        where = (f"{case['label']}, {_REPEATS} steps with a generator seeded alike, torch's global generator "
-                 f"seeded {case['global_seeds'][0]} before the first run and {case['global_seeds'][1]} before "
-                 "the second")
+        where = (
+            f"{case['label']}, {_REPEATS} steps with a generator seeded alike, torch's global generator "
+            f"seeded {case['global_seeds'][0]} before the first run and {case['global_seeds'][1]} before "
+            "the second"
+        )
         if type(g) is not dict or len(g.get("runs", [])) != 2:
             return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
         first, second = g["runs"]
         for run in (first, second):
             if run["problem"]:
-                return Mismatch(f"accept_or_resample {run['problem'].split(':')[0]}",
-                                f"on {where}: your function {run['problem']}")
+                return Mismatch(
+                    f"accept_or_resample {run['problem'].split(':')[0]}", f"on {where}: your function {run['problem']}"
+                )
         if not (first["global_untouched"] and second["global_untouched"]):
-            return Mismatch("your rule drew from torch's global random generator although it was given a generator",
-                            f"on {where}: torch's global generator state changed while your rule ran; a speculative "
-                            "run seeded through its generator is then not reproducible")
+            return Mismatch(
+                "your rule drew from torch's global random generator although it was given a generator",
+                f"on {where}: torch's global generator state changed while your rule ran; a speculative "
+                "run seeded through its generator is then not reproducible",
+            )
         if first["steps"] != second["steps"]:
             step = next(i for i, (a, b) in enumerate(zip(first["steps"], second["steps"])) if a != b)
-            return Mismatch("the same generator seed gave different steps in two runs",
-                            f"on {where}: step {step} returned {first['steps'][step]} in the first run and "
-                            f"{second['steps'][step]} in the second; every random draw must come from the generator "
-                            "passed in")
+            return Mismatch(
+                "the same generator seed gave different steps in two runs",
+                f"on {where}: step {step} returned {first['steps'][step]} in the first run and "
+                f"{second['steps'][step]} in the second; every random draw must come from the generator "
+                "passed in",
+            )
     return None
 
 
-register(Check(check_id="lab09.accept_own_generator", task=TASKS[4],
-               reference=reference(SPEC, "accept_or_resample"), make_inputs=_generator_cases,
-               drive=_drive_generator, compare=_compare_generator,
-               hint=("a seeded run must be reproducible: every random draw of the rule, the uniform test of each "
-                     "draft token, the replacement and the bonus, comes from the generator passed in, so that the "
-                     "same generator seed gives the same steps whatever state torch's global generator (or any "
-                     "other source of randomness) is in, and the global generator is left as it was.")))
+register(
+    Check(
+        check_id="lab09.accept_own_generator",
+        task=TASKS[4],
+        reference=reference(SPEC, "accept_or_resample"),
+        make_inputs=_generator_cases,
+        drive=_drive_generator,
+        compare=_compare_generator,
+        hint=(
+            "a seeded run must be reproducible: every random draw of the rule, the uniform test of each "
+            "draft token, the replacement and the bonus, comes from the generator passed in, so that the "
+            "same generator seed gives the same steps whatever state torch's global generator (or any "
+            "other source of randomness) is in, and the global generator is left as it was."
+        ),
+    )
+)

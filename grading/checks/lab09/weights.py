@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 import random
 
-
-
-
 # --- weights ----------------------------------------------------------------------------------------
+
 
 def weight(case: dict):
     """The seeded weight a case describes: normal values, outlier input channels, zeroed groups."""
@@ -21,7 +19,7 @@ def weight(case: dict):
         w[:, col] *= case["outlier_factor"]
     for row, group in case.get("zero_groups", []):
         g = case["group"]
-        w[row, group * g:(group + 1) * g] = 0.0
+        w[row, group * g : (group + 1) * g] = 0.0
     if case.get("non_finite"):  # one weight that is not a number
         row, col = case["non_finite_at"]
         w[row, col] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[case["non_finite"]]
@@ -51,8 +49,13 @@ def describe_weight(case: dict) -> str:
 
 
 def weight_case(rng: random.Random, rows: int, cols: int, group: int, **extra) -> dict:
-    case = {"seed": rng.randrange(10**6), "shape": [rows, cols], "group": group,
-            "std": rng.choice([0.02, 0.05, 0.5, 1.0]), **extra}
+    case = {
+        "seed": rng.randrange(10**6),
+        "shape": [rows, cols],
+        "group": group,
+        "std": rng.choice([0.02, 0.05, 0.5, 1.0]),
+        **extra,
+    }
     if "outlier_columns" in extra:
         case.setdefault("outlier_factor", float(rng.randint(10, 40)))
     return case

@@ -26,10 +26,21 @@ from . import (  # noqa: F401  (each task's module registers its checks, in task
 
 # The library's metrics, the diagnosis and the release rules; the canary policy's verdict is one method
 # of RolloutPolicy, whose other methods the rollout simulation runs.
-register_shortcuts("lab10", [
-    "infra_lib.ops.latency:ttft", "infra_lib.ops.latency:e2el", "infra_lib.ops.latency:tpot",
-    "infra_lib.ops.latency:itl", "infra_lib.ops.latency:percentile", "infra_lib.ops.latency:meets_slo",
-    "infra_lib.ops.latency:goodput", "infra_lib.ops.latency:summarize",
-    "infra_lib.ops.diagnose:diagnose", "infra_lib.ops.diagnose:p99_latency_ms",
-    "infra_lib.ops.llmops:gate", "infra_lib.ops.llmops:p99", "infra_lib.ops.llmops:RolloutPolicy.judge",
-])
+register_shortcuts(
+    "lab10",
+    [
+        "infra_lib.ops.latency:ttft",
+        "infra_lib.ops.latency:e2el",
+        "infra_lib.ops.latency:tpot",
+        "infra_lib.ops.latency:itl",
+        "infra_lib.ops.latency:percentile",
+        "infra_lib.ops.latency:meets_slo",
+        "infra_lib.ops.latency:goodput",
+        "infra_lib.ops.latency:summarize",
+        "infra_lib.ops.diagnose:diagnose",
+        "infra_lib.ops.diagnose:p99_latency_ms",
+        "infra_lib.ops.llmops:gate",
+        "infra_lib.ops.llmops:p99",
+        "infra_lib.ops.llmops:RolloutPolicy.judge",
+    ],
+)

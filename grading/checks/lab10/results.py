@@ -10,11 +10,18 @@ from grading.registry import Mismatch
 
 LATENCY = "infra_lib.ops.latency"  # the module of the reference metrics
 # each learner function -> the task that names it, as the stubs do
-TASKS = {"ttft": "lab10 task 1: ttft", "e2el": "lab10 task 1: e2el", "tpot": "lab10 task 2: tpot",
-         "itl": "lab10 task 3: itl", "percentile": "lab10 task 4: percentile",
-         "latency_percentiles": "lab10 task 5: latency_percentiles", "goodput": "lab10 task 6: goodput",
-         "diagnose": "lab10 task 7: diagnose", "passes_gate": "lab10 task 8: passes_gate",
-         "canary_verdict": "lab10 task 9: canary_verdict"}
+TASKS = {
+    "ttft": "lab10 task 1: ttft",
+    "e2el": "lab10 task 1: e2el",
+    "tpot": "lab10 task 2: tpot",
+    "itl": "lab10 task 3: itl",
+    "percentile": "lab10 task 4: percentile",
+    "latency_percentiles": "lab10 task 5: latency_percentiles",
+    "goodput": "lab10 task 6: goodput",
+    "diagnose": "lab10 task 7: diagnose",
+    "passes_gate": "lab10 task 8: passes_gate",
+    "canary_verdict": "lab10 task 9: canary_verdict",
+}
 
 
 def same_number(got, expected: float, rel: float = 1e-9) -> bool:
@@ -47,8 +54,10 @@ def compare_results(name: str, got, expected, cases, describe, value_problem) ->
             got_text = f"it raised {got_value}" if got_kind == "raised" else f"it returned {fmt(got_value)}"
             return Mismatch(f"{name} should raise {error} on an invalid input", f"on {where}: {got_text}")
         if got_kind == "raised":
-            return Mismatch(f"{name} raised an exception on a valid input",
-                            f"on {where}: expected {fmt(want)}, your code raised {got_value}")
+            return Mismatch(
+                f"{name} raised an exception on a valid input",
+                f"on {where}: expected {fmt(want)}, your code raised {got_value}",
+            )
         if got_kind != "value":
             return Mismatch("the check recorded a malformed result", f"on {where}: {g!r:.80}")
         problem = value_problem(case, got_value, want)

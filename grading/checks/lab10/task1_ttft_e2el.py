@@ -34,20 +34,38 @@ def _e2el_problem(d: dict, got, want):
     return "e2el returned the wrong end-to-end latency", f"expected {fmt(want)}, got {fmt(got)}{note}"
 
 
-_TTFT_HINT = ("TTFT runs from sending the request to the arrival of its first chunk, in seconds, whatever that chunk "
-              "carries; with no chunk at all (a request refused, or failed before its first token) there is no first "
-              "token and the answer is nan.")
-_E2EL_HINT = ("E2EL runs from sending the request to the end of its response, not from the first chunk nor to the "
-              "last one, for every request, failed or not; a request the client abandoned has no end time (nan), so "
-              "its E2EL is nan too.")
+_TTFT_HINT = (
+    "TTFT runs from sending the request to the arrival of its first chunk, in seconds, whatever that chunk "
+    "carries; with no chunk at all (a request refused, or failed before its first token) there is no first "
+    "token and the answer is nan."
+)
+_E2EL_HINT = (
+    "E2EL runs from sending the request to the end of its response, not from the first chunk nor to the "
+    "last one, for every request, failed or not; a request the client abandoned has no end time (nan), so "
+    "its E2EL is nan too."
+)
 
 _TRACES = " Traces of the simulated engine, some failed, some several tokens per chunk."
 
-register(Check(check_id="lab10.ttft", **per_request_parts("ttft", _ttft_problem), make_inputs=mixed_timings,
-               hint=_TTFT_HINT))
-register(Check(check_id="lab10.e2el", **per_request_parts("e2el", _e2el_problem), make_inputs=mixed_timings,
-               hint=_E2EL_HINT))
-register(Check(check_id="lab10.ttft_real_traces", **per_request_parts("ttft", _ttft_problem), make_inputs=trace_sample,
-               hint=_TTFT_HINT + _TRACES))
-register(Check(check_id="lab10.e2el_real_traces", **per_request_parts("e2el", _e2el_problem), make_inputs=trace_sample,
-               hint=_E2EL_HINT + _TRACES))
+register(
+    Check(check_id="lab10.ttft", **per_request_parts("ttft", _ttft_problem), make_inputs=mixed_timings, hint=_TTFT_HINT)
+)
+register(
+    Check(check_id="lab10.e2el", **per_request_parts("e2el", _e2el_problem), make_inputs=mixed_timings, hint=_E2EL_HINT)
+)
+register(
+    Check(
+        check_id="lab10.ttft_real_traces",
+        **per_request_parts("ttft", _ttft_problem),
+        make_inputs=trace_sample,
+        hint=_TTFT_HINT + _TRACES,
+    )
+)
+register(
+    Check(
+        check_id="lab10.e2el_real_traces",
+        **per_request_parts("e2el", _e2el_problem),
+        make_inputs=trace_sample,
+        hint=_E2EL_HINT + _TRACES,
+    )
+)

@@ -19,8 +19,10 @@ def _tpot_problem(d: dict, got, want):
     if math.isnan(want) and n < 2:
         note = f"; with {n} output token(s) there is no time between tokens: return float('nan')"
     elif len(chunks) > 1 and same_number(got, after_first / (len(chunks) - 1)):
-        note = (f"; you divided by the number of chunks minus 1 ({len(chunks) - 1}), but these {len(chunks)} chunks "
-                f"carry {n} tokens: divide by output_tokens - 1")
+        note = (
+            f"; you divided by the number of chunks minus 1 ({len(chunks) - 1}), but these {len(chunks)} chunks "
+            f"carry {n} tokens: divide by output_tokens - 1"
+        )
     elif same_number(got, after_first / n):
         note = "; you divided by output_tokens: n tokens leave n - 1 intervals after the first one"
     elif same_number(got, e2el / n) or same_number(got, e2el / (n - 1)):
@@ -28,11 +30,20 @@ def _tpot_problem(d: dict, got, want):
     return "tpot returned the wrong time per output token", f"expected {fmt(want)}, got {fmt(got)}{note}"
 
 
-_TPOT_HINT = ("TPOT is the pace after the first token: the wait for the first token is left out, and the rest of "
-              "the request's time is shared by the tokens after the first one. Count tokens, not chunks (a chunk can "
-              "carry several tokens); with fewer than two output tokens there is no time between tokens: nan.")
+_TPOT_HINT = (
+    "TPOT is the pace after the first token: the wait for the first token is left out, and the rest of "
+    "the request's time is shared by the tokens after the first one. Count tokens, not chunks (a chunk can "
+    "carry several tokens); with fewer than two output tokens there is no time between tokens: nan."
+)
 
-register(Check(check_id="lab10.tpot", **per_request_parts("tpot", _tpot_problem), make_inputs=mixed_timings,
-               hint=_TPOT_HINT))
-register(Check(check_id="lab10.tpot_real_traces", **per_request_parts("tpot", _tpot_problem), make_inputs=trace_sample,
-               hint=_TPOT_HINT + " Traces of the simulated engine, some failed, some several tokens per chunk."))
+register(
+    Check(check_id="lab10.tpot", **per_request_parts("tpot", _tpot_problem), make_inputs=mixed_timings, hint=_TPOT_HINT)
+)
+register(
+    Check(
+        check_id="lab10.tpot_real_traces",
+        **per_request_parts("tpot", _tpot_problem),
+        make_inputs=trace_sample,
+        hint=_TPOT_HINT + " Traces of the simulated engine, some failed, some several tokens per chunk.",
+    )
+)

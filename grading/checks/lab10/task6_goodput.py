@@ -15,8 +15,9 @@ def _limits_near(rng: random.Random, timings: list[dict]) -> dict[str, float]:
     """SLO limits (ms) that some successful requests of the run meet and some miss."""
     ok = [d for d in timings if d["success"] and d["chunk_times"]]
     ttfts = sorted((d["chunk_times"][0] - d["send_time"]) * 1000 for d in ok)
-    tpots = sorted((d["end_time"] - d["chunk_times"][0]) * 1000 / (d["output_tokens"] - 1)
-                   for d in ok if d["output_tokens"] > 1)
+    tpots = sorted(
+        (d["end_time"] - d["chunk_times"][0]) * 1000 / (d["output_tokens"] - 1) for d in ok if d["output_tokens"] > 1
+    )
     e2els = sorted((d["end_time"] - d["send_time"]) * 1000 for d in ok)
 
     def between(xs):  # halfway between two neighbours well apart: no latency lies near the limit
@@ -40,9 +41,15 @@ def _goodput_cases(rng: random.Random) -> list[dict]:
 def _dyadic(send: float, first: float, gap: float, chunks: int, success: bool = True) -> dict:
     """A request whose times are exact in binary, so that a limit equal to a latency is exactly equal."""
     times = [send + first + i * gap for i in range(chunks)]
-    return {"send_time": send, "chunk_times": times, "end_time": times[-1] if times else send + first,
-            "prompt_tokens": 32, "output_tokens": chunks, "success": success,
-            "error": "" if success else "HTTP 500: engine error"}
+    return {
+        "send_time": send,
+        "chunk_times": times,
+        "end_time": times[-1] if times else send + first,
+        "prompt_tokens": 32,
+        "output_tokens": chunks,
+        "success": success,
+        "error": "" if success else "HTTP 500: engine error",
+    }
 
 
 def _goodput_edges(rng: random.Random) -> list[dict]:
@@ -68,20 +75,24 @@ def _goodput_edges(rng: random.Random) -> list[dict]:
 
 
 def _drive_goodput(fn, cases: list[dict]) -> list:
-    return [outcome(fn, [timing_of(d) for d in case["timings"]], case["duration_s"], dict(case["slo_ms"]))
-            for case in cases]
+    return [
+        outcome(fn, [timing_of(d) for d in case["timings"]], case["duration_s"], dict(case["slo_ms"])) for case in cases
+    ]
 
 
 def _describe_goodput(case: dict) -> str:
     timings = case["timings"]
     failed = sum(not d["success"] for d in timings)
     single = sum(d["success"] and d["output_tokens"] < 2 for d in timings)
-    return (f"{len(timings)} requests ({failed} failed, {single} with fewer than two output tokens), "
-            f"duration_s={case['duration_s']}, slo_ms={case['slo_ms']}")
+    return (
+        f"{len(timings)} requests ({failed} failed, {single} with fewer than two output tokens), "
+        f"duration_s={case['duration_s']}, slo_ms={case['slo_ms']}"
+    )
 
 
-def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, nan_meets=False, strict=False,
-                     seconds=False) -> float:
+def _variant_goodput(
+    case: dict, *, count_failed=False, nan_tpot_fails=False, nan_meets=False, strict=False, seconds=False
+) -> float:
     """Goodput computed with one common mistake, for the message."""
     met = 0
     for d in case["timings"]:
@@ -104,18 +115,28 @@ def _variant_goodput(case: dict, *, count_failed=False, nan_tpot_fails=False, na
 def _goodput_problem(case: dict, got, want):
     if same_number(got, want):
         return None
-    mistakes = {"you counted failed requests: a request that failed never meets an SLO": {"count_failed": True},
-                "a request with fewer than two tokens has no TPOT (nan) and meets any TPOT SLO":
-                    {"nan_tpot_fails": True},
-                "you counted a request without a TTFT or an E2EL (nan: no chunk, or no end): nan meets no TTFT or "
-                "E2EL limit, and a test such as value > limit lets it through": {"nan_meets": True},
-                "a latency equal to its limit meets the SLO (<=, not <)": {"strict": True},
-                "the limits are in milliseconds and the latencies in seconds: multiply by 1000": {"seconds": True}}
-    fits = [why for why, flags in mistakes.items()
-            if is_number(got) and not same_number(_variant_goodput(case, **flags), want)
-            and same_number(got, _variant_goodput(case, **flags))]
-    note = "".join(f"; {why}" for why in fits) if len(fits) < 2 else (
-        "; this rate fits more than one mistake: " + "; or ".join(f"({i}) {why}" for i, why in enumerate(fits, 1)))
+    mistakes = {
+        "you counted failed requests: a request that failed never meets an SLO": {"count_failed": True},
+        "a request with fewer than two tokens has no TPOT (nan) and meets any TPOT SLO": {"nan_tpot_fails": True},
+        "you counted a request without a TTFT or an E2EL (nan: no chunk, or no end): nan meets no TTFT or "
+        "E2EL limit, and a test such as value > limit lets it through": {"nan_meets": True},
+        "a latency equal to its limit meets the SLO (<=, not <)": {"strict": True},
+        "the limits are in milliseconds and the latencies in seconds: multiply by 1000": {"seconds": True},
+    }
+    fits = [
+        why
+        for why, flags in mistakes.items()
+        if is_number(got)
+        and not same_number(_variant_goodput(case, **flags), want)
+        and same_number(got, _variant_goodput(case, **flags))
+    ]
+    note = (
+        "".join(f"; {why}" for why in fits)
+        if len(fits) < 2
+        else (
+            "; this rate fits more than one mistake: " + "; or ".join(f"({i}) {why}" for i, why in enumerate(fits, 1))
+        )
+    )
     per_request = want * case["duration_s"] / len(case["timings"]) if case["timings"] else NAN
     if not note and same_number(got, per_request) and not same_number(per_request, want):
         note = "; divide the count by duration_s (requests per second), not by the number of requests"
@@ -126,14 +147,33 @@ def _compare_goodput(got, expected, cases):
     return compare_results("goodput", got, expected, cases, _describe_goodput, _goodput_problem)
 
 
-_GOODPUT_HINT = ("goodput counts the requests that succeeded and met every SLO present in slo_ms (limits in "
-                 "milliseconds; a latency equal to its limit meets it) per second of the run, not per request. A "
-                 "nan TPOT (fewer than two tokens) meets any TPOT limit, a nan TTFT or E2EL meets none, a failed "
-                 "request never counts, with no SLO every successful request counts, and a duration of zero or less "
-                 "raises ValueError.")
-register(Check(check_id="lab10.goodput", task=TASKS["goodput"], reference=reference(LATENCY, "goodput"),
-               make_inputs=_goodput_cases, drive=_drive_goodput, compare=_compare_goodput, hint=_GOODPUT_HINT))
-register(Check(check_id="lab10.goodput_edges", task=TASKS["goodput"], reference=reference(LATENCY, "goodput"),
-               make_inputs=_goodput_edges, drive=_drive_goodput, compare=_compare_goodput,
-               hint=_GOODPUT_HINT + " Latencies exactly at their limits, single tokens, a failed fast request, a "
-                                    "success without a chunk, no requests, a non-positive duration, a real trace."))
+_GOODPUT_HINT = (
+    "goodput counts the requests that succeeded and met every SLO present in slo_ms (limits in "
+    "milliseconds; a latency equal to its limit meets it) per second of the run, not per request. A "
+    "nan TPOT (fewer than two tokens) meets any TPOT limit, a nan TTFT or E2EL meets none, a failed "
+    "request never counts, with no SLO every successful request counts, and a duration of zero or less "
+    "raises ValueError."
+)
+register(
+    Check(
+        check_id="lab10.goodput",
+        task=TASKS["goodput"],
+        reference=reference(LATENCY, "goodput"),
+        make_inputs=_goodput_cases,
+        drive=_drive_goodput,
+        compare=_compare_goodput,
+        hint=_GOODPUT_HINT,
+    )
+)
+register(
+    Check(
+        check_id="lab10.goodput_edges",
+        task=TASKS["goodput"],
+        reference=reference(LATENCY, "goodput"),
+        make_inputs=_goodput_edges,
+        drive=_drive_goodput,
+        compare=_compare_goodput,
+        hint=_GOODPUT_HINT + " Latencies exactly at their limits, single tokens, a failed fast request, a "
+        "success without a chunk, no requests, a non-positive duration, a real trace.",
+    )
+)

@@ -23,19 +23,29 @@ def reference_passes_gate(candidate, current, tolerance: float = 0.05) -> bool:
 def _card(name: str, scores: dict):
     from infra_lib.ops.llmops import VersionCard
 
-    return VersionCard(name=name, weights="int8 g64" if name != "production" else "fp32",
-                       perplexity=scores["perplexity"], evidence_nll=scores["evidence_nll"],
-                       tokens_per_s=scores.get("tokens_per_s", 20.0), weight_mb=scores.get("weight_mb", 540.0))
+    return VersionCard(
+        name=name,
+        weights="int8 g64" if name != "production" else "fp32",
+        perplexity=scores["perplexity"],
+        evidence_nll=scores["evidence_nll"],
+        tokens_per_s=scores.get("tokens_per_s", 20.0),
+        weight_mb=scores.get("weight_mb", 540.0),
+    )
 
 
 def _gate_case(label: str, current: tuple[float, float], candidate: tuple[float, float], tolerance: float) -> dict:
-    return {"label": label, "current": dict(zip(_SCORES, current)), "candidate": dict(zip(_SCORES, candidate)),
-            "tolerance": tolerance}
+    return {
+        "label": label,
+        "current": dict(zip(_SCORES, current)),
+        "candidate": dict(zip(_SCORES, candidate)),
+        "tolerance": tolerance,
+    }
 
 
 def _gate_cases(rng: random.Random) -> list[dict]:
     """Cards like chapter 11's (perplexity near 16, evidence NLL near 2), each score placed relative to
     its limit. Binary-exact values (whole numbers of 1/64), so a score placed on its limit is on it."""
+
     def near(base: float) -> float:
         return base + rng.randint(-16, 16) / 64
 
@@ -45,13 +55,22 @@ def _gate_cases(rng: random.Random) -> list[dict]:
         lim_p, lim_n = ppl * (1 + tolerance), nll * (1 + tolerance)
         cases += [
             _gate_case("a candidate better on both scores", (ppl, nll), (ppl - 1, nll - 0.25), tolerance),
-            _gate_case("a candidate a little worse on both, within the tolerance", (ppl, nll),
-                       (ppl + (lim_p - ppl) / 2, nll + (lim_n - nll) / 2), tolerance),
+            _gate_case(
+                "a candidate a little worse on both, within the tolerance",
+                (ppl, nll),
+                (ppl + (lim_p - ppl) / 2, nll + (lim_n - nll) / 2),
+                tolerance,
+            ),
             _gate_case("a candidate past the limit on perplexity only", (ppl, nll), (lim_p + 0.25, nll), tolerance),
-            _gate_case("a candidate past the limit on the evidence score only", (ppl, nll), (ppl, lim_n + 0.125),
-                       tolerance),
-            _gate_case("a broken candidate (rows shuffled: perplexity in the thousands)", (ppl, nll),
-                       (rng.randint(2000, 9000) + 0.5, nll * 3), tolerance),
+            _gate_case(
+                "a candidate past the limit on the evidence score only", (ppl, nll), (ppl, lim_n + 0.125), tolerance
+            ),
+            _gate_case(
+                "a broken candidate (rows shuffled: perplexity in the thousands)",
+                (ppl, nll),
+                (rng.randint(2000, 9000) + 0.5, nll * 3),
+                tolerance,
+            ),
         ]
     rng.shuffle(cases)
     return cases
@@ -83,8 +102,9 @@ def _gate_edges(rng: random.Random) -> list[dict]:
     t = 0.0625
     cases = [
         _gate_case("a candidate exactly on both limits", (ppl, nll), (ppl * (1 + t), nll * (1 + t)), t),
-        _gate_case("a candidate exactly on the perplexity limit, better on evidence", (ppl, nll),
-                   (ppl * (1 + t), nll - 0.5), t),
+        _gate_case(
+            "a candidate exactly on the perplexity limit, better on evidence", (ppl, nll), (ppl * (1 + t), nll - 0.5), t
+        ),
         _gate_case("a candidate whose perplexity is nan (its evaluation diverged)", (ppl, nll), (NAN, nll), t),
         _gate_case("a candidate whose evidence score is nan", (ppl, nll), (ppl, NAN), t),
         _gate_case("a candidate whose perplexity is infinite", (ppl, nll), (float("inf"), nll), t),
@@ -92,14 +112,24 @@ def _gate_edges(rng: random.Random) -> list[dict]:
         _gate_case("a tolerance of zero and an identical candidate", (ppl, nll), (ppl, nll), 0.0),
         _gate_case("a tolerance of zero and a candidate worse by 1/64", (ppl, nll), (ppl + 1 / 64, nll), 0.0),
         _gate_case("a large tolerance (1.0: twice as bad still passes)", (ppl, nll), (2 * ppl, 2 * nll - 0.25), 1.0),
-        _gate_case("a large tolerance and a candidate just past twice the perplexity", (ppl, nll),
-                   (2 * ppl + 0.25, nll), 1.0),
-        _gate_case("an absolute gap of 0.5 that is within a relative tolerance of 0.0625 at perplexity 16",
-                   (16.0, 2.0), (16.5, 2.0), t),
-        _gate_case("a gap of 0.0625 in evidence NLL that is past a relative tolerance of 0.0625 at 0.5",
-                   (16.0, 0.5), (16.0, 0.5625), t),
-        _gate_case("the lab's own example on the limit: perplexity 16.8 against 16.0 at 5%", (16.0, nll), (16.8, nll),
-                   0.05),
+        _gate_case(
+            "a large tolerance and a candidate just past twice the perplexity", (ppl, nll), (2 * ppl + 0.25, nll), 1.0
+        ),
+        _gate_case(
+            "an absolute gap of 0.5 that is within a relative tolerance of 0.0625 at perplexity 16",
+            (16.0, 2.0),
+            (16.5, 2.0),
+            t,
+        ),
+        _gate_case(
+            "a gap of 0.0625 in evidence NLL that is past a relative tolerance of 0.0625 at 0.5",
+            (16.0, 0.5),
+            (16.0, 0.5625),
+            t,
+        ),
+        _gate_case(
+            "the lab's own example on the limit: perplexity 16.8 against 16.0 at 5%", (16.0, nll), (16.8, nll), 0.05
+        ),
         _gate_case("a current evidence score of 0 and a candidate at 0 too", (ppl, 0.0), (ppl, 0.0), t),
         _gate_case("a current evidence score of 0 and a candidate just above it", (ppl, 0.0), (ppl, 0.015625), t),
         _gate_case("a candidate evidence score of 0 (better than any positive one)", (ppl, nll), (ppl, 0.0), t),
@@ -110,33 +140,56 @@ def _gate_edges(rng: random.Random) -> list[dict]:
         _gate_case("a current perplexity that is negative", (-ppl, nll), (ppl, nll), t),
     ]
     for current, candidate, tolerance in _on_the_limit(rng, 3):
-        cases.append(_gate_case("a perplexity exactly on its limit (current times (1 + tolerance))",
-                                (current, nll), (candidate, nll), tolerance))
+        cases.append(
+            _gate_case(
+                "a perplexity exactly on its limit (current times (1 + tolerance))",
+                (current, nll),
+                (candidate, nll),
+                tolerance,
+            )
+        )
     for current, candidate, tolerance in _on_the_limit(rng, 1):
-        cases.append(_gate_case("an evidence score exactly on its limit (current times (1 + tolerance))",
-                                (ppl, current), (ppl, candidate), tolerance))
+        cases.append(
+            _gate_case(
+                "an evidence score exactly on its limit (current times (1 + tolerance))",
+                (ppl, current),
+                (ppl, candidate),
+                tolerance,
+            )
+        )
     for current, candidate, tolerance in _on_the_limit(rng, 1, past=True):
-        cases.append(_gate_case("a perplexity just past its limit (the next float above current times "
-                                "(1 + tolerance))", (current, nll), (candidate, nll), tolerance))
+        cases.append(
+            _gate_case(
+                "a perplexity just past its limit (the next float above current times (1 + tolerance))",
+                (current, nll),
+                (candidate, nll),
+                tolerance,
+            )
+        )
     rng.shuffle(cases)
     return cases
 
 
 def _drive_gate(fn, cases: list[dict]) -> list:
-    return [outcome(fn, _card("candidate", case["candidate"]), _card("production", case["current"]),
-                    case["tolerance"]) for case in cases]
+    return [
+        outcome(fn, _card("candidate", case["candidate"]), _card("production", case["current"]), case["tolerance"])
+        for case in cases
+    ]
 
 
 def _describe_gate(case: dict) -> str:
     c, p = case["candidate"], case["current"]
     exact = repr  # every digit: a score on its limit must read as on it
-    return (f"{case['label']}: candidate perplexity {exact(c['perplexity'])}, evidence_nll "
-            f"{exact(c['evidence_nll'])}; current perplexity {exact(p['perplexity'])}, evidence_nll "
-            f"{exact(p['evidence_nll'])}; tolerance {case['tolerance']!r}")
+    return (
+        f"{case['label']}: candidate perplexity {exact(c['perplexity'])}, evidence_nll "
+        f"{exact(c['evidence_nll'])}; current perplexity {exact(p['perplexity'])}, evidence_nll "
+        f"{exact(p['evidence_nll'])}; tolerance {case['tolerance']!r}"
+    )
 
 
-def _variant_gate(case: dict, *, absolute=False, strict=False, nan_passes=False, only=None, higher=False,
-                  divided=False) -> bool | None:
+def _variant_gate(
+    case: dict, *, absolute=False, strict=False, nan_passes=False, only=None, higher=False, divided=False
+) -> bool | None:
     """The gate with one common mistake, for the message (None where that mistake would raise)."""
     t = case["tolerance"]
     for key in _SCORES if only is None else (only,):
@@ -163,8 +216,9 @@ def _gate_problem(case: dict, got, want):
     if got == want:
         return None
     mistakes = {
-        "the tolerance is relative: a fraction of the current version's score, not an amount added to it":
-            {"absolute": True},
+        "the tolerance is relative: a fraction of the current version's score, not an amount added to it": {
+            "absolute": True
+        },
         "a score exactly on its limit passes (<=, not <)": {"strict": True},
         "a score that is nan must fail: nan compares False with everything, so a test such as score > limit lets "
         "it through": {"nan_passes": True},
@@ -178,27 +232,46 @@ def _gate_problem(case: dict, got, want):
     fits = [why for why, flags in mistakes.items() if _variant_gate(case, **flags) == got]
     note = "; " + "; or ".join(fits) if fits else ""
     verdict = {True: "pass", False: "fail"}
-    return ("passes_gate gave the wrong verdict",
-            f"expected the candidate to {verdict[want]}, it would {verdict[got]}{note}")
+    return (
+        "passes_gate gave the wrong verdict",
+        f"expected the candidate to {verdict[want]}, it would {verdict[got]}{note}",
+    )
 
 
 def _compare_gate(got, expected, cases):
     return compare_results("passes_gate", got, expected, cases, _describe_gate, _gate_problem)
 
 
-_GATE_HINT = ("a candidate passes when each of its two scores, perplexity and evidence_nll (both lower is better), "
-              "is a number no larger than the current version's times (1 + tolerance), that product as floating point "
-              "gives it; a score on its limit passes, and a nan or infinite candidate score fails whatever the "
-              "comparison says. A negative or nan tolerance, and a current score that is nan, infinite or negative, "
-              "are invalid input (ValueError). "
-              "chapter 11, section “7 · LLMOps: a registry, an evaluation gate, a canary, a rollback”.")
+_GATE_HINT = (
+    "a candidate passes when each of its two scores, perplexity and evidence_nll (both lower is better), "
+    "is a number no larger than the current version's times (1 + tolerance), that product as floating point "
+    "gives it; a score on its limit passes, and a nan or infinite candidate score fails whatever the "
+    "comparison says. A negative or nan tolerance, and a current score that is nan, infinite or negative, "
+    "are invalid input (ValueError). "
+    "chapter 11, section “7 · LLMOps: a registry, an evaluation gate, a canary, a rollback”."
+)
 
-register(Check(check_id="lab10.passes_gate", task=TASKS["passes_gate"],
-               reference=lambda: reference_passes_gate, make_inputs=_gate_cases, drive=_drive_gate,
-               compare=_compare_gate, hint=_GATE_HINT))
-register(Check(check_id="lab10.gate_edges", task=TASKS["passes_gate"],
-               reference=lambda: reference_passes_gate, make_inputs=_gate_edges, drive=_drive_gate,
-               compare=_compare_gate,
-               hint=_GATE_HINT + " Scores exactly on their limits (the product, not a relative difference, decides), "
-                                 "nan and infinite scores, scores of 0, tolerances of 0 and 1, and invalid tolerances "
-                                 "and current scores."))
+register(
+    Check(
+        check_id="lab10.passes_gate",
+        task=TASKS["passes_gate"],
+        reference=lambda: reference_passes_gate,
+        make_inputs=_gate_cases,
+        drive=_drive_gate,
+        compare=_compare_gate,
+        hint=_GATE_HINT,
+    )
+)
+register(
+    Check(
+        check_id="lab10.gate_edges",
+        task=TASKS["passes_gate"],
+        reference=lambda: reference_passes_gate,
+        make_inputs=_gate_edges,
+        drive=_drive_gate,
+        compare=_compare_gate,
+        hint=_GATE_HINT + " Scores exactly on their limits (the product, not a relative difference, decides), "
+        "nan and infinite scores, scores of 0, tolerances of 0 and 1, and invalid tolerances "
+        "and current scores.",
+    )
+)

@@ -18,8 +18,15 @@ def timing_of(d: dict):
     """The ``RequestTiming`` a plain-data timing stands for."""
     from infra_lib.ops.latency import RequestTiming
 
-    return RequestTiming(d["send_time"], list(d["chunk_times"]), d["end_time"], d["prompt_tokens"],
-                         d["output_tokens"], d["success"], d["error"])
+    return RequestTiming(
+        d["send_time"],
+        list(d["chunk_times"]),
+        d["end_time"],
+        d["prompt_tokens"],
+        d["output_tokens"],
+        d["success"],
+        d["error"],
+    )
 
 
 def describe_timing(d: dict) -> str:
@@ -29,12 +36,13 @@ def describe_timing(d: dict) -> str:
     if len(chunks) > 6:
         shown += f", ... {fmt(chunks[-1])}"
     failed = "" if d["success"] else f", success=False, error={d['error']!r}"
-    return (f"RequestTiming(send_time={fmt(d['send_time'])}, chunk_times=[{shown}] ({len(chunks)} chunks), "
-            f"end_time={fmt(d['end_time'])}, output_tokens={d['output_tokens']}{failed})")
+    return (
+        f"RequestTiming(send_time={fmt(d['send_time'])}, chunk_times=[{shown}] ({len(chunks)} chunks), "
+        f"end_time={fmt(d['end_time'])}, output_tokens={d['output_tokens']}{failed})"
+    )
 
 
-def synthetic(rng: random.Random, chunks: int, per_chunk: int = 1, stall: bool = False,
-              failed: str = "") -> dict:
+def synthetic(rng: random.Random, chunks: int, per_chunk: int = 1, stall: bool = False, failed: str = "") -> dict:
     """One request as a client saw it, times rounded to 0.1 ms. ``per_chunk`` > 1: the server flushes
     several tokens per chunk. ``failed``: "" (success), "rejected" (no chunk), "error" (the stream broke
     off) or "abandoned" (no end time)."""
@@ -48,10 +56,21 @@ def synthetic(rng: random.Random, chunks: int, per_chunk: int = 1, stall: bool =
         times.append(round(t, 4))
     tokens = chunks * per_chunk - (rng.randrange(per_chunk) if chunks and per_chunk > 1 else 0)
     end = round(times[-1] + rng.uniform(0.0005, 0.004), 4) if times else round(send + rng.uniform(0.02, 0.3), 4)
-    error = {"": "", "rejected": "HTTP 429: the server is at capacity", "error": "HTTP 500: engine error",
-             "abandoned": "client timeout after 30 s"}[failed]
-    return {"send_time": send, "chunk_times": times, "end_time": NAN if failed == "abandoned" else end,
-            "prompt_tokens": rng.randint(16, 512), "output_tokens": tokens, "success": not failed, "error": error}
+    error = {
+        "": "",
+        "rejected": "HTTP 429: the server is at capacity",
+        "error": "HTTP 500: engine error",
+        "abandoned": "client timeout after 30 s",
+    }[failed]
+    return {
+        "send_time": send,
+        "chunk_times": times,
+        "end_time": NAN if failed == "abandoned" else end,
+        "prompt_tokens": rng.randint(16, 512),
+        "output_tokens": tokens,
+        "success": not failed,
+        "error": error,
+    }
 
 
 def mixed_timings(rng: random.Random) -> list[dict]:
@@ -97,11 +116,23 @@ def _broken(rng: random.Random, d: dict) -> dict:
     keep = rng.randrange(len(d["chunk_times"]) + 1)
     times = d["chunk_times"][:keep]
     if rng.random() < 0.5:
-        return {**d, "chunk_times": times, "end_time": NAN, "output_tokens": keep, "success": False,
-                "error": "client timeout after 30 s"}
+        return {
+            **d,
+            "chunk_times": times,
+            "end_time": NAN,
+            "output_tokens": keep,
+            "success": False,
+            "error": "client timeout after 30 s",
+        }
     end = (times[-1] if times else d["send_time"]) + 0.01
-    return {**d, "chunk_times": times, "end_time": end, "output_tokens": keep, "success": False,
-            "error": "HTTP 500: engine error"}
+    return {
+        **d,
+        "chunk_times": times,
+        "end_time": end,
+        "output_tokens": keep,
+        "success": False,
+        "error": "HTTP 500: engine error",
+    }
 
 
 def traced(rng: random.Random, name: str | None = None, size: int | None = None) -> list[dict]:
@@ -126,6 +157,7 @@ def drive_per_request(fn, cases: list[dict]) -> list:
 def per_request_parts(name: str, problem) -> dict:
     """The fields the checks of one per-request metric (tasks 1 to 3) share: ``name``'s task and reference,
     each timing driven alone, results compared case by case with ``problem(timing, got, want)``."""
+
     def compare(got, expected, cases):
         return compare_results(name, got, expected, cases, describe_timing, problem)
 
@@ -140,9 +172,14 @@ def trace_sample(rng: random.Random) -> list[dict]:
 def synthetic_run(rng: random.Random, size: int) -> list[dict]:
     """A run of ``size`` synthetic requests, with every kind (long, stalled, grouped, single, refused,
     broken) at least once, in any order."""
-    kinds = [lambda: synthetic(rng, rng.randint(4, 30)), lambda: synthetic(rng, rng.randint(4, 30), stall=True),
-             lambda: synthetic(rng, rng.randint(3, 8), per_chunk=rng.randint(2, 5)), lambda: synthetic(rng, 1),
-             lambda: synthetic(rng, 0, failed="rejected"), lambda: synthetic(rng, rng.randint(2, 9), failed="error")]
+    kinds = [
+        lambda: synthetic(rng, rng.randint(4, 30)),
+        lambda: synthetic(rng, rng.randint(4, 30), stall=True),
+        lambda: synthetic(rng, rng.randint(3, 8), per_chunk=rng.randint(2, 5)),
+        lambda: synthetic(rng, 1),
+        lambda: synthetic(rng, 0, failed="rejected"),
+        lambda: synthetic(rng, rng.randint(2, 9), failed="error"),
+    ]
     weights = [8, 3, 3, 2, 1, 1]
     run = [make() for make in kinds] + [rng.choices(kinds, weights)[0]() for _ in range(size - len(kinds))]
     rng.shuffle(run)  # every kind at least once, in any order

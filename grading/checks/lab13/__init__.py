@@ -32,6 +32,12 @@ from . import (  # noqa: F401  (each task's module registers its checks, in task
     task4_resume,
 )
 
-register_shortcuts("lab13", ["infra_lib.apps.agents.runner:next_node", "infra_lib.apps.agents.runner:run_graph",
-                             "infra_lib.apps.agents.retry:call_with_retry",
-                             "infra_lib.apps.agents.retry:backoff_delays"])
+register_shortcuts(
+    "lab13",
+    [
+        "infra_lib.apps.agents.runner:next_node",
+        "infra_lib.apps.agents.runner:run_graph",
+        "infra_lib.apps.agents.retry:call_with_retry",
+        "infra_lib.apps.agents.retry:backoff_delays",
+    ],
+)

@@ -12,8 +12,12 @@ from grading.checks.common import outcome
 
 RUNNER, RETRY = "infra_lib.apps.agents.runner", "infra_lib.apps.agents.retry"  # the modules of the references
 # task number -> the task as the stubs name it
-TASKS = {1: "lab13 task 1: next_node", 2: "lab13 task 2: call_with_retry", 3: "lab13 task 3: run_graph",
-         4: "lab13 task 4: resume after a crash"}
+TASKS = {
+    1: "lab13 task 1: next_node",
+    2: "lab13 task 2: call_with_retry",
+    3: "lab13 task 3: run_graph",
+    4: "lab13 task 4: resume after a crash",
+}
 
 
 class CounterState(TypedDict):
@@ -53,8 +57,11 @@ def graph_spec(rng: random.Random, n_nodes: int, loops: bool = True, mapping: bo
     for i, name in enumerate(names):
         forward = names[i + 1] if i + 1 < n_nodes else "END"
         if i >= 1 and rng.random() < 0.5:
-            other = names[rng.randrange(0, i)] if loops and rng.random() < 0.6 else (
-                names[rng.randrange(i + 1, n_nodes)] if i + 2 < n_nodes else "END")
+            other = (
+                names[rng.randrange(0, i)]
+                if loops and rng.random() < 0.6
+                else (names[rng.randrange(i + 1, n_nodes)] if i + 2 < n_nodes else "END")
+            )
             limit = rng.randint(8, 40)
             branch = {"limit": limit, "below": other, "above": forward}
             if mapping and rng.random() < 0.5:
@@ -75,8 +82,7 @@ def _apply(spec: dict, x: int) -> int:
 MEDDLED = "meddled"  # what a meddling node appends, in place, to the log of the state it is handed
 
 
-def build_graph(spec: dict, events: list | None = None, crash_at_call: int | None = None,
-                flaky: dict | None = None):
+def build_graph(spec: dict, events: list | None = None, crash_at_call: int | None = None, flaky: dict | None = None):
     """The course's ``StateGraph`` for ``spec``.
 
     ``events`` collects every node call; the call numbered ``crash_at_call`` (0-based) raises
@@ -117,6 +123,7 @@ def build_graph(spec: dict, events: list | None = None, crash_at_call: int | Non
     for name, target in spec["edges"].items():
         graph.add_edge(name, resolve(target))
     for name, branch in spec["branches"].items():
+
         def router(state: dict, branch=branch):
             below = state["x"] < branch["limit"]
             if "mapping" in branch:
@@ -143,9 +150,13 @@ PREDICATE = "every error but Fatal"  # a policy's retry_on given as a predicate 
 
 def random_policy(rng: random.Random, retry_on=("Flaky",)) -> dict:
     """``retry_on``: error names (a tuple of classes in the policy), or PREDICATE."""
-    return {"max_attempts": rng.randint(2, 5), "initial_interval": rng.choice([0.1, 0.25, 0.5, 1.0]),
-            "backoff_factor": rng.choice([1.0, 2.0, 3.0]), "max_interval": rng.choice([0.6, 2.0, 8.0]),
-            "retry_on": retry_on if retry_on == PREDICATE else list(retry_on)}
+    return {
+        "max_attempts": rng.randint(2, 5),
+        "initial_interval": rng.choice([0.1, 0.25, 0.5, 1.0]),
+        "backoff_factor": rng.choice([1.0, 2.0, 3.0]),
+        "max_interval": rng.choice([0.6, 2.0, 8.0]),
+        "retry_on": retry_on if retry_on == PREDICATE else list(retry_on),
+    }
 
 
 def _not_fatal(error: BaseException) -> bool:
@@ -159,12 +170,20 @@ def policy_object(policy: dict | None):
     from infra_lib.apps.agents import RetryPolicy
 
     retry_on = _not_fatal if policy["retry_on"] == PREDICATE else tuple(ERRORS[e] for e in policy["retry_on"])
-    return RetryPolicy(max_attempts=policy["max_attempts"], initial_interval=policy["initial_interval"],
-                       backoff_factor=policy["backoff_factor"], max_interval=policy["max_interval"],
-                       retry_on=retry_on)
+    return RetryPolicy(
+        max_attempts=policy["max_attempts"],
+        initial_interval=policy["initial_interval"],
+        backoff_factor=policy["backoff_factor"],
+        max_interval=policy["max_interval"],
+        retry_on=retry_on,
+    )
 
 
 def counting_loop(limit: int) -> dict:
     """n0 -> n1, back to n0 while x < limit: each step adds 1, so the run takes ``limit`` steps from x = 0."""
-    return {"nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
-            "edges": {"n0": "n1"}, "branches": {"n1": {"limit": limit, "below": "n0", "above": "END"}}, "entry": "n0"}
+    return {
+        "nodes": {"n0": {"op": "add", "arg": 1}, "n1": {"op": "add", "arg": 1}},
+        "edges": {"n0": "n1"},
+        "branches": {"n1": {"limit": limit, "below": "n0", "above": "END"}},
+        "entry": "n0",
+    }

@@ -30,13 +30,21 @@ def reference_run(spec: dict, x: int, max_steps: int) -> dict:
     from infra_lib.apps.agents import MemoryCheckpointer
     from infra_lib.apps.agents.runner import run_graph
 
-    return run_graph(build_graph(spec), {"x": x, "log": []}, checkpointer=MemoryCheckpointer(), thread_id="t",
-                     max_steps=max_steps, sleep=lambda s: None)
+    return run_graph(
+        build_graph(spec),
+        {"x": x, "log": []},
+        checkpointer=MemoryCheckpointer(),
+        thread_id="t",
+        max_steps=max_steps,
+        sleep=lambda s: None,
+    )
 
 
 def _history(checkpointer, thread_id: str) -> list:
-    return [[cp.step, cp.node, "END" if cp.next_node == _end() else cp.next_node, plain_state(cp.state)[1]]
-            for cp in checkpointer.history(thread_id)]
+    return [
+        [cp.step, cp.node, "END" if cp.next_node == _end() else cp.next_node, plain_state(cp.state)[1]]
+        for cp in checkpointer.history(thread_id)
+    ]
 
 
 def _end():
@@ -61,7 +69,7 @@ def _retry_plans(case: dict) -> dict[str, list[list[float]]]:
     for name, planned in (case.get("flaky") or {}).items():
         policy, plans[name] = policy_object(case["spec"]["nodes"][name].get("retry")), []
         for left in range(len(planned) + 1):
-            errors, waits = list(planned[len(planned) - left:]), []
+            errors, waits = list(planned[len(planned) - left :]), []
 
             def attempt(state: dict, errors=errors) -> dict:
                 if errors:
@@ -82,10 +90,21 @@ def _first_run(case: dict) -> dict:
 
     events, sleeps, checkpointer, given = [], [], MemoryCheckpointer(), {"x": case["x"], "log": []}
     graph = build_graph(case["spec"], events, crash_at_call=case.get("crash_at"), flaky=case.get("flaky"))
-    got = typed_outcome(run_graph, graph, given, checkpointer=checkpointer, thread_id="t", max_steps=case["max_steps"],
-                        sleep=sleeps.append)
-    return {"outcome": [got[0], plain_state(got[1])[1]] if got[0] == "value" else got, "events": events,
-            "sleeps": sleeps, "checkpoints": _history(checkpointer, "t")}
+    got = typed_outcome(
+        run_graph,
+        graph,
+        given,
+        checkpointer=checkpointer,
+        thread_id="t",
+        max_steps=case["max_steps"],
+        sleep=sleeps.append,
+    )
+    return {
+        "outcome": [got[0], plain_state(got[1])[1]] if got[0] == "value" else got,
+        "events": events,
+        "sleeps": sleeps,
+        "checkpoints": _history(checkpointer, "t"),
+    }
 
 
 def with_recorded_runs(make):
@@ -110,8 +129,15 @@ def _replay_first_run(case: dict, checkpointer, events: list, sleeps: list) -> l
 
     run = case["first_run"]
     for step, node, following, state in run["checkpoints"]:
-        checkpointer.put("t", Checkpoint(step=step, node=node, next_node=END if following == "END" else following,
-                                         state={"x": state["x"], "log": list(state["log"])}))
+        checkpointer.put(
+            "t",
+            Checkpoint(
+                step=step,
+                node=node,
+                next_node=END if following == "END" else following,
+                state={"x": state["x"], "log": list(state["log"])},
+            ),
+        )
     events.extend(run["events"])
     sleeps.extend(run["sleeps"])
     return list(run["outcome"])
@@ -131,8 +157,10 @@ class StandIns:
 
     def _own(self, name: str, *args, **kwargs):
         if name not in self.own:
-            raise RuntimeError(f"the check cannot answer this {name} call for the course, and your notebook defines "
-                               f"no {name} of its own ({SIBLING_TASKS[name]})")
+            raise RuntimeError(
+                f"the check cannot answer this {name} call for the course, and your notebook defines "
+                f"no {name} of its own ({SIBLING_TASKS[name]})"
+            )
         return self.own[name](*args, **kwargs)
 
     def next_node(self, graph, current, state):
@@ -142,8 +170,11 @@ class StandIns:
         if spec is None or not isinstance(current, str) or current not in {**spec["edges"], **spec["branches"]}:
             return self._own("next_node", graph, current, state)
         branch = spec["branches"].get(current)
-        target = spec["edges"][current] if branch is None else (
-            branch["below"] if state["x"] < branch["limit"] else branch["above"])  # what the spec's router answers
+        target = (
+            spec["edges"][current]
+            if branch is None
+            else (branch["below"] if state["x"] < branch["limit"] else branch["above"])
+        )  # what the spec's router answers
         return END if target == "END" else target
 
     def call_with_retry(self, fn, state, policy, sleep=time.sleep):
@@ -231,16 +262,26 @@ def _run_case(run_graph, case: dict, database: Path, stand_ins: StandIns | None 
     def run(graph, saver, given: dict) -> list:
         if stand_ins is not None:
             stand_ins.learn(graph, case)
-        return typed_outcome(run_graph, graph, given, checkpointer=saver, thread_id="t", max_steps=case["max_steps"],
-                             sleep=lambda s: sleeps.append(s))
+        return typed_outcome(
+            run_graph,
+            graph,
+            given,
+            checkpointer=saver,
+            thread_id="t",
+            max_steps=case["max_steps"],
+            sleep=lambda s: sleeps.append(s),
+        )
 
     given = {"x": case["x"], "log": []}
     if resume:
         first = _replay_first_run(case, checkpointer, events, sleeps)
     else:
         first = run(build_graph(case["spec"], events, flaky=case.get("flaky")), checkpointer, given)
-    record = {"first": plain_state(first[1]) if first[0] == "value" else first[:2], "events": list(events),
-              "input_after": plain_state(given)[1]}
+    record = {
+        "first": plain_state(first[1]) if first[0] == "value" else first[:2],
+        "events": list(events),
+        "input_after": plain_state(given)[1],
+    }
     if resume:
         record["history_first"] = _history(checkpointer, "t")
         events.clear()
@@ -263,18 +304,23 @@ RESUME_INPUT = {"x": 1000, "log": ["the input state of the second call"]}
 def describe_run(case: dict) -> str:
     """A case as a failure message names it: the graph, the start, the crash, the flaky nodes, max_steps."""
     spec = case["spec"]
-    ops = {"add": "{name}: x + {arg}", "mul": "{name}: x * {arg} + 1",
-           "meddle": "{name}: changes the state it is handed in place (x += 1000, log.append('meddled')) and returns "
-                     "only its log entry"}
+    ops = {
+        "add": "{name}: x + {arg}",
+        "mul": "{name}: x * {arg} + 1",
+        "meddle": "{name}: changes the state it is handed in place (x += 1000, log.append('meddled')) and returns "
+        "only its log entry",
+    }
     parts = [ops[s["op"]].format(name=name, arg=s.get("arg")) for name, s in spec["nodes"].items()]
     edges = [f"{a} -> {b}" for a, b in spec["edges"].items()]
     edges += [f"{a} -> ({b['below']} if x < {b['limit']} else {b['above']})" for a, b in spec["branches"].items()]
     text = f"a graph with nodes [{'; '.join(parts)}] and edges [{', '.join(edges)}], start x={case['x']}"
     if case.get("crash_at") is not None:
-        text += (f", a crash in node call {case['crash_at']} (in a run of the course's runner, which leaves the "
-                 "checkpoints a correct run_graph leaves), then your run_graph with the same thread_id")
+        text += (
+            f", a crash in node call {case['crash_at']} (in a run of the course's runner, which leaves the "
+            "checkpoints a correct run_graph leaves), then your run_graph with the same thread_id"
+        )
     elif case.get("rerun_finished"):
-        text += (", a run of the course's runner to END, then your run_graph with the same thread_id")
+        text += ", a run of the course's runner to END, then your run_graph with the same thread_id"
     if case.get("flaky"):
         text += f", flaky nodes {case['flaky']}"
     return text + f", max_steps={case['max_steps']}"

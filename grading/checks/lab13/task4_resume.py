@@ -19,8 +19,9 @@ def _resume_cases(rng: random.Random) -> list[dict]:
     # The steps before the crash count towards max_steps: a loop that would run for long stops max_steps steps after
     # its start, not max_steps steps after the resume (where exactly is task 3's check: see run_comparison).
     max_steps = rng.randint(8, 12)
-    cases.append({"spec": counting_loop(600), "x": 0, "max_steps": max_steps,
-                  "crash_at": rng.randint(3, max_steps - 3)})
+    cases.append(
+        {"spec": counting_loop(600), "x": 0, "max_steps": max_steps, "crash_at": rng.randint(3, max_steps - 3)}
+    )
     return cases
 
 
@@ -29,11 +30,18 @@ def _sqlite_resume_cases(rng: random.Random) -> list[dict]:
     spec = graph_spec(rng, 6)
     spec["nodes"]["n3"]["retry"] = random_policy(rng)
     steps = len(reference_run(spec, 1, 200)["log"])
-    return [{"spec": spec, "x": 1, "max_steps": 200, "crash_at": k, "sqlite": True, "flaky": {"n3": ["Flaky"]}}
-            for k in range(steps)]
+    return [
+        {"spec": spec, "x": 1, "max_steps": 200, "crash_at": k, "sqlite": True, "flaky": {"n3": ["Flaky"]}}
+        for k in range(steps)
+    ]
 
 
 register(Check(check_id="lab13.run_graph_resume", **run_graph_parts(4, _resume_cases), hint=RESUME_HINT))
-register(Check(check_id="lab13.run_graph_resume_sqlite", **run_graph_parts(4, _sqlite_resume_cases),
-               hint=RESUME_HINT + " Hidden cases: a crash at every step of a graph with a flaky node, checkpoints in "
-                                  "SQLite, and the second run on a new SqliteCheckpointer over the same file."))
+register(
+    Check(
+        check_id="lab13.run_graph_resume_sqlite",
+        **run_graph_parts(4, _sqlite_resume_cases),
+        hint=RESUME_HINT + " Hidden cases: a crash at every step of a graph with a flaky node, checkpoints in "
+        "SQLite, and the second run on a new SqliteCheckpointer over the same file.",
+    )
+)

@@ -15,20 +15,23 @@ from __future__ import annotations
 
 from grading.registry import register_shortcuts
 
-register_shortcuts("lab15", [
-    "infra_lib.kernels.softmax:softmax",
-    "infra_lib.kernels.flash_attention:flash_attention",
-    "infra_lib.kernels.flash_attention:naive_attention",
-    "infra_lib.kernels.flash_attention:attention_reference",
-    "infra_lib.kernels.flash_attention:flash_cached_attention",
-    "infra_lib.kernels.paged_decode:paged_decode_attention",
-    "infra_lib.kernels.paged_decode:decode_launches",
-    "infra_lib.kernels.paged_decode:gather_then_attend",
-    "infra_lib.kernels.paged_decode:paged_decode_cached_attention",
-    "infra_lib.kernels.gemv_q4:q4_matmul",
-    "infra_lib.kernels.gemv_q4:q4_matmul_launch",
-    "infra_lib.kernels.gemv_q4:q4_1_matmul",
-    "infra_lib.kernels.gemv_q4:fused_forward",
-])
+register_shortcuts(
+    "lab15",
+    [
+        "infra_lib.kernels.softmax:softmax",
+        "infra_lib.kernels.flash_attention:flash_attention",
+        "infra_lib.kernels.flash_attention:naive_attention",
+        "infra_lib.kernels.flash_attention:attention_reference",
+        "infra_lib.kernels.flash_attention:flash_cached_attention",
+        "infra_lib.kernels.paged_decode:paged_decode_attention",
+        "infra_lib.kernels.paged_decode:decode_launches",
+        "infra_lib.kernels.paged_decode:gather_then_attend",
+        "infra_lib.kernels.paged_decode:paged_decode_cached_attention",
+        "infra_lib.kernels.gemv_q4:q4_matmul",
+        "infra_lib.kernels.gemv_q4:q4_matmul_launch",
+        "infra_lib.kernels.gemv_q4:q4_1_matmul",
+        "infra_lib.kernels.gemv_q4:fused_forward",
+    ],
+)
 
 from . import task1_online_softmax, task2_flash_attention, task3_paged_decode, task4_q4_gemv  # noqa: E402,F401

@@ -21,16 +21,22 @@ SIGNATURES = {  # the parameters each kernel takes, in order (those of the cours
     "flash_attention_kernel": (
         "q_ptr k_ptr v_ptr out_ptr lse_ptr n_heads group t s head_dim scale stride_qb stride_qh stride_qt stride_qd "
         "stride_kb stride_kh stride_ks stride_kd stride_vb stride_vh stride_vs stride_vd stride_ob stride_oh "
-        "stride_ot stride_od CAUSAL BLOCK_M BLOCK_N BLOCK_D").split(),
+        "stride_ot stride_od CAUSAL BLOCK_M BLOCK_N BLOCK_D"
+    ).split(),
     "paged_decode_kernel": (
         "out_ptr q_ptr k_cache_ptr v_cache_ptr tables_ptr seq_lens_ptr group head_dim scale stride_qb stride_qh "
         "stride_ob stride_oh stride_kb stride_kt stride_kh stride_vb stride_vt stride_vh stride_table BLOCK_SIZE "
-        "BLOCK_ROWS BLOCK_G BLOCK_D").split(),
+        "BLOCK_ROWS BLOCK_G BLOCK_D"
+    ).split(),
     "q4_gemv_kernel": "x_ptr packed_ptr scales_ptr y_ptr M N K stride_xm stride_pn stride_sn stride_ym GROUP BLOCK_M "
-                      "BLOCK_N".split(),
+    "BLOCK_N".split(),
 }
-TASKS = {1: "lab15 task 1: online_softmax_kernel", 2: "lab15 task 2: flash_attention_kernel",
-         3: "lab15 task 3: paged_decode_kernel", 4: "lab15 task 4: q4_gemv_kernel"}
+TASKS = {
+    1: "lab15 task 1: online_softmax_kernel",
+    2: "lab15 task 2: flash_attention_kernel",
+    3: "lab15 task 3: paged_decode_kernel",
+    4: "lab15 task 4: q4_gemv_kernel",
+}
 LESSON = "chapter 15, section"
 CAUSAL_SECTION = f"{LESSON} “4 · Causal tiles and grouped heads”"
 MODEL_SECTION = f"{LESSON} “7 · The real model through the kernels”"
@@ -42,6 +48,7 @@ def task_parts(task: int, reference, drive) -> dict:
 
 
 # --- launching a learner's kernel -----------------------------------------------------------------------
+
 
 def _kernel_types() -> tuple[type, ...]:
     from infra_lib.kernels.triton_env import load_triton
@@ -57,12 +64,15 @@ def require_kernel(kernel, name: str) -> None:
     """A kernel exactly as ``@triton.jit`` makes it, with the task's parameters: the check launches it
     itself, so a Python function or object standing in for the kernel is refused."""
     if type(kernel) not in _kernel_types():
-        raise TypeError(f"{name} must be a Triton kernel, exactly as @triton.jit returns it: put @triton.jit on the "
-                        f"line above `def {name}(...)` (got a {type(kernel).__name__}); the check launches it itself")
+        raise TypeError(
+            f"{name} must be a Triton kernel, exactly as @triton.jit returns it: put @triton.jit on the "
+            f"line above `def {name}(...)` (got a {type(kernel).__name__}); the check launches it itself"
+        )
     names = list(kernel.arg_names)
     if names != SIGNATURES[name]:
-        raise TypeError(f"{name} must take the parameters ({', '.join(SIGNATURES[name])}) in that order, "
-                        f"got ({', '.join(names)})")
+        raise TypeError(
+            f"{name} must take the parameters ({', '.join(SIGNATURES[name])}) in that order, got ({', '.join(names)})"
+        )
 
 
 def _bits(tensor):
@@ -89,13 +99,15 @@ def launch(kernel, grid, args: tuple, meta: dict, inputs: dict | None = None) ->
     before = {name: _bits(t) for name, t in (inputs or {}).items()}
     interpreted = interpreter_active()
     try:
-        with (count_traffic() if interpreted else contextlib.nullcontext()) as traffic:
+        with count_traffic() if interpreted else contextlib.nullcontext() as traffic:
             report = check_bounds(kernel, grid, *args, raise_on_error=False, **meta)
     except Exception as exc:  # the learner's kernel may raise anything
         raise triton_cases.plain_error(exc, "lab15") from None
-    result = {"interpreted": interpreted, "violations": [v.as_dict() for v in report.violations],
-              "written_inputs": [name for name, bits in before.items()
-                                 if not torch.equal(bits, _bits(inputs[name]))]}
+    result = {
+        "interpreted": interpreted,
+        "violations": [v.as_dict() for v in report.violations],
+        "written_inputs": [name for name, bits in before.items() if not torch.equal(bits, _bits(inputs[name]))],
+    }
     if traffic is not None:
         result.update(bytes_loaded=traffic.bytes_loaded, bytes_stored=traffic.bytes_stored)
     return result
@@ -117,8 +129,12 @@ def _stated(atol: float, gpu_atol: float) -> Tolerance:
 
 
 # What the lab's text states for each kernel's outputs (tests/test_lab15.py reads it back from the text).
-TOLERANCES = {"online_softmax_kernel": _stated(1e-6, 1e-5), "flash_attention_kernel": _stated(2e-5, 2e-2),
-              "paged_decode_kernel": _stated(2e-5, 1e-3), "q4_gemv_kernel": _stated(1e-4, 3e-2)}
+TOLERANCES = {
+    "online_softmax_kernel": _stated(1e-6, 1e-5),
+    "flash_attention_kernel": _stated(2e-5, 2e-2),
+    "paged_decode_kernel": _stated(2e-5, 1e-3),
+    "q4_gemv_kernel": _stated(1e-4, 3e-2),
+}
 MODEL_LOGITS = _stated(1e-3, 2e-2)  # SmolLM2's logits after a prompt attended through the learner's kernel
 
 
@@ -164,8 +180,9 @@ class Failure:
     def matches(self, *names: str, key: str = "out") -> bool:
         """The learner's ``key`` equals one of the mistakes (by name) that the reference's side computed."""
         alternatives = self.expected.get("alternatives", {})
-        return any(name in alternatives and close(self.got[key], alternatives[name], max(self.atol, 1e-4))
-                   for name in names)
+        return any(
+            name in alternatives and close(self.got[key], alternatives[name], max(self.atol, 1e-4)) for name in names
+        )
 
     def non_finite(self, key: str = "out") -> bool:
         """NaN or inf in the learner's ``key`` where the reference's is finite."""
@@ -177,7 +194,8 @@ class Failure:
     def only_where(self, feature: Callable[[dict], bool]) -> bool:
         """Every failing case has ``feature``, and some case without it passed."""
         return all(feature(self.cases[i]) for i in self.failing) and any(
-            not feature(c) for i, c in enumerate(self.cases) if i not in self.failing)
+            not feature(c) for i, c in enumerate(self.cases) if i not in self.failing
+        )
 
 
 def close(got, expected, atol: float) -> bool:
@@ -190,23 +208,29 @@ def close(got, expected, atol: float) -> bool:
 
 def gaps_hint(argument: str, section: str) -> str:
     """The hint for an access in the gaps of a tensor whose rows are padded: a mask or a stride."""
-    return (f"an access landed in the gaps between the rows of `{argument}`, whose rows are padded here: each tensor "
-            "is walked with its own strides, passed in as arguments, never with another tensor's or with an assumed "
-            f"row length, and lanes past the end of a row (past head_dim, N or n_cols) are switched off ({section}).")
+    return (
+        f"an access landed in the gaps between the rows of `{argument}`, whose rows are padded here: each tensor "
+        "is walked with its own strides, passed in as arguments, never with another tensor's or with an assumed "
+        f"row length, and lanes past the end of a row (past head_dim, N or n_cols) are switched off ({section})."
+    )
 
 
 def _access_problem(spec: KernelSpec, g: dict, where: str) -> Mismatch | None:
     if g["violations"]:
         first = g["violations"][0]
-        what = f"{spec.name} {triton_cases.outside(first)}" + (" (and the values reached its outputs)"
-                                                              if first["kind"] == "load" else "")
+        what = f"{spec.name} {triton_cases.outside(first)}" + (
+            " (and the values reached its outputs)" if first["kind"] == "load" else ""
+        )
         details = "; ".join(f"{triton_cases.outside(v)}: {v['elements']} element(s)" for v in g["violations"])
         return Mismatch(what, f"on {where}: {details}", hint=spec.access_hint(first))
     if g["written_inputs"]:
         names = ", ".join(f"`{name}`" for name in g["written_inputs"])
-        return Mismatch(f"{spec.name} wrote into {names}, which it must only read", f"on {where}",
-                        hint="a kernel's inputs are shared memory (in a server, the KV cache holds every sequence's "
-                        "keys and values): it reads them and stores only into its outputs.")
+        return Mismatch(
+            f"{spec.name} wrote into {names}, which it must only read",
+            f"on {where}",
+            hint="a kernel's inputs are shared memory (in a server, the KV cache holds every sequence's "
+            "keys and values): it reads them and stores only into its outputs.",
+        )
     return None
 
 
@@ -219,15 +243,20 @@ def _output_problem(spec: KernelSpec, g: dict, e: dict, where: str) -> Mismatch 
         if got.shape == expected.shape:
             unwritten = (got == UNWRITTEN) & (expected != UNWRITTEN)
             if unwritten.any():
-                return Mismatch(f"{spec.name} left elements of `{argument}` unwritten",
-                                f"on {where}: {int(unwritten.sum())} of {got.size} elements still hold the "
-                                f"{UNWRITTEN:g} they held before the launch")
+                return Mismatch(
+                    f"{spec.name} left elements of `{argument}` unwritten",
+                    f"on {where}: {int(unwritten.sum())} of {got.size} elements still hold the "
+                    f"{UNWRITTEN:g} they held before the launch",
+                )
             bad = np.isfinite(expected) & ~np.isfinite(got)
             if bad.any():
-                return Mismatch(f"{spec.name} stored NaN or inf into `{argument}` where the result is finite",
-                                f"on {where}: {int(bad.sum())} of {got.size} elements")
-        problem = array_mismatch(g[key], e[key], f"{spec.name}'s `{argument}` differs from the reference", where,
-                                 atol=atol, rtol=rtol)
+                return Mismatch(
+                    f"{spec.name} stored NaN or inf into `{argument}` where the result is finite",
+                    f"on {where}: {int(bad.sum())} of {got.size} elements",
+                )
+        problem = array_mismatch(
+            g[key], e[key], f"{spec.name}'s `{argument}` differs from the reference", where, atol=atol, rtol=rtol
+        )
         if problem:
             return problem
     return None
@@ -275,6 +304,7 @@ def compare_traffic(spec: KernelSpec, budget: str):
 
 # --- the drivers' pieces ---------------------------------------------------------------------------------
 
+
 def draw_seed(rng: random.Random) -> int:
     """A case's seed for its tensors."""
     return rng.randrange(10**6)
@@ -310,6 +340,7 @@ def attention64(q, k, v, visible, kv_of_head):
 
 # --- a model attending through a kernel ---------------------------------------------------------------------
 
+
 def launch_in_a_model(kernel, name: str, grid, args: tuple, meta: dict) -> None:
     """``launch`` inside a model's forward pass: an access outside a tensor stops the model, named."""
     violations = launch(kernel, grid, args, meta)["violations"]
@@ -332,6 +363,9 @@ def _model_input(case: dict, prompt) -> str:
 
 # Greedy decoding through the learner's kernel against the reference's: the logits after the prompt where
 # the reference recorded them, within MODEL_LOGITS, then the tokens.
-compare_in_model = in_model_comparison(_model_input, "the model's logits after the prompt differ",
-                                       "greedy decoding through your kernel produced different tokens",
-                                       MODEL_LOGITS.for_sides)
+compare_in_model = in_model_comparison(
+    _model_input,
+    "the model's logits after the prompt differ",
+    "greedy decoding through your kernel produced different tokens",
+    MODEL_LOGITS.for_sides,
+)

@@ -20,16 +20,58 @@ from infra_lib.apps.agents.graph import CompiledGraph, Node, StateGraph
 from infra_lib.apps.agents.models import ChatReply, OpenAIChatModel, ScriptedModel, parse_tool_calls
 from infra_lib.apps.agents.retry import NodeTimeout, RetryPolicy, backoff_delays, call_with_retry, with_timeout
 from infra_lib.apps.agents.router import Price, Router, keyword_rule, length_rule
-from infra_lib.apps.agents.runner import (END, START, Command, GraphInterrupt, GraphRecursionError, Interrupt,
-                                          TraceEvent, interrupt, merge_update, next_node, run_graph)
+from infra_lib.apps.agents.runner import (
+    END,
+    START,
+    Command,
+    GraphInterrupt,
+    GraphRecursionError,
+    Interrupt,
+    TraceEvent,
+    interrupt,
+    merge_update,
+    next_node,
+    run_graph,
+)
 from infra_lib.apps.agents.tools import Tool, ToolCall, run_tool_call, tool
 
 __all__ = [
     # the runtime
-    "END", "START", "Checkpoint", "Command", "CompiledGraph", "GraphInterrupt", "GraphRecursionError", "Interrupt",
-    "MemoryCheckpointer", "Node", "NodeTimeout", "RetryPolicy", "SqliteCheckpointer", "StateGraph", "TraceEvent",
-    "backoff_delays", "call_with_retry", "interrupt", "merge_update", "next_node", "run_graph", "with_timeout",
+    "END",
+    "START",
+    "Checkpoint",
+    "Command",
+    "CompiledGraph",
+    "GraphInterrupt",
+    "GraphRecursionError",
+    "Interrupt",
+    "MemoryCheckpointer",
+    "Node",
+    "NodeTimeout",
+    "RetryPolicy",
+    "SqliteCheckpointer",
+    "StateGraph",
+    "TraceEvent",
+    "backoff_delays",
+    "call_with_retry",
+    "interrupt",
+    "merge_update",
+    "next_node",
+    "run_graph",
+    "with_timeout",
     # tools, models, the agent, routing
-    "AgentResult", "ChatReply", "OpenAIChatModel", "Price", "Router", "ScriptedModel", "Tool", "ToolAgent", "ToolCall",
-    "keyword_rule", "length_rule", "parse_tool_calls", "run_tool_call", "tool",
+    "AgentResult",
+    "ChatReply",
+    "OpenAIChatModel",
+    "Price",
+    "Router",
+    "ScriptedModel",
+    "Tool",
+    "ToolAgent",
+    "ToolCall",
+    "keyword_rule",
+    "length_rule",
+    "parse_tool_calls",
+    "run_tool_call",
+    "tool",
 ]

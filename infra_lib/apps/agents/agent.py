@@ -26,8 +26,8 @@ from infra_lib.apps.agents.tools import Tool, run_tool_call
 
 class AgentState(TypedDict):
     messages: Annotated[list, operator.add]  # the conversation: system, user, assistant and tool messages
-    turns: int                               # model replies so far in this run
-    usage: Annotated[list, operator.add]     # one {"model", "prompt_tokens", "completion_tokens"} per reply
+    turns: int  # model replies so far in this run
+    usage: Annotated[list, operator.add]  # one {"model", "prompt_tokens", "completion_tokens"} per reply
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class ToolAgent:
     """A model that may call tools, in a loop, until it answers or ``max_turns`` model replies are used.
 
     Args:
-        model: anything with ``chat(messages, tools) -> ChatReply`` (``OpenAIChatModel``, ``ScriptedModel``, ``Router``).
+        model: anything with ``chat(messages, tools) -> ChatReply`` (``OpenAIChatModel``, ``ScriptedModel``,
+            ``Router``).
         tools: the tools it may call.
         system_prompt: put before the conversation (the tool instructions are added by the model client).
         max_turns: the most model replies per run.
@@ -67,8 +68,15 @@ class ToolAgent:
         checkpointer: where the conversation is checkpointed (default: none kept between runs).
     """
 
-    def __init__(self, model, tools: Sequence[Tool], system_prompt: str | None = None, max_turns: int = 4,
-                 retry: RetryPolicy | None = None, checkpointer=None):
+    def __init__(
+        self,
+        model,
+        tools: Sequence[Tool],
+        system_prompt: str | None = None,
+        max_turns: int = 4,
+        retry: RetryPolicy | None = None,
+        checkpointer=None,
+    ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.model, self.tools = model, {t.name: t for t in tools}
@@ -85,7 +93,11 @@ class ToolAgent:
         """The ``model`` node: one reply, with its tool calls and token usage."""
         reply = self.model.chat(state["messages"], list(self.tools.values()))
         message = {"role": "assistant", "content": reply.text, "tool_calls": [c.as_dict() for c in reply.tool_calls]}
-        usage = {"model": reply.model, "prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens}
+        usage = {
+            "model": reply.model,
+            "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": reply.completion_tokens,
+        }
         return {"messages": [message], "turns": state.get("turns", 0) + 1, "usage": [usage]}
 
     def call_tools(self, state: dict) -> dict:
@@ -97,17 +109,26 @@ class ToolAgent:
         asked = bool(state["messages"][-1].get("tool_calls"))
         return "tools" if asked and state["turns"] < self.max_turns else END
 
-    def run(self, question: str, *, thread_id: str = "agent", sleep: Callable[[float], None] = time.sleep) -> AgentResult:
+    def run(
+        self, question: str, *, thread_id: str = "agent", sleep: Callable[[float], None] = time.sleep
+    ) -> AgentResult:
         """Answer ``question`` (a new user message on ``thread_id``; a finished thread keeps its history)."""
         start = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         if self.graph.get_state(thread_id) is not None:
             start = []  # the thread already has its system message
-        state = self.graph.invoke({"messages": [*start, {"role": "user", "content": question}], "turns": 0,
-                                   "usage": []}, thread_id=thread_id, max_steps=2 * self.max_turns + 1, sleep=sleep)
+        state = self.graph.invoke(
+            {"messages": [*start, {"role": "user", "content": question}], "turns": 0, "usage": []},
+            thread_id=thread_id,
+            max_steps=2 * self.max_turns + 1,
+            sleep=sleep,
+        )
         messages = state["messages"]
         answers = [m["content"] for m in messages if m["role"] == "assistant" and not m.get("tool_calls")]
-        return AgentResult(answer=answers[-1] if answers and not messages[-1].get("tool_calls") else "",
-                           messages=messages,
-                           tool_calls=[c for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])],
-                           tool_results=[m for m in messages if m["role"] == "tool"],
-                           trace=list(self.graph.trace), usage=state["usage"])
+        return AgentResult(
+            answer=answers[-1] if answers and not messages[-1].get("tool_calls") else "",
+            messages=messages,
+            tool_calls=[c for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])],
+            tool_results=[m for m in messages if m["role"] == "tool"],
+            trace=list(self.graph.trace),
+            usage=state["usage"],
+        )

@@ -41,7 +41,8 @@ class Checkpoint:
 
 
 class MemoryCheckpointer:
-    """Checkpoints in a dict, per thread, deep-copied in and out (a node that mutates its state cannot change history)."""
+    """Checkpoints in a dict, per thread, deep-copied in and out (a node that mutates its state cannot change
+    history)."""
 
     def __init__(self):
         self._threads: dict[str, list[Checkpoint]] = {}
@@ -77,19 +78,30 @@ class SqliteCheckpointer:
     def __init__(self, path: str | Path):
         self.path = str(path)
         with closing(sqlite3.connect(self.path)) as db, db:
-            db.execute("CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                       "thread_id TEXT NOT NULL, step INTEGER NOT NULL, node TEXT NOT NULL, next_node TEXT NOT NULL, "
-                       "state TEXT NOT NULL, pending_interrupt TEXT NOT NULL, resume_values TEXT NOT NULL)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "thread_id TEXT NOT NULL, step INTEGER NOT NULL, node TEXT NOT NULL, next_node TEXT NOT NULL, "
+                "state TEXT NOT NULL, pending_interrupt TEXT NOT NULL, resume_values TEXT NOT NULL)"
+            )
             db.execute("CREATE INDEX IF NOT EXISTS by_thread ON checkpoints (thread_id, id)")
 
     def put(self, thread_id: str, checkpoint: Checkpoint) -> None:
         """Append ``checkpoint`` to ``thread_id``'s history (TypeError if a value does not survive JSON)."""
-        row = (thread_id, checkpoint.step, checkpoint.node, checkpoint.next_node,
-               _to_json(checkpoint.state, "state"), _to_json(checkpoint.pending_interrupt, "pending_interrupt"),
-               _to_json(list(checkpoint.resume_values), "resume_values"))
+        row = (
+            thread_id,
+            checkpoint.step,
+            checkpoint.node,
+            checkpoint.next_node,
+            _to_json(checkpoint.state, "state"),
+            _to_json(checkpoint.pending_interrupt, "pending_interrupt"),
+            _to_json(list(checkpoint.resume_values), "resume_values"),
+        )
         with closing(sqlite3.connect(self.path)) as db, db:
-            db.execute("INSERT INTO checkpoints (thread_id, step, node, next_node, state, pending_interrupt, "
-                       "resume_values) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            db.execute(
+                "INSERT INTO checkpoints (thread_id, step, node, next_node, state, pending_interrupt, "
+                "resume_values) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
 
     def latest(self, thread_id: str) -> Checkpoint | None:
         """The newest checkpoint of ``thread_id``, or None if it has none."""
@@ -107,11 +119,22 @@ class SqliteCheckpointer:
 
     def _rows(self, thread_id: str, order: str) -> list[Checkpoint]:
         with closing(sqlite3.connect(self.path)) as db:
-            rows = db.execute("SELECT step, node, next_node, state, pending_interrupt, resume_values "
-                              f"FROM checkpoints WHERE thread_id = ? {order}", (thread_id,)).fetchall()
-        return [Checkpoint(step=step, node=node, next_node=next_node, state=json.loads(state),
-                           pending_interrupt=json.loads(pending), resume_values=tuple(json.loads(resumes)))
-                for step, node, next_node, state, pending, resumes in rows]
+            rows = db.execute(
+                "SELECT step, node, next_node, state, pending_interrupt, resume_values "
+                f"FROM checkpoints WHERE thread_id = ? {order}",
+                (thread_id,),
+            ).fetchall()
+        return [
+            Checkpoint(
+                step=step,
+                node=node,
+                next_node=next_node,
+                state=json.loads(state),
+                pending_interrupt=json.loads(pending),
+                resume_values=tuple(json.loads(resumes)),
+            )
+            for step, node, next_node, state, pending, resumes in rows
+        ]
 
 
 def _to_json(value: Any, what: str) -> str:
@@ -131,6 +154,8 @@ def _to_json(value: Any, what: str) -> str:
             problem = "comes back changed from JSON (a tuple becomes a list, non-string dict keys become strings)"
         except (TypeError, ValueError) as error:
             problem = f"is not JSON-serialisable ({error})"
-        raise TypeError(f"{what}[{key!r}] = {item!r:.80} {problem}: SqliteCheckpointer stores JSON; keep the "
-                        "state to dicts, lists, strings, finite numbers, booleans and None")
+        raise TypeError(
+            f"{what}[{key!r}] = {item!r:.80} {problem}: SqliteCheckpointer stores JSON; keep the "
+            "state to dicts, lists, strings, finite numbers, booleans and None"
+        )
     raise TypeError(f"{what} {value!r:.80} does not survive JSON: SqliteCheckpointer stores JSON")

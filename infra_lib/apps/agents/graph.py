@@ -28,11 +28,23 @@ from typing import Any
 
 from infra_lib.apps.agents.checkpoint import Checkpoint, MemoryCheckpointer
 from infra_lib.apps.agents.retry import RetryPolicy, with_timeout
-from infra_lib.apps.agents.runner import (END, START, Command, GraphInterrupt, Interrupt, Reducers, TraceEvent,
-                                          answering, merge_update, run_graph)
+from infra_lib.apps.agents.runner import (
+    END,
+    START,
+    Command,
+    GraphInterrupt,
+    Interrupt,
+    Reducers,
+    TraceEvent,
+    answering,
+    merge_update,
+    run_graph,
+)
 
-_ONE_EDGE = "this runtime runs one node at a time, so each node has exactly one outgoing edge; " \
-            "to choose among several next nodes, use one add_conditional_edges"
+_ONE_EDGE = (
+    "this runtime runs one node at a time, so each node has exactly one outgoing edge; "
+    "to choose among several next nodes, use one add_conditional_edges"
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +62,11 @@ def schema_reducers(schema: type) -> Reducers:
     if not (isinstance(schema, type) and issubclass(schema, dict) and hasattr(schema, "__annotations__")):
         raise TypeError(f"the state schema must be a TypedDict class, got {schema!r}")
     hints = typing.get_type_hints(schema, include_extras=True)
-    reducers = {key: hint.__metadata__[-1] for key, hint in hints.items()
-                if typing.get_origin(hint) is typing.Annotated and callable(hint.__metadata__[-1])}
+    reducers = {
+        key: hint.__metadata__[-1]
+        for key, hint in hints.items()
+        if typing.get_origin(hint) is typing.Annotated and callable(hint.__metadata__[-1])
+    }
     return Reducers(reducers, frozenset(hints))
 
 
@@ -71,8 +86,14 @@ class StateGraph:
         self.branches: dict[str, tuple[Callable[[dict], Any], dict | None]] = {}
         self.entry: str | None = None
 
-    def add_node(self, name: str, fn: Callable[[dict], dict | None], *, retry: RetryPolicy | None = None,
-                 timeout: float | None = None) -> StateGraph:
+    def add_node(
+        self,
+        name: str,
+        fn: Callable[[dict], dict | None],
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ) -> StateGraph:
         """Add node ``name`` running ``fn(state)``, tried again per ``retry``, cut off after ``timeout`` seconds."""
         if not isinstance(name, str) or not name or name in (START, END):
             raise ValueError(f"a node name must be a non-empty string other than START and END, got {name!r}")
@@ -100,8 +121,9 @@ class StateGraph:
         self.edges[src] = dst
         return self
 
-    def add_conditional_edges(self, src: str, router: Callable[[dict], Any],
-                              mapping: dict | list | None = None) -> StateGraph:
+    def add_conditional_edges(
+        self, src: str, router: Callable[[dict], Any], mapping: dict | list | None = None
+    ) -> StateGraph:
         """After ``src`` run the node ``router(state)`` names (through ``mapping``, if given: its key -> node)."""
         if src in (START, END):
             raise ValueError(f"conditional edges must leave a node, not {src!r}; the entry is add_edge(START, node)")
@@ -125,7 +147,9 @@ class StateGraph:
         targets |= {dst: src for src, (_, mapping) in self.branches.items() for dst in (mapping or {}).values()}
         for dst, src in targets.items():
             if dst != END and dst not in self.nodes:
-                raise ValueError(f"an edge from {src!r} goes to {dst!r}, which is not a node; nodes: {sorted(self.nodes)}")
+                raise ValueError(
+                    f"an edge from {src!r} goes to {dst!r}, which is not a node; nodes: {sorted(self.nodes)}"
+                )
         for src in [*self.edges, *self.branches]:
             if src not in self.nodes:
                 raise ValueError(f"an edge leaves {src!r}, which is not a node; add it with graph.add_node")
@@ -199,8 +223,14 @@ class CompiledGraph:
         """The latest checkpoint of ``thread_id`` (None if it has none, or without a checkpointer)."""
         return self.checkpointer.latest(thread_id) if self.checkpointer is not None else None
 
-    def invoke(self, state_or_command: dict | Command | None, *, thread_id: str = "default", max_steps: int = 25,
-               sleep: Callable[[float], None] = time.sleep) -> dict:
+    def invoke(
+        self,
+        state_or_command: dict | Command | None,
+        *,
+        thread_id: str = "default",
+        max_steps: int = 25,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> dict:
         """Run to END, or until a node interrupts (then the result holds ``"__interrupt__": [Interrupt]``).
 
         Args:
@@ -217,8 +247,14 @@ class CompiledGraph:
         self.trace = []
         return self._run(state_or_command, thread_id, max_steps, sleep, self.trace)
 
-    def stream(self, state_or_command: dict | Command | None, *, thread_id: str = "default", max_steps: int = 25,
-               sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, str, dict | None]]:
+    def stream(
+        self,
+        state_or_command: dict | Command | None,
+        *,
+        thread_id: str = "default",
+        max_steps: int = 25,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> Iterator[tuple[int, str, dict | None]]:
         """Like ``invoke``, yielding ``(step, node, update)`` as each node finishes (the run goes on a worker thread).
 
         An interrupt is yielded last as ``(step, "__interrupt__", {"__interrupt__": [Interrupt]})``. A consumer
@@ -257,20 +293,37 @@ class CompiledGraph:
         resume = self._prepare(given, thread_id, checkpointer)
         token = _RESUME.set(resume)
         try:
-            return run_graph(self, None if isinstance(given, Command) else given, checkpointer=checkpointer,
-                             thread_id=thread_id, max_steps=max_steps, sleep=sleep, trace=trace)
+            return run_graph(
+                self,
+                None if isinstance(given, Command) else given,
+                checkpointer=checkpointer,
+                thread_id=thread_id,
+                max_steps=max_steps,
+                sleep=sleep,
+                trace=trace,
+            )
         except GraphInterrupt as asked:
             if self.checkpointer is None:
-                raise RuntimeError(f"node {asked.node!r} called interrupt(), which needs a checkpointer to resume "
-                                   "from: compile(checkpointer=MemoryCheckpointer())") from None
+                raise RuntimeError(
+                    f"node {asked.node!r} called interrupt(), which needs a checkpointer to resume "
+                    "from: compile(checkpointer=MemoryCheckpointer())"
+                ) from None
             last = checkpointer.latest(thread_id)
             if last is not None:  # the state before the node that asked
                 state, step = last.state, last.step
             else:
                 state, step = merge_update({}, given, self.reducers), 0
-            checkpointer.put(thread_id, Checkpoint(step=step, node=asked.node, next_node=asked.node, state=state,
-                                                   pending_interrupt=asked.value,
-                                                   resume_values=resume.get(asked.node, ())))
+            checkpointer.put(
+                thread_id,
+                Checkpoint(
+                    step=step,
+                    node=asked.node,
+                    next_node=asked.node,
+                    state=state,
+                    pending_interrupt=asked.value,
+                    resume_values=resume.get(asked.node, ()),
+                ),
+            )
             return {**state, "__interrupt__": [Interrupt(asked.value, asked.node)]}
         finally:
             _RESUME.reset(token)
@@ -284,17 +337,25 @@ class CompiledGraph:
                 raise ValueError(f"{where} has no pending interrupt to answer; Command(resume=...) answers one")
             return {last.next_node: (*last.resume_values, given.resume)}
         if last is not None and last.pending_interrupt is not None:
-            raise ValueError(f"{where} waits for an answer to {last.pending_interrupt!r} (node {last.next_node!r}): "
-                             "invoke(Command(resume=answer), thread_id=...)")
+            raise ValueError(
+                f"{where} waits for an answer to {last.pending_interrupt!r} (node {last.next_node!r}): "
+                "invoke(Command(resume=answer), thread_id=...)"
+            )
         if given is None:
             if last is None:
                 raise ValueError(f"{where} has no checkpoint to resume from: give an input state")
         elif not isinstance(given, dict):
             raise TypeError(f"invoke takes a state dict, None (resume) or Command(resume=...), got {given!r:.80}")
         elif last is not None and last.next_node != END:
-            raise ValueError(f"{where} stopped at step {last.step} before node {last.next_node!r}: resume it with "
-                             "invoke(None, thread_id=...), or clear it / use a new thread_id to start over")
+            raise ValueError(
+                f"{where} stopped at step {last.step} before node {last.next_node!r}: resume it with "
+                "invoke(None, thread_id=...), or clear it / use a new thread_id to start over"
+            )
         elif last is not None:  # a new run on a finished thread starts from its state, as in LangGraph
-            checkpointer.put(thread_id, Checkpoint(step=0, node=START, next_node=self.entry,
-                                                   state=merge_update(last.state, given, self.reducers)))
+            checkpointer.put(
+                thread_id,
+                Checkpoint(
+                    step=0, node=START, next_node=self.entry, state=merge_update(last.state, given, self.reducers)
+                ),
+            )
         return {}

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 from infra_lib.apps.agents.tools import Tool, ToolCall
 
-TOOL_PROMPT = ("You can call tools. Tools:\n{tools}\n"
-               'To call a tool, reply with only a JSON object: {{"name": "<tool name>", "arguments": {{...}}}}.\n'
-               "When a tool result is given, reply with the final answer in one sentence.")
+TOOL_PROMPT = (
+    "You can call tools. Tools:\n{tools}\n"
+    'To call a tool, reply with only a JSON object: {{"name": "<tool name>", "arguments": {{...}}}}.\n'
+    "When a tool result is given, reply with the final answer in one sentence."
+)
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,12 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> list[ToolCall]:
 
 def tool_example(question: str, call: ToolCall, result: str, answer: str) -> list[dict]:
     """A worked exchange for few-shot prompting: question, tool call, tool result, final answer."""
-    return [{"role": "user", "content": question},
-            {"role": "assistant", "content": "", "tool_calls": [call.as_dict()]},
-            {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result},
-            {"role": "assistant", "content": answer}]
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call.as_dict()]},
+        {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result},
+        {"role": "assistant", "content": answer},
+    ]
 
 
 def to_wire(messages: Sequence[dict], tools: Sequence[Tool] = (), examples: Sequence[dict] = ()) -> list[dict]:
@@ -80,7 +84,9 @@ def to_wire(messages: Sequence[dict], tools: Sequence[Tool] = (), examples: Sequ
         if message["role"] == "tool":
             wire.append({"role": "user", "content": f"Tool result ({message['name']}): {message['content']}"})
         elif message.get("tool_calls"):
-            text = "\n".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in message["tool_calls"])
+            text = "\n".join(
+                json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in message["tool_calls"]
+            )
             wire.append({"role": "assistant", "content": text})
         else:
             wire.append({"role": message["role"], "content": message["content"]})
@@ -99,8 +105,15 @@ class OpenAIChatModel:
         examples: few-shot exchanges (``tool_example``) shown before the conversation when tools are offered.
     """
 
-    def __init__(self, base_url: str, model: str, api_key: str = "x", temperature: float = 0.0, max_tokens: int = 96,
-                 examples: Sequence[dict] = ()):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "x",
+        temperature: float = 0.0,
+        max_tokens: int = 96,
+        examples: Sequence[dict] = (),
+    ):
         from openai import OpenAI
 
         self.client = OpenAI(base_url=base_url, api_key=api_key)
@@ -109,13 +122,18 @@ class OpenAIChatModel:
 
     def chat(self, messages: Sequence[dict], tools: Sequence[Tool] = ()) -> ChatReply:
         """One reply to ``messages``; its tool calls are parsed only when ``tools`` are offered."""
-        response = self.client.chat.completions.create(model=self.model, messages=to_wire(messages, tools, self.examples),
-                                                       temperature=self.temperature, max_tokens=self.max_tokens)
+        response = self.client.chat.completions.create(
+            model=self.model,
+            messages=to_wire(messages, tools, self.examples),
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+        )
         text = response.choices[0].message.content or ""
         calls = parse_tool_calls(text, f"call_{len(messages)}") if tools else []
         usage = response.usage
-        return ChatReply(text, calls, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
-                         self.model)
+        return ChatReply(
+            text, calls, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0, self.model
+        )
 
 
 def count_words(text: str) -> int:
@@ -132,15 +150,21 @@ class ScriptedModel:
         count_tokens: how tokens are counted for text replies (default: words).
     """
 
-    def __init__(self, replies: Iterable[ChatReply | str], name: str = "scripted",
-                 count_tokens: Callable[[str], int] = count_words):
+    def __init__(
+        self,
+        replies: Iterable[ChatReply | str],
+        name: str = "scripted",
+        count_tokens: Callable[[str], int] = count_words,
+    ):
         self.replies, self.name, self.count_tokens = list(replies), name, count_tokens
         self.calls: list[tuple[list[dict], list[Tool]]] = []
 
     def chat(self, messages: Sequence[dict], tools: Sequence[Tool] = ()) -> ChatReply:
         if len(self.calls) >= len(self.replies):
-            raise RuntimeError(f"ScriptedModel {self.name!r} has no reply left: it was scripted with "
-                               f"{len(self.replies)} and is asked for number {len(self.calls) + 1}")
+            raise RuntimeError(
+                f"ScriptedModel {self.name!r} has no reply left: it was scripted with "
+                f"{len(self.replies)} and is asked for number {len(self.calls) + 1}"
+            )
         reply = self.replies[len(self.calls)]
         self.calls.append((list(messages), list(tools)))
         if isinstance(reply, ChatReply):

@@ -60,8 +60,10 @@ class RetryPolicy:
             if bad:
                 raise ValueError(f"retry_on must hold exception classes, got {bad!r}")
         elif not callable(self.retry_on):
-            raise ValueError("retry_on must be a tuple of exception classes or a predicate(exception) -> bool, "
-                             f"got {self.retry_on!r}")
+            raise ValueError(
+                "retry_on must be a tuple of exception classes or a predicate(exception) -> bool, "
+                f"got {self.retry_on!r}"
+            )
 
     def should_retry(self, error: BaseException) -> bool:
         """Whether ``error`` is one this policy retries."""
@@ -72,13 +74,20 @@ class RetryPolicy:
 
 def backoff_delays(policy: RetryPolicy) -> list[float]:
     """The sleeps between attempts, in seconds: ``max_attempts - 1`` values, growing geometrically to the cap."""
-    return [min(policy.initial_interval * policy.backoff_factor ** i, policy.max_interval)
-            for i in range(policy.max_attempts - 1)]
+    return [
+        min(policy.initial_interval * policy.backoff_factor**i, policy.max_interval)
+        for i in range(policy.max_attempts - 1)
+    ]
 
 
-def call_with_retry(fn: Callable[[dict], Any], state: dict, policy: RetryPolicy | None, *,
-                    sleep: Callable[[float], None] = time.sleep,
-                    on_attempt: Callable[[int, BaseException | None], None] | None = None) -> Any:
+def call_with_retry(
+    fn: Callable[[dict], Any],
+    state: dict,
+    policy: RetryPolicy | None,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    on_attempt: Callable[[int, BaseException | None], None] | None = None,
+) -> Any:
     """``fn(state)``, tried again after the errors ``policy`` retries.
 
     Args:
@@ -134,8 +143,10 @@ def with_timeout(fn: Callable[[dict], Any], seconds: float, name: str = "node") 
         worker.start()
         worker.join(seconds)
         if worker.is_alive():
-            raise NodeTimeout(f"node {name!r} ran longer than its timeout of {seconds} s (the call goes on in "
-                              "the background; raise the timeout, or make the node faster or idempotent)")
+            raise NodeTimeout(
+                f"node {name!r} ran longer than its timeout of {seconds} s (the call goes on in "
+                "the background; raise the timeout, or make the node faster or idempotent)"
+            )
         if "error" in outcome:
             raise outcome["error"]
         return outcome.get("value")

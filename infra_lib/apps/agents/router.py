@@ -43,8 +43,10 @@ def _last_user_text(messages: Sequence[dict]) -> str:
 
 def length_rule(max_chars: int = 200) -> Callable[[Sequence[dict], Sequence[Tool]], str]:
     """Strong for a last user message longer than ``max_chars`` characters, cheap otherwise."""
+
     def rule(messages: Sequence[dict], tools: Sequence[Tool] = ()) -> str:
         return "strong" if len(_last_user_text(messages)) > max_chars else "cheap"
+
     rule.__doc__ = f"strong if the question is longer than {max_chars} characters"
     return rule
 
@@ -56,6 +58,7 @@ def keyword_rule(keywords: Iterable[str]) -> Callable[[Sequence[dict], Sequence[
     def rule(messages: Sequence[dict], tools: Sequence[Tool] = ()) -> str:
         text = _last_user_text(messages).lower()
         return "strong" if any(w in text for w in words) else "cheap"
+
     rule.__doc__ = f"strong if the question mentions one of {words}"
     return rule
 
@@ -89,10 +92,16 @@ class Router:
         """Answer with the chosen model and record the request's tokens and cost."""
         choice = self.route(messages, tools)
         reply = self.models[choice].chat(messages, tools)
-        self.records.append({"route": choice, "model": reply.model, "prompt_tokens": reply.prompt_tokens,
-                             "completion_tokens": reply.completion_tokens,
-                             "cost": self.prices[choice].cost(reply.prompt_tokens, reply.completion_tokens),
-                             "strong_cost": self.prices["strong"].cost(reply.prompt_tokens, reply.completion_tokens)})
+        self.records.append(
+            {
+                "route": choice,
+                "model": reply.model,
+                "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": reply.completion_tokens,
+                "cost": self.prices[choice].cost(reply.prompt_tokens, reply.completion_tokens),
+                "strong_cost": self.prices["strong"].cost(reply.prompt_tokens, reply.completion_tokens),
+            }
+        )
         return reply
 
     def summary(self) -> dict:
@@ -106,5 +115,9 @@ class Router:
             row["cost"] += record["cost"]
         total = sum(row["cost"] for row in table.values())
         baseline = sum(record["strong_cost"] for record in self.records)
-        return {**table, "total_cost": total, "all_strong_cost_same_tokens": baseline,
-                "saving": 1 - total / baseline if baseline else 0.0}
+        return {
+            **table,
+            "total_cost": total,
+            "all_strong_cost_same_tokens": baseline,
+            "saving": 1 - total / baseline if baseline else 0.0,
+        }

@@ -145,8 +145,10 @@ def merge_update(state: dict, update: dict | None, reducers: dict[str, Callable[
     schema = getattr(reducers, "schema", None)
     for key, value in (update or {}).items():
         if schema is not None and key not in schema:
-            raise ValueError(f"the update sets {key!r}, which is not a key of the state schema {sorted(schema)}; "
-                             "add it to the TypedDict or fix the node")
+            raise ValueError(
+                f"the update sets {key!r}, which is not a key of the state schema {sorted(schema)}; "
+                "add it to the TypedDict or fix the node"
+            )
         reducer = reducers.get(key)
         merged[key] = reducer(merged[key], value) if reducer is not None and key in merged else value
     return merged
@@ -165,13 +167,17 @@ def next_node(graph, current: str, state: dict) -> str:
             try:
                 target = mapping[choice]
             except (KeyError, TypeError):
-                raise ValueError(f"the router of {current!r} returned {choice!r}, which is not a key of its "
-                                 f"mapping; allowed: {list(mapping)}") from None
+                raise ValueError(
+                    f"the router of {current!r} returned {choice!r}, which is not a key of its "
+                    f"mapping; allowed: {list(mapping)}"
+                ) from None
         else:
             target = choice
         if not isinstance(target, str) or (target != END and target not in graph.nodes):
-            raise ValueError(f"the router of {current!r} returned {choice!r}, which is not a node or END; "
-                             f"allowed targets: {sorted(graph.nodes) + [END]}")
+            raise ValueError(
+                f"the router of {current!r} returned {choice!r}, which is not a node or END; "
+                f"allowed targets: {sorted(graph.nodes) + [END]}"
+            )
         return target
     if current in graph.edges:
         return graph.edges[current]
@@ -191,8 +197,14 @@ class AttemptLog:
         self.started = time.perf_counter()
 
     def on_attempt(self, attempt: int, error: BaseException | None) -> None:
-        event = TraceEvent(self.step, self.node, attempt, time.perf_counter() - self.started,
-                           None if error is None else f"{type(error).__name__}: {error}", None)
+        event = TraceEvent(
+            self.step,
+            self.node,
+            attempt,
+            time.perf_counter() - self.started,
+            None if error is None else f"{type(error).__name__}: {error}",
+            None,
+        )
         if error is None:
             self.succeeded = event  # recorded with its update in done()
         else:
@@ -202,8 +214,16 @@ class AttemptLog:
         self.trace.append(replace(self.succeeded, update=update))
 
 
-def run_graph(graph, state: dict | None, *, checkpointer, thread_id: str, max_steps: int = 25,
-              sleep: Callable[[float], None] = time.sleep, trace: list | None = None) -> dict:
+def run_graph(
+    graph,
+    state: dict | None,
+    *,
+    checkpointer,
+    thread_id: str,
+    max_steps: int = 25,
+    sleep: Callable[[float], None] = time.sleep,
+    trace: list | None = None,
+) -> dict:
     """Run ``graph`` to END, one node per step, checkpointing after each; resume if the thread has a checkpoint.
 
     Args:
@@ -225,11 +245,18 @@ def run_graph(graph, state: dict | None, *, checkpointer, thread_id: str, max_st
         state, node, step = merge_update({}, state, graph.reducers), graph.entry, 0
     while node != END:
         if step >= max_steps:
-            raise GraphRecursionError(f"the run took max_steps={max_steps} steps without reaching END (next node: "
-                                      f"{node!r}); a loop that never exits? raise max_steps if it needs more")
+            raise GraphRecursionError(
+                f"the run took max_steps={max_steps} steps without reaching END (next node: "
+                f"{node!r}); a loop that never exits? raise max_steps if it needs more"
+            )
         log = AttemptLog(trace, step + 1, node, sleep)
-        update = call_with_retry(graph.nodes[node].fn, copy.deepcopy(state), graph.nodes[node].retry,
-                                 sleep=log.sleep, on_attempt=log.on_attempt)
+        update = call_with_retry(
+            graph.nodes[node].fn,
+            copy.deepcopy(state),
+            graph.nodes[node].retry,
+            sleep=log.sleep,
+            on_attempt=log.on_attempt,
+        )
         log.done(update)
         state = merge_update(state, update, graph.reducers)
         following = next_node(graph, node, state)

@@ -75,8 +75,10 @@ class Tool:
         if not isinstance(arguments, dict):
             return [f"arguments must be a JSON object, got {type(arguments).__name__}"]
         validator = _validator()(self.parameters)
-        return [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
-                for e in sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))]
+        return [
+            f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+            for e in sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        ]
 
 
 def json_schema_of(hint: Any, where: str) -> dict:
@@ -93,14 +95,16 @@ def json_schema_of(hint: Any, where: str) -> dict:
     if origin in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
         inner = next(a for a in args if a is not type(None))
         return {"anyOf": [json_schema_of(inner, where), {"type": "null"}]}
-    raise TypeError(f"{where}: no JSON schema for the type hint {hint!r}; use int, float, str, bool, list[...], "
-                    "dict, Literal[...] or T | None, or build the Tool with an explicit schema")
+    raise TypeError(
+        f"{where}: no JSON schema for the type hint {hint!r}; use int, float, str, bool, list[...], "
+        "dict, Literal[...] or T | None, or build the Tool with an explicit schema"
+    )
 
 
 def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
     """The summary paragraph and the ``Args:`` descriptions of a Google-style docstring."""
     lines = inspect.cleandoc(doc or "").splitlines() + [""]
-    summary = " ".join(line.strip() for line in lines[:lines.index("")])
+    summary = " ".join(line.strip() for line in lines[: lines.index("")])
     described, current, in_args = {}, None, False
     for line in lines:
         entry = _ARG_LINE.match(line)
@@ -122,6 +126,7 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> To
     The parameters' schema comes from the type hints (every parameter needs one; those without
     a default are required, no others are allowed), the descriptions from the docstring.
     """
+
     def build(f: Callable[..., Any]) -> Tool:
         hints = typing.get_type_hints(f)
         summary, described = _docstring_parts(f.__doc__ or "")
@@ -160,8 +165,11 @@ def run_tool_call(tools: dict[str, Tool] | Iterable[Tool], call: ToolCall | dict
     if isinstance(call, dict):
         call = ToolCall(str(call.get("name")), call.get("arguments"), str(call.get("id", "call_0")))
     if call.name not in tools:
-        return tool_message(call.id, call.name, f"error: there is no tool named {call.name!r}; "
-                                                f"available tools: {', '.join(sorted(tools))}")
+        return tool_message(
+            call.id,
+            call.name,
+            f"error: there is no tool named {call.name!r}; available tools: {', '.join(sorted(tools))}",
+        )
     chosen = tools[call.name]
     problems = chosen.argument_errors(call.arguments)
     if problems:

@@ -54,8 +54,9 @@ def _check_window(size: int, overlap: int) -> None:
     if overlap < 0:
         raise ValueError(f"overlap must be >= 0, got overlap={overlap}")
     if overlap >= size:
-        raise ValueError(f"overlap must be smaller than size (or windows never advance), got size={size}, "
-                         f"overlap={overlap}")
+        raise ValueError(
+            f"overlap must be smaller than size (or windows never advance), got size={size}, overlap={overlap}"
+        )
 
 
 def window_starts(n: int, size: int, overlap: int) -> list[int]:
@@ -83,8 +84,10 @@ def token_spans(text: str, tokenizer=None) -> list[tuple[int, int]]:
         return [m.span() for m in re.finditer(r"\S+", text)]
     hf = getattr(tokenizer, "tokenizer", tokenizer)
     if not callable(hf):
-        raise TypeError(f"token chunking needs a Hugging Face fast tokenizer (or an embedder that has one), got "
-                        f"{type(tokenizer).__name__}; pass tokenizer=None to count words")
+        raise TypeError(
+            f"token chunking needs a Hugging Face fast tokenizer (or an embedder that has one), got "
+            f"{type(tokenizer).__name__}; pass tokenizer=None to count words"
+        )
     encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return [(int(a), int(b)) for a, b in encoded["offset_mapping"] if b > a]
 
@@ -111,8 +114,10 @@ def chunk_text(text: str, size: int, overlap: int = 0, *, unit: str = "chars", t
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     _check_window(size, overlap)
     if unit == "chars":
-        return [Chunk(text[s:min(s + size, len(text))], s, min(s + size, len(text)))
-                for s in window_starts(len(text), size, overlap)]
+        return [
+            Chunk(text[s : min(s + size, len(text))], s, min(s + size, len(text)))
+            for s in window_starts(len(text), size, overlap)
+        ]
     if unit != "tokens":
         raise ValueError(f"unit must be 'chars' or 'tokens', got {unit!r}")
     spans = token_spans(text, tokenizer)
@@ -127,9 +132,15 @@ def chunk_text(text: str, size: int, overlap: int = 0, *, unit: str = "chars", t
     return chunks
 
 
-def chunk_documents(docs: Sequence[Document], size: int, overlap: int = 0, *,
-                    chunker: Callable[..., Sequence] = chunk_text, unit: str = "chars",
-                    tokenizer=None) -> list[ChunkRecord]:
+def chunk_documents(
+    docs: Sequence[Document],
+    size: int,
+    overlap: int = 0,
+    *,
+    chunker: Callable[..., Sequence] = chunk_text,
+    unit: str = "chars",
+    tokenizer=None,
+) -> list[ChunkRecord]:
     """Chunk every document with ``chunker(doc.text, size, overlap)`` and check what it returns.
 
     Any chunker with that signature plugs in (yours from lab 12, for instance); each item it
@@ -151,17 +162,25 @@ def chunk_documents(docs: Sequence[Document], size: int, overlap: int = 0, *,
             try:
                 text, start, end = item
             except (TypeError, ValueError):
-                raise ValueError(f"chunker returned {item!r} as item {i} of document {doc.doc_id!r}; each item must "
-                                 "be a (text, start, end) triple") from None
+                raise ValueError(
+                    f"chunker returned {item!r} as item {i} of document {doc.doc_id!r}; each item must "
+                    "be a (text, start, end) triple"
+                ) from None
             if not (isinstance(start, int) and isinstance(end, int)):
-                raise ValueError(f"item {i} of document {doc.doc_id!r} has start={start!r}, end={end!r}; "
-                                 "they must be int character offsets")
+                raise ValueError(
+                    f"item {i} of document {doc.doc_id!r} has start={start!r}, end={end!r}; "
+                    "they must be int character offsets"
+                )
             if not 0 <= start <= end <= len(doc.text):
-                raise ValueError(f"item {i} of document {doc.doc_id!r} has offsets ({start}, {end}) outside "
-                                 f"0 <= start <= end <= {len(doc.text)} (the document's length)")
+                raise ValueError(
+                    f"item {i} of document {doc.doc_id!r} has offsets ({start}, {end}) outside "
+                    f"0 <= start <= end <= {len(doc.text)} (the document's length)"
+                )
             if doc.text[start:end] != text:
-                raise ValueError(f"item {i} of document {doc.doc_id!r} is ({str(text)[:40]!r}, {start}, {end}), but "
-                                 f"document.text[{start}:{end}] is {doc.text[start:end][:40]!r}: text must equal "
-                                 "document.text[start:end]")
+                raise ValueError(
+                    f"item {i} of document {doc.doc_id!r} is ({str(text)[:40]!r}, {start}, {end}), but "
+                    f"document.text[{start}:{end}] is {doc.text[start:end][:40]!r}: text must equal "
+                    "document.text[start:end]"
+                )
             records.append(ChunkRecord(len(records), doc.doc_id, text, start, end))
     return records

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from infra_lib.apps.rag.chunking import ChunkRecord
 
-SYSTEM_PROMPT = ("You answer questions about Python using only the numbered passages you are given. "
-                 "Cite the passage that supports your answer by its number in square brackets, like [1]. "
-                 "If the passages do not contain the answer, say that you do not know.")
+SYSTEM_PROMPT = (
+    "You answer questions about Python using only the numbered passages you are given. "
+    "Cite the passage that supports your answer by its number in square brackets, like [1]. "
+    "If the passages do not contain the answer, say that you do not know."
+)
 
 
 @dataclass
@@ -62,9 +64,14 @@ def assemble_context(hits: Sequence[Hit], tokenizer, budget_tokens: int) -> tupl
 
 def build_messages(question: str, context: str, system: str = SYSTEM_PROMPT) -> list[dict]:
     """The chat for the model: the instructions, then the passages and the question in one user turn."""
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"Passages:\n\n{context}\n\nQuestion: {question}\n"
-                                        "Answer in one or two sentences and cite the passage number, like [1]."}]
+    return [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": f"Passages:\n\n{context}\n\nQuestion: {question}\n"
+            "Answer in one or two sentences and cite the passage number, like [1].",
+        },
+    ]
 
 
 def parse_citations(text: str, used: Sequence[Hit]) -> dict[int, ChunkRecord]:

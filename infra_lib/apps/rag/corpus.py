@@ -58,13 +58,17 @@ class Question:
         """Raise ``ValueError`` unless the evidence sits at ``start`` of ``doc`` and nowhere else in it."""
         if doc.doc_id != self.doc_id:
             raise ValueError(f"question {self.qid} belongs to {self.doc_id!r}, not {doc.doc_id!r}")
-        found = doc.text[self.start:self.end]
+        found = doc.text[self.start : self.end]
         if found != self.evidence:
-            raise ValueError(f"question {self.qid}: {doc.doc_id}[{self.start}:{self.end}] is {found!r}, "
-                             f"not the evidence {self.evidence!r}")
+            raise ValueError(
+                f"question {self.qid}: {doc.doc_id}[{self.start}:{self.end}] is {found!r}, "
+                f"not the evidence {self.evidence!r}"
+            )
         if doc.text.count(self.evidence) != 1:
-            raise ValueError(f"question {self.qid}: the evidence {self.evidence!r} occurs "
-                             f"{doc.text.count(self.evidence)} times in {doc.doc_id}; make it unique")
+            raise ValueError(
+                f"question {self.qid}: the evidence {self.evidence!r} occurs "
+                f"{doc.text.count(self.evidence)} times in {doc.doc_id}; make it unique"
+            )
 
 
 def load_corpus(path: str | Path = CORPUS_DIR) -> list[Document]:
@@ -82,8 +86,9 @@ def load_questions(path: str | Path = QUESTIONS_PATH) -> list[Question]:
     try:
         return [Question(**row) for row in rows]
     except TypeError as err:
-        raise ValueError(f"{path}: each question needs exactly the fields qid, question, doc_id, evidence, start "
-                         f"({err})") from None
+        raise ValueError(
+            f"{path}: each question needs exactly the fields qid, question, doc_id, evidence, start ({err})"
+        ) from None
 
 
 def check_questions(questions: Sequence[Question], docs: Sequence[Document]) -> None:

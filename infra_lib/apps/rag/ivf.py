@@ -17,14 +17,14 @@ import torch
 
 from infra_lib.apps.rag.search import as_ids, as_matrix
 
-
 # Points assigned to their nearest centroid per block of this many: a block's (rows, k) scores stay
 # in the cache for the argmax that reads them.
 _BLOCK_ROWS = 8192
 
 
-def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0, spherical: bool = True,
-           init_sample: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kmeans(
+    x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0, spherical: bool = True, init_sample: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k-means with k-means++ initialisation, deterministic for a given seed.
 
     Args:
@@ -62,8 +62,12 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, seed: int = 0, spherical
         return torch.cdist(points, centroids).square()
 
     def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:  # (n,), block by block
-        return torch.cat([distances(points[i:i + _BLOCK_ROWS], centroids).argmin(dim=1)
-                          for i in range(0, points.shape[0], _BLOCK_ROWS)])
+        return torch.cat(
+            [
+                distances(points[i : i + _BLOCK_ROWS], centroids).argmin(dim=1)
+                for i in range(0, points.shape[0], _BLOCK_ROWS)
+            ]
+        )
 
     # k-means++: each next centroid is a point drawn with probability proportional to its distance
     # to the nearest centroid chosen so far, so the initial centroids spread over the data.
@@ -116,9 +120,9 @@ class IVFIndex:
         self.dim, self.nlist, self.seed = dim, nlist, seed
         self.nprobe = self._check_nprobe(nprobe)
         self.centroids: torch.Tensor | None = None
-        self.vectors = torch.empty(0, dim)                      # sorted by list
+        self.vectors = torch.empty(0, dim)  # sorted by list
         self.ids = torch.empty(0, dtype=torch.int64)
-        self.list_of = torch.empty(0, dtype=torch.int64)        # each stored vector's list
+        self.list_of = torch.empty(0, dtype=torch.int64)  # each stored vector's list
         self.offsets = torch.zeros(nlist + 1, dtype=torch.int64)  # list l is rows offsets[l]:offsets[l + 1]
 
     @property
@@ -135,8 +139,10 @@ class IVFIndex:
 
     def _require_trained(self, action: str) -> None:
         if not self.is_trained:
-            raise RuntimeError(f"cannot {action} an untrained IVFIndex: call .train(vectors) first (k-means on a "
-                               "sample of the vectors you will add)")
+            raise RuntimeError(
+                f"cannot {action} an untrained IVFIndex: call .train(vectors) first (k-means on a "
+                "sample of the vectors you will add)"
+            )
 
     def list_sizes(self) -> torch.Tensor:
         """(nlist,) vectors per list."""
@@ -146,8 +152,10 @@ class IVFIndex:
         """Learn the ``nlist`` centroids by spherical k-means on (n, dim) vectors, n >= nlist."""
         vectors = as_matrix(vectors, self.dim)
         if vectors.shape[0] < self.nlist:
-            raise ValueError(f"training needs at least nlist={self.nlist} vectors, got {vectors.shape[0]}; "
-                             "lower nlist (about sqrt(n) is a common choice)")
+            raise ValueError(
+                f"training needs at least nlist={self.nlist} vectors, got {vectors.shape[0]}; "
+                "lower nlist (about sqrt(n) is a common choice)"
+            )
         # k-means++ seeds from a sample of 32 points per list (enough to spread the seeds over the
         # data; seeding from all of a large collection would cost more than the rounds after it)
         self.centroids, _ = kmeans(vectors, self.nlist, iters=iters, seed=self.seed, init_sample=32 * self.nlist)
@@ -163,8 +171,9 @@ class IVFIndex:
         self.vectors = torch.cat([self.vectors, vectors])[order]
         self.ids = torch.cat([self.ids, new_ids])[order]
         self.list_of = all_lists[order]
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                  torch.bincount(self.list_of, minlength=self.nlist).cumsum(0)])
+        self.offsets = torch.cat(
+            [torch.zeros(1, dtype=torch.int64), torch.bincount(self.list_of, minlength=self.nlist).cumsum(0)]
+        )
 
     def search(self, queries: torch.Tensor, k: int, nprobe: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Approximate top-k by cosine, scanning each query's ``nprobe`` nearest lists.
@@ -185,22 +194,22 @@ class IVFIndex:
             raise ValueError("the index is empty: add vectors before searching")
         nprobe = self.nprobe if nprobe is None else self._check_nprobe(nprobe)
         single = torch.as_tensor(queries).dim() == 1
-        q = torch.nn.functional.normalize(as_matrix(queries, self.dim, "queries"), dim=-1)   # (q, d)
+        q = torch.nn.functional.normalize(as_matrix(queries, self.dim, "queries"), dim=-1)  # (q, d)
         k = min(k, len(self))
-        probes = (q @ self.centroids.T).topk(nprobe, dim=1).indices                          # (q, nprobe)
+        probes = (q @ self.centroids.T).topk(nprobe, dim=1).indices  # (q, nprobe)
         # List by list: every query that probes list l is scored against l's vectors in one matrix
         # product; its best k there go into that query's slot for l. Then a top-k over the slots.
         best_scores = torch.full((q.shape[0], nprobe, k), float("-inf"))
         best_rows = torch.full((q.shape[0], nprobe, k), -1, dtype=torch.int64)
-        for l in probes.unique().tolist():
-            lo, hi = int(self.offsets[l]), int(self.offsets[l + 1])
+        for cell in probes.unique().tolist():
+            lo, hi = int(self.offsets[cell]), int(self.offsets[cell + 1])
             if hi == lo:
                 continue
-            who, slot = (probes == l).nonzero(as_tuple=True)
-            scores = q[who] @ self.vectors[lo:hi].T                                           # (|who|, list size)
+            who, slot = (probes == cell).nonzero(as_tuple=True)
+            scores = q[who] @ self.vectors[lo:hi].T  # (|who|, list size)
             top = scores.topk(min(k, hi - lo), dim=1)
-            best_scores[who, slot, :top.values.shape[1]] = top.values
-            best_rows[who, slot, :top.values.shape[1]] = top.indices + lo
+            best_scores[who, slot, : top.values.shape[1]] = top.values
+            best_rows[who, slot, : top.values.shape[1]] = top.indices + lo
         scores, where = best_scores.flatten(1).topk(k, dim=1)
         rows = best_rows.flatten(1).gather(1, where)
         ids = torch.where(rows >= 0, self.ids[rows.clamp(min=0)], torch.full_like(rows, -1))
@@ -209,22 +218,38 @@ class IVFIndex:
     def save(self, path: str | Path) -> None:
         """Write the centroids, lists and settings to ``path`` (a torch file)."""
         self._require_trained("save")
-        torch.save({"kind": "ivf", "dim": self.dim, "nlist": self.nlist, "nprobe": self.nprobe, "seed": self.seed,
-                    "centroids": self.centroids, "vectors": self.vectors, "ids": self.ids,
-                    "list_of": self.list_of, "offsets": self.offsets}, Path(path))
+        torch.save(
+            {
+                "kind": "ivf",
+                "dim": self.dim,
+                "nlist": self.nlist,
+                "nprobe": self.nprobe,
+                "seed": self.seed,
+                "centroids": self.centroids,
+                "vectors": self.vectors,
+                "ids": self.ids,
+                "list_of": self.list_of,
+                "offsets": self.offsets,
+            },
+            Path(path),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> IVFIndex:
         """An index saved by ``save``."""
         state = torch.load(Path(path), weights_only=True)
         if not isinstance(state, dict) or state.get("kind") != "ivf":
-            raise ValueError(f"{path} does not hold an IVFIndex (saved kind: "
-                             f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})")
+            raise ValueError(
+                f"{path} does not hold an IVFIndex (saved kind: "
+                f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})"
+            )
         index = cls(int(state["dim"]), int(state["nlist"]), nprobe=int(state["nprobe"]), seed=int(state["seed"]))
         for name in ("centroids", "vectors", "ids", "list_of", "offsets"):
             setattr(index, name, state[name])
         return index
 
     def __repr__(self) -> str:
-        return f"IVFIndex(dim={self.dim}, nlist={self.nlist}, nprobe={self.nprobe}, n={len(self)}, " \
-               f"trained={self.is_trained})"
+        return (
+            f"IVFIndex(dim={self.dim}, nlist={self.nlist}, nprobe={self.nprobe}, n={len(self)}, "
+            f"trained={self.is_trained})"
+        )

@@ -46,8 +46,10 @@ def read_text_file(path: str | Path) -> str:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at position {err.start} cannot be "
-                         "decoded; re-save the file as UTF-8") from None
+        raise ValueError(
+            f"{path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at position {err.start} cannot be "
+            "decoded; re-save the file as UTF-8"
+        ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -65,9 +67,38 @@ def load_markdown(path: str | Path) -> Document:
     return Document(Path(path).stem, text, str(path), match.group(1).strip() if match else "")
 
 
-_BLOCK_TAGS = {"p", "div", "section", "article", "header", "footer", "main", "nav", "aside", "blockquote", "pre",
-               "ul", "ol", "li", "dl", "dt", "dd", "table", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "hr",
-               "figure", "figcaption", "body", "html"}
+_BLOCK_TAGS = {
+    "p",
+    "div",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "main",
+    "nav",
+    "aside",
+    "blockquote",
+    "pre",
+    "ul",
+    "ol",
+    "li",
+    "dl",
+    "dt",
+    "dd",
+    "table",
+    "tr",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "hr",
+    "figure",
+    "figcaption",
+    "body",
+    "html",
+}
 _DROPPED_TAGS = {"script", "style", "template", "noscript"}
 
 
@@ -78,8 +109,8 @@ class _TextExtractor(html.parser.HTMLParser):
         super().__init__(convert_charrefs=True)
         self.blocks: list[str] = []
         self.current: list[str] = []
-        self.dropped = 0          # depth inside script/style
-        self.pre = 0              # depth inside <pre>
+        self.dropped = 0  # depth inside script/style
+        self.pre = 0  # depth inside <pre>
         self.title = ""
         self.in_title = False
         self.h1 = ""
@@ -158,12 +189,15 @@ def load_path(path: str | Path) -> Document | list[Document]:
         seen: dict[str, str] = {}
         for doc in docs:
             if doc.doc_id in seen:
-                raise ValueError(f"two files in {path} share the document id {doc.doc_id!r}: {seen[doc.doc_id]} "
-                                 f"and {doc.source}; rename one")
+                raise ValueError(
+                    f"two files in {path} share the document id {doc.doc_id!r}: {seen[doc.doc_id]} "
+                    f"and {doc.source}; rename one"
+                )
             seen[doc.doc_id] = doc.source
         return docs
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
-        raise ValueError(f"cannot load {path.name}: unsupported suffix {path.suffix or '(none)'!r}; "
-                         f"supported: {', '.join(SUFFIXES)}")
+        raise ValueError(
+            f"cannot load {path.name}: unsupported suffix {path.suffix or '(none)'!r}; supported: {', '.join(SUFFIXES)}"
+        )
     return _LOADERS[kind](path)

@@ -74,10 +74,20 @@ class RAGPipeline:
         unit: "chars" or "tokens" (the embedder's tokens when it has a tokenizer).
     """
 
-    def __init__(self, embedder, *, chunk_size: int = 800, overlap: int = 100,
-                 chunker: Callable[..., Sequence] = chunk_text, search_fn: SearchFn = top_k_cosine,
-                 index: str = "exact", nlist: int | None = None, nprobe: int = 4,
-                 cache_dir: str | Path | None = None, unit: str = "chars"):
+    def __init__(
+        self,
+        embedder,
+        *,
+        chunk_size: int = 800,
+        overlap: int = 100,
+        chunker: Callable[..., Sequence] = chunk_text,
+        search_fn: SearchFn = top_k_cosine,
+        index: str = "exact",
+        nlist: int | None = None,
+        nprobe: int = 4,
+        cache_dir: str | Path | None = None,
+        unit: str = "chars",
+    ):
         if index not in ("exact", "ivf"):
             raise ValueError(f"index must be 'exact' or 'ivf', got {index!r}")
         if index == "ivf" and search_fn is not top_k_cosine:
@@ -88,11 +98,11 @@ class RAGPipeline:
         self.index_kind, self.nlist, self.nprobe = index, nlist, nprobe
         self.cache_dir = cache_dir
         self.chunks: list[ChunkRecord] = []
-        self.vectors: torch.Tensor | None = None            # (n_chunks, dim), row i embeds chunks[i]
+        self.vectors: torch.Tensor | None = None  # (n_chunks, dim), row i embeds chunks[i]
         self.index: ExactIndex | IVFIndex | None = None
         self.index_timings: dict[str, float] = {}
         self.last_timings: dict[str, float] = {}
-        self.cache_hit: bool | None = None   # whether index_documents found its embeddings in cache_dir
+        self.cache_hit: bool | None = None  # whether index_documents found its embeddings in cache_dir
 
     def index_documents(self, docs: Sequence[Document], progress: bool = False) -> RAGPipeline:
         """Chunk, embed and index ``docs`` (replacing anything indexed before); returns self.
@@ -105,8 +115,9 @@ class RAGPipeline:
             raise ValueError("no documents to index")
         started = time.perf_counter()
         tokenizer = getattr(self.embedder, "tokenizer", None) if self.unit == "tokens" else None
-        chunks = chunk_documents(docs, self.chunk_size, self.overlap, chunker=self.chunker, unit=self.unit,
-                                 tokenizer=tokenizer)
+        chunks = chunk_documents(
+            docs, self.chunk_size, self.overlap, chunker=self.chunker, unit=self.unit, tokenizer=tokenizer
+        )
         if not chunks:
             raise ValueError("the documents produced no chunks (are they all empty?)")
         chunked = time.perf_counter()
@@ -126,8 +137,11 @@ class RAGPipeline:
             index.train(vectors)
         index.add(vectors, [c.chunk_id for c in chunks])
         self.chunks, self.index, self.vectors = chunks, index, vectors
-        self.index_timings = {"chunk": chunked - started, "embed": embedded - chunked,
-                              "index": time.perf_counter() - embedded}
+        self.index_timings = {
+            "chunk": chunked - started,
+            "embed": embedded - chunked,
+            "index": time.perf_counter() - embedded,
+        }
         return self
 
     def _require_index(self) -> ExactIndex | IVFIndex:
@@ -146,12 +160,22 @@ class RAGPipeline:
         embedded = time.perf_counter()
         scores, ids = index.search(query, k)
         self.last_timings = {"embed_query": embedded - started, "search": time.perf_counter() - embedded}
-        return [Hit(rank, float(score), self.chunks[int(chunk_id)])
-                for rank, (score, chunk_id) in enumerate(zip(scores.tolist(), ids.tolist()), start=1)
-                if chunk_id >= 0]
+        return [
+            Hit(rank, float(score), self.chunks[int(chunk_id)])
+            for rank, (score, chunk_id) in enumerate(zip(scores.tolist(), ids.tolist()), start=1)
+            if chunk_id >= 0
+        ]
 
-    def answer(self, question: str, llm, *, k: int = 3, budget_tokens: int = 1024, max_new_tokens: int = 128,
-               answer_prefix: str = ANSWER_PREFIX) -> Answer:
+    def answer(
+        self,
+        question: str,
+        llm,
+        *,
+        k: int = 3,
+        budget_tokens: int = 1024,
+        max_new_tokens: int = 128,
+        answer_prefix: str = ANSWER_PREFIX,
+    ) -> Answer:
         """Retrieve ``k`` chunks, fit them into ``budget_tokens``, and let ``llm`` answer greedily.
 
         Args:
@@ -175,8 +199,10 @@ class RAGPipeline:
         started = time.perf_counter()
         context, used = assemble_context(hits, tokenizer, budget_tokens)
         if not used:
-            raise ValueError(f"not even the best passage fits budget_tokens={budget_tokens}; raise the budget or "
-                             "index with a smaller chunk_size")
+            raise ValueError(
+                f"not even the best passage fits budget_tokens={budget_tokens}; raise the budget or "
+                "index with a smaller chunk_size"
+            )
         messages = build_messages(question, context)
         prompt = tokenizer.encode_chat(messages) + (tokenizer.encode(answer_prefix) if answer_prefix else [])
         assembled = time.perf_counter()
@@ -184,5 +210,15 @@ class RAGPipeline:
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         timings.update(assemble=assembled - started, generate=time.perf_counter() - assembled)
         text = answer_prefix + output.text
-        return Answer(text, parse_citations(text, used), hits, context, used, messages, timings,
-                      output.finish_reason, list(output.token_ids), len(prompt))
+        return Answer(
+            text,
+            parse_citations(text, used),
+            hits,
+            context,
+            used,
+            messages,
+            timings,
+            output.finish_reason,
+            list(output.token_ids),
+            len(prompt),
+        )

@@ -34,16 +34,20 @@ def top_k_cosine(queries: torch.Tensor, matrix: torch.Tensor, k: int) -> tuple[t
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if queries.dim() not in (1, 2) or matrix.dim() != 2:
-        raise ValueError(f"queries must be (d,) or (q, d) and matrix (n, d); got queries {tuple(queries.shape)} and "
-                         f"matrix {tuple(matrix.shape)}")
+        raise ValueError(
+            f"queries must be (d,) or (q, d) and matrix (n, d); got queries {tuple(queries.shape)} and "
+            f"matrix {tuple(matrix.shape)}"
+        )
     single = queries.dim() == 1
     q = queries.unsqueeze(0) if single else queries
     if q.shape[1] != matrix.shape[1]:
-        raise ValueError(f"dimension mismatch: queries {tuple(queries.shape)} against matrix {tuple(matrix.shape)} "
-                         "(the last dimensions must be equal: embed both with the same embedder)")
-    q = torch.nn.functional.normalize(q.to(matrix.dtype), dim=-1)       # (q, d)
-    m = torch.nn.functional.normalize(matrix, dim=-1)                   # (n, d)
-    scores = q @ m.T                                                    # (q, n): cosine similarities
+        raise ValueError(
+            f"dimension mismatch: queries {tuple(queries.shape)} against matrix {tuple(matrix.shape)} "
+            "(the last dimensions must be equal: embed both with the same embedder)"
+        )
+    q = torch.nn.functional.normalize(q.to(matrix.dtype), dim=-1)  # (q, d)
+    m = torch.nn.functional.normalize(matrix, dim=-1)  # (n, d)
+    scores = q @ m.T  # (q, n): cosine similarities
     top_scores, top_indices = scores.topk(min(k, matrix.shape[0]), dim=1)
     return (top_scores[0], top_indices[0]) if single else (top_scores, top_indices)
 
@@ -55,8 +59,9 @@ def top_k_cosine(queries: torch.Tensor, matrix: torch.Tensor, k: int) -> tuple[t
 BLOCK_ROWS = 4096
 
 
-def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int, *,
-               skip_unbeaten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_unit(
+    queries: torch.Tensor, unit: torch.Tensor, k: int, *, skip_unbeaten: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``top_k_cosine`` for inputs already of unit length, (q, d) against (n, d), in blocks of stored
     rows: each block's best k, merged into a running best k. The same neighbours as one product and
     one top-k (the scores are the same dot products; only ties may come out in another order).
@@ -74,14 +79,14 @@ def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int, *,
     # the OS each time, every one of them a page fault on first write
     buffer = torch.empty(queries.shape[0], BLOCK_ROWS, dtype=torch.result_type(queries, unit))
     for start in range(0, unit.shape[0], BLOCK_ROWS):
-        block = unit[start:start + BLOCK_ROWS]
-        block_scores = buffer[:, :block.shape[0]]
+        block = unit[start : start + BLOCK_ROWS]
+        block_scores = buffer[:, : block.shape[0]]
         torch.mm(queries, block.T, out=block_scores)
         if best_scores is None:
             best_scores, best_rows = block_scores.topk(min(k, block.shape[0]), dim=1)
             best_rows += start
             continue
-        if skip_unbeaten and best_scores.shape[1] == k:    # every query holds k: only rows this block can improve
+        if skip_unbeaten and best_scores.shape[1] == k:  # every query holds k: only rows this block can improve
             improves = (block_scores.amax(dim=1) > best_scores[:, -1]).nonzero().squeeze(1)
             if improves.numel() == 0:
                 continue
@@ -90,10 +95,12 @@ def top_k_unit(queries: torch.Tensor, unit: torch.Tensor, k: int, *,
             improves = None
         scores, rows = block_scores.topk(min(k, block.shape[0]), dim=1)
         rows += start
-        held_scores, held_rows = ((best_scores, best_rows) if improves is None
-                                  else (best_scores[improves], best_rows[improves]))
-        scores, where = torch.cat([held_scores, scores], dim=1).topk(min(k, held_scores.shape[1] + scores.shape[1]),
-                                                                      dim=1)
+        held_scores, held_rows = (
+            (best_scores, best_rows) if improves is None else (best_scores[improves], best_rows[improves])
+        )
+        scores, where = torch.cat([held_scores, scores], dim=1).topk(
+            min(k, held_scores.shape[1] + scores.shape[1]), dim=1
+        )
         rows = torch.cat([held_rows, rows], dim=1).gather(1, where)
         if improves is None:
             best_scores, best_rows = scores, rows
@@ -181,8 +188,10 @@ class ExactIndex:
             scores, rows = self.search_fn(queries, self.vectors, k)
         expected = (min(k, len(self)),) if queries.dim() == 1 else (queries.shape[0], min(k, len(self)))
         if tuple(scores.shape) != expected or tuple(rows.shape) != expected:
-            raise ValueError(f"search_fn returned scores {tuple(scores.shape)} and indices {tuple(rows.shape)}; "
-                             f"expected both {expected} for {tuple(queries.shape)} queries, k={k}, n={len(self)}")
+            raise ValueError(
+                f"search_fn returned scores {tuple(scores.shape)} and indices {tuple(rows.shape)}; "
+                f"expected both {expected} for {tuple(queries.shape)} queries, k={k}, n={len(self)}"
+            )
         return scores, self.ids[rows.long()]
 
     def save(self, path: str | Path) -> None:
@@ -194,8 +203,10 @@ class ExactIndex:
         """An index saved by ``save``."""
         state = torch.load(Path(path), weights_only=True)
         if not isinstance(state, dict) or state.get("kind") != "exact":
-            raise ValueError(f"{path} does not hold an ExactIndex (saved kind: "
-                             f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})")
+            raise ValueError(
+                f"{path} does not hold an ExactIndex (saved kind: "
+                f"{state.get('kind') if isinstance(state, dict) else type(state).__name__})"
+            )
         index = cls(int(state["dim"]), search_fn=search_fn)
         index.vectors, index.ids, index._unit = state["vectors"], state["ids"], None
         return index
