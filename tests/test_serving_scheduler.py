@@ -324,13 +324,14 @@ def test_lab08_shows_the_first_plan_difference_with_the_invariant_that_broke():
     the first step that differs from the reference's, the refused step included."""
     import random
 
-    from grading.checks import lab08
+    from grading.registry import get_check
 
-    case = lab08._engine_preemption_case(random.Random(0))
-    got = lab08._drive_engine(_schedule_preempting_the_oldest, case)
-    expected = lab08._drive_engine(Scheduler.schedule, case)
+    check = get_check("lab08.engine_preemption")
+    case = check.make_inputs(random.Random(0))
+    got = check.drive(_schedule_preempting_the_oldest, case)
+    expected = check.drive(Scheduler.schedule, case)
     assert any(r["violation"] and "preempted it in the same step" in r["violation"] for r in got), got
-    mismatch = lab08._compare_engine(got, expected, case)
+    mismatch = check.compare(got, expected, case)
     assert mismatch is not None and mismatch.what.startswith("which running sequences are preempted")
     assert "and then the run stopped" in mismatch.detail and "preempted it in the same step" in mismatch.detail
     assert "IndexError" not in mismatch.detail
