@@ -12,7 +12,7 @@ from conftest import REPO, answer_cells, check_fails, solution_namespace
 
 from grading import check
 from grading.check import INTERACTIVE_SEED
-from grading.checks.lab06 import _NO_GRAD_HINT, _PREFILL_ONCE_HINT, _TIE_HINT
+from grading.checks.lab06.task4_greedy_decode import NO_GRAD_HINT, PREFILL_ONCE_HINT, TIE_HINT
 from grading.registry import get_check
 
 SOLUTION = REPO / "solutions" / "lab06_kv_cache" / "lab06_kv_cache.ipynb"
@@ -61,14 +61,14 @@ def test_a_prompt_fed_a_token_at_a_time_fails_the_rule_that_it_is_prefilled_once
     )
     message = check_fails("lab06.greedy_decode", token_by_token)
     assert "greedy_decode called the model another number of times than a cached loop needs" in message, message
-    assert f"hint: {_PREFILL_ONCE_HINT}" in message
+    assert f"hint: {PREFILL_ONCE_HINT}" in message
 
 
 def test_a_loop_that_records_gradients_fails_the_rule_to_run_under_inference_mode():
     with_grad = _greedy_decode(("    with torch.inference_mode():\n", "    if True:\n"))
     message = check_fails("lab06.greedy_decode", with_grad)
     assert "greedy_decode ran the model with gradient recording on" in message, message
-    assert f"hint: {_NO_GRAD_HINT}" in message
+    assert f"hint: {NO_GRAD_HINT}" in message
 
 
 def test_the_highest_id_on_a_tie_fails_the_rule_that_greedy_takes_the_lowest():
@@ -81,7 +81,7 @@ def test_the_highest_id_on_a_tie_fails_the_rule_that_greedy_takes_the_lowest():
     check("lab06.greedy_decode", highest_on_tie)  # without ties it is greedy decoding
     message = check_fails("lab06.greedy_decode_stop", highest_on_tie)
     assert "greedy_decode produced different tokens where two logits tie for the highest" in message, message
-    assert f"hint: {_TIE_HINT}" in message
+    assert f"hint: {TIE_HINT}" in message
 
 
 def test_decode_steps_in_a_fresh_cache_fail_the_rule_that_each_call_continues_the_cached_sequence():
