@@ -703,12 +703,12 @@ def matmul_reading_rows_past_m(
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp", "ignore:invalid value encountered in divide")
 def test_lab03_a_softmax_without_the_max_passes_plain_logits_and_fails_extreme_ones_with_the_overflow_hint():
-    from grading.checks.lab03 import _SOFTMAX_NAN_HINT
+    from grading.checks.lab03.task1_softmax import SOFTMAX_NAN_HINT
 
     assert lab03_verdict("lab03.softmax_odd_shapes", softmax_without_max).passed
     verdict = lab03_verdict("lab03.softmax_extreme_values", softmax_without_max)
     assert not verdict.passed and verdict.kind == "wrong result"
-    assert "NaN or inf where the result is finite" in verdict.what and verdict.hint == _SOFTMAX_NAN_HINT
+    assert "NaN or inf where the result is finite" in verdict.what and verdict.hint == SOFTMAX_NAN_HINT
 
 
 def test_lab03_an_unmasked_store_is_named_with_the_store_hint_for_c():
@@ -774,13 +774,13 @@ def rmsnorm_unmasked_weights(out_ptr, x_ptr, w_ptr, n_cols, x_row_stride, out_ro
 
 @needs_interpreter
 def test_lab03_an_unmasked_weight_load_is_excess_traffic_from_w():
-    from grading.checks.lab03 import _RMSNORM_EXCESS_HINTS
+    from grading.checks.lab03.task3_rmsnorm import RMSNORM_EXCESS_HINTS
 
     assert lab03_verdict("lab03.rmsnorm_odd_shapes", rmsnorm_unmasked_weights).passed
     verdict = lab03_verdict("lab03.rmsnorm_in_bounds", rmsnorm_unmasked_weights)
     assert not verdict.passed and verdict.kind == "excess traffic"
     assert verdict.what == "rmsnorm_kernel loads more bytes than it needs from `w_ptr` (its output is right)"
-    assert "`x_ptr`" not in verdict.detail and verdict.hint == _RMSNORM_EXCESS_HINTS["w_ptr"]
+    assert "`x_ptr`" not in verdict.detail and verdict.hint == RMSNORM_EXCESS_HINTS["w_ptr"]
 
 
 _MATMUL_ALL = {
