@@ -285,7 +285,7 @@ def test_task4_a_missing_bonus_token_is_named():
 
 
 def test_chi_square_accepts_the_truth_and_rejects_a_skewed_sample():
-    from grading.checks.lab09.task4_statistics import chi_square_p_value
+    from grading.checks.lab09.rule_distributions import chi_square_p_value
 
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     assert chi_square_p_value([500, 300, 200, 0], probs) > 0.99

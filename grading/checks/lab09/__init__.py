@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (each task's module registers its checks, in task
     task4_acceptance,
     task4_in_decoding,
     task4_statistics,
+    task4_uses_its_generator,
 )
 from .task4_acceptance import using_acceptance_rule  # noqa: F401  (the lab's notebook uses it)
 
