@@ -7,6 +7,7 @@ are compared with a profiler instead, and those tests say so).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -813,3 +814,22 @@ def test_lab03_a_typical_mistake_loses_exactly_the_checks_that_see_it(kernel, ta
     ids = {c for c, registered in all_checks().items() if registered.task.startswith(f"lab03 task {task}:")}
     assert loses <= ids
     assert {c for c in ids if not lab03_verdict(c, kernel).passed} == loses
+
+
+def test_lab03_counts_a_compiled_kernels_bytes_in_a_child_interpreter_the_same_as_in_process():
+    """Where Triton compiles, lab 03 counts the reference kernel's bytes in a child Python that sees no
+    GPU: that child (its command line, the request naming the setup and the kernel as "module:name",
+    the result file) must give what an in-process interpreted drive gives, case for case."""
+    import random
+
+    from grading.checks.lab03 import kernel_launch, task1_softmax
+
+    cases = task1_softmax._softmax_traffic_cases(random.Random(3))
+    in_process = kernel_launch.driver("softmax_kernel", task1_softmax.softmax_setup, count_traffic=True)(
+        softmax_kernel, cases
+    )
+    assert all(result["interpreted"] and result["bytes_loaded"] > 0 for result in in_process)
+    in_child = kernel_launch._drive_interpreted(
+        "softmax_kernel", task1_softmax.softmax_setup, "infra_lib.kernels.softmax:softmax_kernel", cases
+    )
+    assert in_child == json.loads(json.dumps(in_process))  # the child's result comes back as JSON

@@ -130,9 +130,10 @@ def _drive_interpreted(name: str, setup, kernel_path: str, cases) -> list[dict]:
     Raises:
         RuntimeError: the child failed (the grader then reports the reference's failure, not the learner's).
     """
+    from grading.course import REPO_ROOT
     from infra_lib.kernels.triton_env import INTERPRET_ENV
 
-    root = str(Path(__file__).resolve().parents[3])
+    root = str(REPO_ROOT)
     env = {
         **os.environ,
         INTERPRET_ENV: "1",
