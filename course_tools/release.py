@@ -39,9 +39,9 @@ LIBRARY = ("infra_lib/",)
 # modules' replays, drivers and comparisons, the lessons, the benchmarks) scores 0.57 or less. 0.7 sits between,
 # so a near-answer at 0.75 no longer passes. Below it the measure cannot tell an answer from honest code: lab 15's
 # reference kernels live in infra_lib.kernels, lab 06's decode checks replay the reference's recorded greedy path,
-# and lab 10's canary messages ask the reference's judge; the highest course-side scores left are the in-model
-# greedy loops of grading/checks/lab06.py and lab15.py (0.50 and 0.52 against lab 06 task 4), fixed-length
-# loops without the task's stop rule.
+# and lab 10's canary messages ask the reference's judge; the highest course-side score left is the in-model
+# greedy loop labs 06 and 15 share, greedy_through in grading/checks/model_cases.py (0.56 against lab 06 task 4),
+# a fixed-length loop without the task's stop rule, then lab 05's RMSNorm comparison (0.53 against task 5).
 EDITION_THRESHOLD = 0.7
 TESTS_ONLY_NOTE = "TESTS_ONLY.md"  # in an edition's solutions/: its notebooks hold tests, not answers
 EDITION_NOTE = "EDITION.md"
