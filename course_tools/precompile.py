@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from grading.course import PACKAGES
+
 # The course's dependencies, as the lessons, labs, grader, server and tests import them, in two
 # groups that share little, each imported by a process of its own (two cores, half the time).
 TORCH_SIDE = [
@@ -123,7 +125,7 @@ def _own_modules() -> list[str]:
     import pkgutil
 
     names = []
-    for package in ("infra_lib", "grading"):
+    for package in PACKAGES:
         module = importlib.import_module(package)
         names += [info.name for info in pkgutil.walk_packages(module.__path__, package + ".")]
     skip = {__name__, "course_tools.nbgrader_config"}  # nbgrader_config is a configuration file nbgrader loads
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         tools = subprocess.Popen(
             [sys.executable, "-m", "course_tools.precompile", "--tools"], stdout=subprocess.PIPE, text=True
         )
-        failed = _import_all(TORCH_SIDE + ["infra_lib", "grading"]) + _import_all(_own_modules())
+        failed = _import_all(TORCH_SIDE + list(PACKAGES)) + _import_all(_own_modules())
         failed += [line for line in tools.communicate()[0].splitlines() if line]
         print(
             f"bytecode written for the modules the course imports in {time.monotonic() - started:.0f} s"

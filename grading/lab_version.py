@@ -244,7 +244,7 @@ def course_version(root: Path = REPO_ROOT) -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
         )
         dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--", "grading", "infra_lib", "solutions"],
+            ["git", "diff", "--quiet", "HEAD", "--", *GRADER_PACKAGES, "solutions"],
             cwd=root,
             capture_output=True,
             timeout=10,

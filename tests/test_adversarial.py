@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from grading.batch import grade_batch
 from grading.grader import DEFAULT_SOURCE, grade_notebook
@@ -237,7 +238,7 @@ def test_corpus_is_what_make_corpus_builds_from_the_current_lab(tmp_path):
 
 
 def test_readme_table_matches_the_corpus():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     for case in EXPECTED:
         nbgrader = case["nbgrader"] if isinstance(case["nbgrader"], str) else f"{case['nbgrader']:g}"
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{case['name']}` |")), "")

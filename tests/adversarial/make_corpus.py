@@ -15,8 +15,10 @@ from pathlib import Path
 
 import nbformat
 
+from grading.course import REPO_ROOT
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = REPO_ROOT
 LAB = REPO / "labs" / "lab01_gemm" / "lab01_gemm.ipynb"
 SOLUTION = REPO / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb"
 
