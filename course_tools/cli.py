@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from grading.course import DEFAULT_SOURCE, REPO_ROOT, lab_ids
+from grading.gradescope import ALLOW_UNSANDBOXED, KERNEL_USER
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -457,7 +458,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_gradescope(args) -> int:
     from course_tools.gradescope_bundle import build_bundle
-    from grading.gradescope import ALLOW_UNSANDBOXED, KERNEL_USER
 
     out_dir = Path(args.out) if args.out else REPO_ROOT / "build" / "gradescope" / args.lab
     try:
@@ -487,9 +487,9 @@ def _add_gradescope(sub) -> None:
     parser.add_argument("lab", help="the lab id, e.g. lab01_gemm (a folder of solutions/)")
     parser.add_argument("--out", help="folder for autograder.zip (default build/gradescope/<lab>)")
     parser.add_argument(
-        "--allow-unsandboxed",
+        ALLOW_UNSANDBOXED,
         action="store_true",
-        help="grade even where bubblewrap cannot run, each kernel as the user nobody (default: refuse there)",
+        help=f"grade even where bubblewrap cannot run, each kernel as the user {KERNEL_USER} (default: refuse there)",
     )
     parser.set_defaults(func=_cmd_gradescope)
 
