@@ -137,6 +137,11 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.attention_fn: AttentionFn = attention_fn or cached_attention
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[batch, heads, t, head_dim]`` rotated by RoPE at ``positions`` (a LongTensor ``[t]``, any
+        positions): what a runner that flattens several sequences into one step calls."""
+        return apply_rope(x, self.rope_cos[positions], self.rope_sin[positions])
+
     @contextlib.contextmanager
     def using_attention(self, attention_fn: AttentionFn):
         """Run the model with another cached-attention step inside the ``with`` block."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from infra_lib.model.model import Llama, apply_rope
+from infra_lib.model.model import Llama
 from infra_lib.model.sampling import sample
 from infra_lib.serving.kv_store import PagedKVStore
 from infra_lib.serving.paged_attention import gather_kv, paged_attention
@@ -57,7 +57,8 @@ class ModelRunner:
     """Runs a ``Llama`` over scheduled sequences whose K/V live in ``store``.
 
     Args:
-        model: the decoder (its modules and rope tables are used as they are).
+        model: the decoder: the course's ``Llama`` or any module with its parameter names, ``config`` and
+            ``rope(x, positions)`` (its modules are used as they are).
         store: the paged K/V tensors, with as many blocks as the scheduler's pool.
     """
 
@@ -83,7 +84,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Write every scheduled token's K/V; return logits ``[num_sampling, vocab]`` in batch order."""
-        model, device = self.model, self.model.rope_cos.device
+        model, device = self.model, self.model.embed_tokens.weight.device
         tokens, positions, slots = [], [], []
         for seq, s in batch:
             tokens += self.scheduled_ids(seq, s)
@@ -94,11 +95,10 @@ class ModelRunner:
         tokens_t = torch.tensor([tokens], device=device)  # [1, T]
         positions_t = torch.tensor(positions, device=device)
         slots_t = torch.cat(slots)  # [T]
-        cos, sin = model.rope_cos[positions_t], model.rope_sin[positions_t]  # [T, head_dim]
         plan = self._attention_plan(batch, device)  # the same for every layer: built once per step
         x = model.embed_tokens(tokens_t)  # [1, T, d]
         for i, layer in enumerate(model.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, slots_t, plan)
+            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), positions_t, slots_t, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         ends = torch.tensor(self._sampling_rows(batch), dtype=torch.long, device=device)
         return model.lm_head(model.norm(x[0, ends]))  # [num_sampling, vocab]
@@ -137,11 +137,16 @@ class ModelRunner:
             plan["decode_tables"] = tables
         return plan
 
-    def _attention(self, index: int, attn, h: torch.Tensor, cos, sin, slots: torch.Tensor, plan: dict):
+    def _attention(self, index: int, attn, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan: dict):
         """One layer's attention for the flattened step, ``h`` ``[1, T, d]`` -> ``[1, T, d]``."""
-        t = h.shape[1]
-        q, k, v = attn.qkv(h)  # [1, heads, T, hd], [1, kv, T, hd] x 2
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, config = h.shape[1], self.model.config
+        hd = config.head_dim
+        # [1, T, heads * hd] -> [1, heads, T, hd]: the projections as the weights name them (any model
+        # with the course's parameter names and a rope(x, positions) method runs here)
+        q = attn.q_proj(h).view(1, t, config.n_heads, hd).transpose(1, 2)
+        k = attn.k_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
+        v = attn.v_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
+        q, k = self.model.rope(q, positions), self.model.rope(k, positions)
         self.store.write(index, slots, k, v)
         k_cache, v_cache = self.store.k[index], self.store.v[index]
         out = torch.empty_like(q)  # [1, heads, T, hd]
@@ -153,7 +158,7 @@ class ModelRunner:
             q_dec = q[0][:, at].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
             o_dec = self.decode_attention(q_dec, k_cache, v_cache, plan["decode_tables"], plan["decode_lens"])
             out[0][:, at] = o_dec.squeeze(2).transpose(0, 1)  # [heads, B, hd]
-        return attn.o_proj(out.transpose(1, 2).reshape(1, t, attn.n_heads * attn.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(1, t, config.n_heads * hd))
 
     @staticmethod
     def _sampling_rows(batch: Batch) -> list[int]:
