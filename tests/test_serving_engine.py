@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SMOLLM2
 
-from grading.checks.lab06 import tiny_model
+from grading.checks.model_cases import tiny_model
 from infra_lib.model import SamplingParams, greedy_decode
 from infra_lib.serving import (
     LLM,
@@ -22,6 +22,7 @@ from infra_lib.serving import (
     SchedulerConfig,
     Sequence,
 )
+from infra_lib.serving.engine import engine_class, engine_step
 from infra_lib.serving.scheduler_output import ScheduledSeq
 
 CONFIGS = {
@@ -221,3 +222,110 @@ def test_generate_returns_finished_outputs_in_prompt_order_with_metrics(tiny):
         assert len(m.token_times) == 4 and m.ttft >= 0 and m.tpot >= 0
     with pytest.raises(ValueError, match="2 sampling params for 4 prompts"):
         llm.generate(prompts, [SamplingParams()] * 2, use_tqdm=False)
+
+
+def streamed(engine: LLMEngine, ids: list[int]) -> dict[int, list]:
+    """Run to the end; every request's outputs, step by step, checking after each that the deltas so far
+    join to the output's text and tokens."""
+    seen: dict[int, list] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+            so_far = seen[out.request_id]
+            assert "".join(o.new_text for o in so_far) == out.text
+            assert [t for o in so_far for t in o.new_token_ids] == out.token_ids
+        engine.check_invariants()
+    return seen
+
+
+def test_a_stop_string_across_two_tokens_cuts_the_text_and_the_stream_never_shows_what_it_takes_back(tiny):
+    prompt = tiny_prompts(2, 1)[0]
+    reference = greedy_decode(tiny, prompt, 12)
+    text = "".join(letter(t) for t in reference)
+    stop = text[5:7]  # the 6th and 7th tokens' letters: the match spans two tokens
+    engine = LLMEngine.from_model(tiny, LetterTokenizer(), SchedulerConfig(block_size=4, num_blocks=64))
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12, stop_ids=()), stop=(stop, "never seen")),
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12, stop_ids=())),
+    ]
+    seen = streamed(engine, ids)
+    cut, whole = seen[ids[0]][-1], seen[ids[1]][-1]
+    assert (cut.text, cut.finish_reason) == (text[: text.index(stop)], "stop")
+    assert (whole.text, whole.finish_reason) == (text, "length")
+    # while it ran, the last len("never seen") - 1 letters were held back: a stop string could begin there
+    assert [len(o.text) for o in seen[ids[0]][:-1]] == [max(0, n - 9) for n in range(1, len(seen[ids[0]]))]
+    assert [len(o.text) for o in seen[ids[1]]] == list(range(1, 13))  # no stop string: nothing held back
+    assert engine.scheduler.pool.num_free == engine.config.num_blocks
+
+
+def test_the_earliest_stop_string_cuts_the_text_whichever_is_listed_first(tiny):
+    prompt = tiny_prompts(2, 1)[0]
+    text = "".join(letter(t) for t in greedy_decode(tiny, prompt, 12))
+    engine = LLMEngine.from_model(tiny, LetterTokenizer(), SchedulerConfig(block_size=4, num_blocks=64))
+    i = engine.add_request(prompt, SamplingParams(max_new_tokens=12, stop_ids=()), stop=(text[4:6], text[3:6]))
+    streamed(engine, [i])
+    assert engine.output(i).text == text[: text.index(text[3:6])]
+
+
+def test_an_abort_mid_stream_frees_every_block_and_releases_the_held_back_text(tiny):
+    prompt = tiny_prompts(2, 1)[0]
+    text = "".join(letter(t) for t in greedy_decode(tiny, prompt, 12))
+    engine = LLMEngine.from_model(tiny, LetterTokenizer(), SchedulerConfig(block_size=4, num_blocks=64))
+    i = engine.add_request(prompt, SamplingParams(max_new_tokens=12, stop_ids=()), stop=("zzzz",))
+    outs = [o for _ in range(5) for o in engine.step()]
+    assert outs[-1].text == text[:2]  # 5 letters, 3 held back
+    aborted = engine.abort(i)
+    assert (aborted.text, aborted.new_text, aborted.finish_reason) == (text[:5], text[2:5], "abort")
+    assert "".join(o.new_text for o in outs + [aborted]) == aborted.text
+    assert engine.scheduler.pool.num_free == engine.config.num_blocks and not engine.has_unfinished()
+
+
+def test_an_engine_class_runs_a_step_of_its_own_with_the_same_books_as_the_course_step(tiny):
+    prompts = tiny_prompts(7, 5)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, block_size=2, num_blocks=14)
+    runs = []
+    for cls in (LLMEngine, engine_class(engine_step)):
+        engine = cls.from_model(tiny, LetterTokenizer(), config)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8, stop_ids=()), stop=("ab", "q")) for p in prompts]
+        seen = streamed(engine, ids)
+        runs.append(
+            (
+                {i: [(o.new_token_ids, o.new_text, o.text, o.finish_reason) for o in seen[i]] for i in ids},
+                [(e.kind, e.request_id) for e in engine.events.events()],
+                [r.output.as_dict() for r in engine.steps],
+            )
+        )
+        assert sum(len(r.output.preempted) for r in engine.steps) > 0
+    assert runs[0] == runs[1]
+    assert type(engine).__mro__[1] is LLMEngine
+
+
+def test_an_engine_step_that_breaks_the_contract_is_told_so_clearly(tiny):
+    with pytest.raises(TypeError, match="must be a function"):
+        engine_class("step")
+
+    def returns_a_dict(engine):
+        return {}
+
+    def skips_begin_step(engine):
+        engine.scheduler.schedule()
+        return []
+
+    for step, error, match in (
+        (returns_a_dict, TypeError, "must return a list of RequestOutput, got dict"),
+        (skips_begin_step, RuntimeError, r"never handed the plan to engine.begin_step\(out\)"),
+    ):
+        engine = engine_class(step).from_model(tiny, config=SchedulerConfig(block_size=4, num_blocks=16))
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+        with pytest.raises(error, match=match):
+            engine.step()
+    engine = LLMEngine.from_model(tiny, config=SchedulerConfig(block_size=4, num_blocks=16))
+    i = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    seq = engine.sequences[i]
+    with pytest.raises(RuntimeError, match="call begin_step"):
+        engine.record_token(seq)
+    with pytest.raises(ValueError, match="'stop' or 'length', got 'abort'"):
+        engine.finish(seq, "abort")
+    engine.step()
+    with pytest.raises(ValueError, match="request 1 is unknown"):
+        engine.decoder(1)

@@ -7,6 +7,22 @@ The runner is either a ``ModelRunner`` (the real model on the paged KV store) or
 ``SimulatedRunner`` (no model: dummy tokens, a simulated clock advanced by a step-cost model),
 so the same scheduler and the same loop serve text and run scheduling experiments. ``LLM``
 (``llm.py``) wraps the engine in vLLM's offline API.
+
+One step is a function of the engine, ``engine_step(engine) -> list[RequestOutput]`` (lab 08 writes its
+own; ``engine_class(engine_step)`` is the engine that runs it). It uses only this surface:
+
+    engine.scheduler.schedule() / .commit(out)   plan the step; book the computed positions after the run
+    engine.begin_step(out) -> batch              the course's check and books of the plan; [] for an empty one
+    engine.runner.run(batch) -> {seq_id: token}  run the model on the batch and sample each sampling sequence
+    engine.sequences[seq_id]                     the ``Sequence``: ``append_token``, ``text``, ``stop_ids``,
+                                                 ``stop_strings``, ``num_tokens``, ``max_tokens``
+    engine.record_token(seq)                     once per appended token: its time, the token event
+    engine.decoder(seq_id)                       the request's stream decoder: ``push(token) -> str``, ``flush()``
+    engine.finish(seq, reason)                   finish for good ("stop", "length"): blocks freed, event, time
+    engine.output(seq_id, new_ids, new_text)     a ``RequestOutput``; its ``text`` is what may be shown so far
+
+The rest (the step's record in ``engine.steps``, the step event) is booked around the step by
+``LLMEngine.step``, which runs the course's ``engine_step`` through the same surface.
 """
 
 from __future__ import annotations
@@ -25,6 +41,8 @@ from infra_lib.serving.scheduler import Scheduler
 from infra_lib.serving.scheduler_output import SchedulerConfig, SchedulerOutput
 from infra_lib.serving.sequence import FINISH_REASONS, RequestMetrics, Sequence, SequenceStatus
 
+_ENDINGS = ("stop", "length")  # the reasons a step finishes a request for (an abort is the caller's)
+
 
 class WallClock:
     """Seconds since the engine started, on the wall."""
@@ -42,7 +60,11 @@ class WallClock:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: everything so far, and what this step added (for streaming)."""
+    """A request's state after a step: everything so far, and what this step added (for streaming).
+
+    ``text`` is the text that may be shown so far: while the request runs, its last characters are held
+    back as long as a stop string could still begin in them (the longest stop string's length minus one),
+    so that the ``new_text`` deltas always join to ``text``, and to the final text once it finished."""
 
     request_id: int
     prompt_ids: list[int]
@@ -103,6 +125,9 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._decoders: dict[int, object] = {}
         self.events = events if events is not None else EventLog()
+        self._open: tuple[float, SchedulerOutput] | None = None  # the step in progress: its start and plan
+        self._ran_at: float | None = None  # when its run ended (taken at its first token or finish)
+        self._begun = False
 
     @classmethod
     def from_model(
@@ -188,21 +213,90 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        shown = self._shown(seq)
         self._finish(seq, "abort", self.clock.now())
-        return self._output(seq, [], "")
+        return self.output(request_id, [], seq.text[len(shown) :])  # the text held back is released
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def output(self, request_id: int) -> RequestOutput:
-        seq = self.sequences[request_id]
-        return self._output(seq, [], "")
+    def output(self, request_id: int, new_token_ids=(), new_text: str = "") -> RequestOutput:
+        """Request ``request_id`` as a ``RequestOutput``, with ``new_token_ids`` and ``new_text`` as what the
+        step added; its ``text`` is what may be shown so far (see ``RequestOutput``)."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id}; the engine has {len(self.sequences)} (ids from 0)")
+        return RequestOutput(
+            seq.seq_id,
+            list(seq.prompt_ids),
+            list(seq.output_ids),
+            self._shown(seq),
+            seq.is_finished,
+            seq.finish_reason,
+            seq.metrics,
+            [int(t) for t in new_token_ids],
+            new_text,
+        )
 
-    # --- the loop ------------------------------------------------------------------------------
+    @staticmethod
+    def _shown(seq: Sequence) -> str:
+        """The text of ``seq`` that may be shown: all of it once finished; before that, all but the last
+        characters a stop string could still begin in."""
+        if seq.is_finished or not seq.stop_strings:
+            return seq.text
+        held = max(len(stop) for stop in seq.stop_strings) - 1
+        return seq.text[: max(0, len(seq.text) - held)]
+
+    # --- the loop: the step, and the course's books around it ----------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and book one step; the outputs of requests that got a token (or finished)."""
-        out = self.scheduler.schedule()
+        """Schedule, run and book one step; the outputs of requests that got a token (or finished).
+        The course's ``engine_step``, with the step's record and event booked around it."""
+        return self._booked(engine_step)
+
+    def _booked(self, step) -> list[RequestOutput]:
+        """Run ``step(self)``; then record the step it ran (``steps``) and emit its step event."""
+        self._open, self._ran_at, self._begun = None, None, False
+        planned = getattr(self.scheduler, "num_steps", None)
+        outputs = step(self)
+        if type(outputs) is not list or not all(isinstance(o, RequestOutput) for o in outputs):
+            raise TypeError(
+                f"the engine step must return a list of RequestOutput, got {type(outputs).__name__}"
+                + (f" holding a {type(outputs[0]).__name__}" if isinstance(outputs, list) and outputs else "")
+            )
+        if not self._begun and getattr(self.scheduler, "num_steps", None) != planned:
+            raise RuntimeError(
+                "the engine step planned a step (scheduler.schedule()) but never handed the plan to "
+                "engine.begin_step(out): the course could not check it or book its events"
+            )
+        if self._open is not None:
+            start, out = self._open
+            end = self._run_end()
+            self._open = None
+            self.steps.append(StepRecord(start, end, out))
+            self.events.emit(
+                "step",
+                end,
+                start=start,
+                **self._queues(),
+                batched_tokens=out.num_batched_tokens,
+                prefill_tokens=out.num_prefill_tokens,
+                decode_seqs=out.num_decode_seqs,
+            )
+        return outputs
+
+    def begin_step(self, out: SchedulerOutput) -> list[tuple[Sequence, object]]:
+        """The plan ``out`` is about to run: check it, book it, and return its batch.
+
+        Returns ``[(Sequence, ScheduledSeq), ...]`` in plan order, for ``runner.run``; ``[]`` when the plan
+        is empty (there is nothing to run). Books the preempted and admitted events and each sequence's
+        first scheduled time, and notes the step's start.
+
+        Raises:
+            PlanRefused: the plan is empty while sequences are unfinished (no progress), or it schedules a
+                sequence it also preempts (its blocks are gone).
+        """
+        self._begun = True
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise PlanRefused(
@@ -220,6 +314,7 @@ class LLMEngine:
                 out,
             )
         start = self.clock.now()
+        self._open, self._ran_at = (start, out), None
         batch = [(self.sequences[s.seq_id], s) for s in out.scheduled]
         for seq_id in out.preempted:
             self.events.emit("preempted", start, seq_id)
@@ -236,21 +331,47 @@ class LLMEngine:
         for seq, _ in batch:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
-        sampled = self.runner.run(batch)
-        self.scheduler.commit(out)
-        now = self.clock.now()
-        self.steps.append(StepRecord(start, now, out))
-        outputs = [self._append(self.sequences[seq_id], token, now) for seq_id, token in sampled.items()]
-        self.events.emit(
-            "step",
-            now,
-            start=start,
-            **self._queues(),
-            batched_tokens=out.num_batched_tokens,
-            prefill_tokens=out.num_prefill_tokens,
-            decode_seqs=out.num_decode_seqs,
-        )
-        return outputs
+        return batch
+
+    def _run_end(self) -> float:
+        """When the step in progress finished running: the clock at the first call after the run."""
+        if self._ran_at is None:
+            self._ran_at = self.clock.now()
+        return self._ran_at
+
+    def record_token(self, seq: Sequence) -> None:
+        """Book the token just appended to ``seq`` (``seq.append_token``) in the step in progress: its time,
+        the request's first-token time, the token event. Once per appended token."""
+        if self._open is None:
+            raise RuntimeError("record_token books a token of the step in progress: call begin_step(out) first")
+        if len(seq.metrics.token_times) >= len(seq.output_ids):
+            raise RuntimeError(
+                f"seq {seq.seq_id} has {len(seq.output_ids)} output tokens and as many booked: record_token(seq) "
+                "books a token appended with seq.append_token(token), once"
+            )
+        now = self._run_end()
+        seq.metrics.token_times.append(now)
+        self.events.emit("token", now, seq.seq_id, first=seq.metrics.first_token_time is None)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+
+    def decoder(self, request_id: int):
+        """The stream decoder of an unfinished request: ``push(token) -> str`` gives the text the token
+        completes (nothing while a character's bytes are incomplete, nor for a special token), ``flush() -> str``
+        the bytes held back, as text. Without a tokenizer, one that gives no text."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.is_finished:
+            raise ValueError(f"request {request_id} is {'unknown' if seq is None else 'finished'}: it has no decoder")
+        return self._decoders.get(request_id, _NO_TEXT)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` for good with ``reason`` ("stop" or "length"): out of its queue, its blocks back in
+        the pool, its finish time and event. ``abort`` is the caller's way to stop a request."""
+        if reason not in _ENDINGS:
+            raise ValueError(f"a step finishes a request with reason 'stop' or 'length', got {reason!r}")
+        if seq.is_finished:
+            raise ValueError(f"seq {seq.seq_id} has already finished ({seq.finish_reason})")
+        self._finish(seq, reason, self._run_end() if self._open is not None else self.clock.now())
 
     def _queues(self) -> dict:
         """The queues and the KV pool now (what the running, waiting and KV-usage gauges show)."""
@@ -259,28 +380,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_usage": 1 - self.scheduler.pool.num_free / self.config.num_blocks,
         }
-
-    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
-        seq.append_token(token)
-        seq.metrics.token_times.append(now)
-        self.events.emit("token", now, seq.seq_id, first=seq.metrics.first_token_time is None)
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        decoder = self._decoders.get(seq.seq_id)
-        before = seq.text
-        seq.text += decoder.push(token) if decoder is not None else ""
-        reason = "stop" if token in seq.stop_ids else None
-        for stop in seq.stop_strings:
-            at = seq.text.find(stop, max(0, len(before) - len(stop) + 1))
-            if reason is None and at >= 0:  # cut the text before the stop string
-                seq.text, reason = seq.text[:at], "stop"
-        if reason is None and seq.num_tokens >= seq.max_tokens:
-            reason = "length"
-        if reason is not None:
-            if reason == "length" or token in seq.stop_ids:
-                seq.text += decoder.flush() if decoder is not None else ""
-            self._finish(seq, reason, now)
-        return self._output(seq, [token], seq.text[len(before) :])
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -298,20 +397,6 @@ class LLMEngine:
             **self._queues(),
         )
 
-    @staticmethod
-    def _output(seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
-        return RequestOutput(
-            seq.seq_id,
-            list(seq.prompt_ids),
-            list(seq.output_ids),
-            seq.text,
-            seq.is_finished,
-            seq.finish_reason,
-            seq.metrics,
-            new_ids,
-            new_text,
-        )
-
     def check_invariants(self) -> None:
         """The scheduler's invariants, finished requests hold nothing, outputs within their limits."""
         self.scheduler.check_invariants()
@@ -325,3 +410,69 @@ class LLMEngine:
                 raise AssertionError(f"{seq} outgrew its limit of {seq.max_tokens} tokens")
             if (seq.status is SequenceStatus.RUNNING) != (seq in self.scheduler.running):
                 raise AssertionError(f"{seq} has status {seq.status.value} but the running queue says otherwise")
+
+
+class _NoText:
+    """The stream decoder of an engine without a tokenizer: no text."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
+def first_stop(text: str, stops, searched: int) -> int | None:
+    """Where the earliest stop string in ``text`` begins, among those that end past ``searched`` (the
+    length of the text already searched); None if none does."""
+    found = [text.find(stop, max(0, searched - len(stop) + 1)) for stop in stops]
+    found = [at for at in found if at >= 0]
+    return min(found) if found else None
+
+
+def engine_step(engine: LLMEngine) -> list[RequestOutput]:
+    """One step of the engine (``LLMEngine.step``'s body): schedule, run the plan, append each sampled
+    token, finish the requests that stop (a stop token, a stop string in the text, the length), and
+    return the output of every request that got a token, with what the step added."""
+    out = engine.scheduler.schedule()
+    batch = engine.begin_step(out)
+    if not batch:
+        return []
+    sampled = engine.runner.run(batch)
+    engine.scheduler.commit(out)
+    outputs = []
+    for seq_id, token in sampled.items():
+        seq = engine.sequences[seq_id]
+        shown = engine.output(seq_id).text
+        seq.append_token(token)
+        engine.record_token(seq)
+        decoder = engine.decoder(seq_id)
+        searched = len(seq.text)
+        seq.text += decoder.push(token)
+        reason = "stop" if token in seq.stop_ids else "length" if seq.num_tokens >= seq.max_tokens else None
+        if reason is not None:
+            seq.text += decoder.flush()
+        at = first_stop(seq.text, seq.stop_strings, searched)
+        if at is not None:  # the text ends before the stop string
+            seq.text, reason = seq.text[:at], "stop"
+        if reason is not None:
+            engine.finish(seq, reason)
+        outputs.append(engine.output(seq_id, [token], engine.output(seq_id).text[len(shown) :]))
+    return outputs
+
+
+def engine_class(step) -> type[LLMEngine]:
+    """``LLMEngine`` whose step is ``step(engine) -> list[RequestOutput]`` (lab 08's ``engine_step``), with
+    the course's books around it as ``LLMEngine.step`` has them."""
+    if not callable(step):
+        raise TypeError(f"the engine step must be a function engine_step(engine), got a {type(step).__name__}")
+
+    class StepEngine(LLMEngine):
+        def step(self) -> list[RequestOutput]:
+            return self._booked(step)
+
+    StepEngine.__doc__ = f"LLMEngine whose step is {getattr(step, '__qualname__', step)!r}."
+    return StepEngine
