@@ -36,14 +36,12 @@ from grading.notebook import (
     read_notebook,
     splice,
 )
+from infra_lib.serving.pieces import PIECES
 
 CAPSTONE_LAB = "lab16_capstone"
-LAB_PIECES = {  # lab -> the pieces its answers give, in the order the engine's seams list them
-    "lab06_kv_cache": ("cached_attention",),
-    "lab07_paged_kv": ("BlockPool",),
-    "lab08_scheduler": ("schedule",),
-    "lab09_spec_quant": ("accept_or_resample",),
-}
+LAB_PIECES: dict[str, tuple[str, ...]] = {}  # lab -> the pieces its answers give, in the engine's order
+for _name, _piece in PIECES.items():
+    LAB_PIECES[_piece.lab] = LAB_PIECES.get(_piece.lab, ()) + (_name,)
 BUILD_DIR = Path("build") / "capstone"
 MODULE = "learner_engine.py"
 MANIFEST = "manifest.json"
@@ -61,6 +59,42 @@ class LabAnswers:
     status: str  # "yours", "not started", "no notebook", "flagged", "syntax error", "unreadable"
     reason: str = ""
     source: str = ""  # the function that holds the lab's answers (empty when the course's pieces are used)
+    grade: str = ""  # the lab's last recorded grade, in words ("lab08 10/13, failing: lab08 task 3: ...")
+
+
+def grade_note(lab: str, grades_dir: str | Path, notebook: str | Path | None = None) -> str:
+    """The lab's last recorded grade in ``grades_dir`` (what ``infra-lab grade`` wrote) in a few words:
+    its score, the tasks still failing, and whether the answers changed since (when ``notebook`` is given).
+    """
+    from grading.progress import STAMP, answers_digest, read_recorded
+    from grading.registry import get_check
+
+    short = lab.split("_")[0]
+    recorded = read_recorded(lab, grades_dir)
+    if recorded is None:
+        return f"{short} not graded yet"
+    if not recorded.graded:
+        return f"{short}: {recorded.note}"
+    text = f"{short} {recorded.score:g}/{recorded.max_score:g}"
+    tasks = []
+    for failing in recorded.failing:
+        try:
+            task = get_check(failing.check_id).task
+        except KeyError:
+            task = failing.check_id
+        if task not in tasks:
+            tasks.append(task)
+    if tasks:
+        text += ", failing " + "; ".join(t.split(": ", 1)[-1] for t in tasks[:3]) + ("; ..." if len(tasks) > 3 else "")
+    stamp = Path(grades_dir) / lab / STAMP
+    if notebook and Path(notebook).is_file():
+        try:
+            current = answers_digest(Path(notebook), lab_id=lab)
+        except Exception:  # noqa: BLE001 - an unreadable notebook: the extraction says why
+            current = None
+        if current is not None and (not stamp.is_file() or stamp.read_text().strip() != current):
+            text += " (graded before your last change: grade it again)"
+    return text
 
 
 def _prelude(trusted) -> list[str]:
@@ -78,12 +112,33 @@ def _prelude(trusted) -> list[str]:
     return lines
 
 
+def defined_names(code: str) -> set[str]:
+    """The names an answer cell defines at its top level (functions, classes, assignments, imports)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
 def lab_function(lab: str, prelude: list[str], answers: list[tuple[str, str]]) -> str:
-    """``def <lab>(): <imports> <answer cells> return {piece: name}`` as source."""
+    """``def <lab>(): <imports> <answer cells> return {piece: name}`` as source: the pieces the answer
+    cells define (a notebook from before a piece was part of its lab gives the others)."""
     body = [f"# {lab}'s answer cells, as the grader reads them", *prelude]
+    defined = set()
     for gid, code in answers:
         body += ["", f"# --- answer cell {gid}", *code.rstrip().splitlines()]
-    pieces = ", ".join(f'"{p}": {p}' for p in LAB_PIECES[lab])
+        defined |= defined_names(code)
+    pieces = ", ".join(f'"{p}": {p}' for p in LAB_PIECES[lab] if p in defined)
     body += ["", f"return {{{pieces}}}"]
     return f"def {lab}():\n" + textwrap.indent("\n".join(body), "    ", lambda line: bool(line.strip())) + "\n"
 
@@ -148,14 +203,18 @@ def build(
     source_dir: Path = DEFAULT_SOURCE,
     notebook: str | Path | None = None,
     fill_notebook: bool = True,
+    grades_dir: str | Path = "grades",
 ) -> list[LabAnswers]:
     """Extract every lab's answers, write the module and the manifest into ``out_dir``, and (with
     ``fill_notebook``) the answers into the capstone notebook (default
-    ``labs_dir/lab16_capstone/lab16_capstone.ipynb``, when it exists)."""
+    ``labs_dir/lab16_capstone/lab16_capstone.ipynb``, when it exists). Each lab's last grade is read from
+    ``grades_dir`` (where ``infra-lab grade`` writes it) for the report."""
     labs_dir, out_dir = Path(labs_dir), Path(out_dir)
     if not labs_dir.is_dir():
         raise CapstoneError(f"no folder {labs_dir}: pass --labs with the folder that holds your lab notebooks")
     labs = [extract_lab(lab, labs_dir, source_dir) for lab in LAB_PIECES]
+    for answers in labs:
+        answers.grade = grade_note(answers.lab, grades_dir, answers.notebook or None)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODULE).write_text(module_source(labs, when), encoding="utf-8")
@@ -214,17 +273,22 @@ class PieceRow:
     lab: str
     owner: str  # "yours" or "course"
     why: str  # for the course's: why yours is not used
+    grade: str = ""  # the lab's last grade, in words
 
 
-def pieces_from_functions(functions: dict, statuses: dict[str, tuple[str, str]]) -> tuple[dict, list[PieceRow]]:
+def pieces_from_functions(
+    functions: dict, statuses: dict[str, tuple[str, str]], grades: dict[str, str] | None = None
+) -> tuple[dict, list[PieceRow]]:
     """Call each lab's function (a name -> callable mapping), probe its pieces; the pieces dict for
-    ``infra_lib.serving.pieces.assemble`` and one row per piece saying whose it is and why."""
+    ``infra_lib.serving.pieces.assemble`` and one row per piece saying whose it is, why, and its lab's
+    last grade (``grades``: lab -> words)."""
+    grades = grades or {}
     from infra_lib.serving.pieces import probe
 
     pieces, rows = {}, []
     for lab, names in LAB_PIECES.items():
         status, reason = statuses.get(lab, ("not started", ""))
-        got, why = {}, ""
+        got, why, grade = {}, "", grades.get(lab, "")
         if status == "yours" and lab in functions:
             try:
                 got = functions[lab]() or {}
@@ -237,14 +301,14 @@ def pieces_from_functions(functions: dict, statuses: dict[str, tuple[str, str]])
         for name in names:
             piece = got.get(name)
             if piece is None:
-                rows.append(PieceRow(name, lab, "course", why or f"{lab}'s answers define no {name}"))
+                rows.append(PieceRow(name, lab, "course", why or f"{lab}'s answers define no {name}", grade))
                 continue
             missing = probe(name, piece)
             if missing:
-                rows.append(PieceRow(name, lab, "course", f"not finished: {missing}"))
+                rows.append(PieceRow(name, lab, "course", f"not finished: {missing}", grade))
                 continue
             pieces[name] = piece
-            rows.append(PieceRow(name, lab, "yours", ""))
+            rows.append(PieceRow(name, lab, "yours", "", grade))
     return pieces, rows
 
 
@@ -256,6 +320,7 @@ def load(out_dir: str | Path = BUILD_DIR) -> tuple[dict, list[PieceRow]]:
         raise CapstoneError(f"no capstone build in {out_dir}: run `infra-lab capstone build` first")
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     statuses = {entry["lab"]: (entry["status"], entry["reason"]) for entry in manifest["labs"]}
+    grades = {entry["lab"]: entry.get("grade", "") for entry in manifest["labs"]}
     spec = importlib.util.spec_from_file_location("learner_engine", module_path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -263,15 +328,18 @@ def load(out_dir: str | Path = BUILD_DIR) -> tuple[dict, list[PieceRow]]:
     except Exception as exc:  # noqa: BLE001
         raise CapstoneError(f"{module_path} does not import ({type(exc).__name__}: {exc}); build it again") from exc
     functions = {lab: getattr(module, lab) for lab in LAB_PIECES if callable(getattr(module, lab, None))}
-    return pieces_from_functions(functions, statuses)
+    return pieces_from_functions(functions, statuses, grades)
 
 
 def report(rows: list[PieceRow]) -> str:
-    from infra_lib.serving.pieces import PIECES
-
-    lines = [f"{'piece':<20}{'from':<18}{'used':<8}where it enters / why not yours"]
+    """One line per piece: whose it is, with its lab's last grade beside it ("yours, lab08 10/13, failing
+    preemption"), and where it enters the engine or why the course's fills in."""
+    lines = [f"{'piece':<20}{'used':<8}{'last grade':<44}where it enters / why not yours"]
     for r in rows:
-        lines.append(f"{r.piece:<20}{r.lab:<18}{r.owner:<8}{PIECES[r.piece].seam if r.owner == 'yours' else r.why}")
+        where = PIECES[r.piece].seam if r.owner == "yours" else r.why
+        lines.append(f"{r.piece:<20}{r.owner:<8}{(r.grade or r.lab.split('_')[0]):<44}{where}")
+    yours = sum(r.owner == "yours" for r in rows)
+    lines.append(f"{yours} of {len(rows)} pieces are yours; the course's fill in for the rest")
     return "\n".join(lines)
 
 

@@ -403,7 +403,7 @@ def _cmd_capstone(args) -> int:
     from course_tools.capstone import CapstoneError, build, load, report
 
     try:
-        labs = build(args.labs, args.out, notebook=args.notebook)
+        labs = build(args.labs, args.out, notebook=args.notebook, grades_dir=args.grades)
         _, rows = load(args.out)
     except (CapstoneError, ValueError) as exc:
         return _refuse("capstone build", str(exc))
@@ -599,13 +599,16 @@ def build_parser() -> argparse.ArgumentParser:
     cap_build = capstone_sub.add_parser(
         "build",
         help="copy labs 06-09's answer cells into build/capstone and the "
-        "capstone notebook, and say which pieces are yours",
+        "capstone notebook, and say which pieces are yours, each with its lab's last grade",
     )
     cap_build.add_argument("--labs", default="labs", help="the folder with your lab notebooks (default labs)")
     cap_build.add_argument("--out", default="build/capstone", help="where the engine module goes (build/capstone)")
     cap_build.add_argument(
         "--notebook",
         help="the capstone notebook to fill (default: LABS/lab16_capstone/lab16_capstone.ipynb, when it exists)",
+    )
+    cap_build.add_argument(
+        "--grades", default="grades", help="where `infra-lab grade` wrote your labs' grades (default grades)"
     )
     cap_build.set_defaults(func=_cmd_capstone)
 

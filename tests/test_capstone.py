@@ -59,15 +59,15 @@ def solved_build(solved_labs, tmp_path_factory) -> Path:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(" yours ") == 4 and "serve --engine learner" in result.stdout, result.stdout
+    assert result.stdout.count(" yours ") == len(PIECES) and "serve --engine learner" in result.stdout, result.stdout
     return out
 
 
 def test_the_build_from_the_solutions_gives_every_piece_and_fills_the_capstone_notebook(solved_labs, solved_build):
     pieces, rows = capstone.load(solved_build)
     assert sorted(pieces) == sorted(PIECES)
-    assert [r.owner for r in rows] == ["yours"] * 4
-    assert isinstance(pieces["BlockPool"], type) and callable(pieces["schedule"])
+    assert [r.owner for r in rows] == ["yours"] * len(PIECES)
+    assert isinstance(pieces["BlockPool"], type) and isinstance(pieces["Llama"], type) and callable(pieces["schedule"])
     manifest = json.loads((solved_build / capstone.MANIFEST).read_text())
     assert [entry["status"] for entry in manifest["labs"]] == ["yours"] * 4
     # The filled notebook holds what the graded solution notebook holds, less nbgrader's markers.
@@ -88,7 +88,8 @@ def test_blank_labs_fall_back_to_the_course_for_every_piece_and_say_so(tmp_path)
     assert pieces == {}
     assert all(r.owner == "course" and "not started" in r.why for r in rows)
     text = capstone.report(rows)
-    assert text.count(" course ") == 4 and "lab07_paged_kv: not started" in text
+    assert text.count(" course ") == len(PIECES) and "lab07_paged_kv: not started" in text
+    assert f"0 of {len(PIECES)} pieces are yours" in text
 
 
 def test_an_unfinished_piece_falls_back_naming_its_task():
@@ -234,7 +235,7 @@ def test_the_learner_engine_serves_the_openai_client_as_the_course_does(solved_b
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert whole == streamed == expected and "Paris" in whole
         text = (tmp_path / "serve.log").read_text()
-        assert text.count(" yours ") == 4 and "the learner's engine" in text
+        assert text.count(" yours ") == len(PIECES) and "the learner's engine" in text
     finally:
         process.terminate()
         process.wait(20)
@@ -333,32 +334,129 @@ def test_capstone_benchmark_writes_json(tmp_path):
 
 
 def test_both_throughput_tiers_judge_one_measurement_of_the_same_tokens(monkeypatch):
-    from grading.checks import lab16
+    from grading.checks.lab16 import throughput
     from grading.registry import get_check
 
     runs = []
 
     def measure(implementation, case):
         runs.append(implementation)
-        return {"tokens_per_s": 10.0, "tokens": [[1, 2]]}
+        return {"ratio": 1.0, "tokens": [[[1, 2]]]}
 
-    monkeypatch.setattr(lab16, "_MEASURED", [])
-    monkeypatch.setattr(lab16, "_measure_throughput", measure)
+    monkeypatch.setattr(throughput, "_MEASURED", [])
+    monkeypatch.setattr(throughput, "_measure_throughput", measure)
     quarter, half = get_check("lab16.throughput_a_quarter"), get_check("lab16.throughput_half")
     case = quarter.inputs(3)
     assert case == half.inputs(3) and case != quarter.inputs(4)  # one case per seed for both tiers
     mine = {"lab08_scheduler": lambda: {}}
-    assert lab16._drive_throughput(mine, case) == lab16._drive_throughput(mine, case)
+    assert throughput._drive_throughput(mine, case) == throughput._drive_throughput(mine, case)
     assert len(runs) == 1  # the second tier reused the first one's runs
-    lab16._drive_throughput({"lab08_scheduler": lambda: {}}, case)  # other functions: measured again
+    throughput._drive_throughput({"lab08_scheduler": lambda: {}}, case)  # other functions: measured again
     assert len(runs) == 2
 
-    compare = lab16._compare_throughput(0.25)
-    course = {"tokens_per_s": 10.0, "tokens": [[1, 2]]}
-    assert compare({"tokens_per_s": 9.0, "tokens": [[1, 2]]}, course, case) is None
-    fast_but_wrong = compare({"tokens_per_s": 99.0, "tokens": [[1, 3]]}, course, case)
+    compare = throughput._compare_throughput(0.25)
+    course = {"tokens": [[1, 2]]}
+
+    def rounds(ratio, tokens=([1, 2],), course_tokens=([1, 2],)):
+        return {
+            "ratio": ratio,
+            "ratios": [ratio] * 5,
+            "tokens": [list(tokens)] * 5,
+            "course_tokens": [list(course_tokens)] * 5,
+            "yours": ["schedule"],
+        }
+
+    assert compare(rounds(0.9), course, case) is None
+    assert compare(rounds(0.25), course, case) is None  # the bar itself passes
+    fast_but_wrong = compare(rounds(9.9, tokens=([1, 3],)), course, case)
     assert fast_but_wrong is not None and "answers differ" in str(fast_but_wrong.what)
-    slow = compare({"tokens_per_s": 2.0, "tokens": [[1, 2]]}, course, case)
-    assert slow is not None and "0.20x" in str(slow.what)
-    partly = {"tokens_per_s": 3.5, "tokens": [[1, 2]]}  # 0.35x: the quarter's point, not the half's two
-    assert compare(partly, course, case) is None and lab16._compare_throughput(0.5)(partly, course, case) is not None
+    course_changed = compare(rounds(9.9, course_tokens=([1, 3],)), course, case)
+    assert course_changed is not None and "course's engine, timed beside yours" in course_changed.what
+    slow = compare(rounds(0.2), course, case)
+    assert slow is not None and "0.20x" in str(slow.what) and "median of 5 paired rounds" in slow.detail
+    partly = rounds(0.35)  # 0.35x: the quarter's point, not the half's two
+    assert compare(partly, course, case) is None and throughput._compare_throughput(0.5)(partly, course, case)
+    left = compare({"left_running": {"threads": 1, "processes": 0}, "yours": ["schedule"]}, course, case)
+    assert left is not None and "left work running" in left.what
+
+
+def test_the_paired_rounds_refuse_a_piece_that_leaves_a_thread_working():
+    """A scheduler that starts a thread spinning in the background (which would slow the course's rounds
+    timed beside it) gets no throughput measurement at all."""
+    import threading
+
+    from grading.checks.lab16 import throughput
+    from grading.registry import get_check
+    from infra_lib.serving.scheduler import Scheduler
+
+    stop = threading.Event()
+
+    def spinning_schedule(self):
+        if not getattr(spinning_schedule, "started", False):
+            spinning_schedule.started = True
+            threading.Thread(target=lambda: stop.wait(), daemon=True).start()
+        return Scheduler.schedule(self)
+
+    case = {**get_check("lab16.throughput_half").inputs(0), "rounds": 1, "new_tokens": [2] * 4}
+    try:
+        got = throughput._measure_throughput({"lab08_scheduler": lambda: {"schedule": spinning_schedule}}, case)
+    finally:
+        stop.set()
+    assert got["left_running"]["threads"] >= 1, got
+
+
+def test_the_assembled_engine_takes_the_pieces_that_are_written_and_fills_in_the_rest():
+    """Task 5 with some labs done: the written pieces run, the course's fill in; a lab function that is the
+    stub, and a task inside a lab not written yet, both leave their piece to the course. With no piece of
+    the learner's at all, task 5 has nothing to grade and says so as a task not started."""
+    from grading.checks.lab16.engine import assembled_pieces, pieces_of
+
+    labs = _instructor_labs()
+
+    def stub():
+        raise NotImplementedError("lab16 task 1: lab06_kv_cache")
+
+    def not_written(*args, **kwargs):
+        raise NotImplementedError("lab08 task 6: engine_step")
+
+    schedule = labs["lab08_scheduler"]()["schedule"]
+    some = {
+        "lab06_kv_cache": stub,
+        "lab07_paged_kv": labs["lab07_paged_kv"],
+        "lab08_scheduler": lambda: {"schedule": schedule, "engine_step": not_written},
+        "lab09_spec_quant": stub,
+    }
+    pieces = assembled_pieces(some)
+    assert pieces["schedule"] is schedule and "engine_step" not in pieces and "Llama" not in pieces
+    assert "BlockPool" in pieces
+    with pytest.raises(NotImplementedError, match="lab16 task 1"):
+        pieces_of(some, ("cached_attention",))  # tasks 1-4 take no fill-in: the stub is the task not started
+    with pytest.raises(NotImplementedError, match="none of your engine's pieces"):
+        assembled_pieces(dict.fromkeys(labs, stub))
+
+
+def test_the_build_report_shows_each_labs_last_grade(tmp_path):
+    """`capstone build` puts the lab's recorded grade beside its pieces: the score, the tasks still
+    failing, and whether the notebook changed since it was graded."""
+    grades = tmp_path / "grades" / "lab08_scheduler"
+    grades.mkdir(parents=True)
+    failing = "lab08.preemption failed [lab08 task 3: preemption] (wrong result)\n  the plans differ"
+    (grades / "results.json").write_text(
+        json.dumps(
+            {
+                "score": 10,
+                "max_score": 13,
+                "tests": [
+                    {"name": "test_part1", "status": "passed", "output": ""},
+                    {"name": "test_part3", "status": "failed", "output": failing},
+                ],
+            }
+        )
+    )
+    note = capstone.grade_note(
+        "lab08_scheduler", tmp_path / "grades", REPO / "labs" / "lab08_scheduler" / "lab08_scheduler.ipynb"
+    )
+    assert note.startswith("lab08 10/13, failing ") and "graded before your last change" in note, note
+    assert capstone.grade_note("lab07_paged_kv", tmp_path / "grades") == "lab07 not graded yet"
+    row = capstone.PieceRow("schedule", "lab08_scheduler", "yours", "", note)
+    assert "yours   lab08 10/13, failing" in capstone.report([row])

@@ -3,11 +3,17 @@
 Each piece a lab writes enters the engine through one seam, and only there:
 
     piece               lab   what it is                        where it enters
+    Llama               06    the model, a class                the engine's model: SmolLM2's weights loaded
+                                                                into it (the runner uses its named modules
+                                                                and its rope)
     cached_attention    06    cached GQA attention step         the runner's attention, per sequence, over the
                                                                 sequence's K/V gathered from its blocks
     BlockPool           07    the reference-counted block pool  the scheduler's pool (no prefix caching: the
                                                                 lab's pool has no prefix cache)
+    forward_step        07    the batched step                  the runner's forward: one pass over a plan's
+                                                                tokens and the paged store
     schedule            08    the scheduler step                ``Scheduler.schedule``
+    engine_step         08    the engine loop's step            ``LLMEngine.step``
     accept_or_resample  09    speculative decoding's rule       ``speculative_decode``'s acceptance rule
 
 A piece that is missing (None) is the course's own. ``assemble`` builds the ``LLMEngine``;
@@ -42,6 +48,13 @@ PIECES: dict[str, Piece] = {
     p.name: p
     for p in (
         Piece(
+            "Llama",
+            "lab06_kv_cache",
+            "the model",
+            "the engine's model: SmolLM2's weights loaded into your class",
+            "chapter 06 (the decoder) and chapter 16 (the C step: one token's whole model in native code)",
+        ),
+        Piece(
             "cached_attention",
             "lab06_kv_cache",
             "cached GQA attention",
@@ -56,11 +69,25 @@ PIECES: dict[str, Piece] = {
             "chapter 07 (the free queue: every operation O(blocks touched))",
         ),
         Piece(
+            "forward_step",
+            "lab07_paged_kv",
+            "the batched step",
+            "the runner's forward: one pass over a plan's tokens and the paged store",
+            "chapter 08 (one flattened pass per step) and chapter 15 (paged decode attention in one call)",
+        ),
+        Piece(
             "schedule",
             "lab08_scheduler",
             "the scheduler step",
             "Scheduler.schedule",
             "chapter 08 (a step plans in O(running + admitted); no work per waiting request)",
+        ),
+        Piece(
+            "engine_step",
+            "lab08_scheduler",
+            "the engine loop's step",
+            "LLMEngine.step",
+            "chapter 08 (a step's bookkeeping is per scheduled sequence, never per waiting request)",
         ),
         Piece(
             "accept_or_resample",
@@ -199,6 +226,56 @@ def attention_from(cached_attention):
     return attend
 
 
+# --- the model and the batched step ---------------------------------------------------------------
+
+
+def model_from(cls, model):
+    """``cls(model.config)`` (a lab 06 ``Llama``) holding ``model``'s weights, in eval mode, on its device
+    and dtype. The class must take exactly the course's parameter names and shapes."""
+    if not isinstance(cls, type):
+        raise TypeError(f"the Llama piece must be a class, got a {type(cls).__name__}")
+    weight = model.embed_tokens.weight
+    mine = cls(model.config)
+    if not isinstance(mine, torch.nn.Module):
+        raise TypeError(f"Llama(config) must be a torch.nn.Module, got a {type(mine).__name__}")
+    try:
+        mine.load_state_dict(model.state_dict(), strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"SmolLM2's weights do not load into your Llama: {str(exc)[:400]}") from None
+    mine = mine.to(device=weight.device, dtype=weight.dtype).eval()
+    if getattr(mine, "config", None) is None:
+        mine.config = model.config
+    return mine
+
+
+def runner_with_step(runner, forward_step):
+    """``runner`` whose ``forward(batch)`` is the lab 07 ``forward_step(model, store, batch)``, checked
+    for the shape the runner samples from (``[num_sampling, vocab]``)."""
+    if not callable(forward_step):
+        raise TypeError(f"the forward_step piece must be a function, got a {type(forward_step).__name__}")
+
+    def forward(batch):
+        with torch.inference_mode():
+            logits = forward_step(runner.model, runner.store, batch)
+        want = (sum(1 for _, s in batch if s.samples), runner.model.config.vocab_size)
+        if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != want:
+            got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"forward_step returned {got}; the step's sampling tokens need logits {list(want)}")
+        return logits
+
+    runner.forward = forward
+    return runner
+
+
+def engine_class_of(engine_step):
+    """``LLMEngine`` whose ``step`` is the lab 08 ``engine_step(engine)``."""
+    from infra_lib.serving.engine import engine_class
+
+    if not callable(engine_step):
+        raise TypeError(f"the engine_step piece must be a function, got a {type(engine_step).__name__}")
+    return engine_class(engine_step)
+
+
 # --- assembling ------------------------------------------------------------------------------------
 
 
@@ -208,9 +285,9 @@ def assemble(
     """An ``LLMEngine`` on ``model`` with the given pieces in place of the course's.
 
     Args:
-        pieces: ``{"cached_attention": fn, "BlockPool": cls, "schedule": fn, "accept_or_resample": fn}``,
-            any subset; missing or None: the course's piece. ``accept_or_resample`` is not used by
-            the engine (it does not speculate); ``speculate`` uses it.
+        pieces: ``{"Llama": cls, "cached_attention": fn, "BlockPool": cls, "forward_step": fn, "schedule": fn,
+            "engine_step": fn, "accept_or_resample": fn}``, any subset; missing or None: the course's piece.
+            ``accept_or_resample`` is not used by the engine (it does not speculate); ``speculate`` uses it.
         config: the scheduler's limits; with a learner's pool, prefix caching must be off.
     """
     from infra_lib.serving.engine import LLMEngine
@@ -227,13 +304,18 @@ def assemble(
         pool = None
     cls = scheduler_class(pieces["schedule"]) if pieces.get("schedule") is not None else Scheduler
     scheduler = cls(config, pool)
+    if pieces.get("Llama") is not None:
+        model = model_from(pieces["Llama"], model)
     weight = model.embed_tokens.weight
     store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size, weight.dtype, weight.device)
     runner = ModelRunner(model, store)
     if pieces.get("cached_attention") is not None:
         runner.decode_attention = runner.chunk_attention = attention_from(pieces["cached_attention"])
         runner.attention_backend = "cached_attention (yours)"
-    engine = LLMEngine(runner, config, tokenizer, scheduler=scheduler, **engine_kwargs)
+    if pieces.get("forward_step") is not None:
+        runner_with_step(runner, pieces["forward_step"])
+    engine_cls = engine_class_of(pieces["engine_step"]) if pieces.get("engine_step") is not None else LLMEngine
+    engine = engine_cls(runner, config, tokenizer, scheduler=scheduler, **engine_kwargs)
     engine.pieces = owners(pieces)
     return engine
 
@@ -289,12 +371,66 @@ def _probe_attention(fn) -> None:
     fn(q, k[:, :, -1:], k[:, :, -1:], GatheredCache(k, k.clone()))
 
 
+def _tiny_model():
+    from infra_lib.model.config import LlamaConfig
+    from infra_lib.model.model import Llama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        intermediate_size=24,
+        max_position=64,
+    )
+    return Llama(config).eval()
+
+
+def _probe_model(cls) -> None:
+    mine = model_from(cls, _tiny_model())
+    with torch.inference_mode():
+        mine(torch.tensor([[1, 2, 3]]))
+
+
+def _tiny_engine(**pieces):
+    engine = assemble(
+        _tiny_model(),
+        config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_blocks=8),
+        pieces=pieces,
+    )
+    from infra_lib.model.sampling import SamplingParams
+
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    return engine
+
+
+def _probe_step(fn) -> None:
+    from infra_lib.model.sampling import SamplingParams
+    from infra_lib.serving.scheduler_output import ScheduledSeq
+    from infra_lib.serving.sequence import Sequence
+
+    engine = _tiny_engine()
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_new_tokens=2), 4)
+    seq.block_table.blocks.append(0)
+    fn(engine.runner.model, engine.runner.store, [(seq, ScheduledSeq(0, 3, 0, "prefill", True))])
+
+
+def _probe_loop(fn) -> None:
+    _tiny_engine(engine_step=fn).step()
+
+
 def _probe_accept(fn) -> None:
     p, q = torch.full((2, 3), 1 / 3), torch.tensor([[0.0, 1.0, 0.0]])
     fn(p, q, [1], torch.Generator().manual_seed(0))
 
 
 _PROBES = {
+    "Llama": _probe_model,
+    "forward_step": _probe_step,
+    "engine_step": _probe_loop,
     "BlockPool": _probe_pool,
     "schedule": _probe_schedule,
     "cached_attention": _probe_attention,
