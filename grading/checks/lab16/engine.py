@@ -71,7 +71,7 @@ def _course_pieces() -> dict:
     from infra_lib.model.attention import attention, cached_attention
     from infra_lib.model.model import Llama
     from infra_lib.serving.block_pool import BlockPool
-    from infra_lib.serving.engine import LLMEngine
+    from infra_lib.serving.engine import LLMEngine, engine_step
     from infra_lib.serving.model_runner import ModelRunner
     from infra_lib.serving.scheduler import Scheduler
     from infra_lib.serving.speculative import accept_or_resample
@@ -82,7 +82,7 @@ def _course_pieces() -> dict:
         "BlockPool": (BlockPool,),
         "forward_step": (ModelRunner.forward,),
         "schedule": (Scheduler.schedule,),
-        "engine_step": (LLMEngine.step,),
+        "engine_step": (LLMEngine.step, engine_step),
         "accept_or_resample": (accept_or_resample,),
     }
 
