@@ -82,6 +82,7 @@ READINGS: dict[str, tuple[str, list[str]]] = {
         "07_paged_attention",
         ["6 · Parallel sampling: one prompt, several answers, shared blocks"],
     ),
+    "lab07 task 5: forward_step": ("07_paged_attention", ["8 · One step for many sequences: the flattened batch"]),
     "lab08 task 1: schedule": (
         "08_continuous_batching",
         [

@@ -96,6 +96,9 @@ _TEXTS: dict[str, str | None] = {
     "lab07.fork": "random sequences of allocate, free and fork on pools of 1 to 14 blocks",
     "lab07.copy_on_write": "random sequences of every operation on pools of 1 to 14 blocks",
     "lab07.pool_in_model": "forked samples of one prompt on the real SmolLM2-135M-Instruct model, through your pool",
+    "lab07.forward_step": "plans with blocks of 1 to 5 slots, a pool with a prefix cache (an admission that starts "
+    "after its cached blocks) and a pool small enough that the scheduler preempts (a sequence computed again from "
+    "position 0)",
     # lab 08
     "lab08.decode_first": "random configurations (1 to 8 running sequences, budgets of 3 to 128 tokens, blocks of 1 "
     "to 16 tokens) and requests that arrive over time",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 import pytest
-from conftest import REPO, check_fails, solution_namespace
+from conftest import REPO, answer_cells, check_fails, solution_namespace
 
 from grading import check
 from grading.checks.lab07.pool_replay import Replay
@@ -250,3 +250,79 @@ def test_a_call_the_reference_never_met_runs_the_learners_own_method_and_is_name
     message = check_fails("lab07.copy_on_write", ReleasesFirst)
     assert "your pool's own allocate (task 1) ran in this call" in message, message
     assert "prepare_write handed out other blocks" in message, message
+
+
+# --- task 5: the batched step ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step():
+    import torch
+
+    return solution_namespace(SOLUTION, torch=torch)["forward_step"]
+
+
+def test_the_step_checks_run_on_scheduler_plans_that_hold_every_case_the_lab_names():
+    from grading.checks.lab07.step_plans import FEATURES, features
+
+    for check_id in ("lab07.forward_step", "lab07.forward_step_scheduled"):
+        for seed in range(2):
+            for case in all_checks()[check_id].inputs(seed):
+                assert features(case["steps"]) == set(FEATURES), (check_id, seed)
+    plain, cached, tight = all_checks()["lab07.forward_step_scheduled"].inputs(0)
+    parts = [part for case in (plain, cached, tight) for step in case["steps"] for part in step]
+    assert all(p["num_tokens"] >= 1 and p["start"] + p["num_tokens"] <= len(p["prompt"] + p["output"]) for p in parts)
+    admissions = [p for step in cached["steps"] for p in step if p["kind"] == "prefill" and not p["output"]]
+    assert any(p["start"] > 0 and p["start"] % cached["block_size"] == 0 for p in admissions), "no prefix hit"
+
+
+def test_the_step_checks_drive_the_learners_step_without_the_courses_pool_or_runner(step, monkeypatch):
+    # in the graded kernel both are stubs: the plans come from the grader, and nothing else needs them
+    from infra_lib.serving.block_pool import BlockPool
+    from infra_lib.serving.model_runner import ModelRunner
+
+    registered = all_checks()["lab07.forward_step_scheduled"]
+    inputs = registered.inputs(5)
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("the reference is not available in the graded kernel")
+
+    for cls in (BlockPool, ModelRunner):
+        for name in ("__init__", "allocate", "free", "forward"):
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, unavailable)
+    got = registered.drive(step, inputs)
+    monkeypatch.undo()
+    assert registered.compare(got, registered.drive(registered.reference(), inputs), inputs) is None
+
+
+def test_a_step_that_also_writes_a_slot_no_token_owns_fails_the_rule_that_nothing_else_changes(step):
+    from grading.checks.lab07.task5_forward_step import SLOT_HINT
+
+    def and_the_spare_block(model, store, batch):
+        logits = step(model, store, batch)
+        store.v[-1][-1, 0] = 0.0  # the store's last block, which no table holds
+        return logits
+
+    message = check_fails("lab07.forward_step", and_the_spare_block)
+    assert "layer 1 V: slot" in message and "is no scheduled token's slot" in message, message
+    assert f"hint: {SLOT_HINT}" in message
+
+
+def test_a_step_that_attends_before_writing_its_new_keys_fails_with_the_attention_hint():
+    import torch
+
+    from grading.checks.lab07.task5_forward_step import ATTENTION_HINT
+
+    source = answer_cells(SOLUTION)["forward_step"]
+    writes = (
+        "        k_rows[slots] = k[0].transpose(0, 1).to(k_rows.dtype)\n"
+        "        v_rows[slots] = v[0].transpose(0, 1).to(v_rows.dtype)\n"
+    )
+    residual = "        x = x + attn.o_proj("
+    assert source.count(writes) == 1 and source.count(residual) == 1
+    namespace = {"torch": torch}
+    exec(source.replace(writes, "").replace(residual, writes + residual), namespace)
+    message = check_fails("lab07.forward_step", namespace["forward_step"])
+    assert "the keys or values written differ" in message and "layer 1 " in message, message
+    assert f"hint: {ATTENTION_HINT}" in message

@@ -1,15 +1,18 @@
 """Lab 07's stated rules that a check must hold: each pool below is the instructor's with one rule of the
 lab's text broken; the task's check fails it at the call that shows the rule, with the hint for it, and
-the instructor's pool passes."""
+the instructor's pool passes. The same for task 5's step: the instructor's ``forward_step`` with one of
+the usual slips fails both step checks with the hint that names it."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
 
 import pytest
-from conftest import REPO, check_fails, solution_namespace
+import torch
+from conftest import REPO, answer_cells, check_fails, solution_namespace
 
 from grading import check
+from grading.checks.lab07.task5_forward_step import POSITIONS_HINT, ROPE_HINT, SAMPLING_HINT, SLOT_HINT
 from grading.checks.lab07.traces import MISSED
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
@@ -95,3 +98,62 @@ def test_a_prepare_write_without_the_id_check_fails_the_rule_that_a_bad_id_raise
     message = check_fails("lab07.copy_on_write", Unchecked)
     assert "[lab07 task 4" in message and "prepare_write raised the wrong exception" in message, message
     assert "got IndexError" in message
+
+
+STEP_CHECKS = ("lab07.forward_step", "lab07.forward_step_scheduled")
+
+
+def _forward_step(old: str, new: str):
+    """The instructor's forward_step with one line of its source replaced (the edit must apply once)."""
+    source = answer_cells(SOLUTION)["forward_step"]
+    assert source.count(old) == 1, old
+    namespace = {"torch": torch}
+    exec(source.replace(old, new), namespace)
+    return namespace["forward_step"]
+
+
+def test_the_instructor_step_passes_both_step_checks():
+    step = solution_namespace(SOLUTION, Counter=Counter, deque=deque)["forward_step"]
+    for check_id in STEP_CHECKS:
+        check(check_id, step)
+
+
+@pytest.mark.parametrize(
+    "old, new, what, hint",
+    [
+        pytest.param(
+            "* block_size + p % block_size for p",
+            "* block_size + p % block_size + 1 for p",
+            "the step wrote keys or values into other slots than its tokens' own",
+            SLOT_HINT,
+            id="a slot mapping one offset too far",
+        ),
+        pytest.param(
+            "        positions += range(first, last)\n",
+            "        positions += range(last - first)\n",
+            "the keys or values written differ",
+            POSITIONS_HINT,
+            id="positions that restart at 0 for a continued chunk",
+        ),
+        pytest.param(
+            "        k_rows[slots] = k[0].transpose(0, 1).to(k_rows.dtype)\n",
+            "        k_rows[slots] = attn.k_proj(h).view(1, total, config.n_kv_heads, hd)[0].to(k_rows.dtype)\n",
+            "the keys or values written differ",
+            ROPE_HINT,
+            id="keys stored before RoPE",
+        ),
+        pytest.param(
+            "    last_rows = [row + n - 1 for (row, n, _), (_, scheduled) in zip(parts, batch) if scheduled.samples]\n",
+            "    last_rows = list(range(total))\n",
+            "the step returned another number of rows of logits than sequences that sample",
+            SAMPLING_HINT,
+            id="logits for every token",
+        ),
+    ],
+)
+def test_a_usual_slip_in_the_step_fails_both_step_checks_with_its_own_hint(old, new, what, hint):
+    step = _forward_step(old, new)
+    for check_id in STEP_CHECKS:
+        message = check_fails(check_id, step)
+        assert f"{check_id} failed [lab07 task 5: forward_step]" in message, message
+        assert what in message and f"hint: {hint}" in message, message
