@@ -62,16 +62,19 @@ READINGS: dict[str, tuple[str, list[str]]] = {
         "05_training_parallelism",
         ["2 · One training step, measured: memory, mixed precision, checkpointing"],
     ),
-    "lab06 task 1: causal_mask": (
+    "lab06 task 1: rms_norm": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
+    "lab06 task 2: rope": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
+    "lab06 task 3: Llama": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
+    "lab06 task 4: causal_mask": (
         "06_request_journey",
         ["4 · Inside `generate`: prefill and decode by hand", "Lab 06"],
     ),
-    "lab06 task 2: repeat_kv": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
-    "lab06 task 3: cached_attention": (
+    "lab06 task 5: repeat_kv": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
+    "lab06 task 6: cached_attention": (
         "06_request_journey",
         ["4 · Inside `generate`: prefill and decode by hand", "6 · What the KV cache saves"],
     ),
-    "lab06 task 4: greedy_decode": ("06_request_journey", ["4 · Inside `generate`: prefill and decode by hand"]),
+    "lab06 task 7: greedy_decode": ("06_request_journey", ["4 · Inside `generate`: prefill and decode by hand"]),
     "lab07 task 1: BlockPool.allocate": ("07_paged_attention", ["2 · Blocks, block tables and the block pool"]),
     "lab07 task 2: BlockPool.free": ("07_paged_attention", ["2 · Blocks, block tables and the block pool"]),
     "lab07 task 3: BlockPool.fork": (

@@ -82,12 +82,19 @@ _TEXTS: dict[str, str | None] = {
     "lab05.train_tiny": "the update's edges: no weight decay, a single step, a large eps, zero gradients, beta1 = 0, "
     "and resuming at step 1000",
     # lab 06
+    "lab06.rms_norm": "activations of the order of eps, a large eps, vectors far from zero mean, a single channel and "
+    "four leading dimensions",
+    "lab06.rope": "positions that do not start at 0 (after a cache, a single decode position, seven in random order), "
+    "head_dim 2, batches of 2 and 3, and other bases",
+    "lab06.llama_tiny": "other shapes: one KV head per query head, 6 query heads over 3 of 16 dimensions with a large "
+    "rms_norm_eps and another rope_theta, untied embeddings in one layer, a batch of 3 and a single token",
+    "lab06.llama_smollm2": None,
     "lab06.causal_mask_prefill": "masks with a cache: fewer queries than keys, a decode step (t = 1) included",
     "lab06.repeat_kv": None,
     "lab06.cached_attention_prefill": _CACHED_ATTENTION,
     "lab06.cached_attention_decode": _CACHED_ATTENTION,
-    "lab06.cached_attention_in_model": "the real SmolLM2-135M-Instruct model answering a question through your "
-    "attention",
+    "lab06.cached_attention_in_model": "SmolLM2-135M-Instruct's weights in your model answering a question through "
+    "your attention",
     "lab06.greedy_decode": "a stop token that ends the answer early, with no model call after the last token, on a "
     "model whose two highest logits tie at every step",
     # lab 07

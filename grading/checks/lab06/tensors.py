@@ -1,4 +1,5 @@
-"""What tasks 1 to 3's checks share: the module of their references, and seeded tensors as plain data."""
+"""What the checks on tensors share (tasks 1 to 6): the module of the attention references, and seeded tensors
+as plain data."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""Task 3's checks: ``cached_attention`` on seeded tensors (prefill, decode, chunks over a cache, MQA to MHA),
-then plugged into every layer of a decoder, whose greedy tokens must be the reference's."""
+"""Task 6's checks: ``cached_attention`` on seeded tensors (prefill, decode, chunks over a cache, MQA to MHA),
+then plugged into every layer of the learner's decoder (task 3), whose greedy tokens must be the reference's."""
 
 from __future__ import annotations
 
 import random
 
 from grading.checks.common import array_mismatch, reference
+from grading.checks.lab06.decoder import CachedDecoder, build, seeded_weights, smollm2_model
 from grading.checks.lab06.tensors import ATTENTION, seeded, tensor_list
 from grading.checks.model_cases import (
-    case_model,
+    TINY,
     case_prompts,
     greedy_through,
     in_model_comparison,
@@ -112,9 +113,9 @@ _ATTENTION_HINT = (
 
 
 def attention_parts(make_inputs) -> dict:
-    """The fields task 3's checks on tensors share, with their own inputs."""
+    """The fields task 6's checks on tensors share, with their own inputs."""
     return dict(
-        task="lab06 task 3: cached_attention",
+        task="lab06 task 6: cached_attention",
         reference=reference(ATTENTION, "cached_attention"),
         make_inputs=make_inputs,
         drive=_drive_attention,
@@ -152,14 +153,41 @@ register(
 )
 
 
-# --- plugged into a decoder --------------------------------------------------------------------
+# --- plugged into the learner's decoder --------------------------------------------------------
 
 
-def _drive_in_model(cached_attention, case):
-    """Greedy tokens of a model whose every layer uses ``cached_attention``."""
-    model = case_model(case)
-    with model.using_attention(cached_attention):
-        return greedy_through(model, case_prompts(case), case["new_tokens"])
+def course_pieces() -> dict:
+    """The reference side: the course's decoder and cached attention step, under the names the test cell passes."""
+    from infra_lib.model.attention import cached_attention
+    from infra_lib.model.model import Llama
+
+    return {"Llama": Llama, "cached_attention": cached_attention}
+
+
+course_pieces.target = f"{ATTENTION}:cached_attention"  # what grading.hidden_reference hides from a sandboxed kernel
+
+
+def _drive_in_model(pieces, case):
+    """Greedy tokens of the learner's model (task 3) whose every layer attends with their ``cached_attention``, and
+    the model's own logits without a cache (which must be the course's before the attention can be judged)."""
+    import torch
+
+    from infra_lib.model.config import LlamaConfig
+
+    if type(pieces) is not dict or not {"Llama", "cached_attention"} <= set(pieces):
+        raise TypeError(
+            'this check takes {"Llama": Llama, "cached_attention": cached_attention}, your class of task 3 and your '
+            f"function of task 6, got {type(pieces).__name__}"
+        )
+    if case["model"] == "tiny":
+        config = LlamaConfig(**TINY)
+        model, prompts = build(pieces["Llama"], config, seeded_weights(config, case["seed"])), case["prompts"]
+    else:
+        model, prompts = smollm2_model(pieces["Llama"]), case["prompt_ids"]
+    with torch.inference_mode():
+        own = [model(torch.tensor([prompt]))[0, -1, :8].double().tolist() for prompt in prompts]
+    results = greedy_through(CachedDecoder(model, pieces["cached_attention"]), prompts, case["new_tokens"])
+    return [{**result, "model_logits": logits} for result, logits in zip(results, own)]
 
 
 _QUESTIONS = [
@@ -171,6 +199,13 @@ _QUESTIONS = [
 ]
 
 
+def _smollm2_case(rng: random.Random) -> dict:
+    """A SmolLM2 case with its question encoded here (the graded kernel cannot load the course's model)."""
+    case = smollm2_case(rng, 8, _QUESTIONS)
+    case["prompt_ids"] = case_prompts(case)
+    return case
+
+
 def _where_in_model(case, prompt) -> str:
     return (
         f"the {'SmolLM2' if case['model'] == 'smollm2' else 'small random'} model, prompt "
@@ -178,19 +213,47 @@ def _where_in_model(case, prompt) -> str:
     )
 
 
+MODEL_FIRST_HINT = (
+    "this check runs your cached_attention inside your Llama of task 3, whose modules already give other logits than "
+    "the course's model without a cache (look at its norms, rope and mlp): make task 3's checks pass first, then "
+    "come back here."
+)
+
+_in_model = in_model_comparison(
+    _where_in_model,
+    "the model's logits after prefill differ",
+    "greedy decoding with your cached_attention produced different tokens",
+    lambda got, expected: (1e-3, 1e-4),
+)
+
+
+def _compare_in_model(got, expected, case):
+    """The cached run decides; where it differs and the learner's model differs without a cache too, the message
+    names the model (task 3) rather than the attention step. (The model's own attention plays no part in the cached
+    run, so a slip there costs task 3 alone.)"""
+    problem = _in_model(got, expected, case)
+    if problem is None:
+        return None
+    for prompt, g, e in zip(case["prompts"], got, expected):
+        where = _where_in_model(case, prompt)
+        differs = array_mismatch(g["model_logits"], e["model_logits"], "", where, atol=1e-3, rtol=1e-4)
+        if differs:
+            return Mismatch(
+                "your Llama (task 3) gives other logits than the course's model, with and without a cache",
+                f"{problem.detail}; without a cache, {differs.detail.removeprefix(f'on {where}: ')}",
+                hint=MODEL_FIRST_HINT,
+            )
+    return problem
+
+
 def in_model_parts(make_inputs) -> dict:
-    """The fields task 3's checks inside a decoder share, with their own inputs."""
+    """The fields task 6's checks inside a decoder share, with their own inputs."""
     return dict(
-        task="lab06 task 3: cached_attention",
-        reference=reference(ATTENTION, "cached_attention"),
+        task="lab06 task 6: cached_attention",
+        reference=course_pieces,
         make_inputs=make_inputs,
         drive=_drive_in_model,
-        compare=in_model_comparison(
-            _where_in_model,
-            "the model's logits after prefill differ",
-            "greedy decoding with your cached_attention produced different tokens",
-            lambda got, expected: (1e-3, 1e-4),
-        ),
+        compare=_compare_in_model,
     )
 
 
@@ -211,6 +274,6 @@ register(
     Check(
         check_id="lab06.cached_attention_smollm2",
         hint=_IN_MODEL_HINT + " This one runs SmolLM2-135M-Instruct itself.",
-        **in_model_parts(lambda rng: smollm2_case(rng, 8, _QUESTIONS)),
+        **in_model_parts(_smollm2_case),
     )
 )

@@ -1,4 +1,4 @@
-"""Task 2's check: ``repeat_kv(x, group)``, the KV heads copied for the query heads that share them, in x's dtype."""
+"""Task 5's check: ``repeat_kv(x, group)``, the KV heads copied for the query heads that share them, in x's dtype."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _compare_repeat(got, expected, cases):
 register(
     Check(
         check_id="lab06.repeat_kv",
-        task="lab06 task 2: repeat_kv",
+        task="lab06 task 5: repeat_kv",
         reference=reference(ATTENTION, "repeat_kv"),
         make_inputs=_repeat_cases,
         drive=_drive_repeat,

@@ -1,4 +1,4 @@
-"""Task 1's checks: ``causal_mask(t, s)`` on prefills (t = s) and on queries that follow a cache (t < s)."""
+"""Task 4's checks: ``causal_mask(t, s)`` on prefills (t = s) and on queries that follow a cache (t < s)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _compare_masks(got, expected, cases):
 register(
     Check(
         check_id="lab06.causal_mask_prefill",
-        task="lab06 task 1: causal_mask",
+        task="lab06 task 4: causal_mask",
         reference=reference(ATTENTION, "causal_mask"),
         make_inputs=_prefill_masks,
         drive=_drive_masks,
@@ -68,7 +68,7 @@ register(
 register(
     Check(
         check_id="lab06.causal_mask_with_cache",
-        task="lab06 task 1: causal_mask",
+        task="lab06 task 4: causal_mask",
         reference=reference(ATTENTION, "causal_mask"),
         make_inputs=_offset_masks,
         drive=_drive_masks,

@@ -1,4 +1,4 @@
-"""Task 4's checks: ``greedy_decode`` driving a model that answers from a recording of the reference's greedy
+"""Task 7's checks: ``greedy_decode`` driving a model that answers from a recording of the reference's greedy
 path, so that the check counts the loop's model calls and tokens and sees where it leaves the path."""
 
 from __future__ import annotations
@@ -249,9 +249,9 @@ _LAST_CALL_HINT = (
 
 
 def decode_parts(make_inputs) -> dict:
-    """The fields task 4's checks share, with their own inputs."""
+    """The fields task 7's checks share, with their own inputs."""
     return dict(
-        task="lab06 task 4: greedy_decode",
+        task="lab06 task 7: greedy_decode",
         reference=reference("infra_lib.model.generation", "greedy_decode"),
         make_inputs=make_inputs,
         drive=_drive_decode,
