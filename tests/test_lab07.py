@@ -297,7 +297,7 @@ def test_the_step_checks_drive_the_learners_step_without_the_courses_pool_or_run
 
 
 def test_a_step_that_also_writes_a_slot_no_token_owns_fails_the_rule_that_nothing_else_changes(step):
-    from grading.checks.lab07.task5_forward_step import SLOT_HINT
+    from grading.checks.lab07.step_judging import SLOT_HINT
 
     def and_the_spare_block(model, store, batch):
         logits = step(model, store, batch)
@@ -312,7 +312,7 @@ def test_a_step_that_also_writes_a_slot_no_token_owns_fails_the_rule_that_nothin
 def test_a_step_that_attends_before_writing_its_new_keys_fails_with_the_attention_hint():
     import torch
 
-    from grading.checks.lab07.task5_forward_step import ATTENTION_HINT
+    from grading.checks.lab07.step_judging import ATTENTION_HINT
 
     source = answer_cells(SOLUTION)["forward_step"]
     writes = (

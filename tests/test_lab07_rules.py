@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, answer_cells, check_fails, solution_namespace
 
 from grading import check
-from grading.checks.lab07.task5_forward_step import POSITIONS_HINT, ROPE_HINT, SAMPLING_HINT, SLOT_HINT
+from grading.checks.lab07.step_judging import POSITIONS_HINT, ROPE_HINT, SAMPLING_HINT, SLOT_HINT
 from grading.checks.lab07.traces import MISSED
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"

@@ -114,3 +114,12 @@ def step_case(rng: random.Random, block_sizes: list[int], prefix_caching: bool, 
         if features(case["steps"]) == set(FEATURES):
             return case
     raise RuntimeError(f"no plan with every feature in 100 draws for block sizes {block_sizes}")
+
+
+def token_slots(step: list[dict], block_size: int) -> list[tuple[int, int, int, int]]:
+    """(part index, seq_id, position, slot) of every scheduled token, in batch order."""
+    tokens = []
+    for index, part in enumerate(step):
+        for p in range(part["start"], part["start"] + part["num_tokens"]):
+            tokens.append((index, part["seq_id"], p, part["blocks"][p // block_size] * block_size + p % block_size))
+    return tokens
