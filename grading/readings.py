@@ -94,6 +94,10 @@ READINGS: dict[str, tuple[str, list[str]]] = {
             "5 · Head-of-line blocking, and chunked prefill",
         ],
     ),
+    "lab08 task 2: engine_step": (
+        "08_continuous_batching",
+        ["8 · The engine loop: from sampled tokens to streamed text"],
+    ),
     "lab09 task 1: quantize_int8_groupwise": ("09_spec_quant", ["5 · Weight-only quantisation"]),
     "lab09 task 2: dequantize_int8_groupwise": ("09_spec_quant", ["5 · Weight-only quantisation"]),
     "lab09 task 3: expected_tokens_per_step": ("09_spec_quant", ["2 · The acceptance rule"]),

@@ -116,6 +116,10 @@ _TEXTS: dict[str, str | None] = {
     "request must finish with greedy decoding's tokens",
     "lab08.records": "random budgets with prefix caching, over longer runs",
     "lab08.engine_tiny_model": "prefix caching and whole prompts (chunked prefill off) on the real engine",
+    "lab08.engine_loop": "pools small enough to force preemptions (with prefix caching and aborts), and random "
+    "configurations, workloads and aborts",
+    "lab08.engine_loop_aborts": "pools small enough to force preemptions (with prefix caching and aborts), and random "
+    "configurations, workloads and aborts",
     # lab 09
     "lab09.quantize_int8": "group size 1, whole rows of zeros, float64, float16 and bfloat16 weights, invalid "
     "arguments that must raise ValueError (weights holding nan or ±inf, a group_size that is "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+from grading.checks.lab08.engines import carry_out, length_engine, recording
+
 
 def schedule_reference():
     """The reference's step planning, imported when a check needs it."""
@@ -14,7 +16,7 @@ def schedule_reference():
 
 
 # the lab's task, as the checks name it
-TASKS = {1: "lab08 task 1: schedule"}
+TASKS = {1: "lab08 task 1: schedule", 2: "lab08 task 2: engine_step"}
 
 
 _UNIT_COST = (1e-3, 1e-4, 1e-4, 1e-6)  # StepCostModel(fixed, per prefill token, per decode seq, per context token)
@@ -49,7 +51,7 @@ def scheduler_config(c: dict):
 
 def simulate(run: dict, scheduler) -> None:
     """Serve the run's workload on the simulated runner with ``scheduler``."""
-    from infra_lib.serving import LLMEngine, SimulatedRunner, StepCostModel, random_workload, replay
+    from infra_lib.serving import SimulatedRunner, StepCostModel, random_workload, replay
 
     w = run["workload"]
     requests = random_workload(
@@ -60,35 +62,14 @@ def simulate(run: dict, scheduler) -> None:
         output_len=tuple(w["output_len"]),
         shared_prefix_len=w.get("shared_prefix_len", 0),
     )
-    engine = LLMEngine(SimulatedRunner(StepCostModel(*_UNIT_COST)), scheduler.config, scheduler=scheduler)
+    engine = length_engine()(SimulatedRunner(StepCostModel(*_UNIT_COST)), scheduler.config, scheduler=scheduler)
     replay(engine, requests, max_steps=run["max_steps"])
 
 
 def _reference_steps(run: dict) -> list[list[tuple[str, int, int]]]:
-    """Each step of the reference scheduler's run of ``run``, as its actions in order: ``("preempt", seq
-    id, 0)``, ``("reserve", seq id, tokens)`` for a running sequence, ``("admit", seq id, tokens)``."""
-    from infra_lib.serving.scheduler import Scheduler
-
+    """Each step of the reference scheduler's run of ``run``, as its actions in order (``recording``)."""
     steps: list[list[tuple[str, int, int]]] = []
-
-    class Recorded(Scheduler):
-        def schedule(self):
-            steps.append([])
-            return super().schedule()
-
-        def preempt(self, seq):
-            steps[-1].append(("preempt", seq.seq_id, 0))
-            super().preempt(seq)
-
-        def reserve(self, seq, num_tokens):
-            steps[-1].append(("reserve", seq.seq_id, num_tokens))
-            super().reserve(seq, num_tokens)
-
-        def admit(self, seq, num_tokens):
-            steps[-1].append(("admit", seq.seq_id, num_tokens))
-            super().admit(seq, num_tokens)
-
-    simulate(run, Recorded(scheduler_config(run["config"])))
+    simulate(run, recording(scheduler_config(run["config"]), steps))
     return steps
 
 
@@ -102,37 +83,6 @@ def with_reference_steps(make):
         return runs
 
     return make_inputs
-
-
-def _carry_out(scheduler, actions: list) -> object:
-    """One recorded step of the reference's, carried out on ``scheduler`` with its own actions; the plan."""
-    from infra_lib.serving.scheduler_output import SchedulerOutput
-
-    out = SchedulerOutput(scheduler.num_steps, scheduler.config.max_num_batched_tokens)
-    for action, seq_id, num_tokens in actions:
-        queue = scheduler.waiting if action == "admit" else scheduler.running
-        seq = next((s for s in queue if s.seq_id == seq_id), None)
-        if seq is None:
-            raise RuntimeError(
-                f"step {out.step} of the reference's run {action}s seq {seq_id}, which is not "
-                f"{'waiting' if action == 'admit' else 'running'}: the run left the reference's"
-            )
-        if action == "preempt":
-            scheduler.preempt(seq)
-            out.preempted.append(seq_id)
-            continue
-        if action == "admit":
-            out.num_cached_tokens[seq_id] = scheduler.cached_tokens(seq)
-            scheduler.admit(seq, num_tokens)
-            out.admitted.append(seq_id)
-        else:
-            scheduler.reserve(seq, num_tokens)
-        out.add(seq, num_tokens)
-    scheduler.num_steps += 1
-    scheduler._scheduled = {s.seq_id: s.num_tokens for s in out.scheduled}
-    out.num_running, out.num_waiting = len(scheduler.running), len(scheduler.waiting)
-    out.num_free_blocks = scheduler.pool.num_free
-    return out
 
 
 def _plan_on_a_copy(schedule, scheduler) -> dict:
@@ -194,7 +144,7 @@ def drive_forced(schedule, runs):
                 steps.append(_plan_on_a_copy(schedule, self))
                 if self.num_steps >= len(reference):
                     raise RuntimeError(f"the run went on past the reference's {len(reference)} steps")
-                return _carry_out(self, reference[self.num_steps])
+                return carry_out(self, reference[self.num_steps])
 
         simulate(run, Forced(scheduler_config(run["config"])))
         results.append({"steps": steps})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from grading.checks.lab08.engines import length_engine
 from grading.checks.lab08.forced_steps import TASKS, schedule_reference, scheduler_config
 from grading.checks.lab08.plans import describe_config, plan_text
 from grading.checks.model_cases import TINY, tiny_model
@@ -212,7 +213,6 @@ def _engine_preemption_case(rng: random.Random) -> dict:
 def _drive_engine(schedule, case):
     from infra_lib.model.generation import greedy_decode
     from infra_lib.model.sampling import SamplingParams
-    from infra_lib.serving import LLMEngine
     from infra_lib.serving.engine import PlanRefused
 
     cls = _scheduler_class(schedule)
@@ -220,7 +220,7 @@ def _drive_engine(schedule, case):
     results = []
     for run in case["runs"]:
         config = scheduler_config({"enable_chunked_prefill": True, "enable_prefix_caching": False, **run["config"]})
-        engine = LLMEngine.from_model(model, config=config, scheduler=cls(config))
+        engine = length_engine().from_model(model, config=config, scheduler=cls(config))
         ids = [
             engine.add_request(p, SamplingParams(max_new_tokens=case["new_tokens"], stop_ids=()))
             for p in run["prompts"]
