@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.lab08.engines import length_engine
+from grading.checks.lab08.engines import length_engine, one_thread
 from grading.checks.lab08.forced_steps import TASKS, schedule_reference, scheduler_config
 from grading.checks.lab08.plans import describe_config, plan_text
 from grading.checks.model_cases import TINY, tiny_model
@@ -211,6 +211,11 @@ def _engine_preemption_case(rng: random.Random) -> dict:
 
 
 def _drive_engine(schedule, case):
+    with one_thread():
+        return _serve(schedule, case)
+
+
+def _serve(schedule, case):
     from infra_lib.model.generation import greedy_decode
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving.engine import PlanRefused

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.lab08.engines import LeftTheReference, recording, replaying
+from grading.checks.lab08.engines import LeftTheReference, one_thread, recording, replaying
 from grading.checks.lab08.forced_steps import TASKS, scheduler_config
 from grading.checks.lab08.plans import describe_config
 from grading.checks.model_cases import TINY, tiny_model
@@ -74,10 +74,22 @@ def _spanning_stop(pieces: list[str], upto: int) -> str | None:
     return None
 
 
+def _greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, all served at once by the reference engine (one forward pass a step)."""
+    from infra_lib.model.sampling import SamplingParams
+    from infra_lib.serving.engine import LLMEngine
+    from infra_lib.serving.scheduler_output import SchedulerConfig
+
+    config = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512, block_size=4, num_blocks=128)
+    engine = LLMEngine.from_model(model, config=config)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, stop_ids=())) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.output(i).token_ids for i in ids]
+
+
 def _requests(model, rng: random.Random, count: int, new_tokens: int, shared_len: int) -> tuple[int, list[dict]]:
     """The run's end-of-turn id and requests (prompt, new tokens, stop strings), as described above."""
-    from infra_lib.model.generation import greedy_decode
-
     vocab = TINY["vocab_size"]
     drawn = None
     for _ in range(20):  # prompts whose greedy outputs give each ending; almost always the first draw
@@ -86,7 +98,7 @@ def _requests(model, rng: random.Random, count: int, new_tokens: int, shared_len
             shared[: rng.randint(0, shared_len)] + [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
             for _ in range(count)
         ]
-        greedy = [greedy_decode(model, p, new_tokens) for p in prompts]
+        greedy = _greedy(model, prompts, new_tokens)
         fresh = [k for k in range(2, 5) if greedy[0][k] not in greedy[0][:k]]
         eos = greedy[0][fresh[0] if fresh else 2]
         tok = tokenizer(eos)
@@ -139,7 +151,8 @@ def _run(model, rng: random.Random, config: dict, count: int, new_tokens: int, s
 def _make(rng: random.Random, specs: list[dict]) -> dict:
     seed = rng.randrange(10**6)
     model = tiny_model(seed)
-    return {"seed": seed, "runs": [_run(model, rng, **spec) for spec in specs]}
+    with one_thread():
+        return {"seed": seed, "runs": [_run(model, rng, **spec) for spec in specs]}
 
 
 def _loop_case(rng: random.Random) -> dict:
@@ -214,6 +227,11 @@ def _books(engine) -> dict:
 
 
 def _drive(step, case):
+    with one_thread():
+        return _serve(step, case)
+
+
+def _serve(step, case):
     from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving.engine import engine_class
 
