@@ -190,7 +190,13 @@ _TEXTS: dict[str, str | None] = {
     "of 64: the packed bytes and scales of its rows once, x once, no float copy of the "
     "weight (counted when Triton runs in its interpreter)",
     # lab 16
+    "lab16.model_in_engine": "three requests drawn from the grader's own seed on a pool small enough to preempt, "
+    "with other batch limits and budgets",
     "lab16.attention_in_engine": "three requests drawn from the grader's own seed, with other batch limits and budgets",
+    "lab16.step_in_engine": "three seeded requests on a pool small enough to preempt and recompute, with other batch "
+    "limits and budgets",
+    "lab16.loop_in_engine": "three seeded requests on a pool small enough to preempt, two of them aborted in the "
+    "middle of the run",
     "lab16.pool_in_engine": "three seeded requests on a pool small enough to preempt, two of them aborted in the "
     "middle "
     "of the run",

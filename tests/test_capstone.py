@@ -355,7 +355,7 @@ def test_both_throughput_tiers_judge_one_measurement_of_the_same_tokens(monkeypa
     assert len(runs) == 2
 
     compare = throughput._compare_throughput(0.25)
-    course = {"tokens": [[1, 2]]}
+    course = {"answers": [[1, 2]]}
 
     def rounds(ratio, tokens=([1, 2],), course_tokens=([1, 2],)):
         return {

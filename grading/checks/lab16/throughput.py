@@ -37,14 +37,22 @@ _MEASURED: list = []  # (implementation, case, result) of this process's through
 
 
 def _drive_throughput(implementation, case):
-    """The paired measurement (the course's side: only its answers, which the ratios' tokens must equal).
+    """The paired measurement (the course's side: its answers, which every timed round's must equal).
 
     Both throughput tiers judge one measurement: they draw the same case for a seed (one inputs_group),
     and a second check with the same functions and the same case reuses the first one's rounds (the entry
     keeps the functions alive, so their ids stay theirs).
     """
-    if implementation is COURSE:
-        return {"tokens": run_engine({}, case, invariants=False)["tokens"]}
+    if implementation is COURSE:  # the course's engine against itself: its answers, at 1.0x by definition
+        answers = run_engine({}, case, invariants=False)["tokens"]
+        return {
+            "answers": answers,
+            "ratio": 1.0,
+            "ratios": [1.0],
+            "tokens": [answers],
+            "course_tokens": [answers],
+            "yours": [],
+        }
     if type(implementation) is not dict:
         return _measure_throughput(implementation, case)  # assembled_pieces says what it needs
     key = sorted((lab, id(function)) for lab, function in implementation.items())
@@ -142,12 +150,12 @@ def _compare_throughput(threshold):
             )
         if type(got.get("ratio")) not in (int, float) or type(got.get("tokens")) is not list:
             return Mismatch("the throughput run returned no measurement")
-        if any(tokens != expected.get("tokens") for tokens in got["tokens"]):  # speed counts only for these answers
+        if any(tokens != expected.get("answers") for tokens in got["tokens"]):  # speed counts only for these answers
             return Mismatch(
                 "the throughput run's answers differ from the course's engine's",
                 f"on {where(case)}: the engine must give the same greedy tokens while it is timed",
             )
-        if any(tokens != expected.get("tokens") for tokens in got.get("course_tokens", [])):
+        if any(tokens != expected.get("answers") for tokens in got.get("course_tokens", [])):
             return Mismatch(
                 "the course's engine, timed beside yours, answered differently than on its own",
                 f"on {where(case)}: something your pieces changed reached the course's engine",
