@@ -62,8 +62,12 @@ def smollm2_weights() -> tuple:
 
 
 def build(Llama, config, weights: dict):
-    """``Llama(config)`` holding ``weights``, loaded strictly, in eval mode."""
-    model = Llama(config)
+    """``Llama(config)`` holding ``weights``, loaded strictly, in eval mode (built without drawing the random
+    weights the load replaces at once)."""
+    from infra_lib.model.loaders import without_init
+
+    with without_init():
+        model = Llama(config)
     model.load_state_dict(weights, strict=True)
     return model.eval()
 

@@ -102,8 +102,9 @@ def _describe(c: dict) -> str:
 
 PARAMETERS_HINT = (
     "the parameters are the contract: the same names and shapes as the course's model (what state_dict() lists), "
-    "so that SmolLM2's weights load strictly into your class; no biases, and lm_head.weight is listed even when it "
-    "is the embedding table."
+    "so that SmolLM2's weights load strictly into your class; no biases, lm_head.weight is listed even when it is "
+    "the embedding table, and a table your model keeps for itself (RoPE's angles) stays out of state_dict "
+    "(a buffer registered with persistent=False)."
 )
 GQA_HINT = (
     "the query heads that share a KV head are neighbours: with group = n_heads / n_kv_heads, query heads 0 .. "
