@@ -329,3 +329,37 @@ def test_an_engine_step_that_breaks_the_contract_is_told_so_clearly(tiny):
     engine.step()
     with pytest.raises(ValueError, match="request 1 is unknown"):
         engine.decoder(1)
+
+
+def test_the_async_engine_streams_an_engine_class_engine_as_the_course_engine_answers_whole(tiny):
+    """An engine whose step is a function (``engine_class``) runs under ``AsyncLLMEngine`` unchanged: its
+    streamed deltas join to the course engine's whole answers, stop strings across two tokens included,
+    and every block is free once the streams end."""
+    import asyncio
+
+    from infra_lib.serving.async_engine import AsyncLLMEngine
+
+    prompts = tiny_prompts(8, 4)
+    texts = ["".join(letter(t) for t in greedy_decode(tiny, p, 10)) for p in prompts]
+    stops = [(t[4:6],) for t in texts]
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, block_size=4, num_blocks=64)
+    params = SamplingParams(max_new_tokens=10, stop_ids=())
+    whole = LLM(engine=LLMEngine.from_model(tiny, LetterTokenizer(), config))
+    expected = [whole.generate(p, params, stop=s, use_tqdm=False)[0] for p, s in zip(prompts, stops)]
+
+    async def stream_all(served: AsyncLLMEngine):
+        async def one(prompt, stop):
+            return [out async for out in served.generate(prompt, params, stop)]
+
+        return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, stops)))
+
+    served = AsyncLLMEngine(engine_class(engine_step).from_model(tiny, LetterTokenizer(), config)).start()
+    try:
+        streams = asyncio.run(stream_all(served))
+    finally:
+        served.stop()
+    for stream, want in zip(streams, expected):
+        assert "".join(o.new_text for o in stream) == stream[-1].text == want.text
+        assert (stream[-1].token_ids, stream[-1].finish_reason) == (want.token_ids, want.finish_reason)
+    assert all(want.finish_reason == "stop" for want in expected)
+    assert served.engine.scheduler.pool.num_free == config.num_blocks
