@@ -328,9 +328,14 @@ def test_capstone_benchmark_writes_json(tmp_path):
 
     result = run_benchmark("capstone", tmp_path / "capstone.json")
     rows = result["engines"]
-    assert set(rows) == {"course", "instructor's answers", "slow scheduler"}
+    assert set(rows) == {"course", "instructor's answers", "learner-style answers", "slow scheduler"}
     assert rows["course"]["ratio"] == 1.0 and all(row["same_tokens"] for row in rows.values())
     assert all(row["tokens_per_s"] > 0 and row["decode_step_ms"] >= 0 for row in rows.values())
+    assert rows["course"]["pieces"] == [] and len(rows["learner-style answers"]["pieces"]) == 6
+    for row in rows.values():  # a step's parts add up to the step
+        profile = row["step_profile_ms"]
+        parts = profile["scheduler"] + profile["attention"] + profile["model"] + profile["loop"]
+        assert parts == pytest.approx(profile["total"], abs=0.05) and profile["total"] > 0
 
 
 def test_both_throughput_tiers_judge_one_measurement_of_the_same_tokens(monkeypatch):

@@ -141,11 +141,14 @@ class ModelRunner:
         """One layer's attention for the flattened step, ``h`` ``[1, T, d]`` -> ``[1, T, d]``."""
         t, config = h.shape[1], self.model.config
         hd = config.head_dim
-        # [1, T, heads * hd] -> [1, heads, T, hd]: the projections as the weights name them (any model
-        # with the course's parameter names and a rope(x, positions) method runs here)
-        q = attn.q_proj(h).view(1, t, config.n_heads, hd).transpose(1, 2)
-        k = attn.k_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
-        v = attn.v_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
+        if hasattr(attn, "q_proj"):
+            # [1, T, heads * hd] -> [1, heads, T, hd]: the projections as the weights name them (any model
+            # with the course's parameter names and a rope(x, positions) method runs here)
+            q = attn.q_proj(h).view(1, t, config.n_heads, hd).transpose(1, 2)
+            k = attn.k_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
+            v = attn.v_proj(h).view(1, t, config.n_kv_heads, hd).transpose(1, 2)
+        else:  # a decode layout's fused projection (infra_lib.model.decode_layout): one matrix for all three
+            q, k, v = attn.qkv(h)
         q, k = self.model.rope(q, positions), self.model.rope(k, positions)
         self.store.write(index, slots, k, v)
         k_cache, v_cache = self.store.k[index], self.store.v[index]

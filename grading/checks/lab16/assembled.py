@@ -15,6 +15,7 @@ from grading.checks.lab16.engine import (
     engine_case,
     fixed_case,
     model,
+    one_thread,
     prompts,
     run_engine,
     where,
@@ -88,9 +89,10 @@ def _drive_stream(implementation, case):
 
     thread = threading.Thread(target=on_a_thread, name="capstone-clients", daemon=True)
     try:
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.05)
+        with one_thread():
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.05)
     finally:
         engine.stop()
     if "error" in box:

@@ -13,6 +13,7 @@ from grading.checks.lab16.engine import (
     engine_case,
     fixed_case,
     model,
+    one_thread,
     pieces_of,
     prompts,
     run_engine,
@@ -119,7 +120,7 @@ def _drive_speculative(implementation, case):
     rule = pieces_of(implementation, ("accept_or_resample",)).get("accept_or_resample")
     loaded = model()
     out = []
-    with torch.inference_mode():
+    with torch.inference_mode(), one_thread():
         for prompt in prompts(loaded.tokenizer, case["questions"]):
             result = speculate(loaded.model, prompt, case["new_tokens"], rule, gamma=case["gamma"])
             out.append({"tokens": result.token_ids, "accepted": result.accepted})

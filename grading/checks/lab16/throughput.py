@@ -26,6 +26,7 @@ from grading.checks.lab16.engine import (
     TASKS,
     assembled_pieces,
     course,
+    one_thread,
     run_engine,
     where,
 )
@@ -91,14 +92,8 @@ def _timed(pieces, case) -> dict:
 
 
 def _measure_throughput(implementation, case):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _paired_rounds(implementation, case)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _paired_rounds(implementation, case):
