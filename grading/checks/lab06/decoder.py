@@ -61,27 +61,37 @@ def smollm2_weights() -> tuple:
     return config, state
 
 
-def build(Llama, config, weights: dict):
-    """``Llama(config)`` holding ``weights``, loaded strictly, in eval mode (built without drawing the random
-    weights the load replaces at once)."""
+def build(Llama, config, weights):
+    """``Llama(config)`` holding ``weights`` (a state dict, or a function giving it, called once the class is built),
+    loaded strictly, in eval mode; built without drawing the random weights the load replaces at once."""
     from infra_lib.model.loaders import without_init
 
     with without_init():
         model = Llama(config)
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(weights() if callable(weights) else weights, strict=True)
     return model.eval()
 
 
-def smollm2_model(Llama):
-    """SmolLM2-135M-Instruct in ``Llama``: the course's class is its loaded model, any other is built from the
-    weights."""
+def smollm2_config() -> dict:
+    """SmolLM2's LlamaConfig as plain data, for a case (made where the course's model may be loaded)."""
+    from dataclasses import asdict
+
+    from infra_lib.model.loaders import load_default
+
+    return asdict(load_default().model.config)
+
+
+def smollm2_model(Llama, config: dict):
+    """SmolLM2-135M-Instruct in ``Llama`` (``config``: ``smollm2_config()``): the course's class is its loaded model,
+    any other is built first (a blank answer raises before the weights are read) and then loaded."""
+    from infra_lib.model.config import LlamaConfig
     from infra_lib.model.model import Llama as Course
 
     if Llama is Course:
         from infra_lib.model.loaders import load_default
 
         return load_default().model
-    return build(Llama, *smollm2_weights())
+    return build(Llama, LlamaConfig(**config), lambda: smollm2_weights()[1])
 
 
 class CachedDecoder:

@@ -10,7 +10,14 @@ from __future__ import annotations
 import random
 
 from grading.checks.common import array_mismatch, reference, token_difference
-from grading.checks.lab06.decoder import LLAMA, CachedDecoder, parameter_shapes, seeded_weights, smollm2_model
+from grading.checks.lab06.decoder import (
+    LLAMA,
+    CachedDecoder,
+    parameter_shapes,
+    seeded_weights,
+    smollm2_config,
+    smollm2_model,
+)
 from grading.checks.lab06.task1_rms_norm import MEAN_HINT, NO_EPS_HINT
 from grading.checks.lab06.task2_rope import course_rope, mistake_hint, rotate_mistakes
 from grading.checks.lab06.tensors import seeded, tensor_list
@@ -288,17 +295,15 @@ def _smollm2_case(rng: random.Random) -> dict:
     from infra_lib.model.loaders import load_default
 
     question = rng.choice(_QUESTIONS)
-    return {
-        "question": question,
-        "prompt": load_default().tokenizer.encode_chat([{"role": "user", "content": question}]),
-    }
+    prompt = load_default().tokenizer.encode_chat([{"role": "user", "content": question}])
+    return {"question": question, "prompt": prompt, "config": smollm2_config()}
 
 
 def _drive_smollm2(Llama, case):
     """Logits at every prompt position, then greedy tokens, each step the whole sequence again (no cache)."""
     import torch
 
-    model = smollm2_model(Llama)
+    model = smollm2_model(Llama, case["config"])
     sequence = list(case["prompt"])
     with torch.inference_mode():
         logits = model(torch.tensor([sequence]))[0]

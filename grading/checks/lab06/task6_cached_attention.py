@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from grading.checks.common import array_mismatch, reference
-from grading.checks.lab06.decoder import CachedDecoder, build, seeded_weights, smollm2_model
+from grading.checks.lab06.decoder import CachedDecoder, build, seeded_weights, smollm2_config, smollm2_model
 from grading.checks.lab06.tensors import ATTENTION, seeded, tensor_list
 from grading.checks.model_cases import (
     TINY,
@@ -183,7 +183,7 @@ def _drive_in_model(pieces, case):
         config = LlamaConfig(**TINY)
         model, prompts = build(pieces["Llama"], config, seeded_weights(config, case["seed"])), case["prompts"]
     else:
-        model, prompts = smollm2_model(pieces["Llama"]), case["prompt_ids"]
+        model, prompts = smollm2_model(pieces["Llama"], case["config"]), case["prompt_ids"]
     with torch.inference_mode():
         own = [model(torch.tensor([prompt]))[0, -1, :8].double().tolist() for prompt in prompts]
     results = greedy_through(CachedDecoder(model, pieces["cached_attention"]), prompts, case["new_tokens"])
@@ -202,7 +202,7 @@ _QUESTIONS = [
 def _smollm2_case(rng: random.Random) -> dict:
     """A SmolLM2 case with its question encoded here (the graded kernel cannot load the course's model)."""
     case = smollm2_case(rng, 8, _QUESTIONS)
-    case["prompt_ids"] = case_prompts(case)
+    case["prompt_ids"], case["config"] = case_prompts(case), smollm2_config()
     return case
 
 
