@@ -22,7 +22,7 @@ import importlib.util
 import json
 import shutil
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grading.course import DEFAULT_SOURCE
@@ -60,6 +60,7 @@ class LabAnswers:
     reason: str = ""
     source: str = ""  # the function that holds the lab's answers (empty when the course's pieces are used)
     grade: str = ""  # the lab's last recorded grade, in words ("lab08 10/13, failing: lab08 task 3: ...")
+    imports: list[str] = field(default_factory=list)  # setup imports that go outside the lab's function
 
 
 def grade_note(lab: str, grades_dir: str | Path, notebook: str | Path | None = None) -> str:
@@ -97,18 +98,40 @@ def grade_note(lab: str, grades_dir: str | Path, notebook: str | Path | None = N
     return text
 
 
-def _prelude(trusted) -> list[str]:
-    """The trusted notebook's setup imports (``import torch`` ...), less the grader's own."""
-    lines = []
+def setup_imports(trusted, lab: str) -> tuple[list[str], list[str]]:
+    """The trusted notebook's setup imports (``import torch`` ...), less the grader's own, split in two: those
+    the lab's static scan accepts in an answer (they go inside the lab's function, which the capstone's grader
+    scans as an answer cell), and those it refuses (a setup cell may import from a package that holds the
+    lab's reference, to give its answers the classes they use): those go outside the function, at the top of
+    ``learner_engine.py`` and in the capstone notebook's own setup cell."""
+    from grading import tamper
+    from grading.registry import shortcut_modules
+
+    modules, names = shortcut_modules(lab)
+    inside, outside = [], []
     for cell in trusted.cells:
         if cell.get("cell_type") != "code" or grade_id(cell) != "setup":
             continue
         for node in ast.parse(cell.source).body:
             if isinstance(node, ast.Import):
-                names = [a for a in node.names if a.name.split(".")[0] != "grading"]
-                lines += [ast.unparse(ast.Import(names=names))] if names else []
+                kept = [a for a in node.names if a.name.split(".")[0] != "grading"]
+                line = ast.unparse(ast.Import(names=kept)) if kept else ""
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] != "grading":
-                lines.append(ast.unparse(node))
+                line = ast.unparse(node)
+            else:
+                continue
+            if line:
+                (outside if tamper.scan(line, modules, names, set()) else inside).append(line)
+    return inside, outside
+
+
+def outside_imports(source_dir: Path = DEFAULT_SOURCE) -> list[str]:
+    """Every lab's setup imports that cannot sit inside its function (``setup_imports``), in lab order, once
+    each: what the capstone notebook's setup cell must import for the labs' functions to run."""
+    lines = []
+    for lab in LAB_PIECES:
+        trusted = read_notebook(Path(source_dir) / lab / f"{lab}.ipynb")
+        lines += [line for line in setup_imports(trusted, lab)[1] if line not in lines]
     return lines
 
 
@@ -178,12 +201,13 @@ def extract_lab(lab: str, labs_dir: Path, source_dir: Path = DEFAULT_SOURCE) -> 
         (gid, _without_markers(spliced.notebook.cells[i].source))
         for gid, i in sorted(spliced.answers.items(), key=lambda item: item[1])
     ]
-    source = lab_function(lab, _prelude(trusted), answers)
+    inside, outside = setup_imports(trusted, lab)
+    source = lab_function(lab, inside, answers)
     try:
         compile(source, f"<{lab}>", "exec")
     except SyntaxError as exc:
         return LabAnswers(lab, str(path), "syntax error", f"{exc.msg} (line {exc.lineno} of the generated function)")
-    return LabAnswers(lab, str(path), "yours", source=source)
+    return LabAnswers(lab, str(path), "yours", source=source, imports=outside)
 
 
 def module_source(labs: list[LabAnswers], when: str) -> str:
@@ -192,7 +216,8 @@ def module_source(labs: list[LabAnswers], when: str) -> str:
         "Generated: change your lab notebooks (or the capstone notebook) and build again; edits here are\n"
         'overwritten. Each function returns the pieces its lab\'s answers define."""\n'
     )
-    parts = [head, f"LABS = {json.dumps({a.lab: a.status for a in labs}, indent=4)}\n"]
+    imports = list(dict.fromkeys(line for a in labs if a.status == "yours" for line in a.imports))
+    parts = [head + "\n".join(imports), f"LABS = {json.dumps({a.lab: a.status for a in labs}, indent=4)}\n"]
     parts += [a.source for a in labs if a.status == "yours"]
     return "\n\n".join(parts)
 

@@ -81,6 +81,16 @@ def test_the_build_from_the_solutions_gives_every_piece_and_fills_the_capstone_n
     assert backup.read_text() == CAPSTONE.read_text()
 
 
+def test_the_capstone_setup_gives_the_labs_functions_what_their_own_setup_cells_give():
+    """A lab's setup may import from a package the lab's scan refuses in an answer (lab 08's engine classes):
+    those imports cannot sit inside the lab's function, so the capstone notebook's setup cell and the built
+    module import them at the top."""
+    outside = capstone.outside_imports()
+    assert outside, "lab 08's setup imports the engine's classes from a package its answers may not import"
+    setup = next(c.source for c in read_notebook(CAPSTONE).cells if grade_id(c) == "setup")
+    assert all(line in setup for line in outside), (outside, setup)
+
+
 def test_blank_labs_fall_back_to_the_course_for_every_piece_and_say_so(tmp_path):
     built = capstone.build(REPO / "labs", tmp_path / "build", fill_notebook=False)
     assert [a.status for a in built] == ["not started"] * 4
