@@ -270,26 +270,34 @@ def load_gguf(path: str | Path, progress: bool = False, cache: bool = True) -> L
 
     ``cache=False`` always reads the file itself (and writes no cache entry).
     """
+    config, state, fields = load_weights(path, progress, cache)
+    return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
+
+
+def load_weights(
+    path: str | Path, progress: bool = False, cache: bool = True
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """Config, fp32 state dict and metadata of a GGUF file, as ``load_gguf`` reads them (from the cache when it
+    holds them), without building a model: for code that puts the weights into a model of its own."""
     path = Path(path)
     entry = _cache_entry(path) if cache else None
     with _building(entry):
         cached = _read_cache(entry) if entry else None
         if cached is not None:
             fields, state = cached
-            config = _config(fields, state)
-        else:
-            reader = _open_gguf(path)
-            config, state, fields = read_gguf(path, progress, reader)
-            if entry:
-                _write_cache(entry, fields, state)
-                # The quantisation lessons ask for the blocks as stored next: keep them from this
-                # parse rather than parse the file again for them.
-                for kind in sorted({t.tensor_type.name for t in reader.tensors} - _FLOAT_KINDS):
-                    blocks_entry = _cache_entry(path, f"blocks{kind}")
-                    with _building(blocks_entry):
-                        if not blocks_entry.exists():
-                            _write_cache(blocks_entry, *_blocks(reader, kind))
-    return LoadedModel(build_model(config, state), Tokenizer.from_gguf_fields(fields), str(path))
+            return _config(fields, state), state, fields
+        reader = _open_gguf(path)
+        config, state, fields = read_gguf(path, progress, reader)
+        if entry:
+            _write_cache(entry, fields, state)
+            # The quantisation lessons ask for the blocks as stored next: keep them from this
+            # parse rather than parse the file again for them.
+            for kind in sorted({t.tensor_type.name for t in reader.tensors} - _FLOAT_KINDS):
+                blocks_entry = _cache_entry(path, f"blocks{kind}")
+                with _building(blocks_entry):
+                    if not blocks_entry.exists():
+                        _write_cache(blocks_entry, *_blocks(reader, kind))
+    return config, state, fields
 
 
 def stored_blocks(

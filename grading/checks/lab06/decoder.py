@@ -51,11 +51,13 @@ def seeded_weights(config, seed: int) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def smollm2_weights() -> tuple:
-    """SmolLM2-135M-Instruct's config and fp32 state dict (``lm_head.weight`` included), read from the GGUF file
-    (seconds, once per process) rather than from the course's loaded model, which a graded kernel cannot build."""
-    from infra_lib.model.loaders import default_gguf_path, read_gguf
+    """SmolLM2-135M-Instruct's config and fp32 state dict (``lm_head.weight`` included), as the course's loader
+    keeps them (from its cache when it holds them) but without building the course's model, which a graded
+    kernel cannot build."""
+    from infra_lib.model.loaders import default_gguf_path, load_weights
 
-    config, state, _ = read_gguf(default_gguf_path())
+    config, state, _ = load_weights(default_gguf_path())
+    state = dict(state)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return config, state
