@@ -59,14 +59,11 @@ def plan(quick: bool) -> dict:
 
 def instructor_pieces() -> dict:
     """The engine pieces of the instructor's answers to labs 06-08, as the capstone build makes them."""
-    from course_tools.capstone import solution_notebook_sources
+    from course_tools.capstone import solution_functions
 
-    namespace: dict = {}
-    for source in solution_notebook_sources().values():
-        exec(source, namespace)  # noqa: S102 (the course's own solution cells)
-    pieces = {}
+    functions, pieces = solution_functions(), {}
     for lab in ("lab06_kv_cache", "lab07_paged_kv", "lab08_scheduler"):
-        pieces.update(namespace[lab]())
+        pieces.update(functions[lab]())
     return pieces
 
 

@@ -372,3 +372,13 @@ def solution_notebook_sources(source_dir: Path = DEFAULT_SOURCE) -> dict[str, st
     """The capstone answer cells made from the instructor notebooks (their answers, with markers)."""
     labs = [extract_lab(lab, source_dir, source_dir) for lab in LAB_PIECES]
     return {a.lab: answer_cell_source(a.lab, a, markers=True) for a in labs}
+
+
+def solution_functions(source_dir: Path = DEFAULT_SOURCE) -> dict:
+    """``{lab: function}``: the capstone's lab functions made from the instructor notebooks, defined as the
+    capstone notebook defines them (the labs' outside imports first, then each lab's function)."""
+    namespace: dict = {}
+    exec("\n".join(outside_imports(source_dir)), namespace)  # noqa: S102 (the course's own setup imports)
+    for source in solution_notebook_sources(source_dir).values():
+        exec(source, namespace)  # noqa: S102 (the course's own solution cells)
+    return {lab: namespace[lab] for lab in LAB_PIECES}
