@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, answer_cells, check_fails, solution_namespace
 
 from grading import check
-from grading.checks.lab07.step_judging import POSITIONS_HINT, ROPE_HINT, SAMPLING_HINT, SLOT_HINT
+from grading.checks.lab07.step_judging import POSITIONS_HINT, ROPE_HINT, SAMPLING_HINT, SHAPE_HINT, SLOT_HINT
 from grading.checks.lab07.traces import MISSED
 
 SOLUTION = REPO / "solutions" / "lab07_paged_kv" / "lab07_paged_kv.ipynb"
@@ -148,6 +148,15 @@ def test_the_instructor_step_passes_both_step_checks():
             "the step returned another number of rows of logits than sequences that sample",
             SAMPLING_HINT,
             id="logits for every token",
+        ),
+        pytest.param(
+            "    last_rows = [row + n - 1 for (row, n, _), (_, scheduled) in zip(parts, batch) if scheduled.samples]\n",
+            "    last_rows = [row + n - 1 for (row, n, _), (_, scheduled) in zip(parts, batch) if scheduled.samples]\n"
+            "    if not last_rows:\n"
+            "        return torch.empty(0)\n",
+            "the step returned logits of another shape",
+            SHAPE_HINT,
+            id="no logits of vocab columns where no sequence samples",
         ),
     ],
 )

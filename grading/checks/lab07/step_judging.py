@@ -43,6 +43,10 @@ SAMPLING_HINT = (
     "for its last scheduled token, in batch order; a chunk that does not finish its prompt samples "
     f"nothing ({STEP_SECTION})."
 )
+SHAPE_HINT = (
+    "the logits are one tensor [num_sampling, vocab], whatever the step holds: a step where no sequence samples "
+    f"returns 0 rows of vocab columns, [0, vocab] ({STEP_SECTION})."
+)
 STEP_HINT = (
     "forward_step is one forward pass over the whole plan: every scheduled token of every sequence, "
     "each at its own position; its keys and values written into its slot in every layer; each "
@@ -160,6 +164,12 @@ def compare_steps(got, expected, cases) -> Mismatch | None:
                     f"on {_where(case, index)}: {rows} rows, expected {want}"
                     + (f" (one for each of the step's {tokens} tokens)" if rows == tokens else ""),
                     hint=SAMPLING_HINT,
+                )
+            if g["shape"] != e["shape"]:
+                return Mismatch(
+                    "the step returned logits of another shape",
+                    f"on {_where(case, index)}: shape {g['shape']}, expected {e['shape']}",
+                    hint=SHAPE_HINT,
                 )
             at = _where(case, index)
             problem = array_mismatch(g["logits"], e["logits"], "the logits differ", at, LOGITS_ATOL, LOGITS_RTOL)

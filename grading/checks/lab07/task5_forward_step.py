@@ -81,7 +81,9 @@ def _drive(forward_step, cases: list[dict]) -> list[list[dict]]:
                 written = [
                     {"k": _changed(k0, k), "v": _changed(v0, v)} for (k0, v0), k, v in zip(before, store.k, store.v)
                 ]
-                steps.append({"logits": logits.detach().double().cpu().tolist(), "written": written})
+                steps.append(
+                    {"logits": logits.detach().double().cpu().tolist(), "shape": list(logits.shape), "written": written}
+                )
         results.append(steps)
     return results
 
