@@ -79,6 +79,25 @@ def test_the_instructor_answer_passes_on_workloads_that_hold_every_ending(check_
             assert any(run["aborts"] for run in inputs["runs"]), seed
 
 
+@pytest.mark.parametrize("check_id", VISIBLE + HIDDEN)
+def test_every_run_holds_two_endings_in_one_step(check_id):
+    """On seeds 0-2, every run has a request whose own stop token is the last token it may hold, and one whose
+    stop string ends in its last token: the reference finishes both with "stop" (the lab: "stop" wins)."""
+    for seed in range(3):
+        _verdict(check_id, _answer(), seed)
+        inputs, expected = _INPUTS[check_id, seed]
+        for run, got in zip(inputs["runs"], expected.data):
+            at_length = [(r, f) for r, f in zip(run["requests"], got["final"]) if len(f["tokens"]) == r["new_tokens"]]
+            assert any(
+                r.get("stop_ids") is not None and f["tokens"][-1] in r["stop_ids"] and f["reason"] == "stop"
+                for r, f in at_length
+            ), (check_id, seed)
+            assert any(
+                r["stop"] and f["reason"] == "stop" and f["tokens"][-1] not in (r.get("stop_ids") or [run["eos"]])
+                for r, f in at_length
+            ), (check_id, seed)
+
+
 def _fails_with(step, what: str, hint: str) -> None:
     for check_id in VISIBLE:
         verdict = _verdict(check_id, step)
@@ -147,3 +166,29 @@ def test_a_replayed_run_that_leaves_the_reference_says_so():
     scheduler.num_steps = 2
     with pytest.raises(LeftTheReference, match="past the reference's 2 steps"):
         scheduler.schedule()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        pytest.param(
+            '        if token in seq.stop_ids:\n            reason = "stop"\n'
+            '        elif seq.num_tokens >= seq.max_tokens:\n            reason = "length"\n',
+            '        if seq.num_tokens >= seq.max_tokens:\n            reason = "length"\n'
+            '        elif token in seq.stop_ids:\n            reason = "stop"\n',
+            id="the length looked at before the stop token",
+        ),
+        pytest.param(
+            '            seq.text, reason = seq.text[: min(found)], "stop"\n',
+            '            seq.text, reason = seq.text[: min(found)], reason or "stop"\n',
+            id="the length kept when a stop string is found",
+        ),
+    ],
+)
+def test_a_length_that_wins_over_a_stop_in_the_same_step_fails_with_the_stop_wins_hint(old, new):
+    _fails_with(_answer((old, new)), "finished at its length where a stop ends it in the same step", "stop_wins")
+
+
+def test_outputs_out_of_batch_order_fail_with_the_order_hint():
+    reversed_outputs = _answer(("    return outputs\n", "    return outputs[::-1]\n"))
+    _fails_with(reversed_outputs, "the step's outputs are not in batch order", "order")

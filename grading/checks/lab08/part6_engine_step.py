@@ -9,7 +9,9 @@ tokens, the finish reasons, the text, the streamed deltas, the free blocks and t
 The workloads are built so that each way a request ends happens: request 0 meets its end-of-turn token,
 a stop string that begins in one token's text and ends in the next's stops another, one with a stop
 string that never occurs runs to its length (its stream holds back text all along), and the rest end at
-their length or their end-of-turn token.
+their length or their end-of-turn token. Where there are requests left, two endings meet in one step: one
+request's own stop token is the last token it may hold, and another's stop string ends in its last token
+("stop" wins over "length" in both).
 """
 
 from __future__ import annotations
@@ -88,8 +90,54 @@ def _greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]
     return [engine.output(i).token_ids for i in ids]
 
 
-def _requests(model, rng: random.Random, count: int, new_tokens: int, shared_len: int) -> tuple[int, list[dict]]:
-    """The run's end-of-turn id and requests (prompt, new tokens, stop strings), as described above."""
+def _stop_token_at(ids: list[int]) -> int | None:
+    """The last index ``k >= 1`` whose token is not among those before it (a stop token sampled there ends the
+    request there, not earlier); None if there is none."""
+    fresh = [k for k in range(1, len(ids)) if ids[k] not in ids[:k]]
+    return fresh[-1] if fresh else None
+
+
+def _stop_string_at(pieces: list[str]) -> tuple[str, int] | None:
+    """A two-character stop string whose first occurrence in the text ends with token ``k``'s text, and ``k``,
+    for the last such ``k >= 1``; None if there is none."""
+    for k in range(len(pieces) - 1, 0, -1):
+        text = "".join(pieces[: k + 1])
+        stop = text[-2:]
+        if pieces[k] and len(stop) == 2 and stop.strip() == stop and text.find(stop) == len(text) - 2:
+            return stop, k
+    return None
+
+
+def _endings_at_length(tok, greedy: list[list[int]], requests: list[dict], free: list[int]) -> bool:
+    """Two endings in one step, on requests without stop strings (``greedy``: each one's tokens before any
+    end-of-turn): the first of ``free`` that can gets a stop token of its own that is its last allowed token, the
+    next that can a stop string that ends in its last token. True when both were placed."""
+    at_token = next((i for i in free if _stop_token_at(greedy[i]) is not None), None)
+    if at_token is not None:
+        k = _stop_token_at(greedy[at_token])
+        requests[at_token].update(new_tokens=k + 1, stop_ids=[greedy[at_token][k]])
+    for i in free:
+        found = _stop_string_at(stream_pieces(tok, greedy[i])) if i != at_token else None
+        if found is not None:
+            requests[i].update(new_tokens=found[1] + 1, stop=[found[0]])
+            return at_token is not None
+    return False
+
+
+def _params(request: dict):
+    """The request's sampling parameters: its new tokens, and its own stop tokens when it names some."""
+    from infra_lib.model.sampling import SamplingParams
+
+    stop_ids = request.get("stop_ids")
+    return SamplingParams(max_new_tokens=request["new_tokens"], stop_ids=None if stop_ids is None else tuple(stop_ids))
+
+
+def _requests(
+    model, rng: random.Random, count: int, new_tokens: int, shared_len: int, keep: int
+) -> tuple[int, list[dict]]:
+    """The run's end-of-turn id and requests (prompt, new tokens, stop strings, stop tokens of their own), as
+    described above; the last ``keep`` requests without stop strings keep the end-of-turn token and their
+    length only (the run may abort them)."""
     vocab = TINY["vocab_size"]
     drawn = None
     for _ in range(20):  # prompts whose greedy outputs give each ending; almost always the first draw
@@ -111,8 +159,12 @@ def _requests(model, rng: random.Random, count: int, new_tokens: int, shared_len
         long = [i for i in range(1, count) if ends[i] == len(greedy[i]) and not stops[i]]
         if long:
             stops[long[0]] = [NEVER]
-        drawn = eos, [{"prompt": p, "new_tokens": new_tokens, "stop": s} for p, s in zip(prompts, stops)]
-        if fresh and spanning and long:
+        requests = [{"prompt": p, "new_tokens": new_tokens, "stop": s} for p, s in zip(prompts, stops)]
+        free = [i for i in range(1, count) if not stops[i]]
+        free = free[: max(0, len(free) - keep)]
+        both = _endings_at_length(tok, [g[:end] for g, end in zip(greedy, ends)], requests, free)
+        drawn = eos, requests
+        if fresh and spanning and long and both:
             break
     return drawn
 
@@ -120,25 +172,21 @@ def _requests(model, rng: random.Random, count: int, new_tokens: int, shared_len
 def _run(model, rng: random.Random, config: dict, count: int, new_tokens: int, shared_len: int, aborts: bool):
     """One run: the requests, the reference's recorded plans and the aborts it made (after which step, which
     request: a running one, that has streamed tokens when one has, and one still waiting when there is one;
-    never request 0 nor one with stop strings, whose endings the run must hold)."""
-    from infra_lib.model.sampling import SamplingParams
+    never request 0 nor one with stop strings or stop tokens of its own, whose endings the run must hold)."""
     from infra_lib.serving.engine import LLMEngine
 
-    eos, requests = _requests(model, rng, count, new_tokens, shared_len)
+    eos, requests = _requests(model, rng, count, new_tokens, shared_len, keep=1 if aborts else 0)
     full = {"enable_chunked_prefill": True, "enable_prefix_caching": False, **config}
     plans: list = []
     cfg = scheduler_config(full)
     engine = LLMEngine.from_model(model, tokenizer(eos), cfg, scheduler=recording(cfg, plans))
-    ids = [
-        engine.add_request(r["prompt"], SamplingParams(max_new_tokens=r["new_tokens"]), stop=tuple(r["stop"]))
-        for r in requests
-    ]
+    ids = [engine.add_request(r["prompt"], _params(r), stop=tuple(r["stop"])) for r in requests]
     abort_at = rng.randint(2, 3) if aborts else -1
     made: list[list[int]] = []
     while engine.has_unfinished():
         engine.step()
         if len(engine.steps) - 1 == abort_at:  # requests 0 and those with stop strings keep their endings
-            plain = {i for i in ids[1:] if not requests[i]["stop"]}
+            plain = {i for i in ids[1:] if not requests[i]["stop"] and requests[i].get("stop_ids") is None}
             streaming = [s.seq_id for s in engine.scheduler.running if s.seq_id in plain]
             streaming.sort(key=lambda i: not engine.sequences[i].output_ids)  # one that has streamed tokens first
             waiting = [s.seq_id for s in engine.scheduler.waiting if s.seq_id in plain]
@@ -162,7 +210,7 @@ def _loop_case(rng: random.Random) -> dict:
 
 def _abort_case(rng: random.Random) -> dict:
     config = {"max_num_seqs": 3, "max_num_batched_tokens": 12, "block_size": 4, "num_blocks": 64}
-    return _make(rng, [dict(config=config, count=5, new_tokens=10, shared_len=0, aborts=True)])
+    return _make(rng, [dict(config=config, count=6, new_tokens=10, shared_len=0, aborts=True)])
 
 
 def _preemption_case(rng: random.Random) -> dict:
@@ -186,7 +234,7 @@ def _random_case(rng: random.Random) -> dict:
             "num_blocks": rng.choice([16, 64]),
         }
         specs.append(
-            dict(config=config, count=rng.randint(4, 6), new_tokens=rng.randint(6, 12), shared_len=4, aborts=True)
+            dict(config=config, count=rng.randint(6, 7), new_tokens=rng.randint(6, 12), shared_len=4, aborts=True)
         )
     return _make(rng, specs)
 
@@ -232,7 +280,6 @@ def _drive(step, case):
 
 
 def _serve(step, case):
-    from infra_lib.model.sampling import SamplingParams
     from infra_lib.serving.engine import engine_class
 
     if not callable(step):
@@ -243,10 +290,7 @@ def _serve(step, case):
     for run in case["runs"]:
         config = scheduler_config(run["config"])
         engine = cls.from_model(model, tokenizer(run["eos"]), config, scheduler=replaying(config, run["plans"]))
-        ids = [
-            engine.add_request(r["prompt"], SamplingParams(max_new_tokens=r["new_tokens"]), stop=tuple(r["stop"]))
-            for r in run["requests"]
-        ]
+        ids = [engine.add_request(r["prompt"], _params(r), stop=tuple(r["stop"])) for r in run["requests"]]
         result = {"steps": [], "left": None}
         try:
             while engine.has_unfinished():
@@ -255,7 +299,7 @@ def _serve(step, case):
                 aborted = [engine.abort(i) for at, i in run["aborts"] if at == k]
                 result["steps"].append(
                     {
-                        "outputs": sorted((_plain(o) for o in outputs), key=lambda o: o["id"]),
+                        "outputs": [_plain(o) for o in outputs],  # in the order returned: the batch's
                         "aborted": [None if o is None else _plain(o) for o in aborted],
                         "num_free": engine.scheduler.pool.num_free,
                     }
@@ -282,6 +326,10 @@ HINT = {
     "not part of the answer.",
     "length": "a request finishes with reason 'length' in the step its tokens (prompt and output) reach "
     "seq.max_tokens, unless it stopped.",
+    "stop_wins": "when a request meets a stop token or a stop string in the step its tokens reach seq.max_tokens, "
+    "'stop' wins: its finish reason is 'stop', not 'length'.",
+    "order": "the step returns its outputs in batch order: the order of the plan, which is the order of "
+    "runner.run's {seq_id: token}.",
     "early": "a request ends only on a stop token, a stop string in its text or its length: nothing else finishes it.",
     "delta": "new_text is only the text this step added to what the request had shown before: the deltas of a "
     "request, joined, are its text, and no delta repeats text already sent.",
@@ -301,17 +349,22 @@ HINT = {
 def _where(run: dict) -> str:
     sizes = [len(r["prompt"]) for r in run["requests"]]
     stops = {i: r["stop"] for i, r in enumerate(run["requests"]) if r["stop"]}
+    own = {i: r["stop_ids"] for i, r in enumerate(run["requests"]) if r.get("stop_ids") is not None}
     aborts = "; aborting " + ", ".join(f"request {i} after step {k}" for k, i in run["aborts"]) if run["aborts"] else ""
     return (
         f"the small random model, {describe_config(run['config'])}, {len(sizes)} requests with prompts of {sizes} "
-        f"tokens, end-of-turn token {run['eos']}, stop strings {stops}{aborts}"
+        f"tokens, end-of-turn token {run['eos']}, stop strings {stops}"
+        + (f", requests' own stop tokens {own}" if own else "")
+        + aborts
     )
 
 
 def _ending(e: dict, run: dict) -> str:
     """Which rule ended an expected output: "eos", "stop_string" or "length"."""
     if e["reason"] == "stop":
-        return "eos" if e["tokens"] and e["tokens"][-1] == run["eos"] else "stop_string"
+        own = run["requests"][e["id"]].get("stop_ids")
+        stop_ids = [run["eos"]] if own is None else own
+        return "eos" if e["tokens"] and e["tokens"][-1] in stop_ids else "stop_string"
     return "length"
 
 
@@ -331,6 +384,8 @@ def _output_difference(g: dict, e: dict, run: dict) -> tuple[str, str] | None:
             }[kind]
         if g["finished"] and not e["finished"]:
             return f"the request finished ({g['reason']}) before the reference's", "early"
+        if (g["reason"], e["reason"]) == ("length", "stop"):
+            return "the request finished at its length where a stop ends it in the same step", "stop_wins"
         return "the request finished with another reason", _ending(e, run)
     if e["finished"] and g["text"] != e["text"]:
         stops = run["requests"][e["id"]]["stop"]
@@ -382,6 +437,13 @@ def _compare_run(g: dict, e: dict, run: dict) -> Mismatch | None:
                     f"  the reference's step {k}: {_step_text(es)}",
                     hint=HINT[hint],
                 )
+        order, expected_order = [o["id"] for o in gs["outputs"]], [o["id"] for o in es["outputs"]]
+        if order != expected_order:
+            return Mismatch(
+                "the step's outputs are not in batch order",
+                f"on {where}: at step {k}, outputs for requests {order}, expected {expected_order}",
+                hint=HINT["order"],
+            )
         for ga, ea in zip(gs["aborted"], es["aborted"]):
             if ga != ea:
                 return Mismatch(
