@@ -3,6 +3,7 @@ comparing numbers with a message that names the case."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -117,3 +118,17 @@ def type_mismatch(
         if type(g) is not want:
             return Mismatch(what, f"on {describe(case)}: got {g!r:.40} of type {type(g).__name__}", hint=hint)
     return None
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread inside the block. A served model runs many small operations; with two threads on a
+    busy machine each of them waits for the slower thread, and a check takes ten times as long (measured)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

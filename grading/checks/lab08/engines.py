@@ -14,22 +14,6 @@ parts that need neither:
 
 from __future__ import annotations
 
-import contextlib
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch on one thread while the small model runs: its products are too small to share, and on a busy
-    machine two threads wait for each other (ten times slower, measured under load)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
 
 def length_step(engine) -> list:
     """One engine step for requests that end at their length: schedule, run, append, finish at the length."""

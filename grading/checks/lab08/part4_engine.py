@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.lab08.engines import length_engine, one_thread
+from grading.checks.common import one_thread
+from grading.checks.lab08.engines import length_engine
 from grading.checks.lab08.forced_steps import TASKS, schedule_reference, scheduler_config
 from grading.checks.lab08.plans import describe_config, plan_text
 from grading.checks.model_cases import TINY, tiny_model

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import random
 
-from grading.checks.lab08.engines import LeftTheReference, one_thread, recording, replaying
+from grading.checks.common import one_thread
+from grading.checks.lab08.engines import LeftTheReference, recording, replaying
 from grading.checks.lab08.forced_steps import TASKS, scheduler_config
 from grading.checks.lab08.plans import describe_config
 from grading.checks.model_cases import TINY, tiny_model

@@ -3,10 +3,9 @@ course's pieces filling in, and SmolLM2 served by the assembled engine on seeded
 
 from __future__ import annotations
 
-import contextlib
 import random
 
-from grading.checks.common import token_difference
+from grading.checks.common import one_thread, token_difference
 from grading.registry import Mismatch
 from infra_lib.serving.pieces import PIECES
 
@@ -163,20 +162,6 @@ def config(c: dict):
 
 def prompts(tokenizer, questions):
     return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch on one thread inside the block: an engine runs many small operations, and with two threads on a
-    busy machine each of them waits for the slower thread, so a check would take ten times as long."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_engine(pieces, case, *, invariants=True) -> dict:
