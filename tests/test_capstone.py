@@ -88,6 +88,13 @@ def test_the_capstone_setup_gives_the_labs_functions_what_their_own_setup_cells_
     assert all(line in setup for line in outside), (outside, setup)
 
 
+def test_the_capstone_checks_take_the_pieces_the_engine_has_seams_for():
+    from grading.checks.lab16.engine import LABS as CHECKED
+
+    assert CHECKED == capstone.LAB_PIECES
+    assert [name for names in CHECKED.values() for name in names] == list(PIECES)
+
+
 def test_blank_labs_fall_back_to_the_course_for_every_piece_and_say_so(tmp_path):
     built = capstone.build(REPO / "labs", tmp_path / "build", fill_notebook=False)
     assert [a.status for a in built] == ["not started"] * 4
