@@ -379,9 +379,9 @@ def test_both_throughput_tiers_judge_one_measurement_of_the_same_tokens(monkeypa
     def rounds(ratio, tokens=([1, 2],), course_tokens=([1, 2],)):
         return {
             "ratio": ratio,
-            "ratios": [ratio] * 5,
-            "tokens": [list(tokens)] * 5,
-            "course_tokens": [list(course_tokens)] * 5,
+            "ratios": [ratio] * 3,
+            "tokens": [list(tokens)] * 3,
+            "course_tokens": [list(course_tokens)] * 3,
             "yours": ["schedule"],
         }
 
@@ -392,7 +392,7 @@ def test_both_throughput_tiers_judge_one_measurement_of_the_same_tokens(monkeypa
     course_changed = compare(rounds(9.9, course_tokens=([1, 3],)), course, case)
     assert course_changed is not None and "course's engine, timed beside yours" in course_changed.what
     slow = compare(rounds(0.2), course, case)
-    assert slow is not None and "0.20x" in str(slow.what) and "median of 5 paired rounds" in slow.detail
+    assert slow is not None and "0.20x" in str(slow.what) and "median of 3 paired rounds" in slow.detail
     partly = rounds(0.35)  # 0.35x: the quarter's point, not the half's two
     assert compare(partly, course, case) is None and throughput._compare_throughput(0.5)(partly, course, case)
     left = compare({"left_running": {"threads": 1, "processes": 0}, "yours": ["schedule"]}, course, case)

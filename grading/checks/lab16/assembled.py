@@ -17,14 +17,14 @@ from grading.checks.lab16.engine import (
     model,
     one_thread,
     prompts,
-    run_engine,
+    served,
     where,
 )
 from grading.registry import Check, Mismatch, register
 
 
 def _drive_assembled(implementation, case):
-    return run_engine(assembled_pieces(implementation), case)
+    return served(implementation, assembled_pieces(implementation), case)
 
 
 register(

@@ -166,6 +166,23 @@ def prompts(tokenizer, questions):
     return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
 
 
+_COURSE_RUNS: dict[str, dict] = {}  # the course's engine's results by case: several checks draw the same case
+
+
+def served(implementation, pieces: dict, case) -> dict:
+    """``run_engine(pieces, case)``; on the course's side (``implementation is COURSE``) the result of an
+    earlier run of the same case when there was one (the course's engine is deterministic on a case, and
+    tasks 1-5 share their fixed cases)."""
+    if implementation is not COURSE:
+        return run_engine(pieces, case)
+    import json
+
+    key = json.dumps(case, sort_keys=True)
+    if key not in _COURSE_RUNS:
+        _COURSE_RUNS[key] = run_engine({}, case)
+    return dict(_COURSE_RUNS[key])
+
+
 def run_engine(pieces, case, *, invariants=True) -> dict:
     """Every request of ``case`` through the engine, on one torch thread; aborts at the given steps; books
     checked each step."""

@@ -16,7 +16,7 @@ from grading.checks.lab16.engine import (
     one_thread,
     pieces_of,
     prompts,
-    run_engine,
+    served,
 )
 from grading.registry import Check, Mismatch, register
 
@@ -41,9 +41,9 @@ _PIECE_HINTS = {
 }
 
 
-def _drive_for(names, **options):
+def _drive_for(names):
     def drive(implementation, case):
-        return run_engine(pieces_of(implementation, names), case, **options)
+        return served(implementation, pieces_of(implementation, names), case)
 
     return drive
 

@@ -1,12 +1,12 @@
 """Capstone task 5's throughput: the learner's engine against the course's, timed in turns.
 
 Both engines serve the same requests in alternating rounds in one process (yours then the course's,
-then the course's then yours, ...), and each tier judges the median of the rounds' paired ratios. A
-busy machine slows both halves of a pair alike, so the verdict does not move with the load; a round
-disturbed by a burst moves one ratio of several, which the median ignores. Both run on one torch
-thread: with more, every small operation waits for its slowest thread, and a thread waiting for a core
-on a busy machine slows an engine of many small operations (attention per sequence) far more than one
-of few large ones, so the ratio itself would move with the load.
+then the course's then yours, then yours then the course's), and each tier judges the median of the
+three rounds' paired ratios. A busy machine slows both halves of a pair alike, so the verdict does not
+move with the load; a round disturbed by a burst moves one ratio of three, which the median ignores.
+Both run on one torch thread: with more, every small operation waits for its slowest thread, and a
+thread waiting for a core on a busy machine slows an engine of many small operations (attention per
+sequence) far more than one of few large ones, so the ratio itself would move with the load.
 
 The course's rounds run in the learner's kernel, beside the learner's code. So that this code cannot
 slow them (a thread or a process left running that works only while the course's engine is timed), the
@@ -174,7 +174,7 @@ def _throughput_case(rng):
     return {
         "questions": rng.sample(QUESTIONS, 4),
         "new_tokens": [8] * 4,
-        "rounds": 5,
+        "rounds": 3,
         "config": {"max_num_seqs": 4, "budget": 64, "block_size": 16, "num_blocks": 64},
     }
 
