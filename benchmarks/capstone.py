@@ -35,7 +35,7 @@ from benchmark_cli import benchmark_main, load_average
 
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import SamplingParams, load_default
-from infra_lib.serving.pieces import assemble
+from infra_lib.serving.pieces import assemble, decode_step_profile
 from infra_lib.serving.scheduler_output import SchedulerConfig
 
 SEED = 0
@@ -126,49 +126,13 @@ def serve_offline(loaded, pieces, p: dict) -> dict:
 
 def step_profile(loaded, pieces, steps: int) -> dict:
     """One decode step of four sequences split into scheduler, attention, the rest of the model and the
-    loop, in ms (the fastest of ``steps`` steps), by wrapping the engine's own calls."""
+    loop, in ms (the fastest of ``steps`` steps): ``infra_lib.serving.pieces.decode_step_profile``."""
     config = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=256, block_size=16, num_blocks=64, enable_prefix_caching=False
     )
     engine = assemble(loaded.model, loaded.tokenizer, config, pieces)
-    spent = dict.fromkeys(("scheduler", "attention", "forward"), 0.0)
-
-    def timed(part, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - t0
-
-        return wrapper
-
-    for q in QUESTIONS[:4]:
-        engine.add_request([{"role": "user", "content": q}], SamplingParams(max_new_tokens=steps + 8))
-    with torch.inference_mode():
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
-            engine.step()
-        engine.step()
-        engine.scheduler.schedule = timed("scheduler", engine.scheduler.schedule)
-        runner = engine.runner
-        runner.forward = timed("forward", runner.forward)
-        runner.decode_attention = timed("attention", runner.decode_attention)
-        runner.chunk_attention = timed("attention", runner.chunk_attention)
-        best = None
-        for _ in range(steps):
-            spent.update(scheduler=0.0, attention=0.0, forward=0.0)
-            t0 = time.perf_counter()
-            engine.step()
-            total = time.perf_counter() - t0
-            parts = {
-                "scheduler": spent["scheduler"],
-                "attention": spent["attention"],
-                "model": spent["forward"] - spent["attention"],
-                "loop": total - spent["scheduler"] - spent["forward"],
-                "total": total,
-            }
-            best = parts if best is None or total < best["total"] else best
-    return {k: round(v * 1000, 2) for k, v in best.items()}
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    return {k: round(v, 2) for k, v in decode_step_profile(engine, prompts, steps).items()}
 
 
 def run_capstone(device: torch.device, quick: bool) -> dict:
