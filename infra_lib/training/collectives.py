@@ -11,9 +11,18 @@ right neighbour and receiving one from its left:
 Each rank sends 2 (W - 1) / W of the tensor in total, whatever W is: the bandwidth term of the
 ring does not grow with the number of ranks, which is why NCCL, gloo and MPI use it for large
 tensors (its latency term, 2 (W - 1) messages, does grow).
+
+``BackgroundAllReduce`` runs any of these all-reduces on a thread of its own, one tensor after the
+other in the order given, so that a caller (``ddp.DDP``'s gradient hooks) starts one and goes on
+computing while it travels: the overlap of communication with the backward pass.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -181,3 +190,108 @@ def bandwidth_worker(rank: int, world_size: int, numels: list[int], repeats: int
             row[name] = best
         rows.append(row)
     return rows
+
+
+class AllReduceHandle:
+    """One all-reduce started by ``BackgroundAllReduce``: ``wait()`` blocks until it is done."""
+
+    def __init__(self, tensor: torch.Tensor, index: int):
+        self.tensor, self.index = tensor, index
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The reduced tensor, once the background thread has finished it; re-raises its error.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds (a rank that never started the same all-reduce).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"all-reduce number {self.index} ({self.tensor.numel()} elements) did not finish within {timeout} s: "
+                "every rank must start the same all-reduces in the same order"
+            )
+        if self.error is not None:
+            raise RuntimeError(
+                f"all-reduce number {self.index} ({self.tensor.numel()} elements) failed: "
+                f"{type(self.error).__name__}: {self.error}"
+            ) from self.error
+        return self.tensor
+
+
+class BackgroundAllReduce:
+    """An ``all_reduce_async`` for ``DDP``: a background thread of this rank runs ``all_reduce(tensor)``
+    on each tensor it is given, first in, first out, while the caller goes on.
+
+        run = BackgroundAllReduce(lambda t: ring_all_reduce(t, comm))
+        handle = run(flat)   # returns at once
+        ...                  # more backward
+        handle.wait()        # flat now holds the sum over the ranks
+        run.close()
+
+    One thread per rank and a FIFO keep every rank's all-reduces in the same order, which a
+    collective needs (rank 0's third all-reduce meets rank 1's third). ``log``, when given, gets one
+    dict per event, ``{"event": "launch" | "done", "index", "numel", "t"}`` with ``t`` from ``clock``:
+    the timeline that shows how much of the communication the backward pass hid.
+    """
+
+    def __init__(
+        self,
+        all_reduce: Callable[[torch.Tensor], object],
+        log: list | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if not callable(all_reduce):
+            raise TypeError(f"all_reduce must be callable (tensor -> None), got a {type(all_reduce).__name__}")
+        self.all_reduce, self.log, self.clock = all_reduce, log, clock
+        self.launched = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="background-all-reduce", daemon=True)
+        self._thread.start()
+
+    def __call__(self, tensor: torch.Tensor) -> AllReduceHandle:
+        """Queue ``tensor`` for an all-reduce in place; returns its handle at once."""
+        if self._thread is None:
+            raise RuntimeError("this BackgroundAllReduce was closed")
+        handle = AllReduceHandle(tensor, self.launched)
+        self.launched += 1
+        self._note("launch", handle)
+        self._queue.put(handle)
+        return handle
+
+    def _note(self, event: str, handle: AllReduceHandle) -> None:
+        if self.log is not None:
+            self.log.append({"event": event, "index": handle.index, "numel": handle.tensor.numel(), "t": self.clock()})
+
+    def _serve(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            try:
+                self.all_reduce(handle.tensor)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on this handle
+                handle.error = exc
+            self._note("done", handle)
+            handle._done.set()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish what was queued, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "BackgroundAllReduce":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def dist_all_reduce_async(tensor: torch.Tensor):
+    """gloo's (or NCCL's) own all-reduce, started in the background: the work handle has ``wait()``."""
+    return dist.all_reduce(tensor, async_op=True)

@@ -5,7 +5,14 @@ Averaging the ranks' mean gradients over equal slices gives exactly the mean gra
 global batch, so N ranks with batch B/N each follow the same trajectory as one process with batch
 B (up to float summation order): ``train_single`` and ``ddp_worker`` check it. Gradients are
 flattened into buckets of at most ``bucket_bytes`` and each bucket is all-reduced in one call,
-as PyTorch's DDP does (fewer, larger messages; its real version overlaps them with backward).
+as PyTorch's DDP does (fewer, larger messages).
+
+``DDP`` overlaps them with the backward pass, as PyTorch's does: the buckets are packed in the
+reverse order of ``model.parameters()`` (the order in which backward produces gradients), a hook
+on every parameter notes its gradient, and a bucket's all-reduce starts in the background the
+moment its last gradient is in, while backward goes on with the earlier layers. ``finish()``
+waits for them and writes the mean back. ``overlap_worker`` times it against an all-reduce after
+the whole backward (``benchmarks/ddp_overlap.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +88,105 @@ def gradient_buckets(params, bucket_bytes: int) -> list[list[torch.nn.Parameter]
     if current:
         buckets.append(current)
     return buckets
+
+
+class DDP:
+    """Data-parallel gradients with bucketed all-reduces started by hooks during ``loss.backward()``.
+
+        ddp = DDP(model, all_reduce_async, world_size, bucket_bytes=1 << 20)
+        loss.backward()   # buckets start their all-reduce as soon as their last gradient is in
+        ddp.finish()      # every p.grad now holds the mean over the ranks
+        optimizer.step()
+
+    Args:
+        model: the same module (same parameters, same order) on every rank.
+        all_reduce_async: ``flat -> handle``: starts summing ``flat`` over the ranks in place, in the
+            background; ``handle.wait()`` returns when it is done (``BackgroundAllReduce``, or
+            ``collectives.dist_all_reduce_async``). Every rank calls it in the same order.
+        world_size: the number of ranks (the mean divides by it).
+        bucket_bytes: a bucket is closed when the next parameter's gradient would take it past this;
+            a larger parameter is a bucket of its own.
+
+    Attributes:
+        buckets: the parameters that require grad, in reverse order of ``model.parameters()``,
+            packed greedily; launched in this order.
+    """
+
+    def __init__(self, model: nn.Module, all_reduce_async, world_size: int, bucket_bytes: int):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        self.all_reduce_async, self.world_size = all_reduce_async, world_size
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        params = [p for p in model.parameters() if p.requires_grad]  # a tied parameter once
+        self.buckets = gradient_buckets(params[::-1], bucket_bytes)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+
+    def _reset(self) -> None:
+        self._missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
+        self._ready: set[int] = set()
+        self._launched: list[tuple[torch.Tensor, object]] = []  # (flat, handle) per launched bucket
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """The hook: ``param.grad`` has just been accumulated (once per backward, a tied one too)."""
+        if id(param) in self._ready:
+            raise RuntimeError(
+                f"{self.names[id(param)]} got a second gradient before finish(): call ddp.finish() after every backward"
+            )
+        self._ready.add(id(param))
+        self._missing[self._bucket_of[id(param)]] -= 1
+        while len(self._launched) < len(self.buckets) and self._missing[len(self._launched)] == 0:
+            bucket = self.buckets[len(self._launched)]
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            self._launched.append((flat, self.all_reduce_async(flat)))
+
+    def finish(self) -> None:
+        """Wait for this backward's all-reduces, write the mean over the ranks into every ``p.grad``, reset.
+
+        Raises:
+            RuntimeError: a parameter that requires grad got no gradient in this backward (it took no
+                part in the loss); its bucket and those after it were never started.
+        """
+        launched, buckets = self._launched, self.buckets
+        missing = [self.names[id(p)] for bucket in buckets for p in bucket if id(p) not in self._ready]
+        self._reset()
+        for _, handle in launched:  # every rank waits for what it started, so the next step starts level
+            handle.wait()
+        if missing:
+            raise RuntimeError(
+                f"no gradient reached {', '.join(missing)} in this backward, so its bucket was never all-reduced: "
+                "every parameter that requires grad must take part in the loss (or set requires_grad=False)"
+            )
+        for (flat, _), bucket in zip(launched, buckets):
+            flat /= self.world_size
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (its parameters keep no hook of this object)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def log_gradient_arrivals(model: nn.Module, log: list, clock=None) -> list:
+    """Append ``{"event": "ready", "param": index in model.parameters(), "t"}`` to ``log`` each time a
+    parameter's gradient has been accumulated. Register before ``DDP`` so that a parameter's arrival
+    comes before the launch it causes. Returns the hook handles."""
+    import time
+
+    clock = clock or time.perf_counter
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def arrived(param: torch.Tensor) -> None:
+        log.append({"event": "ready", "param": index[id(param)], "t": clock()})
+
+    return [p.register_post_accumulate_grad_hook(arrived) for p in model.parameters() if p.requires_grad]
 
 
 def allreduce_gradients(params, bucket_bytes: int = 1 << 16, use_ring: bool = False) -> int:

@@ -15,6 +15,14 @@ figure 1). Activations, buffers and fragmentation come on top.
 ``ZeroStage1Adam`` is stage 1 for real: each rank keeps Adam state for its shard of the
 flattened parameters only, updates that shard, and an all-gather gives every rank the new
 parameters.
+
+``ZeroAdamW`` is the same stage built from the ring's two halves over point-to-point
+``comm.exchange`` (a ``DistComm`` or a ``ThreadComm``), with the own-shard convention: rank r's
+shard is ``shard_bounds(numel, W, r)``. ``reduce_scatter`` leaves on every rank the sum over the
+ranks of its own shard (and anything elsewhere); ``all_gather`` starts from every rank's own shard
+final and leaves every rank with all of them. Each half sends (W - 1) / W of the tensor per rank,
+so the step costs what one all-reduce of the gradients costs, 2 (W - 1) / W, while each rank holds
+the optimizer state of 1 / W of the parameters.
 """
 
 from __future__ import annotations
@@ -58,6 +66,114 @@ def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+def _copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors``, in order, each in its own shape."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _chunks(tensor: torch.Tensor, comm) -> list[torch.Tensor]:
+    """Views of ``tensor`` (1-D), one per rank: rank i's shard."""
+    if tensor.dim() != 1:
+        raise ValueError(f"the ring's halves work on a 1-D tensor, got shape {list(tensor.shape)} (flatten it first)")
+    n, world = tensor.numel(), comm.world_size
+    return [tensor[slice(*shard_bounds(n, world, i))] for i in range(world)]
+
+
+def reduce_scatter(tensor: torch.Tensor, comm) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks into each rank's own shard, in place; returns ``tensor``.
+
+    Afterwards ``tensor[start:end]``, with ``(start, end) = shard_bounds(numel, W, rank)``, holds the
+    sum over the ranks of those elements; the rest of ``tensor`` holds partial sums (anything). The
+    ring's first half: at each of W - 1 steps a rank adds the partial sum that arrives from its left
+    neighbour into its copy of that shard and passes it on, timed so that the last arrival is its own.
+    """
+    chunks, world, rank = _chunks(tensor, comm), comm.world_size, comm.rank
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        send, receive = chunks[(rank - step - 1) % world], chunks[(rank - step - 2) % world]
+        incoming = torch.empty_like(receive)
+        comm.exchange(send, right, incoming, left)
+        receive += incoming
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, comm) -> torch.Tensor:
+    """Give every rank every owner's shard, in place; returns ``tensor``.
+
+    On entry rank r's own shard (``shard_bounds(numel, W, r)``) is final and the rest is anything;
+    afterwards every rank's ``tensor`` is the concatenation of the owners' shards. The ring's second
+    half: each shard travels W - 1 hops, replacing the stale copies it passes.
+    """
+    chunks, world, rank = _chunks(tensor, comm), comm.world_size, comm.rank
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        comm.exchange(chunks[(rank - step) % world], right, chunks[(rank - step - 1) % world], left)
+    return tensor
+
+
+class ZeroAdamW:
+    """AdamW with its state sharded over the ranks (ZeRO stage 1), over ``comm.exchange``.
+
+    ``step()`` takes each ``p.grad`` as this rank's LOCAL gradient: a reduce-scatter of the flat
+    gradient gives this rank the sum of its shard, divided by W the mean; AdamW updates the shard
+    of the flat parameters; an all-gather gives every rank every shard. Afterwards every rank's
+    parameters are those of ``torch.optim.AdamW(foreach=False)`` stepped on the mean gradient.
+
+    Attributes:
+        exp_avg, exp_avg_sq: 1-D, this rank's shard of the flattened parameters only.
+    """
+
+    def __init__(self, params, comm, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+        self.params = list({id(p): p for p in params if p.requires_grad}.values())  # a tied parameter once
+        if not self.params:
+            raise ValueError("ZeroAdamW got no parameter that requires grad")
+        self.comm, self.lr, self.betas, self.eps, self.weight_decay = comm, lr, betas, eps, weight_decay
+        self.numel = sum(p.numel() for p in self.params)
+        self.start, self.end = shard_bounds(self.numel, comm.world_size, comm.rank)
+        dtype = self.params[0].dtype
+        self.exp_avg = torch.zeros(self.end - self.start, dtype=dtype)
+        self.exp_avg_sq = torch.zeros(self.end - self.start, dtype=dtype)
+        self.steps = 0
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (fp32 training: the parameters are the masters)."""
+        return self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from infra_lib.training.scratch_train import adamw_update
+
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise RuntimeError(f"parameters {missing} have no gradient: every rank steps every parameter")
+        grad = reduce_scatter(torch.cat([p.grad.reshape(-1) for p in self.params]), self.comm)
+        shard_grad = grad[self.start : self.end] / self.comm.world_size
+        flat = torch.cat([p.reshape(-1) for p in self.params])
+        self.steps += 1
+        beta1, beta2 = self.betas
+        adamw_update(
+            flat[self.start : self.end],
+            shard_grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.steps,
+            self.lr,
+            beta1,
+            beta2,
+            self.eps,
+            self.weight_decay,
+        )
+        all_gather(flat, self.comm)
+        _copy_flat_into(flat, self.params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 class ZeroStage1Adam:
     """Adam with its state sharded across the data-parallel ranks (ZeRO stage 1).
 
@@ -99,10 +215,7 @@ class ZeroStage1Adam:
         gathered = [torch.empty(e - s) for s, e in sizes]
         dist.all_gather(gathered, shard)
         flat = torch.cat(gathered)
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        _copy_flat_into(flat, self.params)
 
     def zero_grad(self) -> None:
         for p in self.params:
