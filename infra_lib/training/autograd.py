@@ -6,23 +6,22 @@ visits the nodes from the output back to the inputs (reverse topological order),
 received every share before it passes its own gradient on; a Value used twice gets the sum.
 
     x, w = Value(torch.randn(3, 4)), Value(torch.randn(4, 2))
-    loss = silu(x @ w).sum()
+    loss = sum(silu(matmul(x, w)))
     loss.backward()  # x.grad [3, 4], w.grad [4, 2]
 
-The ops cover a Llama block and its loss; ``llama_loss`` runs the course's ``Llama`` with them, so its
-gradients can be checked against ``torch.autograd`` (and ``numeric_gradient`` checks each op).
-
-Two ops take their backward formula from a replaceable place, so that someone else's formula can
-run inside the whole model: ``softmax_backward`` and ``rms_norm_backward`` below are the defaults,
-and ``using_backward(softmax=..., rms_norm=...)`` swaps either for the length of a ``with`` block
-(an op made inside the block keeps the formula it was made with).
+This module is lab 05's contract, written out: ``Value(data, parents, backward_fn)`` and its
+``backward``, the graded ops (``add``, ``mul``, ``exp``, ``log``, ``matmul``, ``sum``, ``mean``,
+``softmax``, ``rms_norm``, ``embedding``, ``cross_entropy``; ``OP_NAMES``), and the course-given
+``Plumbing`` (reshape, transpose, slicing, cat, neg, silu, repeat_kv), which uses nothing but the
+contract's constructor and so builds graphs of any class that has it. ``llama_loss`` runs the course's
+``Llama`` on a mapping of those names: the library's own, or anyone's, so that a whole model's
+gradients can be compared with ``torch.autograd``'s (``numeric_gradient`` checks any op on its own).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Callable, Sequence
 
 import torch
@@ -32,17 +31,34 @@ from infra_lib.model.attention import causal_mask
 
 BackwardFn = Callable[[torch.Tensor], Sequence["torch.Tensor | None"]]
 
+# The names of lab 05's contract, as llama_loss takes them: the Value class and the graded ops.
+OP_NAMES = (
+    "Value",
+    "add",
+    "mul",
+    "exp",
+    "log",
+    "matmul",
+    "sum",
+    "mean",
+    "softmax",
+    "rms_norm",
+    "embedding",
+    "cross_entropy",
+)
+
 
 class Value:
     """A tensor in the graph, with its gradient and the recipe that passes the gradient on.
 
     Attributes:
         data: the tensor, float32 or float64, any shape (detached: torch's autograd plays no part).
-        grad: d(output)/d(data), same shape as ``data``; None until ``backward`` reaches this node.
+        grad: d(root)/d(data), same shape as ``data``; None until ``backward`` reaches this node.
             It accumulates over several ``backward`` calls, like torch's ``.grad``.
         parents: the Values this one was computed from; empty for an input.
-        backward_fn: the gradient w.r.t. ``data`` -> one contribution per parent (None: no input's).
-        op: the op's name, for reading the graph.
+        backward_fn: the gradient w.r.t. ``data`` -> one share per parent, in order (None: no share);
+            None for an input.
+        op: the op's name, for reading the graph (not part of the contract).
     """
 
     def __init__(
@@ -60,7 +76,7 @@ class Value:
             )
         self.data = data.detach()
         self.grad: torch.Tensor | None = None
-        self.parents = parents
+        self.parents = tuple(parents)
         self.backward_fn = backward_fn
         self.op = op
 
@@ -72,7 +88,11 @@ class Value:
         return f"Value(shape={tuple(self.shape)}, dtype={self.data.dtype}, op={self.op!r})"
 
     def backward(self, grad: torch.Tensor | None = None) -> None:
-        """Add d(self)/d(node) to ``.grad`` of every node that ``self`` was computed from.
+        """Add d(self)/d(node) to ``.grad`` of every node that ``self`` was computed from, itself included.
+
+        Each node's ``backward_fn`` runs once, after every share of its gradient has arrived; a node
+        that receives no share (every child returned None for it) is left as it was. Nothing the
+        walk touches is modified but ``.grad``: not ``data``, not ``grad``.
 
         Args:
             grad: the upstream gradient, ``self.shape``; may be left out when ``self`` holds one
@@ -85,21 +105,43 @@ class Value:
                     f"shape {tuple(self.shape)}: pass backward(grad) with a tensor of that shape"
                 )
             grad = torch.ones_like(self.data)
-        elif grad.shape != self.shape:
-            raise ValueError(f"backward(grad): grad has shape {tuple(grad.shape)}, the output {tuple(self.shape)}")
-        pending = {id(self): grad}  # node -> the sum of the contributions it has received so far
+        elif not isinstance(grad, torch.Tensor) or grad.shape != self.shape:
+            got = f"shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor) else f"a {type(grad).__name__}"
+            raise ValueError(f"backward(grad): grad has {got}, the output {tuple(self.shape)}")
+        pending = {id(self): grad}  # node -> the sum of the shares it has received so far
         for node in reversed(topological_order(self)):
-            node_grad = pending.pop(id(node))
+            node_grad = pending.pop(id(node), None)
+            if node_grad is None:  # only None shares reached it
+                continue
             node.grad = node_grad.clone() if node.grad is None else node.grad + node_grad
             if node.backward_fn is None:
                 continue
-            for parent, share in zip(node.parents, node.backward_fn(node_grad)):
-                if share is not None:
-                    pending[id(parent)] = pending[id(parent)] + share if id(parent) in pending else share
+            shares = tuple(node.backward_fn(node_grad))
+            if len(shares) != len(node.parents):
+                raise ValueError(
+                    f"the backward_fn of {node!r} returned {len(shares)} shares for its {len(node.parents)} parents"
+                )
+            for i, (parent, share) in enumerate(zip(node.parents, shares)):
+                if share is None:
+                    continue
+                if share.shape != parent.shape:
+                    raise ValueError(
+                        f"the backward_fn of {node!r} gave parent {i} a share of shape {tuple(share.shape)}; "
+                        f"the parent is {tuple(parent.shape)}"
+                    )
+                pending[id(parent)] = pending[id(parent)] + share if id(parent) in pending else share
 
-    def sum(self) -> Value:
-        """The sum of all elements, a 0-d Value."""
-        return Value(self.data.sum(), (self,), lambda grad: (grad.expand(self.shape).clone(),), "sum")
+    def sum(self, dim: int | None = None, keepdim: bool = False) -> Value:
+        return sum(self, dim, keepdim)
+
+    def mean(self, dim: int | None = None, keepdim: bool = False) -> Value:
+        return mean(self, dim, keepdim)
+
+    def exp(self) -> Value:
+        return exp(self)
+
+    def log(self) -> Value:
+        return log(self)
 
     def reshape(self, *shape: int) -> Value:
         return reshape(self, *shape)
@@ -136,26 +178,13 @@ class Value:
         return mul(self, 1.0 / number)
 
     def __getitem__(self, index) -> Value:
-        """Basic indexing (ints, slices, ``...``, None), e.g. ``x[..., :half]``; the gradient lands
-        in the selected positions, zeros elsewhere."""
-        parts = index if isinstance(index, tuple) else (index,)
-        if not all(p is Ellipsis or p is None or isinstance(p, (int, slice)) for p in parts):
-            raise TypeError(
-                f"index a Value with ints, slices, ... and None, got {index!r}; "
-                "gather rows by id with embedding(ids, table)"
-            )
-
-        def backward(grad):
-            full = torch.zeros_like(self.data)
-            full[index] = grad
-            return (full,)
-
-        return Value(self.data[index], (self,), backward, "slice")
+        """Basic indexing (ints, slices, ``...``, None), e.g. ``x[..., :half]``."""
+        return index_value(self, index)
 
 
-def topological_order(root: Value) -> list[Value]:
+def topological_order(root) -> list:
     """Every node ``root`` depends on, each after all of its parents (iterative depth-first search,
-    so a graph deeper than Python's recursion limit is fine)."""
+    so a graph deeper than Python's recursion limit is fine). Works on any class with ``parents``."""
     order, visited = [], set()
     stack = [(root, False)]
     while stack:
@@ -217,7 +246,7 @@ def add(a, b) -> Value:
 
 
 def sub(a, b) -> Value:
-    """``a - b`` with torch broadcasting."""
+    """``a - b`` with torch broadcasting (not one of the graded ops: ``add`` of a ``neg``)."""
     a, b = _pair(a, b)
     _broadcast_shape(a.shape, b.shape, "sub")
     return Value(
@@ -237,20 +266,20 @@ def mul(a, b) -> Value:
     )
 
 
-def neg(x) -> Value:
-    """``-x``."""
+def exp(x) -> Value:
+    """``e`` to the power of each element."""
     x = _as_value(x)
-    return Value(-x.data, (x,), lambda grad: (-grad,), "neg")
+    out = x.data.exp()
+    return Value(out, (x,), lambda grad: (grad * out,), "exp")
 
 
-def silu(x) -> Value:
-    """x * sigmoid(x); its derivative is s * (1 + x * (1 - s)) with s = sigmoid(x)."""
+def log(x) -> Value:
+    """The natural log of each element (of positive values)."""
     x = _as_value(x)
-    s = torch.sigmoid(x.data)
-    return Value(x.data * s, (x,), lambda grad: (grad * s * (1 + x.data * (1 - s)),), "silu")
+    return Value(x.data.log(), (x,), lambda grad: (grad / x.data,), "log")
 
 
-# --- matmul and moving elements around ------------------------------------------------------------
+# --- matmul and reductions ------------------------------------------------------------------------
 
 
 def matmul(a, b) -> Value:
@@ -273,56 +302,164 @@ def matmul(a, b) -> Value:
     return Value(a.data @ b.data, (a, b), backward, "matmul")
 
 
-def reshape(x, *shape: int) -> Value:
-    """``x`` with the same elements in ``shape``; the gradient is reshaped back."""
+def _reduced_dim(x: Value, dim: int | None, what: str) -> int | None:
+    """``dim`` as a non-negative index of ``x`` (None stays None); a 0-d tensor takes 0 and -1, as torch."""
+    if dim is None:
+        return None
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{what}: dim must be an int or None, got {dim!r}")
+    size = max(x.data.dim(), 1)
+    if not -size <= dim < size:
+        raise ValueError(f"{what}: dim {dim} is out of range for shape {tuple(x.shape)}")
+    return dim % size
+
+
+def _spread(grad: torch.Tensor, x: Value, dim: int | None, keepdim: bool) -> torch.Tensor:
+    """The gradient of a reduction's output, put back along the reduced dims: ``x``'s shape."""
+    if x.data.dim() == 0:
+        return grad.reshape(())
+    if dim is None:
+        grad = grad.reshape([1] * x.data.dim())
+    elif not keepdim:
+        grad = grad.unsqueeze(dim)
+    return grad.expand(x.shape)
+
+
+def sum(x, dim: int | None = None, keepdim: bool = False) -> Value:
+    """The sum over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's."""
     x = _as_value(x)
-    return Value(x.data.reshape(*shape), (x,), lambda grad: (grad.reshape(x.shape),), "reshape")
-
-
-def transpose(x, dim0: int, dim1: int) -> Value:
-    """``x`` with dims ``dim0`` and ``dim1`` swapped; the gradient is swapped back."""
-    x = _as_value(x)
-    return Value(x.data.transpose(dim0, dim1), (x,), lambda grad: (grad.transpose(dim0, dim1),), "transpose")
-
-
-def cat(values: Sequence, dim: int = -1) -> Value:
-    """Concatenate along ``dim``; the gradient is cut back into the pieces."""
-    values = tuple(_as_value(v) for v in values)
-    sizes = [v.shape[dim] for v in values]
-    return Value(torch.cat([v.data for v in values], dim), values, lambda grad: grad.split(sizes, dim), "cat")
-
-
-def repeat_kv(x, group: int) -> Value:
-    """``[batch, n_kv_heads, t, head_dim] -> [batch, n_kv_heads * group, t, head_dim]``: query head ``h``
-    reads key/value head ``h // group``; the backward sums the ``group`` copies' gradients."""
-    x = _as_value(x)
-    if x.data.dim() != 4:
-        raise ValueError(f"repeat_kv needs [batch, n_kv_heads, t, head_dim], got shape {tuple(x.shape)}")
-    batch, n_kv_heads, t, head_dim = x.shape
+    dim = _reduced_dim(x, dim, "sum")
     return Value(
-        x.data.repeat_interleave(group, dim=1),
-        (x,),
-        lambda grad: (grad.reshape(batch, n_kv_heads, group, t, head_dim).sum(2),),
-        "repeat_kv",
+        torch.sum(x.data, dim=dim, keepdim=keepdim), (x,), lambda grad: (_spread(grad, x, dim, keepdim),), "sum"
     )
 
 
-def embedding(ids: torch.Tensor, table) -> Value:
-    """Rows of ``table`` ``[vocab, dim]`` picked by ``ids`` (int64, any shape) -> ``[*ids.shape, dim]``.
-    Each row's gradient is the sum over every position that picked it."""
-    table = _as_value(table)
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long:
-        raise TypeError(f"embedding ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    if table.data.dim() != 2:
-        raise ValueError(f"embedding table must be [vocab, dim], got shape {tuple(table.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
-        raise ValueError(f"embedding ids must lie in [0, {table.shape[0]}), got {int(ids.min())}..{int(ids.max())}")
+def mean(x, dim: int | None = None, keepdim: bool = False) -> Value:
+    """The mean over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's."""
+    x = _as_value(x)
+    dim = _reduced_dim(x, dim, "mean")
+    count = x.data.numel() if dim is None or x.data.dim() == 0 else x.shape[dim]
+    return Value(
+        torch.mean(x.data, dim=dim, keepdim=keepdim),
+        (x,),
+        lambda grad: (_spread(grad, x, dim, keepdim) / count,),
+        "mean",
+    )
 
-    def backward(grad):  # [*ids.shape, dim]
-        rows = torch.zeros_like(table.data)
-        return (rows.index_add_(0, ids.reshape(-1), grad.reshape(-1, table.shape[1])),)
 
-    return Value(table.data[ids], (table,), backward, "embedding")
+# --- the course-given plumbing, on any Value class --------------------------------------------------
+
+
+class Plumbing:
+    """The ops a model needs that only move elements around, and silu, built with nothing but the
+    contract's constructor ``value_cls(data, parents, backward_fn)`` and the ``.data`` of its Values:
+    they make graphs of the library's ``Value`` or of any class with that constructor.
+
+    Args:
+        value_cls: the class whose nodes these ops make.
+    """
+
+    def __init__(self, value_cls: type):
+        self.value_cls = value_cls
+
+    def _node(self, data: torch.Tensor, parents: tuple, backward_fn: BackwardFn, op: str):
+        node = self.value_cls(data, parents, backward_fn)
+        if isinstance(node, Value):
+            node.op = op  # the library's own nodes carry their op's name, for reading a graph
+        return node
+
+    def reshape(self, x, *shape: int):
+        """``x`` with the same elements in ``shape``; the gradient is reshaped back."""
+        return self._node(x.data.reshape(*shape), (x,), lambda grad: (grad.reshape(x.data.shape),), "reshape")
+
+    def transpose(self, x, dim0: int, dim1: int):
+        """``x`` with dims ``dim0`` and ``dim1`` swapped; the gradient is swapped back."""
+        return self._node(x.data.transpose(dim0, dim1), (x,), lambda grad: (grad.transpose(dim0, dim1),), "transpose")
+
+    def index(self, x, index):
+        """Basic indexing (ints, slices, ``...``, None), e.g. ``x[..., :half]``; the gradient lands in
+        the selected positions, zeros elsewhere."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if not all(p is Ellipsis or p is None or isinstance(p, (int, slice)) for p in parts):
+            raise TypeError(
+                f"index a Value with ints, slices, ... and None, got {index!r}; "
+                "gather rows by id with embedding(ids, table)"
+            )
+
+        def backward(grad):
+            full = torch.zeros_like(x.data)
+            full[index] = grad
+            return (full,)
+
+        return self._node(x.data[index], (x,), backward, "slice")
+
+    def cat(self, values: Sequence, dim: int = -1):
+        """Concatenate along ``dim``; the gradient is cut back into the pieces."""
+        values = tuple(values)
+        sizes = [v.data.shape[dim] for v in values]
+        return self._node(
+            torch.cat([v.data for v in values], dim), values, lambda grad: tuple(grad.split(sizes, dim)), "cat"
+        )
+
+    def neg(self, x):
+        """``-x``."""
+        return self._node(-x.data, (x,), lambda grad: (-grad,), "neg")
+
+    def silu(self, x):
+        """``x * sigmoid(x)``, elementwise (the gate of a SwiGLU MLP)."""
+        s = torch.sigmoid(x.data)
+        return self._node(x.data * s, (x,), lambda grad: (grad * s * (1 + x.data * (1 - s)),), "silu")
+
+    def repeat_kv(self, x, group: int):
+        """``[batch, n_kv_heads, t, head_dim] -> [batch, n_kv_heads * group, t, head_dim]``: query head ``h``
+        reads key/value head ``h // group``; the backward sums the ``group`` copies' gradients."""
+        if x.data.dim() != 4:
+            raise ValueError(f"repeat_kv needs [batch, n_kv_heads, t, head_dim], got shape {tuple(x.data.shape)}")
+        batch, n_kv_heads, t, head_dim = x.data.shape
+        return self._node(
+            x.data.repeat_interleave(group, dim=1),
+            (x,),
+            lambda grad: (grad.reshape(batch, n_kv_heads, group, t, head_dim).sum(2),),
+            "repeat_kv",
+        )
+
+
+_OWN = Plumbing(Value)
+
+
+def reshape(x, *shape: int) -> Value:
+    """``x`` with the same elements in ``shape`` (a tensor is taken as a constant)."""
+    return _OWN.reshape(_as_value(x), *shape)
+
+
+def transpose(x, dim0: int, dim1: int) -> Value:
+    """``x`` with dims ``dim0`` and ``dim1`` swapped."""
+    return _OWN.transpose(_as_value(x), dim0, dim1)
+
+
+def index_value(x, index) -> Value:
+    """``x[index]`` with basic indexing (what ``Value.__getitem__`` does)."""
+    return _OWN.index(_as_value(x), index)
+
+
+def cat(values: Sequence, dim: int = -1) -> Value:
+    """Concatenate Values (or constant tensors) along ``dim``."""
+    return _OWN.cat([_as_value(v) for v in values], dim)
+
+
+def neg(x) -> Value:
+    """``-x``."""
+    return _OWN.neg(_as_value(x))
+
+
+def silu(x) -> Value:
+    """``x * sigmoid(x)``."""
+    return _OWN.silu(_as_value(x))
+
+
+def repeat_kv(x, group: int) -> Value:
+    """Each key/value head repeated for the ``group`` query heads that read it."""
+    return _OWN.repeat_kv(_as_value(x), group)
 
 
 # --- the Llama-specific ops -------------------------------------------------------------------------
@@ -332,7 +469,7 @@ def softmax_backward(probs: torch.Tensor, grad_probs: torch.Tensor) -> torch.Ten
     """The gradient of a softmax's input scores, from its output ``probs`` and the gradient of ``probs``.
 
     d p_i / d x_j = p_i (delta_ij - p_j), so the gradient is p * (g - sum_j g_j p_j), over the last dim.
-    A masked entry (p exactly 0) gets exactly 0.
+    A masked entry (p exactly 0) gets exactly 0, and so does every entry of a row of zeros.
 
     Args:
         probs: ``[..., n]``, softmax over the last dim.
@@ -366,64 +503,61 @@ def rms_norm_backward(
     return grad_x, (grad_out * normed).reshape(-1, x.shape[-1]).sum(0)
 
 
-# op -> its backward formula; the defaults are the two functions above.
-BACKWARD: dict[str, Callable] = {"softmax": softmax_backward, "rms_norm": rms_norm_backward}
-
-
-@contextlib.contextmanager
-def using_backward(softmax: Callable | None = None, rms_norm: Callable | None = None) -> Iterator[None]:
-    """Inside the block, ops made by ``softmax`` and ``rms_norm`` use these backward formulas (None:
-    keep the current one); the previous formulas come back when the block ends, also on an error.
-
-    Args:
-        softmax: ``(probs, grad_probs) -> grad_scores``, as ``softmax_backward``.
-        rms_norm: ``(x, weight, grad_out, eps) -> (grad_x, grad_weight)``, as ``rms_norm_backward``.
-    """
-    saved = dict(BACKWARD)
-    try:
-        if softmax is not None:
-            BACKWARD["softmax"] = softmax
-        if rms_norm is not None:
-            BACKWARD["rms_norm"] = rms_norm
-        yield
-    finally:
-        BACKWARD.clear()
-        BACKWARD.update(saved)
-
-
 def rms_norm(x, weight, eps: float) -> Value:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; ``weight`` is ``[x.shape[-1]]``."""
     x, weight = _pair(x, weight)
+    if x.data.dim() < 1:
+        raise ValueError("rms_norm needs x of shape [..., d], got a 0-d tensor")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight must be [{x.shape[-1]}] for x {tuple(x.shape)}, got {tuple(weight.shape)}")
     normed = x.data * torch.rsqrt(x.data.pow(2).mean(-1, keepdim=True) + eps)
-    formula = BACKWARD["rms_norm"]
-
-    def backward(grad):
-        grad_x, grad_weight = formula(x.data, weight.data, grad, eps)
-        return grad_x, grad_weight
-
-    return Value(weight.data * normed, (x, weight), backward, "rms_norm")
+    return Value(
+        weight.data * normed, (x, weight), lambda grad: rms_norm_backward(x.data, weight.data, grad, eps), "rms_norm"
+    )
 
 
 def softmax(x, causal: bool = False) -> Value:
-    """Softmax over the last dim. ``causal`` masks the last two dims ``[t, s]`` as the course's
-    ``causal_mask`` does (query ``i`` sits at position ``s - t + i``; square: keys ``j > i``): masked
-    probabilities are exactly 0 and their gradient is exactly 0."""
+    """Softmax over the last dim.
+
+    ``causal``: ``x`` is ``[..., t, s]`` and query ``i`` sits at position ``s - t + i`` (the last query
+    at the last key, as the course's ``causal_mask``): keys past its position are masked, their
+    probability exactly 0 with exactly 0 gradient. A query before every key (``t > s``) sees no key at
+    all: its whole row is 0.
+    """
     x = _as_value(x)
     scores = x.data
-    if causal:
-        t, s = scores.shape[-2:]
-        if t > s:
-            raise ValueError(f"causal softmax needs at least as many keys as queries, got scores {tuple(x.shape)}")
-        scores = scores.masked_fill(~causal_mask(t, s, scores.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    formula = BACKWARD["softmax"]
-    return Value(probs, (x,), lambda grad: (formula(probs, grad),), "softmax")
+    if not causal:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        if scores.dim() < 2:
+            raise ValueError(f"causal softmax needs scores [..., t, s], got shape {tuple(x.shape)}")
+        keep = causal_mask(*scores.shape[-2:], scores.device)  # [t, s]
+        blind = ~keep.any(-1, keepdim=True)  # [t, 1]: rows with no key to see
+        scores = scores.masked_fill(~keep, float("-inf")).masked_fill(blind, 0.0)
+        probs = torch.softmax(scores, dim=-1).masked_fill(blind, 0.0)
+    return Value(probs, (x,), lambda grad: (softmax_backward(probs, grad),), "softmax")
+
+
+def embedding(ids: torch.Tensor, table) -> Value:
+    """Rows of ``table`` ``[vocab, dim]`` picked by ``ids`` (int64, any shape) -> ``[*ids.shape, dim]``.
+    Each row's gradient is the sum over every position that picked it."""
+    table = _as_value(table)
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long:
+        raise TypeError(f"embedding ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if table.data.dim() != 2:
+        raise ValueError(f"embedding table must be [vocab, dim], got shape {tuple(table.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+        raise ValueError(f"embedding ids must lie in [0, {table.shape[0]}), got {int(ids.min())}..{int(ids.max())}")
+
+    def backward(grad):  # [*ids.shape, dim]
+        rows = torch.zeros_like(table.data)
+        return (rows.index_add_(0, ids.reshape(-1), grad.reshape(-1, table.shape[1])),)
+
+    return Value(table.data[ids], (table,), backward, "embedding")
 
 
 def cross_entropy(logits, targets: torch.Tensor) -> Value:
-    """Mean over positions of ``-log softmax(logits)[target]``, a 0-d Value.
+    """Mean over positions of ``-log softmax(logits)[target]``, a 0-d Value; finite for any finite logits.
 
     Args:
         logits: ``[..., vocab]``.
@@ -453,6 +587,11 @@ def cross_entropy(logits, targets: torch.Tensor) -> Value:
         return ((probs * (grad / n)).reshape(logits.shape),)
 
     return Value(loss, (logits,), backward, "cross_entropy")
+
+
+def library_ops() -> dict:
+    """This module's own ``Value`` and graded ops, by the names of ``OP_NAMES``."""
+    return {name: globals()[name] for name in OP_NAMES}
 
 
 # --- checking gradients -------------------------------------------------------------------------
@@ -498,20 +637,37 @@ def numeric_gradient(
 # --- the course's Llama, written with these ops ---------------------------------------------------
 
 
-def llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Value, dict[str, Value]]:
+def _contract_ops(ops: Mapping) -> Mapping:
+    """``ops`` when it maps every name of ``OP_NAMES``; else a TypeError naming what is missing."""
+    if not isinstance(ops, Mapping):
+        raise TypeError(f"ops must map the names {', '.join(OP_NAMES)} to objects, got a {type(ops).__name__}")
+    missing = [name for name in OP_NAMES if name not in ops]
+    if missing:
+        raise TypeError(f"ops lacks {', '.join(missing)}; it must map every one of {', '.join(OP_NAMES)}")
+    return ops
+
+
+def llama_loss(
+    model: Llama, tokens: torch.Tensor, targets: torch.Tensor, ops: Mapping | None = None
+) -> tuple[Value, dict[str, Value]]:
     """The forward of ``model`` (no cache) and its next-token cross-entropy, built from Values.
 
-    The loss equals ``F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())``.
+    The loss equals ``F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())``. The graph uses
+    only ``ops`` (every graded op but exp, log, sum and mean) and ``Plumbing(ops["Value"])``; constants
+    (RoPE's cos and sin, the attention scale) enter as ``ops["Value"](tensor)``.
 
     Args:
         model: an ``infra_lib.model.Llama``; read, never changed.
         tokens: ``[batch, t]`` int64 ids.
         targets: ``[batch, t]`` int64 ids of the next tokens.
+        ops: the names of ``OP_NAMES`` -> the class and functions to build the graph with (extra names are
+            ignored); None: this module's own.
 
     Returns:
         (loss, params): the 0-d loss, and a Value per name of ``model.named_parameters(remove_duplicate=False)``
         whose ``.grad`` ``loss.backward()`` fills. A tied table is one Value under both names.
     """
+    ops = library_ops() if ops is None else _contract_ops(ops)
     config = model.config
     if tokens.dim() != 2 or targets.shape != tokens.shape:
         raise ValueError(
@@ -519,56 +675,69 @@ def llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> tup
         )
     if tokens.shape[1] > config.max_position:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's context of {config.max_position}")
+    make = ops["Value"]
     params, by_tensor = {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        params[name] = by_tensor.setdefault(id(p), Value(p.detach()))
-    t = tokens.shape[1]
-    cos, sin = model.rope_cos[:t], model.rope_sin[:t]  # [t, head_dim], constants
-    x = embedding(tokens, params["embed_tokens.weight"])  # [batch, t, d]
+        params[name] = by_tensor.setdefault(id(p), make(p.detach()))
+    graph = _LlamaGraph(ops, params, config, model.rope_cos[: tokens.shape[1]], model.rope_sin[: tokens.shape[1]])
+    x = ops["embedding"](tokens, params["embed_tokens.weight"])  # [batch, t, d]
     for i in range(config.n_layers):
         layer = f"layers.{i}."
-        h = rms_norm(x, params[layer + "input_layernorm.weight"], config.rms_norm_eps)
-        x = x + _attention(h, params, layer + "self_attn.", config, cos, sin)
-        h = rms_norm(x, params[layer + "post_attention_layernorm.weight"], config.rms_norm_eps)
-        x = x + _mlp(h, params, layer + "mlp.")
-    x = rms_norm(x, params["norm.weight"], config.rms_norm_eps)
-    logits = _linear(x, params, "lm_head")  # [batch, t, vocab]
-    return cross_entropy(logits, targets), params
+        h = ops["rms_norm"](x, params[layer + "input_layernorm.weight"], config.rms_norm_eps)
+        x = ops["add"](x, graph.attention(h, layer + "self_attn."))
+        h = ops["rms_norm"](x, params[layer + "post_attention_layernorm.weight"], config.rms_norm_eps)
+        x = ops["add"](x, graph.mlp(h, layer + "mlp."))
+    x = ops["rms_norm"](x, params["norm.weight"], config.rms_norm_eps)
+    logits = graph.linear(x, "lm_head")  # [batch, t, vocab]
+    return ops["cross_entropy"](logits, targets), params
 
 
-def _linear(x: Value, params: dict[str, Value], name: str) -> Value:
-    """``x @ W^T (+ b)``, as ``nn.Linear`` stores ``W``: ``[out, in]``."""
-    y = x @ params[name + ".weight"].transpose(0, 1)
-    bias = params.get(name + ".bias")
-    return y if bias is None else y + bias
+class _LlamaGraph:
+    """The blocks of ``llama_loss``, each made of ``ops`` and the plumbing of ``ops["Value"]``."""
 
+    def __init__(self, ops: Mapping, params: dict, config: LlamaConfig, cos: torch.Tensor, sin: torch.Tensor):
+        self.ops, self.params, self.config = ops, params, config
+        self.plumbing = Plumbing(ops["Value"])
+        make = ops["Value"]
+        self.cos, self.sin = make(cos), make(sin)  # [t, head_dim], constants
+        self.scale = make(torch.tensor(1 / math.sqrt(config.head_dim), dtype=cos.dtype))
 
-def _rope(x: Value, cos: torch.Tensor, sin: torch.Tensor) -> Value:
-    """The course's rotate-half RoPE: dims ``i`` and ``i + head_dim/2`` turn together."""
-    half = x.shape[-1] // 2
-    rotated = cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    def linear(self, x, name: str):
+        """``x @ W^T (+ b)``, as ``nn.Linear`` stores ``W``: ``[out, in]``."""
+        y = self.ops["matmul"](x, self.plumbing.transpose(self.params[name + ".weight"], 0, 1))
+        bias = self.params.get(name + ".bias")
+        return y if bias is None else self.ops["add"](y, bias)
 
+    def rope(self, x):
+        """The course's rotate-half RoPE: dims ``i`` and ``i + head_dim/2`` turn together."""
+        half, plumbing, ops = x.data.shape[-1] // 2, self.plumbing, self.ops
+        rotated = plumbing.cat(
+            [plumbing.neg(plumbing.index(x, (..., slice(half, None)))), plumbing.index(x, (..., slice(None, half)))]
+        )
+        return ops["add"](ops["mul"](x, self.cos), ops["mul"](rotated, self.sin))
 
-def _attention(
-    h: Value, params: dict[str, Value], prefix: str, config: LlamaConfig, cos: torch.Tensor, sin: torch.Tensor
-) -> Value:
-    """Causal grouped-query attention of ``h`` ``[batch, t, d]``, as ``infra_lib.model.attention.attention``."""
-    batch, t, _ = h.shape
-    head_dim = config.head_dim
+    def attention(self, h, prefix: str):
+        """Causal grouped-query attention of ``h`` ``[batch, t, d]``, as ``infra_lib.model.attention.attention``."""
+        batch, t, _ = h.data.shape
+        config, plumbing, ops = self.config, self.plumbing, self.ops
+        head_dim = config.head_dim
 
-    def heads(name: str, n: int) -> Value:  # [batch, t, n * head_dim] -> [batch, n, t, head_dim]
-        return _linear(h, params, prefix + name).reshape(batch, t, n, head_dim).transpose(1, 2)
+        def heads(name: str, n: int):  # [batch, t, n * head_dim] -> [batch, n, t, head_dim]
+            return plumbing.transpose(plumbing.reshape(self.linear(h, prefix + name), batch, t, n, head_dim), 1, 2)
 
-    q, k, v = heads("q_proj", config.n_heads), heads("k_proj", config.n_kv_heads), heads("v_proj", config.n_kv_heads)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    k, v = repeat_kv(k, config.group_size), repeat_kv(v, config.group_size)  # [batch, n_heads, t, head_dim]
-    weights = softmax(q @ k.transpose(-1, -2) / math.sqrt(head_dim), causal=True)  # [batch, n_heads, t, t]
-    out = (weights @ v).transpose(1, 2).reshape(batch, t, config.n_heads * head_dim)
-    return _linear(out, params, prefix + "o_proj")
+        q, k, v = (
+            heads("q_proj", config.n_heads),
+            heads("k_proj", config.n_kv_heads),
+            heads("v_proj", config.n_kv_heads),
+        )
+        q, k = self.rope(q), self.rope(k)
+        k, v = plumbing.repeat_kv(k, config.group_size), plumbing.repeat_kv(v, config.group_size)
+        scores = ops["mul"](ops["matmul"](q, plumbing.transpose(k, -1, -2)), self.scale)  # [batch, n_heads, t, t]
+        weights = ops["softmax"](scores, causal=True)
+        out = plumbing.reshape(plumbing.transpose(ops["matmul"](weights, v), 1, 2), batch, t, config.n_heads * head_dim)
+        return self.linear(out, prefix + "o_proj")
 
-
-def _mlp(h: Value, params: dict[str, Value], prefix: str) -> Value:
-    """SwiGLU: ``down(silu(gate(h)) * up(h))``."""
-    gate, up = _linear(h, params, prefix + "gate_proj"), _linear(h, params, prefix + "up_proj")
-    return _linear(silu(gate) * up, params, prefix + "down_proj")
+    def mlp(self, h, prefix: str):
+        """SwiGLU: ``down(silu(gate(h)) * up(h))``."""
+        gate, up = self.linear(h, prefix + "gate_proj"), self.linear(h, prefix + "up_proj")
+        return self.linear(self.ops["mul"](self.plumbing.silu(gate), up), prefix + "down_proj")
