@@ -240,3 +240,228 @@ def test_allreduce_bandwidth_benchmark_writes_json(tmp_path):
         for r in result["results"]
     )
     no_children_left()
+
+
+# --- DDP with overlapped buckets, ZeRO stage 1 over exchange, torchrun ------------------------------------------
+
+
+def _mlp_and_batch(seed: int = 0):
+    model = make_model(seed, sizes=(8, 16, 16, 4))
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(seed))
+    return model, x, (x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(seed + 1))).argmax(1)
+
+
+def test_ddp_on_threads_launches_each_bucket_when_its_last_gradient_arrives_and_averages():
+    import copy
+
+    import torch.nn.functional as F
+
+    from infra_lib.training import ThreadGroup
+    from infra_lib.training.collectives import BackgroundAllReduce
+    from infra_lib.training.ddp import DDP, log_gradient_arrivals
+
+    base, x, y = _mlp_and_batch()
+    world, local = 3, 4
+
+    def rank_fn(comm):
+        model, log = copy.deepcopy(base), []
+        log_gradient_arrivals(model, log)
+        with BackgroundAllReduce(lambda t: ring_all_reduce(t, comm), log) as run:
+            ddp = DDP(model, run, world, bucket_bytes=600)
+            grads = []
+            for _ in range(2):  # finish() leaves it ready for the next backward
+                model.zero_grad(set_to_none=True)
+                mine = slice(comm.rank * local, (comm.rank + 1) * local)
+                F.cross_entropy(model(x[mine]), y[mine]).backward()
+                log.append({"event": "backward"})
+                ddp.finish()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        return grads, log, [[index[id(p)] for p in bucket] for bucket in ddp.buckets]
+
+    results = ThreadGroup(world).run(rank_fn)
+    single = copy.deepcopy(base)
+    F.cross_entropy(single(x), y).backward()
+    for grads, log, buckets in results:
+        assert buckets == [[5, 4, 3], [2], [1, 0]]  # reverse order, greedy under 600 bytes, the big weight alone
+        for step_grads in grads:
+            for got, param in zip(step_grads, single.parameters()):
+                torch.testing.assert_close(got, param.grad, atol=1e-6, rtol=1e-5)
+        first_step = log[: next(i for i, e in enumerate(log) if e["event"] == "backward")]
+        order = [e["param"] if e["event"] == "ready" else ("launch", e["numel"]) for e in first_step]
+        # each bucket starts right after its last gradient, before the next gradient arrives
+        assert order == [5, 4, 3, ("launch", 4 + 64 + 16), 2, ("launch", 256), 1, 0, ("launch", 16 + 128)]
+        assert sum(e["event"] == "done" for e in log) == 2 * len(buckets)
+
+
+def test_ddp_refuses_bad_arguments_and_names_a_parameter_that_got_no_gradient():
+    from torch import nn
+
+    from infra_lib.training.ddp import DDP
+
+    model, x, _ = _mlp_and_batch()
+    for bad in ({"world_size": 0}, {"bucket_bytes": 0}, {"world_size": 2.0}):
+        with pytest.raises(ValueError):
+            DDP(model, lambda t: None, **{"world_size": 2, "bucket_bytes": 64, **bad})
+
+    class Done:
+        def wait(self):
+            return None
+
+    model.spare = nn.Parameter(torch.zeros(2))  # registered, never used by the forward
+    ddp = DDP(model, lambda t: Done(), 1, 1 << 20)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="no gradient reached spare"):
+        ddp.finish()
+    model(x).sum().backward()  # the failed step was reset: the next one reports the same, not a double gradient
+    with pytest.raises(RuntimeError, match="no gradient reached spare"):
+        ddp.finish()
+
+
+def test_background_all_reduce_keeps_the_order_and_hands_errors_to_wait():
+    from infra_lib.training.collectives import BackgroundAllReduce
+
+    seen = []
+
+    def record(t):
+        time.sleep(0.01)
+        seen.append(float(t[0]))
+        if t[0] == 2:
+            raise ValueError("boom")
+
+    run = BackgroundAllReduce(record)
+    handles = [run(torch.tensor([float(i)])) for i in range(4)]
+    assert [float(h.wait(5)[0]) for h in handles[:2]] == [0.0, 1.0]
+    with pytest.raises(RuntimeError, match="all-reduce number 2 .* ValueError: boom"):
+        handles[2].wait(5)
+    handles[3].wait(5)
+    assert seen == [0.0, 1.0, 2.0, 3.0]  # first in, first out, one at a time
+    run.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run(torch.ones(1))
+    stuck = BackgroundAllReduce(lambda t: time.sleep(0.3))
+    with pytest.raises(TimeoutError, match="same all-reduces in the same order"):
+        stuck(torch.ones(1)).wait(0.05)
+    stuck.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_leaves_each_rank_its_own_shard_summed_and_all_gather_restores_the_rest(world_size):
+    from infra_lib.training import ThreadGroup
+    from infra_lib.training.zero import all_gather, reduce_scatter
+
+    for numel in (0, 1, 3, 8, 13):
+        tensors = [torch.randn(numel, dtype=torch.float64) for _ in range(world_size)]
+        total, comms = sum(t.clone() for t in tensors), []
+
+        def scatter(comm, t):
+            comms.append(comm)
+            return reduce_scatter(t, comm)
+
+        assert all(out is t for out, t in zip(ThreadGroup(world_size).run(scatter, [(t,) for t in tensors]), tensors))
+        for rank, t in enumerate(tensors):
+            start, end = shard_bounds(numel, world_size, rank)
+            torch.testing.assert_close(t[start:end], total[start:end])
+        if numel % world_size == 0:
+            assert all(c.bytes_sent == (world_size - 1) * numel // world_size * 8 for c in comms)
+        ThreadGroup(world_size).run(lambda comm, t: all_gather(t, comm), [(t,) for t in tensors])
+        for t in tensors:
+            torch.testing.assert_close(t, total)
+    with pytest.raises(RuntimeError, match="1-D"):
+        ThreadGroup(1).run(lambda comm: reduce_scatter(torch.ones(2, 2), comm))
+
+
+def test_zero_adamw_equals_torch_adamw_on_the_mean_gradient_and_holds_one_shard_of_state():
+    from infra_lib.training import ThreadGroup
+    from infra_lib.training.zero import ZeroAdamW
+
+    world, shapes, steps = 3, [(5, 3), (7,), (1,)], 3
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(*s, generator=gen) for s in shapes]
+    grads = [[[torch.randn(*s, generator=gen) for s in shapes] for _ in range(world)] for _ in range(steps)]
+    reference = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = torch.optim.AdamW(reference, lr=0.01, weight_decay=0.1, foreach=False)
+    for step_grads in grads:
+        for i, p in enumerate(reference):
+            p.grad = sum(rank_grads[i] for rank_grads in step_grads) / world
+        opt.step()
+
+    def rank_fn(comm):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        zero = ZeroAdamW(params, comm, lr=0.01, weight_decay=0.1)
+        sent = []
+        for step_grads in grads:
+            for p, g in zip(params, step_grads[comm.rank]):
+                p.grad = g.clone()
+            before = comm.bytes_sent
+            zero.step()
+            sent.append(comm.bytes_sent - before)
+        return params, zero, sent
+
+    numel = sum(t.numel() for t in init)
+    for rank, (params, zero, sent) in enumerate(ThreadGroup(world).run(rank_fn)):
+        for got, want in zip(params, reference):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        start, end = shard_bounds(numel, world, rank)
+        assert zero.exp_avg.shape == zero.exp_avg_sq.shape == (end - start,)
+        measured = 4 * numel + 4 * numel + zero.state_bytes()  # fp32: parameters, gradients, Adam's two moments
+        predicted = zero_memory_per_device(numel, world, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        assert abs(measured - predicted) <= 8  # shards differ by at most one element
+        sizes = [e - s for s, e in (shard_bounds(numel, world, r) for r in range(world))]
+        # every shard but its own in the reduce-scatter, every shard but its right neighbour's in the all-gather
+        assert sent == [4 * (2 * numel - sizes[rank] - sizes[(rank + 1) % world])] * steps
+
+
+def test_torchrun_trains_learner_style_ddp_and_zero_like_one_process_and_reports_a_failing_rank(tmp_path):
+    """Two real ranks under torchrun run answer cells given as source (tests/learner_style/ddp_zero.py); then a
+    run whose rank 1 raises comes back with torchrun's own account of it."""
+    from conftest import REPO
+
+    from infra_lib.training.launcher import run_torchrun
+    from infra_lib.training.torchrun_train import single_process_losses
+
+    answers = tmp_path / "answers.py"
+    answers.write_text((REPO / "tests" / "learner_style" / "ddp_zero.py").read_text())
+    result = run_torchrun(["--answers", answers, "--steps", "2"], nproc=2, timeout_s=180)
+    assert result.ok, result.output[-3000:]
+    single = single_process_losses(2, steps=2)
+    assert [r["rank"] for r in result.ranks] == [0, 1]
+    for run in ("ddp", "zero"):
+        digests = {r[run]["params_digest"] for r in result.ranks}
+        assert len(digests) == 1, f"{run}: the ranks' parameters differ"
+        for r in result.ranks:
+            assert r[run]["losses"] == pytest.approx(single, rel=1e-5)
+    numel = result.ranks[0]["zero"]["num_params"]
+    for rank, r in enumerate(result.ranks):
+        start, end = shard_bounds(numel, 2, rank)
+        assert r["zero"]["optimizer_state_bytes"] == 8 * (end - start)  # two fp32 moments of its shard only
+    assert result.ranks[0]["zero"]["bytes_sent"] == 2 * ring_bytes_sent(4 * numel, 2)  # two steps
+    failed = run_torchrun(["--steps", "3", "--fail-rank", "1", "--fail-step", "2"], nproc=2, timeout_s=180)
+    assert not failed.ok and failed.ranks == []
+    report = failed.error_report()
+    assert "Root Cause" in report and "rank      : 1" in report and "exitcode  : 1" in report
+    assert "rank 1 raises at step 2" in report  # the traceback of the failing rank
+    no_children_left()
+
+
+def test_run_torchrun_stops_every_process_of_a_run_that_hangs():
+    from infra_lib.training.launcher import run_torchrun
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="did not finish within 12"):
+        run_torchrun(["--hang-rank", "0", "--fail-step", "1"], nproc=2, timeout_s=12)
+    assert time.monotonic() - start < 60
+    no_children_left()
+    with pytest.raises(ValueError, match="nproc"):
+        run_torchrun([], nproc=0)
+
+
+def test_ddp_overlap_benchmark_writes_json(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("ddp_overlap", tmp_path / "ddp_overlap.json")
+    for row in result["results"]:
+        assert row["same_parameters"], "overlapping the all-reduces must not change the sums"
+        assert row["buckets"] > 1 and row["after_over_overlap"] > 0
+        assert row["after_over_overlap"] == pytest.approx(row["after_step_s"] / row["overlap_step_s"])
+    no_children_left()

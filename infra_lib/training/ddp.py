@@ -259,3 +259,79 @@ def ddp_worker(
             t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
         )
     return out
+
+
+def overlap_worker(
+    rank: int,
+    world_size: int,
+    steps: int = 10,
+    batch_per_rank: int = 2,
+    seq_len: int = 64,
+    bucket_bytes: int = 1 << 18,
+    transport: str = "ring",
+    model_size: dict | None = None,
+    seed: int = 0,
+) -> dict:
+    """A worker for ``run_workers``: one step time with ``DDP`` (all-reduces started by hooks, in the background,
+    during backward) against one with the same buckets all-reduced after the whole backward, interleaved step by
+    step on two copies of the tiny Llama so that both see the same load.
+
+    ``transport``: ``"ring"`` (the course's ring over ``DistComm``, on a ``BackgroundAllReduce`` thread) or
+    ``"gloo"`` (``dist.all_reduce``, asynchronous where overlapped). Returns per variant the step times, the
+    backward's end and the communication left after it (what the step pays for), in seconds.
+    """
+    import time
+
+    from infra_lib.training.collectives import BackgroundAllReduce, DistComm, dist_all_reduce_async
+    from infra_lib.training.train_step import text_batches, text_tokens, tiny_config, tiny_model
+
+    if transport not in ("ring", "gloo"):
+        raise ValueError(f"transport must be 'ring' or 'gloo', got {transport!r}")
+    config = tiny_config(**(model_size or {}))
+    models = {name: tiny_model(config, seed=seed) for name in ("overlap", "after")}
+    comm = DistComm()
+    runner = BackgroundAllReduce(lambda t: ring_all_reduce(t, comm)) if transport == "ring" else dist_all_reduce_async
+    ddp = DDP(models["overlap"], runner, world_size, bucket_bytes)
+    after_params = [p for p in models["after"].parameters() if p.requires_grad][::-1]  # DDP's buckets, DDP's order
+    data = text_batches(text_tokens(), batch_per_rank * world_size, seq_len, seed=seed)
+    mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
+    rows: dict[str, list[dict]] = {"overlap": [], "after": []}
+    try:
+        for step in range(steps + 1):  # step 0 warms up, not recorded
+            inputs, targets = next(data)
+            for name in ("overlap", "after") if step % 2 else ("after", "overlap"):
+                model = models[name]
+                dist.barrier()
+                start = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                logits = model(inputs[mine])
+                F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+                backward_end = time.perf_counter()
+                if name == "overlap":
+                    ddp.finish()
+                else:
+                    allreduce_gradients(after_params, bucket_bytes, use_ring=transport == "ring")
+                comm_end = time.perf_counter()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 1e-3 * p.grad
+                end = time.perf_counter()
+                if step:
+                    rows[name].append(
+                        {
+                            "step_s": end - start,
+                            "backward_s": backward_end - start,
+                            "exposed_comm_s": comm_end - backward_end,
+                        }
+                    )
+    finally:
+        if isinstance(runner, BackgroundAllReduce):
+            runner.close()
+        ddp.remove_hooks()
+    same = all(torch.equal(a, b) for a, b in zip(models["overlap"].parameters(), models["after"].parameters()))
+    return {
+        "rows": rows,
+        "buckets": len(ddp.buckets),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in models["overlap"].parameters()),
+        "same_parameters": same,
+    }

@@ -15,15 +15,26 @@ no worker outlives the call (the fork server stays, one per interpreter, for the
 
 On a GPU cluster the same code runs with ``backend="nccl"`` and one process per GPU; only the
 launcher (``torchrun``, a scheduler) and the transport change.
+
+``run_torchrun`` is that launcher for real: it runs ``python -m torch.distributed.run --standalone`` on a
+script module (by default ``torchrun_train``) with a time-out, and gives back each rank's JSON and, when a rank
+failed, torchrun's own report of it (which rank, its exit code, its traceback).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -140,3 +151,104 @@ def _run_once(fn, world_size: int, args: tuple, deadline: float, timeout_s: floa
                 p.join(5)
         results.close()
     return [out[r] for r in range(world_size)]
+
+
+TORCHRUN_SCRIPT = "infra_lib.training.torchrun_train"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class TorchrunResult:
+    """What one ``torchrun`` run left: its exit code, its output, and the JSON each rank wrote (by rank)."""
+
+    returncode: int
+    output: str
+    ranks: list[dict] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def error_report(self) -> str:
+        """torchrun's summary of the failure (its "Root Cause" block: rank, exit code, traceback), or the output's
+        last lines when it printed none."""
+        lines = self.output.splitlines()
+        start = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), None)
+        if start is None:
+            return "\n".join(lines[-30:])
+        return "\n".join(lines[start:])
+
+
+def _stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop torchrun and every worker it started. torchrun puts each worker in a session of its own, so its
+    process group alone is not enough: it is asked to stop (it then stops its workers), and whatever is left of
+    its descendants after ``grace_s`` is killed."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in [*family, proc]:
+        try:
+            p.kill()
+        except (psutil.Error, ProcessLookupError):
+            pass
+    psutil.wait_procs([p for p in family if p.is_running()], timeout=grace_s)
+    proc.wait()
+
+
+def run_torchrun(
+    script_args: list[str],
+    nproc: int = 2,
+    timeout_s: float = 120.0,
+    module: str = TORCHRUN_SCRIPT,
+    out_dir: str | os.PathLike | None = None,
+) -> TorchrunResult:
+    """Run ``torchrun --standalone --nproc-per-node nproc -m module *script_args --out DIR``; the ranks' results.
+
+    Each rank writes ``DIR/rank{r}.json`` (``out_dir``, or a temporary folder read back and removed here).
+    A rank that fails makes torchrun stop the others and exit non-zero: the result's ``error_report()`` is
+    torchrun's account of it. Past ``timeout_s`` every process of the run is stopped and ``WorkerError`` raised.
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        out = Path(out_dir) if out_dir is not None else Path(scratch)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            "-m",
+            module,
+            *map(str, script_args),
+            "--out",
+            str(out),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop_tree(proc)
+            output = proc.stdout.read() if proc.stdout else ""
+            tail = "\n".join(output.splitlines()[-20:])
+            raise WorkerError(
+                f"torchrun with {nproc} ranks did not finish within {timeout_s} s; every process of it was stopped. "
+                f"Its last output:\n{tail}"
+            ) from None
+        ranks = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(out.glob("rank*.json"))]
+    ranks.sort(key=lambda r: r.get("rank", 0))
+    return TorchrunResult(proc.returncode, output, ranks, command)

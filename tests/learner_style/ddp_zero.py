@@ -22,12 +22,11 @@ def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay) -> None:
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.mul_(beta1).add_((1 - beta1) * grad)
-    exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
-    m_hat = exp_avg / (1 - beta1**step)
-    v_hat = exp_avg_sq / (1 - beta2**step)
-    param.sub_(lr * m_hat / (torch.sqrt(v_hat) + eps))
+    param -= lr * weight_decay * param  # decoupled: the weight shrinks before the moments move
+    exp_avg.copy_(beta1 * exp_avg + (1 - beta1) * grad)
+    exp_avg_sq.copy_(beta2 * exp_avg_sq + (1 - beta2) * grad.square())
+    denominator = (exp_avg_sq / (1 - beta2**step)).sqrt() + eps
+    param -= lr / (1 - beta1**step) * exp_avg / denominator
 
 
 def ring_all_reduce(tensor: torch.Tensor, comm) -> torch.Tensor:
