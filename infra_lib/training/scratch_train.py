@@ -138,6 +138,13 @@ def train_tiny(
         loss.backward()
         losses.append(float(loss.data))
         grads = {name: values[name].grad for name in named}
+        for name, grad in grads.items():
+            if not isinstance(grad, torch.Tensor) or grad.shape != named[name].shape:
+                got = f"shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor) else repr(grad)
+                raise RuntimeError(
+                    f"after loss.backward() the Value of parameter {name} {tuple(named[name].shape)} holds .grad "
+                    f"{got}: every parameter needs a gradient of its own shape"
+                )
         _note_gradients(step, grads, grad_norms, first_grads)
         for name, param in named.items():
             exp_avg, exp_avg_sq = state[name]

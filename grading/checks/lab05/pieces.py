@@ -1,8 +1,8 @@
-"""What the checks of tasks 4 to 6 (the pieces under one training step) share. Cases are plain data (a
-seed, a shape, a dtype); the tensors are made from them on each side, the same way, by ``randn``. A
-result is recorded as its values, dtype and shape (``record``), and compared by ``tensor_problem``,
-which names the classic mistake a wrong result matches. While a learner's piece runs, the torch
-function that would do the task for it refuses to (``NoTorchAutograd``, ``NoTorchAdam``)."""
+"""What the checks of the tasks under one training step (the autograd engine and its ops, AdamW) share.
+Cases are plain data (a seed, a shape, a dtype); the tensors are made from them on each side, the same
+way, by ``randn``. A result is recorded as its values, dtype and shape (``record``), and compared by
+``tensor_problem``, which names the classic mistake a wrong result matches. While a learner's piece
+runs, the torch function that would do the task for it refuses to (``NoTorchAutograd``, ``NoTorchAdam``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def randn(seed: int, shape: list[int], dtype: str, scale: float = 1.0):
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(getattr(torch, dtype))
+    return (torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * scale).to(getattr(torch, dtype))
 
 
 def record(value) -> dict:
@@ -31,7 +31,7 @@ def record(value) -> dict:
     return {"type": type(value).__name__}
 
 
-def _tolerance_for(dtype: str, expected, tight: bool = False) -> tuple[float, float]:
+def tolerance_for(dtype: str, expected, tight: bool = False) -> tuple[float, float]:
     """(atol, rtol): rounding of float32 or float64, scaled to the largest expected value. ``tight``
     for values that a step changes only a little (a weight after an update): no relative part."""
     import numpy as np
@@ -51,9 +51,11 @@ def tensor_problem(
     what: str,
     tight: bool = False,
     noun: str = "the returned tensor",
+    why_as_hint: bool = False,
 ) -> Mismatch | None:
     """Shape, dtype, then values of one recorded tensor (``noun``); a value mismatch (``what``) names the
-    first variant (a classic mistake, computed in float64 on the same inputs) that the result matches."""
+    first variant (a classic mistake, computed in float64 on the same inputs) that the result matches:
+    in the detail, or as the hint (``why_as_hint``: a hidden check shows its hint, never its detail)."""
     import numpy as np
 
     pairs = list(variants.items()) if isinstance(variants, dict) else variants
@@ -61,22 +63,24 @@ def tensor_problem(
         return Mismatch(f"{name} must return a torch tensor", f"on {where}: got a {got.get('type')}")
     if got["shape"] != want["shape"]:
         note = next((why for why, value in pairs if list(np.shape(value)) == got["shape"]), "")
-        return Mismatch(
-            f"{noun} from {name} has the wrong shape",
-            f"on {where}: expected shape {want['shape']}, got {got['shape']}" + (f"; {note}" if note else ""),
-        )
+        detail = f"on {where}: expected shape {want['shape']}, got {got['shape']}"
+        if why_as_hint:
+            return Mismatch(f"{noun} from {name} has the wrong shape", detail, hint=note)
+        return Mismatch(f"{noun} from {name} has the wrong shape", detail + (f"; {note}" if note else ""))
     if got["dtype"] != want["dtype"]:
         return Mismatch(
             f"{noun} from {name} has the wrong dtype",
             f"on {where}: expected {want['dtype']} (the inputs' dtype), got {got['dtype']}; make new "
             "tensors with the inputs' dtype (torch.zeros_like, or dtype=x.dtype)",
         )
-    atol, rtol = _tolerance_for(want["dtype"], want["values"], tight)
+    atol, rtol = tolerance_for(want["dtype"], want["values"], tight)
     problem = array_mismatch(got["values"], want["values"], what, where, atol=atol, rtol=rtol)
     if problem is None:
         return None
     for why, value in pairs:
         if np.shape(value) == tuple(got["shape"]) and np.allclose(got["values"], value, atol=atol, rtol=rtol):
+            if why_as_hint:
+                return Mismatch(problem.what, problem.detail, hint=why)
             return Mismatch(problem.what, f"{problem.detail}; {why}")
     return problem
 
@@ -122,13 +126,13 @@ class _Refused:
 
 
 class NoTorchAutograd(_Refused):
-    """Tasks 4 and 5 ask for the formulas themselves: ``Tensor.backward``, ``torch.autograd.backward`` and
-    ``torch.autograd.grad`` all reach the engine through one function, replaced here (also where an answer
-    imported ``grad`` by name)."""
+    """The autograd tasks ask for the engine and the backward of each op themselves: ``Tensor.backward``,
+    ``torch.autograd.backward`` and ``torch.autograd.grad`` all reach torch's engine through one function,
+    replaced here (also where an answer imported ``grad`` by name)."""
 
     MESSAGE = (
-        "lab05 tasks 4 and 5 ask for the backward formula itself, in tensor ops: torch.autograd "
-        "(requires_grad, .backward(), torch.autograd.grad) is not part of an answer"
+        "lab05 tasks 1 to 4 ask for the backward formula itself, in tensor ops, and the engine that runs it: "
+        "torch.autograd (requires_grad, .backward(), torch.autograd.grad) is not part of an answer"
     )
 
     def targets(self) -> list[tuple]:
@@ -142,7 +146,8 @@ class NoTorchAdam(_Refused):
     """For the length of a drive, torch's own Adam and AdamW refuse to run: the task is the update itself."""
 
     MESSAGE = (
-        "lab05 task 6 asks for the update itself: torch.optim.AdamW is what it is compared with, not part of an answer"
+        "lab05 asks for the update itself (adamw_update, and ZeroAdamW's step): torch.optim.AdamW is what it is "
+        "compared with, not part of an answer"
     )
 
     def targets(self) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""Lab 05 task 6: adamw_update, one AdamW step in place, over several steps and from a resumed state."""
+"""Lab 05 task 5: adamw_update, one AdamW step in place, over several steps and from a resumed state."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from grading.checks.common import outcome, reference, unwrap
 from grading.checks.lab05.pieces import NoTorchAdam, randn, record, tensor_problem, torch_equal
 from grading.registry import Check, Mismatch, register
 
-TASK = "lab05 task 6: adamw_update"
+TASK = "lab05 task 5: adamw_update"
 _SCRATCH = "infra_lib.training.scratch_train"
 
 
@@ -147,13 +147,15 @@ def _adamw_variant(
 
 
 _ADAMW_MISTAKES = {
-    "the moments start at zero, so early steps need the bias corrections: m / (1 - beta1^step) and "
-    "v / (1 - beta2^step)": {"bias_correction": False},
-    "that is Adam's L2 penalty (weight_decay * param added to the gradient, so it enters the moments): AdamW "
-    "decouples it, shrinking the weight itself by lr * weight_decay": {"l2": True},
-    "eps goes outside the square root: sqrt(v_hat) + eps": {"eps_inside": True},
+    "the moments start at zero, so early steps need the bias corrections of both moments, each by its own beta "
+    "and the step number": {"bias_correction": False},
+    "that is Adam's L2 penalty (the decay added to the gradient, so it enters the moments): AdamW decouples it, "
+    "shrinking the weight itself before the moments are updated": {"l2": True},
+    "eps goes outside the square root: it is added to the square root of the corrected second moment": {
+        "eps_inside": True
+    },
     "step is 1 on the first update (the step being taken now): do not add 1 to it": {"from_zero": True},
-    "the decoupled decay is scaled by the learning rate: param *= 1 - lr * weight_decay": {"decay_lr": False},
+    "the decoupled decay is scaled by the learning rate, as torch's AdamW does": {"decay_lr": False},
 }
 
 
@@ -208,6 +210,7 @@ def _compare_adamw(got, expected, cases: list[dict]) -> Mismatch | None:
                 "adamw_update left the wrong values in param",
                 tight=True,
                 noun="param",
+                why_as_hint=True,
             )
             if problem:
                 return problem
@@ -241,10 +244,10 @@ def _compare_adamw(got, expected, cases: list[dict]) -> Mismatch | None:
 
 
 _ADAMW_HINT = (
-    "AdamW's step: shrink the weight by lr * weight_decay (decoupled: the decay never enters the "
-    "moments), move the two moments towards grad and grad² with beta1 and beta2, correct their bias "
-    "from starting at zero with 1 - beta^step (step is 1 on the first update), and move the weight by "
-    "lr * m_hat / (sqrt(v_hat) + eps). All three tensors are updated in place "
+    "AdamW as torch.optim.AdamW takes it (Loshchilov and Hutter's Algorithm 2): the weight decay is decoupled "
+    "(it shrinks the weight itself, scaled by the learning rate, and never enters the moments), both moments are "
+    "bias-corrected for starting at zero, eps is added after the square root, step counts from 1, and param, "
+    "exp_avg and exp_avg_sq are updated in place "
     "(chapter 05, section “2 · One training step, measured: memory, mixed precision, checkpointing”)."
 )
 
