@@ -13,12 +13,18 @@ import torch.nn.functional as F
 from infra_lib.model import Llama, LlamaConfig
 from infra_lib.model.attention import causal_mask
 from infra_lib.training.autograd import (
+    OP_NAMES,
+    Plumbing,
     Value,
     cat,
     cross_entropy,
     embedding,
+    exp,
+    library_ops,
     llama_loss,
+    log,
     matmul,
+    mean,
     numeric_gradient,
     repeat_kv,
     rms_norm,
@@ -26,6 +32,7 @@ from infra_lib.training.autograd import (
     softmax,
     transpose,
 )
+from infra_lib.training.autograd import sum as ag_sum
 
 # float32: torch.testing's defaults for float32; float64: tight, only summation order differs.
 TOLERANCE = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -361,3 +368,119 @@ def test_other_misuse_raises_clear_errors():
         Value(torch.zeros(4, 2))[torch.tensor([0, 0])]
     with pytest.raises(ValueError, match=r"rms_norm weight must be \[4\]"):
         rms_norm(Value(torch.zeros(2, 4)), Value(torch.ones(3)), 1e-5)
+
+
+# --- lab 05's contract: the module ops, the plumbing on any class, llama_loss on anyone's ops -----------
+
+
+REDUCTION_CASES = {
+    "sum all": (lambda x: ag_sum(x), lambda x: x.sum(), (3, 4)),
+    "sum dim 1": (lambda x: ag_sum(x, 1), lambda x: x.sum(1), (3, 4, 5)),
+    "sum dim -1 keepdim": (lambda x: ag_sum(x, -1, keepdim=True), lambda x: x.sum(-1, keepdim=True), (3, 4)),
+    "sum all keepdim": (lambda x: ag_sum(x, None, True), lambda x: torch.sum(x, dim=None, keepdim=True), (2, 3)),
+    "sum of 0-d": (lambda x: ag_sum(x), lambda x: x.sum(), ()),
+    "mean all": (lambda x: mean(x), lambda x: x.mean(), (3, 4)),
+    "mean dim 0": (lambda x: mean(x, 0), lambda x: x.mean(0), (4, 3)),
+    "mean dim -2 keepdim": (lambda x: mean(x, -2, keepdim=True), lambda x: x.mean(-2, keepdim=True), (2, 5, 3)),
+    "exp": (exp, torch.exp, (3, 4)),
+    "log": (lambda x: log(exp(x)), lambda x: torch.log(torch.exp(x)), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(REDUCTION_CASES))
+def test_module_reductions_exp_and_log_match_torch_autograd(case):
+    ours, theirs, shape = REDUCTION_CASES[case]
+    torch.manual_seed(0)
+    data = torch.randn(shape, dtype=torch.float64)
+    value, leaf = Value(data.clone()), data.clone().requires_grad_()
+    out, expected = ours(value), theirs(leaf)
+    assert out.shape == expected.shape, case
+    torch.testing.assert_close(out.data, expected.detach(), **TOLERANCE[torch.float64])
+    upstream = torch.randn_like(expected)
+    out.backward(upstream)
+    expected.backward(upstream)
+    torch.testing.assert_close(value.grad, leaf.grad, **TOLERANCE[torch.float64], msg=case)
+
+
+def test_reductions_name_a_bad_dim():
+    with pytest.raises(ValueError, match=r"dim 2 is out of range for shape \(3, 4\)"):
+        ag_sum(Value(torch.zeros(3, 4)), 2)
+    with pytest.raises(TypeError, match="dim must be an int or None"):
+        mean(Value(torch.zeros(3, 4)), (0, 1))
+
+
+def test_causal_softmax_with_more_queries_than_keys_gives_rows_of_zeros():
+    """Query i sits at position s - t + i: with t > s the first t - s queries see no key at all."""
+    torch.manual_seed(0)
+    x = Value(torch.randn(2, 6, 4, dtype=torch.float64))
+    probs = softmax(x, causal=True)
+    assert (probs.data[:, :2] == 0).all() and torch.isfinite(probs.data).all()
+    torch.testing.assert_close(probs.data[:, 2:].sum(-1), torch.ones(2, 4, dtype=torch.float64))
+    probs.backward(torch.randn(2, 6, 4, dtype=torch.float64))
+    assert (x.grad[:, :2] == 0).all() and torch.isfinite(x.grad).all()
+
+
+class _Node:
+    """A class with nothing but the contract's constructor and attributes: what a learner's Value has."""
+
+    def __init__(self, data, parents=(), backward_fn=None):
+        self.data, self.parents, self.backward_fn, self.grad = data, parents, backward_fn, None
+
+
+def test_plumbing_builds_nodes_of_any_class_with_the_contract_constructor():
+    plumbing = Plumbing(_Node)
+    x = _Node(torch.arange(24.0).reshape(2, 3, 4))
+    for node in (
+        plumbing.reshape(x, 6, 4),
+        plumbing.transpose(x, 0, 2),
+        plumbing.index(x, (..., slice(1, 3))),
+        plumbing.cat([x, x], dim=1),
+        plumbing.neg(x),
+        plumbing.silu(x),
+    ):
+        assert type(node) is _Node and node.parents[0] is x
+        shares = node.backward_fn(torch.ones_like(node.data))
+        assert all(share.shape == x.data.shape for share in shares)
+    with pytest.raises(TypeError, match="embedding"):
+        plumbing.index(x, torch.tensor([0]))
+
+
+def test_llama_loss_takes_anyones_ops_and_every_graded_op_but_exp_log_sum_mean_is_used():
+    from learner_style.autograd import namespace
+
+    from grading.checks.lab05.autograd_cases import torch_reference
+
+    model = _tiny_llama(torch.float64)
+    tokens, targets = _batch()
+    reference = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    reference.backward()
+    used = []
+
+    def counting(ops):
+        return {name: (fn if name == "Value" else _counted(name, fn, used)) for name, fn in ops.items()}
+
+    for ops in (namespace(), torch_reference(), library_ops()):
+        used.clear()
+        loss, params = llama_loss(model, tokens, targets, counting(ops))
+        loss.backward()
+        assert abs(float(loss.data) - reference.item()) < 1e-5  # the course model's norms and softmax run in fp32
+        for name, p in model.named_parameters(remove_duplicate=False):
+            assert float((params[name].grad - p.grad).abs().max()) <= 1e-5 * float(p.grad.abs().max()), name
+        assert set(used) == set(OP_NAMES) - {"Value", "exp", "log", "sum", "mean"}
+
+
+def _counted(name, fn, used):
+    def call(*args, **kwargs):
+        used.append(name)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def test_llama_loss_names_the_ops_it_lacks():
+    model = _tiny_llama()
+    tokens, targets = _batch()
+    ops = {name: fn for name, fn in library_ops().items() if name != "softmax"}
+    with pytest.raises(TypeError, match="ops lacks softmax"):
+        llama_loss(model, tokens, targets, ops)
+    assert list(library_ops()) == list(OP_NAMES)

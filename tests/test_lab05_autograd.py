@@ -43,16 +43,19 @@ def _for_task(namespace: dict, task: int) -> dict:
     return {name: namespace[name] for name in TASK_NAMES[task]}
 
 
+def _implementation(check_id: str, namespace: dict):
+    """What the lab's test cell passes to ``check_id``, taken from a whole namespace."""
+    if check_id in CHECKS:
+        return _for_task(namespace, CHECKS[check_id])
+    if check_id == "lab05.train_tiny":
+        return dict(namespace)
+    return namespace["adamw_update"]
+
+
 def _run(check_id: str, namespace: dict):
     """``check``'s failure message for one check of tasks 1 to 5 given a whole namespace, or None when it passes."""
-    if check_id in CHECKS:
-        implementation = _for_task(namespace, CHECKS[check_id])
-    elif check_id == "lab05.train_tiny":
-        implementation = dict(namespace)
-    else:
-        implementation = namespace["adamw_update"]
     try:
-        check(check_id, implementation)
+        check(check_id, _implementation(check_id, namespace))
     except AssertionError as failure:
         return str(failure)
     return None
@@ -459,3 +462,54 @@ def test_train_tiny_names_a_parameter_left_without_a_gradient():
 
     with pytest.raises(RuntimeError, match=r"parameter layers\.0\.input_layernorm\.weight \(32,\) holds \.grad None"):
         train_tiny(1, ops={**ops, "rms_norm": rms_norm_without_weight_share})
+
+
+def test_in_a_graded_kernel_the_course_engine_is_a_stub_and_the_training_check_runs_on_the_learners():
+    """Graded in the sandbox, the kernel sees the course's Value (the engine's reference) as a stub: llama_loss and
+    the plumbing must build the tiny Llama from the learner's names alone."""
+    import types
+    from pathlib import Path
+
+    from grading.hidden_reference import stub_source
+    from infra_lib.training import autograd
+    from infra_lib.training.scratch_train import tiny_setup
+
+    path = Path(autograd.__file__)
+    stubbed = types.ModuleType("stubbed_autograd")
+    source = stub_source(path.read_text(encoding="utf-8"), {"Value": None}, "lab05", "infra_lib.training.autograd")
+    exec(compile(source, str(path), "exec"), stubbed.__dict__)  # noqa: S102 (the course's own module, stubbed)
+    with pytest.raises(RuntimeError, match="it is not available while lab05 is graded"):
+        stubbed.Value(torch.zeros(2))
+    model, batches, _ = tiny_setup(4)
+    tokens, targets = next(batches)
+    loss, params = stubbed.llama_loss(model, tokens, targets, learner.namespace())
+    loss.backward()
+    expected, _ = autograd.llama_loss(model, tokens, targets)
+    assert type(loss) is learner.Value and float(loss.data) == pytest.approx(float(expected.data), rel=1e-12)
+    assert all(type(p) is learner.Value and p.grad is not None for p in params.values())
+
+
+def test_the_learners_checks_never_call_the_course_engine_or_update_and_the_course_ops_do():
+    """With the course's Value and adamw_update as the lab's reference shortcuts (what the call monitor watches
+    under the grader), driving a learner's namespace calls none of them; a course op is caught at once."""
+    from grading.call_monitor import CallMonitor
+    from grading.registry import get_check
+    from infra_lib.training.autograd import Value, add
+    from infra_lib.training.scratch_train import adamw_update
+
+    watched = [v for v in vars(Value).values() if callable(v) and hasattr(v, "__code__")] + [adamw_update]
+
+    def hits(run) -> list[str]:
+        monitor = CallMonitor(watched)
+        monitor.start()
+        try:
+            run()
+        finally:
+            monitor.stop()
+        return monitor.hits
+
+    for check_id in ALL_CHECKS:
+        registered = get_check(check_id)
+        implementation = _implementation(check_id, learner.namespace())
+        assert hits(lambda: registered.drive(implementation, registered.inputs(3))) == [], check_id
+    assert "Value" in hits(lambda: add(torch.ones(1), torch.ones(1)))[0]
