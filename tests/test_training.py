@@ -448,8 +448,8 @@ def test_run_torchrun_stops_every_process_of_a_run_that_hangs():
     from infra_lib.training.launcher import run_torchrun
 
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="did not finish within 12"):
-        run_torchrun(["--hang-rank", "0", "--fail-step", "1"], nproc=2, timeout_s=12)
+    with pytest.raises(WorkerError, match="did not finish within 8"):
+        run_torchrun(["--hang-rank", "0", "--fail-step", "1"], nproc=2, timeout_s=8)
     assert time.monotonic() - start < 60
     no_children_left()
     with pytest.raises(ValueError, match="nproc"):

@@ -174,10 +174,12 @@ class TorchrunResult:
         """torchrun's summary of the failure (its "Root Cause" block: rank, exit code, traceback), or the output's
         last lines when it printed none."""
         lines = self.output.splitlines()
-        start = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), None)
-        if start is None:
-            return "\n".join(lines[-30:])
-        return "\n".join(lines[start:])
+        starts = [
+            i
+            for i, line in enumerate(lines)
+            if line.startswith("torch.distributed.elastic") and "ChildFailedError" in line
+        ]
+        return "\n".join(lines[starts[-1] :] if starts else lines[-30:])
 
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
