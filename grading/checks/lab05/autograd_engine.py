@@ -282,10 +282,12 @@ def _compare_case(case: dict, got, expected) -> Mismatch | None:
             )
         return None
     for node, count in want["calls"].items():
-        if value["calls"].get(node, 0) != count:
+        ran = value["calls"].get(node, 0)
+        if ran != count:
             return Mismatch(
-                f"a backward_fn ran {value['calls'].get(node, 0)} times instead of {count}",
-                f"on {where}: the backward_fn of node '{node}' (the check counts its calls)",
+                f"a node's backward_fn ran {'more' if ran > count else 'fewer'} times than once per backward",
+                f"on {where}: the backward_fn of node '{node}' ran {ran} times instead of {count} (the check "
+                "counts its calls)",
                 hint=UNTOUCHED if count == 0 else ONCE,
             )
     for node, want_grad in want["grads"].items():
@@ -300,7 +302,9 @@ def _compare_case(case: dict, got, expected) -> Mismatch | None:
             )
         if grad is None:
             continue
-        problem = tensor_problem("backward", grad, want_grad, where, {}, f"the .grad of node '{node}' is wrong")
+        problem = tensor_problem(
+            "backward", grad, want_grad, f"{where}, node '{node}'", {}, "a node's .grad is wrong", noun="a node's .grad"
+        )
         if problem:
             return Mismatch(problem.what, problem.detail, hint=OWN_GRAD if value["aliased"] else hint)
     if value["changed"]:
