@@ -131,6 +131,15 @@ def ddp_mistake(name: str):
             DDP.finish(self)
 
         Mistaken.gradient_ready, Mistaken.finish = gradient_ready, finish
+    elif name == "waits in the hook":
+
+        def gradient_ready(self, param):
+            started = len(self.in_flight)
+            DDP.gradient_ready(self, param)
+            for _, _, handle in self.in_flight[started:]:
+                handle.wait()  # a synchronous all-reduce: right sums, nothing overlaps
+
+        Mistaken.gradient_ready = gradient_ready
     elif name == "summed, not averaged":
 
         def finish(self):
@@ -159,6 +168,7 @@ DDP_MISTAKES = {
     "launch before the last gradient": ("before its last gradient had arrived", ddp_checks._EARLY_HINT),
     "forward order": ("take the parameters in forward order", ddp_checks._ORDER_HINT),
     "all-reduce after the whole backward": ("after the whole backward", ddp_checks._AFTER_HINT),
+    "waits in the hook": ("waited for an all-reduce during backward", ddp_checks._WAIT_HINT),
     "summed, not averaged": ("the sum over the ranks, not the mean", ddp_checks._MEAN_HINT),
     "no reset after finish": ("did not start an all-reduce for every bucket", ddp_checks._RESET_HINT),
 }
@@ -365,3 +375,38 @@ def test_task9_a_wrong_adamw_update_is_named_as_task5():
     ns = answer_namespace(adamw_update=lambda p, g, m, v, step, lr, b1, b2, eps, wd: p.sub_(lr * g))
     text = check_fails("lab05.zero_step", step_pieces(ns))
     assert "your adamw_update (task 5)" in text
+
+
+def test_ddp_that_never_returns_is_stopped_with_its_ranks_named(monkeypatch):
+    import time
+
+    monkeypatch.setattr(ddp_checks, "RANK_TIMEOUT_S", 2.0)
+    DDP = answer_namespace()["DDP"]  # noqa: N806
+    before = threading.active_count()
+
+    class Spins(DDP):
+        def finish(self):
+            while True:
+                pass
+
+    text = check_fails("lab05.ddp", Spins)
+    assert "DDP did not finish" in text and "rank 0 in finish() at step 1" in text and "a loop that never ends" in text
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, "a rank thread still spins after the check"
+
+
+def test_zero_step_where_one_rank_skips_a_half_is_stopped_with_the_waiting_ranks_named(monkeypatch):
+    monkeypatch.setattr(zero_checks, "RANK_TIMEOUT_S", 2.0)
+    ns = answer_namespace()
+    ZeroAdamW = ns["ZeroAdamW"]  # noqa: N806
+
+    class RankZeroSkips(ZeroAdamW):
+        def step(self):
+            if self.comm.rank == 0:
+                return  # rank 0 never exchanges: its neighbours wait for it
+            ZeroAdamW.step(self)
+
+    text = check_fails("lab05.zero_step", {**step_pieces(ns), "ZeroAdamW": RankZeroSkips})
+    assert "did not finish" in text and "waiting in exchange" in text and "ranks [1]" in text, text

@@ -170,11 +170,12 @@ class _Rank:
 class _Handle:
     """The learner's view of a started all-reduce: ``wait()`` blocks until the sum is in, at most a few seconds."""
 
-    def __init__(self, inner, rank: _Rank, bucket: int):
-        self._inner, self._rank, self._bucket = inner, rank, bucket
+    def __init__(self, inner, rank: _Rank, bucket: int, events: list):
+        self._inner, self._rank, self._bucket, self._events = inner, rank, bucket, events
 
     def wait(self):
-        before, self._rank.phase = self._rank.phase, f"finish(), waiting for all-reduce number {self._bucket}"
+        self._events.append(["wait", self._bucket])
+        before, self._rank.phase = self._rank.phase, f"{self._rank.phase}, waiting for all-reduce number {self._bucket}"
         try:
             return self._inner.wait(WAIT_TIMEOUT_S)
         finally:
@@ -223,7 +224,7 @@ def _rank_run(DDP, case: dict, base, batches: list, rec: _Rank, comm) -> None:  
         if not isinstance(flat, torch.Tensor):
             raise TypeError(f"all_reduce_async takes one flat tensor, got a {type(flat).__name__}")
         events.append(["launch", flat.numel(), *fingerprint(flat)])
-        return _Handle(runner(flat), rec, sum(e[0] == "launch" for e in events) - 1)
+        return _Handle(runner(flat), rec, sum(e[0] == "launch" for e in events) - 1, events)
 
     try:
         ddp = DDP(model, all_reduce_async, world, case["bucket_bytes"])
@@ -253,7 +254,7 @@ def _rank_run(DDP, case: dict, base, batches: list, rec: _Rank, comm) -> None:  
             rec.steps[-1] = {"events": list(events)}
     finally:
         rec.done = True
-        runner.close(WAIT_TIMEOUT_S)
+        runner.close(0.2 if rec.error else WAIT_TIMEOUT_S)  # after an error its thread may wait for a rank that stopped
 
 
 def _single_process(base, batches: list) -> list:
@@ -384,6 +385,10 @@ _AFTER_HINT = (
     "the all-reduces start in finish(), after the whole backward: correct sums, but no overlap, the communication "
     "is all added to the step time. Start each bucket from the hook that completes it, during loss.backward()."
 )
+_WAIT_HINT = (
+    "a hook that waits for the all-reduce it started stops backward until the communication is over: nothing "
+    "overlaps. Start it and return; wait for every bucket in finish(), after backward."
+)
 _LATE_HINT = (
     "start a bucket from the very hook call that completes it (and, since buckets launch in list order, any "
     "following buckets that are already complete): waiting for a later gradient delays its communication."
@@ -501,6 +506,15 @@ def _launch_problem(
             continue
         if event[0] == "backward":
             backward_over = True
+            continue
+        if event[0] == "wait":
+            if not backward_over:
+                return Mismatch(
+                    "DDP waited for an all-reduce during backward",
+                    f"on {where}: all-reduce number {event[1]} was waited for in a hook, when {count} of the "
+                    "backward's gradients had arrived: backward stood still until it was done",
+                    hint=_WAIT_HINT,
+                )
             continue
         k = launched
         launched += 1
