@@ -127,3 +127,10 @@ def first_problem(got, expected, cases: list[dict], compare_case: Callable) -> M
         if problem:
             return problem
     return None
+
+
+@functools.cache
+def torch_reference_for(task: int) -> dict:
+    """``torch_reference()``'s names that task ``task``'s checks take (the reference of those checks)."""
+    every = torch_reference()
+    return {name: every[name] for name in TASK_NAMES[task]}

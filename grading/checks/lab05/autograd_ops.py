@@ -9,6 +9,7 @@ reference side runs the same driver on ``torch_reference()``: torch's forward an
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Callable
 
@@ -22,7 +23,7 @@ from grading.checks.lab05.autograd_cases import (
     first_problem,
     is_value,
     learner_names,
-    torch_reference,
+    torch_reference_for,
 )
 from grading.checks.lab05.pieces import NoTorchAutograd, randn, record, tensor_problem, tolerance_for, torch_equal
 from grading.registry import Check, Mismatch, register
@@ -161,8 +162,7 @@ def _run_case(ops: dict, case: dict) -> dict:
 
 def drive_ops(ops, cases: list[dict], check_id: str, task: int) -> list:
     """Each case's record (or the error it raised); torch.autograd refuses to run for a learner's ops."""
-    reference = torch_reference()
-    if ops is reference:
+    if ops is torch_reference_for(task):
         return [outcome(_run_case, ops, case) for case in cases]
     learner_names(ops, check_id, TASK_NAMES[task])
     with NoTorchAutograd():
@@ -339,9 +339,14 @@ def compare_ops(got, expected, cases: list[dict]) -> Mismatch | None:
     return first_problem(got, expected, cases, _compare_case)
 
 
-def ops_check(task: str, drive: Callable) -> dict:
+def ops_check(task: str, number: int, drive: Callable) -> dict:
     """What the checks of one ops task share: the task, torch as the reference, the driver and comparison."""
-    return {"task": task, "reference": torch_reference, "drive": drive, "compare": compare_ops}
+    return {
+        "task": task,
+        "reference": functools.partial(torch_reference_for, number),
+        "drive": drive,
+        "compare": compare_ops,
+    }
 
 
 # --- task 2: add, mul, exp, log -------------------------------------------------------------------
@@ -386,7 +391,7 @@ register(
     Check(
         check_id="lab05.elementwise",
         make_inputs=_elementwise_cases,
-        **ops_check(TASK_ELEMENTWISE, _drive_elementwise),
+        **ops_check(TASK_ELEMENTWISE, 2, _drive_elementwise),
         hint=_ELEMENTWISE_HINT,
     )
 )
@@ -394,7 +399,7 @@ register(
     Check(
         check_id="lab05.elementwise_edges",
         make_inputs=_elementwise_edges,
-        **ops_check(TASK_ELEMENTWISE, _drive_elementwise),
+        **ops_check(TASK_ELEMENTWISE, 2, _drive_elementwise),
         hint=_ELEMENTWISE_HINT + " Size-1 dims stretched on both sides, 0-d and [1] operands, float32, exp of "
         "large values.",
     )
@@ -445,7 +450,7 @@ register(
     Check(
         check_id="lab05.matmul_reductions",
         make_inputs=_reductions_cases,
-        **ops_check(TASK_REDUCTIONS, _drive_reductions),
+        **ops_check(TASK_REDUCTIONS, 3, _drive_reductions),
         hint=_REDUCTIONS_HINT,
     )
 )
@@ -453,7 +458,7 @@ register(
     Check(
         check_id="lab05.matmul_reductions_edges",
         make_inputs=_reductions_edges,
-        **ops_check(TASK_REDUCTIONS, _drive_reductions),
+        **ops_check(TASK_REDUCTIONS, 3, _drive_reductions),
         hint=_REDUCTIONS_HINT + " A weight [d, n] against [B, T, d], batch dims of size 1, keepdim, negative "
         "dims, 0-d values, float32.",
     )
@@ -522,7 +527,7 @@ register(
     Check(
         check_id="lab05.model_ops",
         make_inputs=_model_ops_cases,
-        **ops_check(TASK_MODEL_OPS, _drive_model_ops),
+        **ops_check(TASK_MODEL_OPS, 4, _drive_model_ops),
         hint=_MODEL_OPS_HINT,
     )
 )
@@ -530,7 +535,7 @@ register(
     Check(
         check_id="lab05.model_ops_edges",
         make_inputs=_model_ops_edges,
-        **ops_check(TASK_MODEL_OPS, _drive_model_ops),
+        **ops_check(TASK_MODEL_OPS, 4, _drive_model_ops),
         hint=_MODEL_OPS_HINT + " Fully masked rows (more queries than keys), fewer queries than keys, logits of "
         "the order of 1e4, eps larger than mean(x^2), d = 1, one id everywhere, a single position, float32.",
     )
