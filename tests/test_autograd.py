@@ -24,15 +24,16 @@ from infra_lib.training.autograd import (
     llama_loss,
     log,
     matmul,
-    mean,
     numeric_gradient,
+    reduce_mean,
+    reduce_sum,
     repeat_kv,
     rms_norm,
     silu,
     softmax,
+    training_loss,
     transpose,
 )
-from infra_lib.training.autograd import sum as ag_sum
 
 # float32: torch.testing's defaults for float32; float64: tight, only summation order differs.
 TOLERANCE = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -309,11 +310,17 @@ def test_llama_loss_and_every_gradient_match_the_course_model(variant):
 
 def test_llama_loss_gradient_matches_central_differences_in_float64():
     """A tight check of the whole graph: the directional derivative along a random direction."""
+    _assert_directional_derivative(lambda model, tokens, targets: llama_loss(model, tokens, targets), seed=2)
+
+
+def _assert_directional_derivative(loss_of, seed: int) -> None:
+    """``loss_of(model, tokens, targets) -> (loss, params)``'s gradient, along a random direction, equals the
+    central difference of its loss, on the float64 tiny Llama."""
     model = _tiny_llama(torch.float64)
     tokens, targets = _batch()
-    loss, params = llama_loss(model, tokens, targets)
+    loss, params = loss_of(model, tokens, targets)
     loss.backward()
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     direction = {name: torch.randn_like(p) for name, p in model.named_parameters()}
     predicted = sum(float((params[name].grad * d).sum()) for name, d in direction.items())
     eps = 1e-6
@@ -322,7 +329,7 @@ def test_llama_loss_gradient_matches_central_differences_in_float64():
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.add_(step * direction[name])
-            value = float(llama_loss(model, tokens, targets)[0].data)
+            value = float(loss_of(model, tokens, targets)[0].data)
             for name, p in model.named_parameters():
                 p.sub_(step * direction[name])
         return value
@@ -374,14 +381,20 @@ def test_other_misuse_raises_clear_errors():
 
 
 REDUCTION_CASES = {
-    "sum all": (lambda x: ag_sum(x), lambda x: x.sum(), (3, 4)),
-    "sum dim 1": (lambda x: ag_sum(x, 1), lambda x: x.sum(1), (3, 4, 5)),
-    "sum dim -1 keepdim": (lambda x: ag_sum(x, -1, keepdim=True), lambda x: x.sum(-1, keepdim=True), (3, 4)),
-    "sum all keepdim": (lambda x: ag_sum(x, None, True), lambda x: torch.sum(x, dim=None, keepdim=True), (2, 3)),
-    "sum of 0-d": (lambda x: ag_sum(x), lambda x: x.sum(), ()),
-    "mean all": (lambda x: mean(x), lambda x: x.mean(), (3, 4)),
-    "mean dim 0": (lambda x: mean(x, 0), lambda x: x.mean(0), (4, 3)),
-    "mean dim -2 keepdim": (lambda x: mean(x, -2, keepdim=True), lambda x: x.mean(-2, keepdim=True), (2, 5, 3)),
+    "sum all": (lambda x: reduce_sum(x), lambda x: x.sum(), (3, 4)),
+    "sum dim 1": (lambda x: reduce_sum(x, 1), lambda x: x.sum(1), (3, 4, 5)),
+    "sum dim -1 keepdim": (lambda x: reduce_sum(x, -1, keepdim=True), lambda x: x.sum(-1, keepdim=True), (3, 4)),
+    "sum all keepdim": (lambda x: reduce_sum(x, None, True), lambda x: torch.sum(x, dim=None, keepdim=True), (2, 3)),
+    "sum of 0-d": (lambda x: reduce_sum(x), lambda x: x.sum(), ()),
+    "mean all": (lambda x: reduce_mean(x), lambda x: x.mean(), (3, 4)),
+    "mean dim 0": (lambda x: reduce_mean(x, 0), lambda x: x.mean(0), (4, 3)),
+    "mean dim -2 keepdim": (
+        lambda x: reduce_mean(x, -2, keepdim=True),
+        lambda x: x.mean(-2, keepdim=True),
+        (2, 5, 3),
+    ),
+    "Value.sum method": (lambda x: x.sum(1, keepdim=True), lambda x: x.sum(1, keepdim=True), (3, 4)),
+    "Value.mean method": (lambda x: x.mean(), lambda x: x.mean(), (3, 4)),
     "exp": (exp, torch.exp, (3, 4)),
     "log": (lambda x: log(exp(x)), lambda x: torch.log(torch.exp(x)), (3, 4)),
 }
@@ -403,10 +416,22 @@ def test_module_reductions_exp_and_log_match_torch_autograd(case):
 
 
 def test_reductions_name_a_bad_dim():
-    with pytest.raises(ValueError, match=r"dim 2 is out of range for shape \(3, 4\)"):
-        ag_sum(Value(torch.zeros(3, 4)), 2)
-    with pytest.raises(TypeError, match="dim must be an int or None"):
-        mean(Value(torch.zeros(3, 4)), (0, 1))
+    with pytest.raises(ValueError, match=r"reduce_sum: dim 2 is out of range for shape \(3, 4\)"):
+        reduce_sum(Value(torch.zeros(3, 4)), 2)
+    with pytest.raises(TypeError, match="reduce_mean: dim must be an int or None"):
+        reduce_mean(Value(torch.zeros(3, 4)), (0, 1))
+
+
+def test_the_module_leaves_the_builtin_sum_and_no_mean_in_its_namespace():
+    """Lab 05's names are reduce_sum and reduce_mean: a global ``sum`` would hide Python's built-in for whoever
+    star-imports the module, or for every later cell of a notebook that defines it."""
+    from infra_lib.training import autograd
+
+    assert "sum" not in vars(autograd) and "mean" not in vars(autograd)
+    assert {"reduce_sum", "reduce_mean"} <= set(OP_NAMES) and not {"sum", "mean"} & set(OP_NAMES)
+    namespace: dict = {}
+    exec("from infra_lib.training.autograd import *", namespace)  # noqa: S102 (a fixed import line)
+    assert "sum" not in namespace and sum([1, 2]) == 3
 
 
 def test_causal_softmax_with_more_queries_than_keys_gives_rows_of_zeros():
@@ -445,7 +470,7 @@ def test_plumbing_builds_nodes_of_any_class_with_the_contract_constructor():
         plumbing.index(x, torch.tensor([0]))
 
 
-def test_llama_loss_takes_anyones_ops_and_every_graded_op_but_exp_log_sum_mean_is_used():
+def test_llama_loss_takes_anyones_ops_and_every_graded_op_but_exp_log_and_the_reductions_is_used():
     from learner_style.autograd import namespace
 
     from grading.checks.lab05.autograd_cases import torch_reference
@@ -466,7 +491,7 @@ def test_llama_loss_takes_anyones_ops_and_every_graded_op_but_exp_log_sum_mean_i
         assert abs(float(loss.data) - reference.item()) < 1e-5  # the course model's norms and softmax run in fp32
         for name, p in model.named_parameters(remove_duplicate=False):
             assert float((params[name].grad - p.grad).abs().max()) <= 1e-5 * float(p.grad.abs().max()), name
-        assert set(used) == set(OP_NAMES) - {"Value", "exp", "log", "sum", "mean"}
+        assert set(used) == set(OP_NAMES) - {"Value", "exp", "log", "reduce_sum", "reduce_mean"}
 
 
 def _counted(name, fn, used):
@@ -484,3 +509,51 @@ def test_llama_loss_names_the_ops_it_lacks():
     with pytest.raises(TypeError, match="ops lacks softmax"):
         llama_loss(model, tokens, targets, ops)
     assert list(library_ops()) == list(OP_NAMES)
+
+
+# --- training_loss: the cross-entropy plus PaLM's z-loss, on anyone's ops ----------------------------------
+
+
+def test_training_loss_adds_palms_z_loss_and_its_gradient_on_every_ops_mapping():
+    from learner_style.autograd import namespace
+
+    from grading.checks.lab05.autograd_cases import torch_reference
+    from infra_lib.training.scratch_train import torch_llama_logits, torch_training_loss
+
+    model = _tiny_llama(torch.float64).requires_grad_(True)
+    tokens, targets = _batch()
+    reference = torch_training_loss(model, tokens, targets, 1e-2)  # a coefficient large enough to see in the loss
+    reference.backward()
+    plain = float(llama_loss(model, tokens, targets)[0].data)
+    with torch.no_grad():
+        z = torch_llama_logits(model, tokens).exp().sum(-1).log()  # log Z of each position, [2, 7]
+    assert z.shape == targets.shape
+    assert abs(reference.item() - plain - 1e-2 * float((z * z).mean())) <= 1e-12 * reference.item()
+    used = []
+    for ops in (namespace(), torch_reference(), library_ops()):
+        used.clear()
+        counted = {name: (fn if name == "Value" else _counted(name, fn, used)) for name, fn in ops.items()}
+        loss, params = training_loss(model, tokens, targets, counted, z_loss=1e-2)
+        loss.backward()
+        assert loss.data.shape == () and abs(float(loss.data) - reference.item()) <= 1e-12 * reference.item()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            error = float((params[name].grad - p.grad).abs().max())
+            assert error <= 1e-10 * float(p.grad.abs().max()), name
+        assert set(used) == set(OP_NAMES) - {"Value"}  # the z-loss brings exp, log and the reductions in
+        assert used[-8:] == ["cross_entropy", "exp", "reduce_sum", "log", "mul", "reduce_mean", "mul", "add"]
+
+
+def test_training_loss_gradient_matches_central_differences_and_zero_gives_llama_loss():
+    _assert_directional_derivative(lambda model, tokens, targets: training_loss(model, tokens, targets, z_loss=0.5), 3)
+    model = _tiny_llama(torch.float64)
+    tokens, targets = _batch()
+    plain, _ = llama_loss(model, tokens, targets)
+    assert float(training_loss(model, tokens, targets, z_loss=0)[0].data) == float(plain.data)
+    assert float(training_loss(model, tokens, targets, z_loss=0.5)[0].data) > float(plain.data)
+
+
+@pytest.mark.parametrize("bad", [-1e-4, float("nan"), float("inf"), "1e-4", True])
+def test_training_loss_refuses_a_bad_coefficient(bad):
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="z_loss must be a finite number >= 0"):
+        training_loss(model, *_batch(), z_loss=bad)

@@ -6,16 +6,17 @@ visits the nodes from the output back to the inputs (reverse topological order),
 received every share before it passes its own gradient on; a Value used twice gets the sum.
 
     x, w = Value(torch.randn(3, 4)), Value(torch.randn(4, 2))
-    loss = sum(silu(matmul(x, w)))
+    loss = reduce_sum(silu(matmul(x, w)))
     loss.backward()  # x.grad [3, 4], w.grad [4, 2]
 
 This module is lab 05's contract, written out: ``Value(data, parents, backward_fn)`` and its
-``backward``, the graded ops (``add``, ``mul``, ``exp``, ``log``, ``matmul``, ``sum``, ``mean``,
+``backward``, the graded ops (``add``, ``mul``, ``exp``, ``log``, ``matmul``, ``reduce_sum``, ``reduce_mean``,
 ``softmax``, ``rms_norm``, ``embedding``, ``cross_entropy``; ``OP_NAMES``), and the course-given
 ``Plumbing`` (reshape, transpose, slicing, cat, neg, silu, repeat_kv), which uses nothing but the
 contract's constructor and so builds graphs of any class that has it. ``llama_loss`` runs the course's
 ``Llama`` on a mapping of those names: the library's own, or anyone's, so that a whole model's
-gradients can be compared with ``torch.autograd``'s (``numeric_gradient`` checks any op on its own).
+gradients can be compared with ``torch.autograd``'s (``numeric_gradient`` checks any op on its own);
+``training_loss`` adds PaLM's z-loss to it, the objective lab 05's training minimises.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ OP_NAMES = (
     "exp",
     "log",
     "matmul",
-    "sum",
-    "mean",
+    "reduce_sum",
+    "reduce_mean",
     "softmax",
     "rms_norm",
     "embedding",
@@ -132,10 +133,10 @@ class Value:
                 pending[id(parent)] = pending[id(parent)] + share if id(parent) in pending else share
 
     def sum(self, dim: int | None = None, keepdim: bool = False) -> Value:
-        return sum(self, dim, keepdim)
+        return reduce_sum(self, dim, keepdim)
 
     def mean(self, dim: int | None = None, keepdim: bool = False) -> Value:
-        return mean(self, dim, keepdim)
+        return reduce_mean(self, dim, keepdim)
 
     def exp(self) -> Value:
         return exp(self)
@@ -325,19 +326,22 @@ def _spread(grad: torch.Tensor, x: Value, dim: int | None, keepdim: bool) -> tor
     return grad.expand(x.shape)
 
 
-def sum(x, dim: int | None = None, keepdim: bool = False) -> Value:
-    """The sum over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's."""
+def reduce_sum(x, dim: int | None = None, keepdim: bool = False) -> Value:
+    """The sum over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's (``Value.sum``).
+
+    Not named ``sum``: a module-level ``sum`` would hide Python's built-in wherever it is imported with ``*``
+    or defined in a notebook."""
     x = _as_value(x)
-    dim = _reduced_dim(x, dim, "sum")
+    dim = _reduced_dim(x, dim, "reduce_sum")
     return Value(
         torch.sum(x.data, dim=dim, keepdim=keepdim), (x,), lambda grad: (_spread(grad, x, dim, keepdim),), "sum"
     )
 
 
-def mean(x, dim: int | None = None, keepdim: bool = False) -> Value:
-    """The mean over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's."""
+def reduce_mean(x, dim: int | None = None, keepdim: bool = False) -> Value:
+    """The mean over ``dim`` (None: every element, a 0-d Value), ``keepdim`` as torch's (``Value.mean``)."""
     x = _as_value(x)
-    dim = _reduced_dim(x, dim, "mean")
+    dim = _reduced_dim(x, dim, "reduce_mean")
     count = x.data.numel() if dim is None or x.data.dim() == 0 else x.shape[dim]
     return Value(
         torch.mean(x.data, dim=dim, keepdim=keepdim),
@@ -653,8 +657,9 @@ def llama_loss(
     """The forward of ``model`` (no cache) and its next-token cross-entropy, built from Values.
 
     The loss equals ``F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())``. The graph uses
-    only ``ops`` (every graded op but exp, log, sum and mean) and ``Plumbing(ops["Value"])``; constants
-    (RoPE's cos and sin, the attention scale) enter as ``ops["Value"](tensor)``.
+    only ``ops`` (every graded op but exp, log, reduce_sum and reduce_mean) and ``Plumbing(ops["Value"])``;
+    constants (RoPE's cos and sin, the attention scale) enter as ``ops["Value"](tensor)``. ``training_loss``
+    adds the z-loss that training minimises.
 
     Args:
         model: an ``infra_lib.model.Llama``; read, never changed.
@@ -667,6 +672,46 @@ def llama_loss(
         (loss, params): the 0-d loss, and a Value per name of ``model.named_parameters(remove_duplicate=False)``
         whose ``.grad`` ``loss.backward()`` fills. A tied table is one Value under both names.
     """
+    ops, logits, params = _llama_logits(model, tokens, targets, ops)
+    return ops["cross_entropy"](logits, targets), params
+
+
+def training_loss(
+    model: Llama, tokens: torch.Tensor, targets: torch.Tensor, ops: Mapping | None = None, z_loss: float = 1e-4
+) -> tuple[Value, dict[str, Value]]:
+    """``llama_loss``'s cross-entropy plus PaLM's auxiliary z-loss, built from Values: what ``train_tiny`` minimises.
+
+    ``z = log(reduce_sum(exp(logits), dim=-1))`` is the log of each position's softmax normaliser Z, and the
+    loss is ``cross_entropy + z_loss * reduce_mean(z * z)`` (Chowdhery et al., *PaLM*, 2022, section 5:
+    ``1e-4 * log^2 Z``). The term pulls log Z towards 0, the normaliser towards 1, so that the logits cannot
+    drift upwards together; PaLM added it because it made training more stable. It makes the graph use exp, log,
+    reduce_sum and reduce_mean (and mul of a node with itself), which the plain cross-entropy does not. The
+    coefficient enters as ``ops["Value"](tensor)``, a constant.
+
+    ``exp`` of the raw logits is fine for the course's small models, whose logits are small; a model with
+    large logits would subtract each row's maximum first (log Z = max + log sum exp(logits - max)), as
+    ``cross_entropy`` does.
+
+    Args:
+        model, tokens, targets, ops: as ``llama_loss``'s.
+        z_loss: the coefficient, a finite number >= 0; 0 gives ``llama_loss``'s loss and graph.
+
+    Returns:
+        (loss, params), as ``llama_loss``'s.
+    """
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not 0 <= z_loss < math.inf:
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    ops, logits, params = _llama_logits(model, tokens, targets, ops)
+    loss = ops["cross_entropy"](logits, targets)
+    if z_loss == 0:
+        return loss, params
+    z = ops["log"](ops["reduce_sum"](ops["exp"](logits), dim=-1))  # [batch, t]: log Z of each position
+    coefficient = ops["Value"](torch.tensor(float(z_loss), dtype=logits.data.dtype))
+    return ops["add"](loss, ops["mul"](coefficient, ops["reduce_mean"](ops["mul"](z, z)))), params
+
+
+def _llama_logits(model: Llama, tokens: torch.Tensor, targets: torch.Tensor, ops: Mapping | None):
+    """(ops, logits ``[batch, t, vocab]``, params) of ``model`` on ``tokens``, for ``llama_loss``."""
     ops = library_ops() if ops is None else _contract_ops(ops)
     config = model.config
     if tokens.dim() != 2 or targets.shape != tokens.shape:
@@ -688,8 +733,7 @@ def llama_loss(
         h = ops["rms_norm"](x, params[layer + "post_attention_layernorm.weight"], config.rms_norm_eps)
         x = ops["add"](x, graph.mlp(h, layer + "mlp."))
     x = ops["rms_norm"](x, params["norm.weight"], config.rms_norm_eps)
-    logits = graph.linear(x, "lm_head")  # [batch, t, vocab]
-    return ops["cross_entropy"](logits, targets), params
+    return ops, graph.linear(x, "lm_head"), params
 
 
 class _LlamaGraph:

@@ -4,7 +4,8 @@ model trained by ``torch.autograd`` and ``torch.optim.AdamW``.
 
 ``train_tiny`` takes the ops (``llama_loss``'s mapping) and the optimizer as arguments, so any piece can
 be swapped for another's; ``train_tiny_torch`` is the same run through torch's own machinery (same
-model, same batches), so the two loss curves can be compared step by step.
+model, same batches), so the two loss curves can be compared step by step. Both minimise the next-token
+cross-entropy plus PaLM's z-loss (``training_loss``), so that every graded op of the contract is in the graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from infra_lib.model import Llama
 from infra_lib.model.attention import causal_mask, repeat_kv
 from infra_lib.model.model import apply_rope
-from infra_lib.training.autograd import llama_loss
+from infra_lib.training.autograd import training_loss
 from infra_lib.training.train_step import text_batches, text_tokens, tiny_config, tiny_model
 
 
@@ -61,8 +62,9 @@ Update = Callable[..., None]
 
 @dataclass(frozen=True)
 class TinySettings:
-    """The tiny run: a byte-level Llama (vocabulary 256, width 32, two layers, heads of 16), its batches
-    and AdamW's hyper-parameters. float64 by default, so that two correct implementations agree to rounding."""
+    """The tiny run: a byte-level Llama (vocabulary 256, width 32, two layers, heads of 16), its batches,
+    the z-loss coefficient of its objective and AdamW's hyper-parameters. float64 by default, so that two
+    correct implementations agree to rounding."""
 
     vocab_size: int = 256
     hidden_size: int = 32
@@ -73,6 +75,7 @@ class TinySettings:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    z_loss: float = 1e-4
     dtype: torch.dtype = torch.float64
 
 
@@ -110,9 +113,10 @@ def train_tiny(
     first_grads: dict | None = None,
     **settings,
 ) -> list[float]:
-    """Train the tiny Llama for ``steps`` steps with ``llama_loss(..., ops)`` and ``adamw``; the losses.
+    """Train the tiny Llama for ``steps`` steps with ``training_loss(..., ops)`` and ``adamw``; the losses.
 
-    Each step: the loss of a batch, ``backward()`` on it, then ``adamw(param, grad, exp_avg, exp_avg_sq,
+    Each step: the loss of a batch (the cross-entropy plus ``settings.z_loss`` times the mean of log^2 Z,
+    PaLM's z-loss), ``backward()`` on it, then ``adamw(param, grad, exp_avg, exp_avg_sq,
     step, lr, beta1, beta2, eps, weight_decay)`` on every parameter (a tied table once), step counted from 1.
     No ``torch.autograd`` and no ``torch.optim``: the ops' own backward makes every gradient.
 
@@ -134,7 +138,7 @@ def train_tiny(
     losses = []
     for step in range(1, steps + 1):
         tokens, targets = next(batches)
-        loss, values = llama_loss(model, tokens, targets, ops)
+        loss, values = training_loss(model, tokens, targets, ops, run.z_loss)
         loss.backward()
         losses.append(float(loss.data))
         grads = {name: values[name].grad for name in named}
@@ -155,7 +159,8 @@ def train_tiny(
 def train_tiny_torch(
     steps: int, *, seed: int = 0, grad_norms: list | None = None, first_grads: dict | None = None, **settings
 ) -> list[float]:
-    """``train_tiny``'s run through torch: the model's own forward, ``torch.autograd`` and
+    """``train_tiny``'s run through torch: the model's own forward, the same objective
+    (``torch_training_loss``: cross-entropy plus the z-loss), ``torch.autograd`` and
     ``torch.optim.AdamW(foreach=False)``, on the same model and batches; the losses.
 
     Args:
@@ -170,7 +175,7 @@ def train_tiny_torch(
     losses = []
     for step in range(1, steps + 1):
         tokens, targets = next(batches)
-        loss = torch_llama_loss(model, tokens, targets)
+        loss = torch_training_loss(model, tokens, targets, run.z_loss)
         optimizer.zero_grad()
         loss.backward()
         losses.append(float(loss.detach()))
@@ -179,14 +184,23 @@ def train_tiny_torch(
     return losses
 
 
-def torch_llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The next-token cross-entropy of ``model`` (no cache) in plain torch, every step in the model's dtype.
+def torch_training_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """``training_loss`` in plain torch: the next-token cross-entropy plus ``z_loss`` times the mean over
+    positions of log^2 Z (``torch.logsumexp``, which subtracts each row's maximum: safe for logits of any size);
+    ``z_loss=0``: the cross-entropy alone."""
+    logits = torch_llama_logits(model, tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return loss + z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean() if z_loss else loss
+
+
+def torch_llama_logits(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits ``[batch, t, vocab]`` of ``model`` (no cache) in plain torch, every step in the model's dtype.
 
     The course's ``Llama`` computes its norms and softmax in float32 (for bf16 weights); a float64 run
     compared with a float64 autograd must not round to float32 anywhere, so this is its forward with
     those two steps kept in the model's dtype.
     """
-    config, f = model.config, torch.nn.functional
+    config = model.config
     t = tokens.shape[1]
     cos, sin = model.rope_cos[:t], model.rope_sin[:t]
 
@@ -203,8 +217,7 @@ def torch_llama_loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) 
         out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(2)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(norm(x, layer.post_attention_layernorm))
-    logits = model.lm_head(norm(x, model.norm))
-    return f.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return model.lm_head(norm(x, model.norm))
 
 
 def _note_gradients(step: int, grads: dict, grad_norms: list | None, first_grads: dict | None) -> None:

@@ -99,12 +99,12 @@ def _back_to(g, x, dim, keepdim):
     return g.expand_as(x.data).clone()
 
 
-def sum(x, dim=None, keepdim=False):
+def reduce_sum(x, dim=None, keepdim=False):
     out = x.data.sum() if dim is None and not keepdim else torch.sum(x.data, dim=dim, keepdim=keepdim)
     return Value(out, (x,), lambda g: (_back_to(g, x, dim, keepdim),))
 
 
-def mean(x, dim=None, keepdim=False):
+def reduce_mean(x, dim=None, keepdim=False):
     count = x.data.numel() if dim is None or x.data.dim() == 0 else x.data.shape[dim]
     out = torch.mean(x.data, dim=dim, keepdim=keepdim) if dim is not None or keepdim else x.data.mean()
     return Value(out, (x,), lambda g: (_back_to(g, x, dim, keepdim) / count,))
@@ -178,20 +178,8 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
     param.sub_(lr * m_hat / (torch.sqrt(v_hat) + eps))
 
 
-NAMES = (
-    "Value",
-    "add",
-    "mul",
-    "exp",
-    "log",
-    "matmul",
-    "sum",
-    "mean",
-    "softmax",
-    "rms_norm",
-    "embedding",
-    "cross_entropy",
-    "adamw_update",
+NAMES = tuple(
+    "Value add mul exp log matmul reduce_sum reduce_mean softmax rms_norm embedding cross_entropy adamw_update".split()
 )
 
 

@@ -17,14 +17,14 @@ from grading.registry import Mismatch
 
 TASK_ENGINE = "lab05 task 1: Value"
 TASK_ELEMENTWISE = "lab05 task 2: add, mul, exp, log"
-TASK_REDUCTIONS = "lab05 task 3: matmul, sum, mean"
+TASK_REDUCTIONS = "lab05 task 3: matmul, reduce_sum, reduce_mean"
 TASK_MODEL_OPS = "lab05 task 4: softmax, rms_norm, embedding, cross_entropy"
 
 # the names each task's check takes, in the order the text lists them
 TASK_NAMES = {
     1: ("Value",),
     2: ("Value", "add", "mul", "exp", "log"),
-    3: ("Value", "matmul", "sum", "mean"),
+    3: ("Value", "matmul", "reduce_sum", "reduce_mean"),
     4: ("Value", "softmax", "rms_norm", "embedding", "cross_entropy"),
 }
 # which task writes each name (adamw_update: task 5)
@@ -109,8 +109,8 @@ def torch_reference() -> dict:
         "exp": op(torch.exp, (0,)),
         "log": op(torch.log, (0,)),
         "matmul": op(torch.matmul, (0, 1)),
-        "sum": op(lambda x, dim=None, keepdim=False: torch.sum(x, dim=dim, keepdim=keepdim), (0,)),
-        "mean": op(lambda x, dim=None, keepdim=False: torch.mean(x, dim=dim, keepdim=keepdim), (0,)),
+        "reduce_sum": op(lambda x, dim=None, keepdim=False: torch.sum(x, dim=dim, keepdim=keepdim), (0,)),
+        "reduce_mean": op(lambda x, dim=None, keepdim=False: torch.mean(x, dim=dim, keepdim=keepdim), (0,)),
         "softmax": op(softmax, (0,)),
         "rms_norm": op(rms_norm, (0, 1)),
         "embedding": op(F.embedding, (1,)),

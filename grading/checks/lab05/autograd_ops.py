@@ -35,8 +35,8 @@ ARGUMENTS = {
     "exp": ("x",),
     "log": ("x",),
     "matmul": ("a", "b"),
-    "sum": ("x",),
-    "mean": ("x",),
+    "reduce_sum": ("x",),
+    "reduce_mean": ("x",),
     "softmax": ("x",),
     "rms_norm": ("x", "weight"),
     "embedding": ("table",),
@@ -51,6 +51,14 @@ REDUCTION = (
     "a reduction gathers every element of the reduced dims into one output: that output's gradient reaches "
     "every element it gathered, so the share is put back along the reduced dims, to the input's shape "
     "(keepdim decides whether the reduced dim is still there in the output)"
+)
+EXP = (
+    "e to the x changes at the rate e to the x itself: each element's share scales the incoming gradient by "
+    "the op's own output at that element (not by x, nor by one)"
+)
+LOG = (
+    "the natural log changes at the rate of the reciprocal of its input: each element's share is the incoming "
+    "gradient divided by that element of x, so small inputs get large shares"
 )
 MEAN = "a mean divides the sum by the number of elements it averages, and each element's share carries that division"
 ROW = (
@@ -184,7 +192,11 @@ def _variants(case: dict, want: dict) -> dict[int, list]:
     inputs = _float64_inputs(case)
     grad = randn(case["seed"] + 100, want["output"]["shape"], case["dtype"]).double()
     share = [torch.tensor(s["values"], dtype=torch.float64) if s else None for s in want["shares"]]
-    if op == "mean":
+    if op == "exp":
+        return {0: [(EXP, grad.numpy()), (EXP, (grad * inputs[0]).numpy())]}
+    if op == "log":
+        return {0: [(LOG, (grad * inputs[0]).numpy()), (LOG, grad.numpy())]}
+    if op == "reduce_mean":
         x, dim = inputs[0], kwargs.get("dim")
         count = x.numel() if dim is None or x.dim() == 0 else x.shape[dim]
         return {0: [(MEAN, (share[0] * count).numpy())]}
@@ -204,7 +216,7 @@ def _shape_hint(case: dict, parent: int) -> str:
     op = case["op"]
     if op in ("add", "mul", "matmul"):
         return BROADCAST
-    if op in ("sum", "mean"):
+    if op in ("reduce_sum", "reduce_mean"):
         return REDUCTION
     if op == "rms_norm" and parent == 1:
         return WEIGHT
@@ -255,7 +267,9 @@ def _compare_case(case: dict, got, expected) -> Mismatch | None:
 
     (kind, value), (_, want) = unwrap(got), unwrap(expected)
     op, where = case["op"], _describe(case)
-    shaped = _shape_hint(case, 0) if op in ("sum", "mean") and case["kwargs"].get("dim") is not None else ""
+    shaped = (
+        _shape_hint(case, 0) if op in ("reduce_sum", "reduce_mean") and case["kwargs"].get("dim") is not None else ""
+    )
     if kind == "raised":
         return Mismatch(f"{op} raised an exception", f"on {where}: your code raised {value}", hint=shaped)
     if kind != "value" or type(value) is not dict:
@@ -406,18 +420,18 @@ register(
 )
 
 
-# --- task 3: matmul, sum, mean --------------------------------------------------------------------
+# --- task 3: matmul, reduce_sum, reduce_mean ------------------------------------------------------
 
 
 def _reductions_cases(rng: random.Random) -> list[dict]:
-    n, k, m = rng.randint(2, 4), rng.randint(4, 6), rng.randint(2, 5)  # k != 3: sum's middle dim differs
+    n, k, m = rng.randint(2, 4), rng.randint(4, 6), rng.randint(2, 5)  # k != 3: reduce_sum's middle dim differs
     return [
         _case(rng, "matmul", "two matrices", [_value([n, k]), _value([k, m])]),
         _case(rng, "matmul", "attention scores per head", [_value([2, 3, n, k]), _value([2, 3, k, n])]),
-        _case(rng, "sum", "every element", [_value([3, k])]),
-        _case(rng, "sum", "over a middle dim", [_value([3, k, m])], dim=1),
-        _case(rng, "mean", "every element", [_value([n, k])]),
-        _case(rng, "mean", "over the first dim", [_value([4, 3])], dtype="float32", dim=0),
+        _case(rng, "reduce_sum", "every element", [_value([3, k])]),
+        _case(rng, "reduce_sum", "over a middle dim", [_value([3, k, m])], dim=1),
+        _case(rng, "reduce_mean", "every element", [_value([n, k])]),
+        _case(rng, "reduce_mean", "over the first dim", [_value([4, 3])], dtype="float32", dim=0),
     ]
 
 
@@ -427,12 +441,12 @@ def _reductions_edges(rng: random.Random) -> list[dict]:
         _case(rng, "matmul", "a weight [d, n] against a batch [B, T, d]", [_value([2, 3, d]), _value([d, n])]),
         _case(rng, "matmul", "batch dims of size 1 stretched", [_value([1, 3, d]), _value([2, d, n])]),
         _case(rng, "matmul", "batch dims broadcast both ways", [_value([2, 1, 3, d]), _value([4, d, 2])], "float32"),
-        _case(rng, "sum", "the last dim, keepdim", [_value([3, 4, 5])], dim=-1, keepdim=True),
-        _case(rng, "sum", "a negative dim", [_value([4, 4, 2])], dim=-2),
-        _case(rng, "sum", "a 0-d value", [_value([])]),
-        _case(rng, "mean", "the last dim", [_value([2, 3, d])], dim=-1),
-        _case(rng, "mean", "a middle dim, keepdim", [_value([2, 5, 3])], dtype="float32", dim=1, keepdim=True),
-        _case(rng, "mean", "every element, keepdim", [_value([3, 4])], dim=None, keepdim=True),
+        _case(rng, "reduce_sum", "the last dim, keepdim", [_value([3, 4, 5])], dim=-1, keepdim=True),
+        _case(rng, "reduce_sum", "a negative dim", [_value([4, 4, 2])], dim=-2),
+        _case(rng, "reduce_sum", "a 0-d value", [_value([])]),
+        _case(rng, "reduce_mean", "the last dim", [_value([2, 3, d])], dim=-1),
+        _case(rng, "reduce_mean", "a middle dim, keepdim", [_value([2, 5, 3])], dtype="float32", dim=1, keepdim=True),
+        _case(rng, "reduce_mean", "every element, keepdim", [_value([3, 4])], dim=None, keepdim=True),
     ]
 
 

@@ -1,12 +1,14 @@
 """The last check of task 5: the learner's engine, ops and AdamW (tasks 1 to 5) train the course's tiny Llama
-through ``llama_loss``, next to the same model trained by torch.autograd and ``torch.optim.AdamW``.
+through ``training_loss`` (the next-token cross-entropy plus PaLM's z-loss, so that every graded op is in the
+graph), next to the same model trained by torch.autograd and ``torch.optim.AdamW``.
 
-The losses must agree at every step and the first step's gradients tensor by tensor. Where they do not, the
-first step says which task to look at: every call of a graded op is watched during that step (its output,
-the gradient that reached it, the shares it returned, how often its backward_fn ran), and the reference runs
-the same graph with torch's ops; the first op whose output differs, or the last one whose shares differ for
-the same incoming gradient, is the one to fix, and a gradient that differs where every op agreed is the
-engine's.
+The losses must agree at every step and the first step's gradients tensor by tensor. Every call of a graded op
+is watched during the first step (its output, the gradient that reached it, the shares it returned, how often
+its backward_fn ran), and the reference runs the same graph with torch's ops; each must agree too, since a
+wrong share of the small z-loss term can move the parameters' gradients by less than the tolerance. Where
+anything differs, the first step says which task to look at: the first op whose output differs, or the last
+one whose shares differ for the same incoming gradient, is the one to fix, and a gradient that differs where
+every op agreed is the engine's.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import math
 import random
 
 from grading.checks.common import is_number
-from grading.checks.lab05.autograd_cases import TASK_OF, is_value, learner_names, torch_reference
+from grading.checks.lab05.autograd_cases import TASK_NAMES, TASK_OF, is_value, learner_names, torch_reference
 from grading.checks.lab05.pieces import NoTorchAdam, NoTorchAutograd
 from grading.checks.lab05.task6_adamw_update import TASK
 from grading.registry import Check, Mismatch, register
 
 TRAIN_STEPS = 20
-OPS = ("add", "mul", "exp", "log", "matmul", "sum", "mean", "softmax", "rms_norm", "embedding", "cross_entropy")
+OPS = tuple(name for task in (2, 3, 4) for name in TASK_NAMES[task] if name != "Value")  # the graded ops
 NAMES = ("Value", *OPS, "adamw_update")
 # what each op's Value arguments are called, in order (the parents of its Value)
 PARENTS = {
@@ -63,7 +65,7 @@ def _named_call(what: str, task: int, fn, *args, **kwargs):
 
 
 class _Watch:
-    """The graded ops of a namespace, wrapped for ``llama_loss``: an error names its op and task, every share
+    """The graded ops of a namespace, wrapped for ``training_loss``: an error names its op and task, every share
     must have its parent's shape, and during the first step each call is recorded as fingerprints."""
 
     def __init__(self, namespace: dict):
@@ -163,12 +165,12 @@ def _drive_training(namespace, case: dict) -> dict:
 
     first: dict = {}
     if namespace is torch_training():
-        from infra_lib.training.autograd import llama_loss
+        from infra_lib.training.autograd import training_loss
         from infra_lib.training.scratch_train import tiny_setup
 
-        model, batches, _ = tiny_setup(case["seed"])
+        model, batches, run = tiny_setup(case["seed"])
         watch = _Watch(torch_reference())
-        loss, _ = llama_loss(model, *next(batches), watch.mapping())
+        loss, _ = training_loss(model, *next(batches), watch.mapping(), run.z_loss)
         loss.backward()
         losses = train_tiny_torch(case["steps"], seed=case["seed"], first_grads=first)
     else:
@@ -213,35 +215,50 @@ def _which_call(row: dict) -> str:
     return f"your {row['op']} (call {row['nth']} of {row['of']} in the model's forward)"
 
 
-def _blame(got: dict, want: dict, grads_differ: bool) -> str:
-    """Which task the first step points at, from the watched op calls (the weights are torch's there)."""
+def _agree(got, want) -> bool:
+    """Two recorded fingerprints agree, or neither was recorded (a backward_fn that never ran on either side)."""
+    return (got is None and want is None) or _same(got, want)
+
+
+def _op_blame(got: dict, want: dict) -> str | None:
+    """Which op or task the first step's watched calls point at (the weights are torch's there); None when every
+    call agrees with torch's."""
     rows, expected = got.get("calls") or [], want["calls"]
-    if len(rows) == len(expected) and all(r["op"] == e["op"] for r, e in zip(rows, expected)):
-        for row, want_row in zip(rows, expected):
-            if not _same(row["out"], want_row["out"]):
+    if len(rows) != len(expected) or not all(r["op"] == e["op"] for r, e in zip(rows, expected)):
+        return None
+    for row, want_row in zip(rows, expected):
+        if not _same(row["out"], want_row["out"]):
+            return (
+                f"on the first step the output of {_which_call(row)} already differs from torch's, all the ops "
+                f"before it agreeing: {row['op']} is task {TASK_OF[row['op']]}, whose checks say which case"
+            )
+    for row, want_row in zip(reversed(rows), reversed(expected)):
+        if row["calls"] != want_row["calls"]:
+            return (
+                f"on the first step your engine called the backward_fn of {_which_call(row)} {row['calls']} "
+                f"times: task 1, a node passes its gradient on once, after every share has arrived"
+            )
+        if not _agree(row["grad_in"], want_row["grad_in"]):
+            return (
+                f"on the first step the gradient that reached {_which_call(row)} differs from torch's, though "
+                "every op after it returned torch's shares: task 1, the engine's sums"
+            )
+        for i, (share, want_share) in enumerate(zip(row["shares"], want_row["shares"])):
+            if want_share is not None and (share is None or not _same(share, want_share)):
+                name = PARENTS.get(row["op"], ("x",))[i]
                 return (
-                    f"on the first step the output of {_which_call(row)} already differs from torch's, all the ops "
-                    f"before it agreeing: {row['op']} is task {TASK_OF[row['op']]}, whose checks say which case"
+                    f"on the first step {_which_call(row)} returned another share for {name} than torch's "
+                    f"from the same incoming gradient: {row['op']} is task {TASK_OF[row['op']]}, whose "
+                    "checks say which case"
                 )
-        for row, want_row in zip(reversed(rows), reversed(expected)):
-            if row["calls"] != want_row["calls"]:
-                return (
-                    f"on the first step your engine called the backward_fn of {_which_call(row)} {row['calls']} "
-                    f"times: task 1, a node passes its gradient on once, after every share has arrived"
-                )
-            if not _same(row["grad_in"], want_row["grad_in"]):
-                return (
-                    f"on the first step the gradient that reached {_which_call(row)} differs from torch's, though "
-                    "every op after it returned torch's shares: task 1, the engine's sums"
-                )
-            for i, (share, want_share) in enumerate(zip(row["shares"], want_row["shares"])):
-                if want_share is not None and (share is None or not _same(share, want_share)):
-                    name = PARENTS.get(row["op"], ("x",))[i]
-                    return (
-                        f"on the first step {_which_call(row)} returned another share for {name} than torch's "
-                        f"from the same incoming gradient: {row['op']} is task {TASK_OF[row['op']]}, whose "
-                        "checks say which case"
-                    )
+    return None
+
+
+def _blame(got: dict, want: dict, grads_differ: bool) -> str:
+    """Which task the first step points at: an op's call, else the engine's sums, else the update."""
+    said = _op_blame(got, want)
+    if said:
+        return said
     if grads_differ:
         return (
             "on the first step every op returned torch's shares, yet the parameters' .grad differ: task 1, "
@@ -267,14 +284,23 @@ def _compare_training(got, expected, case: dict) -> Mismatch | None:
     if step is None and not differ and len(losses) == len(want):
         rows = got.get("calls") or []
         again = next((row for row in rows if type(row) is dict and row.get("calls", 1) > 1), None)
-        if again is None:
+        if again is not None:
+            return Mismatch(
+                "your engine called a backward_fn more than once in one backward",
+                f"on {where}: the losses and gradients agree, but on the first step the backward_fn of "
+                f"{_which_call(again)} ran {again['calls']} times",
+                hint="task 1: a node passes its gradient on once, after every share has arrived (a graph of many "
+                "paths takes exponential time otherwise)",
+            )
+        said = _op_blame(got, expected)
+        if said is None:
             return None
         return Mismatch(
-            "your engine called a backward_fn more than once in one backward",
-            f"on {where}: the losses and gradients agree, but on the first step the backward_fn of "
-            f"{_which_call(again)} ran {again['calls']} times",
-            hint="task 1: a node passes its gradient on once, after every share has arrived (a graph of many "
-            "paths takes exponential time otherwise)",
+            "on the first step one of your ops differs from torch's, though the losses and gradients agree",
+            f"on {where}: the losses agree to a relative 1e-6 and the first step's gradients to 1e-6 of their "
+            "largest entry, but not every op's output or shares on the first step (a wrong share of a small term, "
+            "such as the z-loss, can move the parameters' gradients by less than that)",
+            hint=said,
         )
     hint = _blame(got, expected, bool(differ))
     shown = ", ".join(f"{x:.6f}" if is_number(x) else repr(x) for x in losses[: (step or 1)])
@@ -307,8 +333,9 @@ register(
         drive=_drive_training,
         compare=_compare_training,
         hint=(
-            "every step of the tiny Llama's training runs your Value's backward, your ops in every layer "
-            "(through the course's llama_loss) and your adamw_update on each parameter (step counted from 1); "
+            "every step of the tiny Llama's training runs your Value's backward, your ops in every layer and in "
+            "the loss (the course's training_loss: the cross-entropy plus PaLM's z-loss, whose log Z uses your "
+            "exp, reduce_sum, log and reduce_mean) and your adamw_update on each parameter (step counted from 1); "
             "its losses must follow torch.autograd and torch.optim.AdamW at every step. A task whose own checks "
             "fail shows here first: fix that task (chapter 05, sections “1 · The chain rule as a graph” and "
             "“2 · One training step, measured: memory, mixed precision, checkpointing”)."
