@@ -44,24 +44,31 @@ READINGS: dict[str, tuple[str, list[str]]] = {
     "lab04 task 1: op_histogram": ("04_compilation", ["7 · Writing a graph pass with torch.fx"]),
     "lab04 task 2: fuse_silu": ("04_compilation", ["7 · Writing a graph pass with torch.fx"]),
     "lab04 task 3: fuse_add_relu": ("04_compilation", ["7 · Writing a graph pass with torch.fx"]),
-    "lab05 task 1: zero_memory_per_device": (
+    "lab05 task 1: Value": ("05_training_parallelism", ["1 · The chain rule as a graph"]),
+    "lab05 task 2: add, mul, exp, log": ("05_training_parallelism", ["1 · The chain rule as a graph"]),
+    "lab05 task 3: matmul, reduce_sum, reduce_mean": ("05_training_parallelism", ["1 · The chain rule as a graph"]),
+    "lab05 task 4: softmax, rms_norm, embedding, cross_entropy": (
         "05_training_parallelism",
-        ["3 · Where training memory goes", "6 · ZeRO: sharding the training state"],
+        ["1 · The chain rule as a graph"],
     ),
-    "lab05 task 2: shard_bounds": (
-        "05_training_parallelism",
-        ["4 · Collectives: all-reduce, reduce-scatter, all-gather"],
-    ),
-    "lab05 task 3: ring_all_reduce": (
-        "05_training_parallelism",
-        ["4 · Collectives: all-reduce, reduce-scatter, all-gather"],
-    ),
-    "lab05 task 4: softmax_backward": ("05_training_parallelism", ["1 · The chain rule as a graph"]),
-    "lab05 task 5: rms_norm_backward": ("05_training_parallelism", ["1 · The chain rule as a graph"]),
-    "lab05 task 6: adamw_update": (
+    "lab05 task 5: adamw_update": (
         "05_training_parallelism",
         ["2 · One training step, measured: memory, mixed precision, checkpointing"],
     ),
+    "lab05 task 6: shard_bounds": (
+        "05_training_parallelism",
+        ["4 · Collectives: all-reduce, reduce-scatter, all-gather"],
+    ),
+    "lab05 task 7: ring_all_reduce": (
+        "05_training_parallelism",
+        ["4 · Collectives: all-reduce, reduce-scatter, all-gather"],
+    ),
+    "lab05 task 8: DDP": ("05_training_parallelism", ["5 · Data parallelism"]),
+    "lab05 task 9: reduce_scatter and all_gather": (
+        "05_training_parallelism",
+        ["4 · Collectives: all-reduce, reduce-scatter, all-gather", "6 · ZeRO: sharding the training state"],
+    ),
+    "lab05 task 9: ZeroAdamW": ("05_training_parallelism", ["6 · ZeRO: sharding the training state"]),
     "lab06 task 1: rms_norm": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
     "lab06 task 2: rope": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),
     "lab06 task 3: Llama": ("06_request_journey", ["1 · The model on the table", "Lab 06"]),

@@ -391,7 +391,7 @@ def reference_prints(lab_id: str) -> dict[str, Prints]:
 
 def course_prints(folder: Path = CHECKS) -> dict[str, Prints]:
     """ "course grading.checks.<module>" -> the fingerprint of that check module (the grader's own code),
-    a lab's package included module by module ("course grading.checks.lab05.task3_ring_all_reduce")."""
+    a lab's package included module by module ("course grading.checks.lab05.ring_all_reduce")."""
     folder = Path(folder)
     return {
         "course grading.checks." + ".".join(path.relative_to(folder).with_suffix("").parts): file_fingerprint(path)

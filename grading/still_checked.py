@@ -63,24 +63,30 @@ _TEXTS: dict[str, str | None] = {
     "lab04.fuse_add_relu_no_match": "more look-alikes that must stay as they are: relu(a - b), relu(a * b), "
     "sigmoid(a + b), relu(a) + b, torch.relu(input=a + b), mixed with real matches",
     # lab 05
-    "lab05.zero_memory": "other byte counts (plain SGD keeps no optimizer state), no parameters, and invalid "
-    "arguments (a stage outside 0 to 3, a device count that is not a positive int, negative "
-    "parameters) that must raise ValueError, stages given as 1.0, True or False, and a stage of 1.5 "
-    "or nan or a nan num_params (ValueError too)",
+    "lab05.autograd_engine": "a chain of 10,000 nodes, a node the root does not depend on, a root of shape [1, 1], "
+    "backward() without a gradient on a root of several elements (ValueError), a share of None, and one input used "
+    "by 50 nodes",
+    "lab05.elementwise": "size-1 dims stretched on both sides, a missing leading dim with a size-1 dim, 0-d and [1] "
+    "operands, float32, and exp of values around ±20",
+    "lab05.matmul_reductions": "a weight [d, n] against a batch [B, T, d], batch dims of size 1 stretched and "
+    "broadcast both ways, keepdim, negative dims, a 0-d input, and dim=None with keepdim=True",
+    "lab05.model_ops": "fully masked rows (more queries than keys), fewer queries than keys, scores and logits of the "
+    "order of 10^4, eps larger than mean(x^2), d = 1, one id everywhere, ids of three dims, a single position, three "
+    "leading dims, and float32",
+    "lab05.adamw_update": "no weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming at step "
+    "1000 with moments already there, and 12 steps",
+    "lab05.train_tiny": "the update's edges: no weight decay, a single step, a large eps, zero gradients, beta1 = 0, "
+    "and resuming at step 1000",
     "lab05.shard_bounds": "empty tensors, fewer elements than ranks, a single rank, and a billion elements",
     "lab05.ring_sum": "up to 8 ranks and tensors of thousands of elements",
     "lab05.ring_traffic": "up to 8 ranks, 2-D tensors and float64 elements: one chunk per message, whatever W and the "
     "element size",
     "lab05.ring_any_tensor": "a single rank, empty tensors, int64 tensors, strided and permuted views, and 5 ranks",
-    "lab05.softmax_backward": "single-element rows, causal masks with fewer queries than keys, rows masked "
-    "everywhere but the diagonal, probabilities from logits of the order of 10^4, and "
-    "non-contiguous tensors, and fully masked rows (all zeros)",
-    "lab05.rms_norm_backward": "d = 1, four leading dims, tiny activations with eps of the order of mean(x^2), large "
-    "activations, a weight with zeros, and a large eps",
-    "lab05.adamw_update": "no weight decay, a single step, a large eps, zero gradients, beta1 = 0, resuming at step "
-    "1000 with moments already there, and 12 steps",
-    "lab05.train_tiny": "the update's edges: no weight decay, a single step, a large eps, zero gradients, beta1 = 0, "
-    "and resuming at step 1000",
+    "lab05.ddp": "buckets that fit exactly, a weight larger than a bucket, a frozen layer, one parameter per bucket of "
+    "the Llama on 3 ranks, three steps, and a parameter the loss never uses (finish() must raise naming it)",
+    "lab05.zero_halves": "one rank, fewer elements than ranks, an empty tensor, 5 ranks, float64 and int64 tensors",
+    "lab05.zero_step": "no weight decay, a rank with an empty shard, gradients small next to eps, four parameters on "
+    "4 ranks",
     # lab 06
     "lab06.rms_norm": "activations of the order of eps, a large eps, vectors far from zero mean, a single channel and "
     "four leading dimensions",

@@ -214,7 +214,7 @@ def scan(
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for target in targets:
-                for part in ast.walk(target):
+                for part in _written(target):
                     if isinstance(part, ast.Attribute) and _root(part) in modules:
                         flag(TAMPERING, f"replaces {_dotted(part) or part.attr} (monkeypatching)", node)
                         break
@@ -224,6 +224,21 @@ def scan(
             seen.add((finding.kind, finding.detail))
             unique.append(finding)
     return unique
+
+
+def _written(target: ast.AST):
+    """The nodes an assignment to ``target`` writes into: the target itself, the containers of a subscript
+    (``torch.table[i] = x`` writes into ``torch.table``) and the parts of a tuple, never the index read to
+    find the place (``probs[torch.arange(n), ids] -= 1`` writes into ``probs`` only)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _written(element)
+    elif isinstance(target, ast.Starred):
+        yield from _written(target.value)
+    elif isinstance(target, ast.Subscript):
+        yield from _written(target.value)
+    else:
+        yield target
 
 
 def module_aliases(sources: list[str]) -> set[str]:

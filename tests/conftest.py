@@ -170,6 +170,7 @@ SLOW_CALLS = (
     "_grade_class",
     "run_benchmark",
     "run_workers",
+    "run_torchrun",
     "execute_notebook",
     '_run("grade',
     '_run("progress',

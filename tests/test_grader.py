@@ -181,6 +181,23 @@ def test_static_scan_knows_each_labs_reference_by_its_full_id(lab_id):
     assert findings and findings[0].kind == tamper.SHORTCUT
 
 
+def test_writing_into_a_tensor_at_an_index_made_by_a_module_is_no_monkeypatching():
+    """``probs[torch.arange(n), ids] -= 1`` writes into ``probs``; replacing ``torch.arange`` itself, or an entry of a
+    module's table, is tampering."""
+    from grading import tamper
+
+    modules = {"torch", "math"}
+    for innocent in (
+        "probs[torch.arange(n), ids] -= 1\n",
+        "grad[torch.arange(3)] = 0\n",
+        "a, b[math.floor(x)] = 1, 2\n",
+    ):
+        assert tamper.scan(innocent, set(), set(), modules) == [], innocent
+    for patch in ("torch.arange = fake\n", "torch.ops.table[0] = fake\n", "x, torch.exp = 1, fake\n"):
+        findings = tamper.scan(patch, set(), set(), modules)
+        assert [f.kind for f in findings] == [tamper.TAMPERING] and "monkeypatching" in findings[0].detail, patch
+
+
 def test_lab_is_inferred_from_the_cells_grade_ids_when_no_name_says_it(tmp_path):
     copy = write_learner_notebook(tmp_path / "alice.ipynb", {})  # lab 01's cells, under a name of no lab
     with pytest.raises(GradingError, match="no lab named 'alice'"):

@@ -1,15 +1,21 @@
 """Training (L3): one step from scratch, then parallelism on ``torch.distributed`` with the gloo backend,
 N processes on one machine.
 
-    autograd.py          reverse-mode automatic differentiation over torch tensors, a Llama's loss with it
+    autograd.py          reverse-mode automatic differentiation over torch tensors (the contract lab 05's
+                         engine meets), the plumbing ops on any such Value class, a Llama's loss with them
     train_step.py        one real training step of a tiny Llama: fp32, bf16 with fp32 masters,
                          activation checkpointing, and where the bytes go
-    scratch_train.py     AdamW written out, and a tiny Llama trained through the course's autograd (lab 05's
-                         pieces plug in here)
-    launcher.py          run_workers: spawn a process group, collect results, never leave a process behind
-    collectives.py       ring all-reduce over send/recv (reduce-scatter, all-gather), bandwidth timing
-    ddp.py               data parallelism with bucketed gradient all-reduce; single-process reference
-    zero.py              the ZeRO memory calculator (stages 0-3) and ZeRO stage 1 Adam for real
+    scratch_train.py     AdamW written out, and a tiny Llama trained through an autograd of the contract
+                         (the course's or a learner's) next to torch.autograd and torch's AdamW
+    launcher.py          run_workers: spawn a process group, collect results, never leave a process behind;
+                         run_torchrun: the same through torchrun, with its report of a failed rank
+    torchrun_train.py    the script torchrun runs: lab 05's DDP and ZeroAdamW from answer cells, per rank
+    collectives.py       ring all-reduce over send/recv (reduce-scatter, all-gather), bandwidth timing, and
+                         BackgroundAllReduce: all-reduces started now, finished on a thread of their own
+    ddp.py               data parallelism: DDP with buckets all-reduced from gradient hooks during backward,
+                         the bucketed all-reduce after backward, single-process reference
+    zero.py              the ZeRO memory calculator (stages 0-3); reduce_scatter and all_gather that end
+                         on each rank's own shard, ZeroAdamW (stage 1 over them) and ZeroStage1Adam
     tensor_parallel.py   column- and row-parallel linear layers (Megatron's MLP split)
     pipeline.py          GPipe schedule and the bubble fraction
 """

@@ -1,8 +1,9 @@
-"""Checks for lab 05 (training from scratch, then parallelism): the learner writes the ZeRO memory
-calculator ``zero_memory_per_device``, ``shard_bounds`` (which part of a tensor a rank owns),
-``ring_all_reduce(tensor, comm)`` over point-to-point ``comm.exchange``, and the pieces under one
-training step: ``softmax_backward``, ``rms_norm_backward`` and ``adamw_update``, which a last check
-plugs into the course's autograd to train a tiny Llama next to the reference pieces.
+"""Checks for lab 05 (the learner's trainer): a reverse-mode autograd engine (``Value`` and its
+``backward``), the ops a Llama needs with their backward, ``adamw_update``, and a training check in
+which the learner's whole namespace trains a tiny Llama next to torch.autograd and torch's AdamW;
+then ``shard_bounds`` (which part of a tensor a rank owns), ``ring_all_reduce(tensor, comm)`` over
+point-to-point ``comm.exchange``, ``DDP`` (buckets all-reduced from gradient hooks) and a ZeRO
+stage-1 step (``reduce_scatter``, ``all_gather``, ``ZeroAdamW``).
 
 The ring is run on a ``ThreadGroup``: every rank a thread of the learner's kernel, exchanging
 tensors through queues, so a check needs no process (the grader's kernel limits them, and a
@@ -21,28 +22,32 @@ from __future__ import annotations
 
 from grading.registry import register_shortcuts
 
-# The autograd's ops and ``train_tiny`` are the stack the last check runs the learner's pieces in: they
-# are no reference, and stay whole in the graded kernel; only the three formulas are stubbed there.
+# The course's Value is the learner's task 1: stubbed in the graded kernel, so every library op (each builds
+# a Value) is out of reach too. The op functions are not listed: their names (exp, add, matmul) are ordinary words
+# in any tensor code. The plumbing and train_tiny are the stack the training check runs the learner's code in.
 register_shortcuts(
     "lab05",
     [
-        "infra_lib.training.zero:zero_memory_per_device",
-        "infra_lib.training.zero:zero_table",
         "infra_lib.training.zero:shard_bounds",
         "infra_lib.training.collectives:ring_all_reduce",
-        "infra_lib.training.autograd:softmax_backward",
-        "infra_lib.training.autograd:rms_norm_backward",
+        "infra_lib.training.autograd:Value",
         "infra_lib.training.scratch_train:adamw_update",
+        "infra_lib.training.ddp:DDP",
+        "infra_lib.training.ddp:gradient_buckets",
+        "infra_lib.training.zero:reduce_scatter",
+        "infra_lib.training.zero:all_gather",
+        "infra_lib.training.zero:ZeroAdamW",
     ],
 )
 
 from . import (  # noqa: E402,F401  (register the checks)
-    task1_zero_memory,
-    task2_shard_bounds,
-    task3_ring_all_reduce,
-    task4_softmax_backward,
-    task5_rms_norm_backward,
-    task6_adamw_update,
+    adamw_update,
+    autograd_engine,
+    autograd_ops,
+    ddp,
+    ring_all_reduce,
+    shard_bounds,
     training_run,
+    zero_step,
 )
 from .process_group import answer_source, run_on_process_group  # noqa: E402,F401  (the lab's last cell imports them)

@@ -18,9 +18,9 @@ import math
 import random
 
 from grading.checks.common import is_number
+from grading.checks.lab05.adamw_update import TASK
 from grading.checks.lab05.autograd_cases import TASK_NAMES, TASK_OF, is_value, learner_names, torch_reference
 from grading.checks.lab05.pieces import NoTorchAdam, NoTorchAutograd
-from grading.checks.lab05.task6_adamw_update import TASK
 from grading.registry import Check, Mismatch, register
 
 TRAIN_STEPS = 20

@@ -1,4 +1,4 @@
-"""Lab 05 task 3: ring_all_reduce over point-to-point ``comm.exchange``, run on a ``ThreadGroup`` (every rank
+"""Lab 05 task 7: ring_all_reduce over point-to-point ``comm.exchange``, run on a ``ThreadGroup`` (every rank
 a thread, exchanging tensors through queues): the sum in every rank's tensor, in place, and the bytes each
 rank sent."""
 
@@ -12,7 +12,7 @@ from grading.checks.lab05.ring_diagnosis import describe_ring, plural, ring_resu
 from grading.checks.lab05.ring_threads import drive_ring
 from grading.registry import Check, Mismatch, register
 
-TASK = "lab05 task 3: ring_all_reduce"
+TASK = "lab05 task 7: ring_all_reduce"
 
 
 def _ring_case(

@@ -1,4 +1,4 @@
-"""Lab 05 task 2: shard_bounds, the part of a tensor each rank owns, with the usual splitting rules named."""
+"""Lab 05 task 6: shard_bounds, the part of a tensor each rank owns, with the usual splitting rules named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from grading.checks.common import outcome, reference, unwrap
 from grading.registry import Check, Mismatch, register
 
 _ZERO = "infra_lib.training.zero"
-TASK = "lab05 task 2: shard_bounds"
+TASK = "lab05 task 6: shard_bounds"
 
 
 def _shard_cases(rng: random.Random) -> list[list[int]]:
