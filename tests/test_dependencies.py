@@ -58,6 +58,7 @@ def _modules_used(folders: list[str]) -> set[str]:
                     lines = "".join(cell["source"]).splitlines()
                     used |= _imports("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!"))))
     local = {p.stem for p in (REPO / "benchmarks").glob("*.py")} | {p.stem for p in (REPO / "tests").glob("*.py")}
+    local |= {p.parent.name for p in (REPO / "tests").glob("*/__init__.py")}  # the tests' own packages
     return {m for m in used if m not in sys.stdlib_module_names and m not in local | set(PACKAGES)}
 
 

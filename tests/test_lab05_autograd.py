@@ -112,7 +112,7 @@ def test_an_untouched_namespace_fails_every_check_as_not_started(check_id):
 # --- the classic mistakes ----------------------------------------------------------------------------
 
 
-def _engine(*, accumulate=True, recursive=False, keep=True, in_order=True, halves=False):
+def _engine(*, accumulate=True, recursive=False, keep=True, in_order=True, halves=False, copy=True):
     """A micrograd-style engine with one deliberate change (none: a correct engine)."""
 
     class Value:
@@ -162,7 +162,8 @@ def _engine(*, accumulate=True, recursive=False, keep=True, in_order=True, halve
                 for parent, share in zip(node.parents, shares):
                     if share is not None:
                         both = accumulate and id(parent) in pending
-                        pending[id(parent)] = pending[id(parent)] + share if both else share.clone()
+                        first = share.clone() if copy else share  # copy=False: a share two parents may hold
+                        pending[id(parent)] = pending[id(parent)] + share if both else first
 
         def _push(self, grad):
             self.grad = grad if self.grad is None else self.grad + grad
@@ -272,6 +273,11 @@ MISTAKES = {
     "engine recurses": ({"Value": _engine(recursive=True)}, {"lab05.autograd_engine_edges": RECURSION}, None),
     "engine forgets the last backward's gradients": (
         {"Value": _engine(keep=False)},
+        {"lab05.autograd_engine": ACCUMULATE},
+        None,
+    ),
+    "engine overwrites .grad on a second backward, storing shares as they come": (
+        {"Value": _engine(keep=False, copy=False)},
         {"lab05.autograd_engine": ACCUMULATE},
         None,
     ),

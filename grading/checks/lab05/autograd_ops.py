@@ -373,6 +373,7 @@ def _elementwise_cases(rng: random.Random) -> list[dict]:
         _case(rng, "add", "a bias over a batch", [_value([2, 3, d]), _value([d])]),
         _case(rng, "mul", "same shapes", [_value([rows, d]), _value([rows, d])], dtype="float32"),
         _case(rng, "mul", "a scale per feature", [_value([2, 3, d]), _value([d])]),
+        _case(rng, "mul", "a column times a row", [_value([rows, 1]), _value([1, d])]),
         _case(rng, "exp", "a matrix", [_value([3, d])]),
         _case(rng, "log", "positive values", [_value([2, d], kind="positive")]),
     ]
@@ -487,6 +488,9 @@ def _model_ops_cases(rng: random.Random) -> list[dict]:
     return [
         _case(rng, "softmax", "rows of scores", [_value([2, 3, rng.randint(4, 7)])]),
         _case(rng, "softmax", "causal attention scores", [_value([2, 2, t, t])], causal=True),
+        _case(
+            rng, "softmax", "causal scores of new queries after cached keys", [_value([2, 2, t, t + 3])], causal=True
+        ),
         _case(rng, "rms_norm", "activations [batch, t, d]", [_value([2, 3, 8]), _value([8], 0.5, "weight")], eps=1e-5),
         _case(rng, "embedding", "a batch of token ids", [_ids([2, vocab + 2], vocab), _value([vocab, 4])]),
         _case(rng, "cross_entropy", "next-token logits", [_value([2, t, vocab]), _ids([2, t], vocab)]),

@@ -156,8 +156,8 @@ def values_problem(case: dict, got_ranks: list, want_ranks: list) -> Mismatch | 
     originals = [rank_tensor(case, r).double().numpy() for r in range(world)]
     copied = (
         (
-            "; it is not contiguous, so reshape(-1) gave you a copy: copy the result back with "
-            "tensor.copy_(flat.view_as(tensor))"
+            "; it is not contiguous, so reshape(-1) gave you a copy: the sum you computed in the copy never "
+            "reached the tensor itself, which must hold it at the end"
         )
         if case["layout"] != "contiguous"
         else ""
