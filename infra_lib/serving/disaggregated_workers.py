@@ -14,6 +14,7 @@ token's time on the decode worker and an arrival on the prefill worker are compa
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -78,12 +79,15 @@ class ServedRequest:
 
 @dataclass
 class ServingRun:
-    """A run's requests (workload order), each pool's ``(free, total)`` blocks at the end, and per request
-    what its KV transfer cost (disaggregated runs only)."""
+    """A run's requests (workload order), each pool's ``(free, total)`` blocks at the end, the most sequences
+    one decode step ran, per request what its KV transfer cost (disaggregated runs only), and the ids of
+    the processes that served it (none when it ran in the caller's)."""
 
     requests: list[ServedRequest]
     pools: dict[str, tuple[int, int]]
+    max_decode_batch: int
     transfers: list[dict] = field(default_factory=list)
+    worker_pids: list[int] = field(default_factory=list)
 
 
 def warm_up(model) -> None:
@@ -107,6 +111,10 @@ def _pool_end(engine: LLMEngine) -> tuple[int, int]:
     return engine.scheduler.pool.num_free, engine.scheduler.pool.num_blocks
 
 
+def _max_decode_batch(engine: LLMEngine) -> int:
+    return max((step.output.num_decode_seqs for step in engine.steps), default=0)
+
+
 # --- colocated: one engine does both phases ---------------------------------------------------------
 
 
@@ -115,14 +123,17 @@ def serve_colocated(model, workload: list[WorkloadRequest], config: SchedulerCon
     warm_up(model)
     engine = LLMEngine.from_model(model, None, config, clock=TraceClock(time.monotonic()))
     outputs = replay(engine, workload)
-    return ServingRun([_served(engine, o.request_id) for o in outputs], {"colocated": _pool_end(engine)})
+    requests = [_served(engine, o.request_id) for o in outputs]
+    return ServingRun(requests, {"colocated": _pool_end(engine)}, _max_decode_batch(engine))
 
 
 def _colocated_worker(rank: int, world_size: int, workload, config, threads: int) -> ServingRun:
     from infra_lib.model import load_default
 
     torch.set_num_threads(threads)
-    return serve_colocated(load_default().model, workload, config)
+    run = serve_colocated(load_default().model, workload, config)
+    run.worker_pids = [os.getpid()]
+    return run
 
 
 def serve_colocated_in_process(
@@ -155,7 +166,8 @@ def serve_disaggregated(
     order = prefill["request_ids"]
     requests = [decode["requests"][rid] for rid in order]
     transfers = [{**prefill["transfers"][rid], **decode["transfers"][rid]} for rid in order]
-    return ServingRun(requests, {"prefill": prefill["pool"], "decode": decode["pool"]}, transfers)
+    pools = {"prefill": prefill["pool"], "decode": decode["pool"]}
+    return ServingRun(requests, pools, decode["max_decode_batch"], transfers, [prefill["pid"], decode["pid"]])
 
 
 def _disaggregated_worker(rank: int, world_size: int, workload, prefill_config, decode_config) -> dict:
@@ -204,7 +216,8 @@ def _prefill_worker(model, workload, config: SchedulerConfig, clock: TraceClock)
         outputs = replay(engine, workload)
     finally:
         send_done(DECODE_RANK)
-    return {"request_ids": [o.request_id for o in outputs], "transfers": transfers, "pool": _pool_end(engine)}
+    request_ids = [o.request_id for o in outputs]
+    return {"request_ids": request_ids, "transfers": transfers, "pool": _pool_end(engine), "pid": os.getpid()}
 
 
 def _receive(inbox: queue.Queue, clock: TraceClock) -> None:
@@ -275,4 +288,10 @@ def _decode_worker(model, config: SchedulerConfig, clock: TraceClock) -> dict:
             take(inbox.get())  # idle: wait for the next transfer
     receiver.join()
     requests = {rid: _served(engine, seq_id) for rid, seq_id in seq_ids.items()}
-    return {"requests": requests, "transfers": transfers, "pool": _pool_end(engine)}
+    return {
+        "requests": requests,
+        "transfers": transfers,
+        "pool": _pool_end(engine),
+        "max_decode_batch": _max_decode_batch(engine),
+        "pid": os.getpid(),
+    }
