@@ -21,6 +21,7 @@ from infra_lib.serving.moe import (
     top_k_gating,
 )
 from infra_lib.serving.tensor_parallel_decode import (
+    TensorParallelDecoder,
     kv_head_range,
     shard_attention,
     shard_mlp,
@@ -87,6 +88,11 @@ def test_attention_split_by_kv_head_groups_sums_to_the_unsplit_attention(smollm2
             ]
             torch.testing.assert_close(sum(partials), expected, atol=1e-5, rtol=1e-4)
     assert [c.layer(0).k.shape[1] for c in caches] == [2, 1]
+    decoder = TensorParallelDecoder(smollm2.model, 0, 1, unchanged)
+    with pytest.raises(ValueError, match="non-empty"):
+        decoder.greedy([], 3)
+    with pytest.raises(ValueError, match="context"):
+        decoder.greedy([1] * config.max_position, 1)
 
 
 @SMOLLM2
@@ -172,6 +178,8 @@ def test_capacity_and_the_single_process_block_against_a_slot_by_slot_reference(
         torch.testing.assert_close(result.out, expected, atol=1e-5, rtol=1e-4)
         assert result.load.sum() == 46 and result.dropped_fraction() == pytest.approx(1 - kept.float().mean().item())
     assert moe_forward(block, x, 0.5).dropped_fraction() > 0
+    with pytest.raises(ValueError, match="hidden=16"):
+        moe_forward(block, torch.zeros(3, 5), 1.0)
 
 
 def test_expert_parallel_block_equals_the_single_process_block_drops_included():

@@ -19,6 +19,16 @@ ranks all-gather their per-(choice, expert) counts, from which every rank knows 
 every expert, so each drops exactly the slots the one-process block drops, before sending anything. The
 kept slots go to their experts' ranks in one ``all_to_all_single`` (gloo has it on this build), the
 experts run, and a second all-to-all brings the outputs back to be weighted and summed.
+
+What the capacity factor does (``benchmarks/moe.py``, one full run on 2026-12-06: 8 seeded batches of 512
+tokens, E=4, top-2; imbalance is the busiest expert's slots over the mean before drops):
+
+    tokens                     imbalance   dropped at C = 0.5    1.0    1.25   2.0
+    Gaussian                   1.05                      50.0%  1.7%   0%     0%
+    SmolLM2 embedding rows     1.32                      53.4%  15.9%  1.9%   0%
+
+A capacity factor below 1 drops slots even when the load is even; above it, the drops follow the
+imbalance: an expert takes ``C`` times the mean load, so no slot is dropped once ``C`` reaches the imbalance.
 """
 
 from __future__ import annotations
@@ -115,6 +125,9 @@ class MoEBlock:
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts and gate weights: ``top_k_gating`` of the router's logits for ``x`` ``[tokens, hidden]``."""
+        if x.dim() != 2 or x.shape[1] != self.config.hidden_size:
+            raise ValueError(f"x must be [tokens, hidden={self.config.hidden_size}], got shape {list(x.shape)}")
         return top_k_gating(F.linear(x, self.router), self.config.top_k)
 
 
