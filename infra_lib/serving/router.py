@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from infra_lib.serving.prefix_cache import chained_block_hashes
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
 PROBE_INTERVAL_S = 0.5
+REPLICA_HEADER = "x-infra-lab-replica"  # on every forwarded answer: the index of the replica that served it
 PROBE_FAILURES_TO_DOWN = 3  # slow or failed probes in a row (a refused connection counts at once)
 
 
@@ -174,7 +176,9 @@ class PrefixAwarePolicy(RoundRobinPolicy):
         ]
 
     def choose(self, request_hashes, replica_loads):
-        candidates = self.within_bound(replica_loads) or live_replicas(replica_loads)
+        candidates = self.within_bound(replica_loads)
+        if not candidates:  # every replica at the absolute cap: the cache gives way to the load
+            return self._in_turn(live_replicas(replica_loads), replica_loads, key=lambda i: replica_loads[i])
         matched = {i: self.match_length(request_hashes, i) for i in candidates}
         return self._in_turn(candidates, replica_loads, key=lambda i: (-matched[i], replica_loads[i]))
 
@@ -287,8 +291,9 @@ def _engine_dead(status: int, content: bytes) -> bool:
 class RelayResponse(StreamingResponse):
     """A relayed SSE stream that releases its replica even if the client left before it began."""
 
-    def __init__(self, content, release):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content, release, replica: int):
+        headers = {"Cache-Control": "no-cache", REPLICA_HEADER: str(replica)}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.release = release
 
     async def __call__(self, scope, receive, send):
@@ -443,7 +448,9 @@ class Router:
             replica.outstanding -= 1
         if _engine_dead(response.status_code, response.content):
             raise ReplicaFailed(json.loads(response.content)["error"]["message"])
-        return Response(response.content, response.status_code, media_type="application/json")
+        return Response(
+            response.content, response.status_code, {REPLICA_HEADER: str(index)}, media_type="application/json"
+        )
 
     async def forward_stream(self, request, index: int, path: str, body: bytes):
         replica = self.replicas[index]
@@ -461,7 +468,9 @@ class Router:
                 content = await upstream.aread()
                 if _engine_dead(upstream.status_code, content):
                     raise ReplicaFailed(json.loads(content)["error"]["message"])
-                return Response(content, upstream.status_code, media_type="application/json")
+                return Response(
+                    content, upstream.status_code, {REPLICA_HEADER: str(index)}, media_type="application/json"
+                )
             events = (f"{line}\n\n" async for line in upstream.aiter_lines() if line)
             held = []
             async for event in events:  # nothing reaches the client before its first token: until then, retry
@@ -509,7 +518,7 @@ class Router:
             finally:
                 await release()
 
-        return RelayResponse(relay(), release)
+        return RelayResponse(relay(), release, index)
 
     async def models(self):
         for index, replica in enumerate(self.replicas):
@@ -600,8 +609,10 @@ def router_main(args, replica_command: Sequence[str], block_size: int = 16) -> i
     replicas = ReplicaSet(replica_command, args.replicas)
     try:
         print(f"starting {args.replicas} replicas (logs in {replicas.log_dir}) ...", flush=True)
-        replicas.start()
-        router = Router(replicas.urls, policy, load_tokenizer(args.model_path), block_size=block_size)
+        with ThreadPoolExecutor(1) as pool:  # read the tokenizer while the replicas load the model
+            tokenizer = pool.submit(load_tokenizer, args.model_path)
+            replicas.start()
+        router = Router(replicas.urls, policy, tokenizer.result(), block_size=block_size)
         base = f"http://{args.host}:{args.port}/v1"
         print(
             f"routing with the {policy.name} policy at {base} over "
