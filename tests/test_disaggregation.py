@@ -146,3 +146,19 @@ def test_disaggregated_workers_give_the_colocated_tokens_and_return_every_block(
         assert transfer["tokens"] == request.prompt_len
         assert transfer["blocks"] == -(-request.prompt_len // 16) == len(transfer["decode_blocks"])
         assert transfer["payload_bytes"] == transfer["blocks"] * 16 * per_token
+
+
+def test_disaggregation_benchmark_writes_both_variants(tmp_path):
+    from conftest import run_benchmark
+
+    result = run_benchmark("disaggregation", tmp_path / "disaggregation.json")
+    assert result["same_tokens"] and result["all_blocks_returned"]
+    assert set(result["results"]) == {"colocated", "disaggregated"}
+    colocated, disaggregated = result["results"]["colocated"], result["results"]["disaggregated"]
+    ratios = result["disaggregated_over_colocated"]
+    assert ratios["all_p99_itl_ms"] == pytest.approx(
+        disaggregated["all"]["p99_itl_ms"] / colocated["all"]["p99_itl_ms"]
+    )
+    transfer = result["transfer"]
+    assert transfer["payload_bytes_per_slot"] == [transfer["formula_kv_bytes_per_token"]] == [46080]
+    assert transfer["median_over_formula"] >= 1  # whole blocks travel: never fewer bytes than the tokens hold

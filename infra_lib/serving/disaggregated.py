@@ -216,6 +216,11 @@ def adopt(engine: LLMEngine, handoff: Handoff, block_table: list[int]) -> int:
     token known, so that its next step is a decode. Returns the engine's id for it. A request whose first
     token was its last (``max_new_tokens`` 1) finishes at once, its blocks freed."""
     n = len(handoff.prompt_ids)
+    if len(engine.scheduler.running) >= engine.config.max_num_seqs:
+        raise ValueError(
+            f"the decode engine runs {len(engine.scheduler.running)} sequences, its max_num_seqs: adopt request "
+            f"{handoff.request_id} once one finishes"
+        )
     if len(block_table) != blocks_needed(n, engine.config.block_size):
         raise ValueError(
             f"a prompt of {n} tokens needs {blocks_needed(n, engine.config.block_size)} blocks, got {block_table}"
@@ -244,6 +249,8 @@ _HEADER_LEN = 13  # kind, request, first token, max new, arrival, sent, prompt l
 
 def send_handoff(handoff: Handoff, payload: torch.Tensor, metadata: KVMetadata, dst: int) -> None:
     """Ship one request to rank ``dst``: a fixed-size header, the prompt ids and the sender's table, the payload."""
+    if metadata.dtype not in WIRE_DTYPES:
+        raise ValueError(f"a payload of {metadata.dtype} cannot travel; the wire carries {WIRE_DTYPES}")
     floats = torch.tensor([handoff.arrival_time, handoff.sent_time], dtype=torch.float64).view(torch.int64)
     header = torch.tensor(
         [_REQUEST, handoff.request_id, handoff.first_token, handoff.max_new_tokens, 0, 0, len(handoff.prompt_ids),
