@@ -264,6 +264,21 @@ class TestServeReplicas:
         httpx.post(replicas[0] + "/v1/chat/completions", content=body, timeout=60).raise_for_status()
         assert hits() - before == 16 * len(router_hashes)
 
+    def test_a_client_that_hangs_up_frees_its_request_on_the_replica(self, routed):
+        url, _, replicas, _, _ = routed
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            served_by = int(response.headers[REPLICA_HEADER])
+            for line in response.iter_lines():  # hang up at the first token, 399 before the end
+                if '"content"' in line:
+                    break
+        deadline = time.monotonic() + 20
+        while httpx.get(replicas[served_by] + "/health").json()["outstanding"] or any(
+            r["outstanding"] for r in httpx.get(url + "/router/stats").json()["replicas"]
+        ):
+            assert time.monotonic() < deadline, "the abandoned request still runs on its replica"
+            time.sleep(0.05)
+
     def test_a_replica_killed_mid_run_fails_only_its_streaming_requests(self, routed):
         """Five streams in turn (the victim runs two and queues one, the other replica runs two); the
         victim dies once its two stream. Those two end with an error naming it, its queued one is
@@ -339,3 +354,21 @@ def test_with_no_replica_up_a_request_gets_a_503_that_says_so():
         error = answer.json()["error"]
         assert error["code"] == "no_replica_available" and nowhere in error["message"], error
         assert httpx.get(thread.url + "/health").status_code == 503
+
+
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        (["--replicas", "0"], "--replicas must be a positive integer, got 0"),
+        (["--replicas", "2", "--model", "/no/such.gguf"], "no such file"),
+    ],
+)
+def test_serve_with_replicas_refuses_bad_options_before_starting_any(options, refusal):
+    result = subprocess.run(
+        [sys.executable, "-m", "course_tools.cli", "serve", *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and refusal in result.stderr and "starting" not in result.stdout

@@ -592,11 +592,13 @@ def router_main(args, replica_command: Sequence[str], block_size: int = 16) -> i
 
     import uvicorn
 
-    from infra_lib.serving.replicas import ReplicaSet
+    from infra_lib.serving.replicas import ReplicaSet, ReplicaStartError
     from infra_lib.serving.server import listen_problem
 
     if args.replicas < 1:
         raise SystemExit(f"--replicas must be a positive integer, got {args.replicas}")
+    if args.model_path and not Path(args.model_path).exists():
+        raise SystemExit(f"--model {args.model_path}: no such file or folder")
     policy = make_policy(args.router or "prefix")
     problem = listen_problem(args.host, args.port)
     if problem:
@@ -623,6 +625,8 @@ def router_main(args, replica_command: Sequence[str], block_size: int = 16) -> i
         uvicorn.run(create_router_app(router), host=args.host, port=args.port, log_level="warning")
     except KeyboardInterrupt:
         pass
+    except ReplicaStartError as exc:
+        raise SystemExit(str(exc)) from None
     finally:
         replicas.stop()
         print("stopped the router and its replicas", flush=True)

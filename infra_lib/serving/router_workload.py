@@ -99,7 +99,7 @@ def chat_workload(num_conversations: int, turns: int, seed: int = 0, num_system_
         pairs = []
         for _ in range(turns):
             user = rng.choice(_ASKS).format(topic=rng.choice(_TOPICS)) + " " + sentence(rng.randint(4, 12))
-            reply = " ".join(sentence(rng.randint(6, 14)) for _ in range(rng.randint(2, 4)))
+            reply = " ".join(sentence(rng.randint(6, 14)) for _ in range(rng.randint(3, 6)))
             pairs.append((user, reply))
         conversations.append(Conversation(SYSTEM_PROMPTS[c % num_system_prompts], tuple(pairs)))
     return conversations
