@@ -7,14 +7,17 @@ two torch threads runs both in the same engine steps (continuous batching, chunk
 Disaggregated, a prefill process and a decode process with one thread each (the same two cores) split the
 phases and move each prompt's KV between them over gloo (``infra_lib.serving.disaggregated``).
 
-Reported, for both variants in one run: TTFT and inter-token latency (ITL) P50/P99, overall and per kind,
+A third variant, colocated on one thread, is a control (half the cores): it tells how much of the gap is
+the phases' separation and how much the two-thread process losing time to other work on the machine.
+
+Reported, for every variant in one run: TTFT and inter-token latency (ITL) P50/P99, overall and per kind,
 and goodput at a stated SLO (a request meets it when its TTFT and every one of its inter-token gaps are
 within the limits); disaggregated over colocated ratios; whether both gave the same greedy tokens; and the
 KV transfer: bytes per prompt token against chapter 02's KV bytes per token for SmolLM2-135M in fp32
 (whole blocks travel, so a part-full last block adds its empty slots), and its time per request (pack,
 wire, install).
 
-Each variant runs ``rounds`` times, in alternating order, each in fresh processes; the summary is the median
+Each variant runs ``rounds`` times, in rotating order, each in fresh processes; the summary is the median
 over rounds of each number, and every round is kept in the JSON with the load average around it. The SLO
 (TTFT <= 4 s, every gap <= 500 ms) is sized to this laptop-class CPU: a 480-token prefill takes about 0.8 s
 on two threads and 1.3 s on one, a decode step of a dozen sequences 0.1-0.2 s. Other work on the machine
@@ -139,7 +142,9 @@ def transfer_table(run: ServingRun, kinds: list[str], block_size: int) -> dict:
     return out
 
 
-VARIANTS = ("colocated", "disaggregated")
+# colocated on one thread is a control, not a contender: it has half the cores, and shows how much of the
+# gap is the phases' separation rather than the two-thread process suffering from other work on the machine
+VARIANTS = ("colocated", "disaggregated", "colocated_1_thread")
 
 
 def median_table(tables: list[dict]) -> dict:
@@ -150,6 +155,17 @@ def median_table(tables: list[dict]) -> dict:
     return statistics.median(tables)
 
 
+def ratios_to(table: dict, baseline: dict) -> dict:
+    """``table`` over ``baseline``: each latency percentile, and goodput (inf when the baseline's is 0)."""
+    ratios = {}
+    for name in ("all", "short", "long"):
+        for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
+            ratios[f"{name}_{key}"] = table[name][key] / baseline[name][key]
+    good = baseline["goodput_req_per_s"]
+    ratios["goodput"] = table["goodput_req_per_s"] / good if good else float("inf")
+    return ratios
+
+
 def run_disaggregation(device, quick: bool) -> dict:
     p = plan(quick)
     workload, kinds = mixed_workload(p, SEED)
@@ -157,21 +173,17 @@ def run_disaggregation(device, quick: bool) -> dict:
     serve = {
         "colocated": lambda: serve_colocated_in_process(workload, threads=2, config=config),
         "disaggregated": lambda: serve_disaggregated(workload, config, config),
+        "colocated_1_thread": lambda: serve_colocated_in_process(workload, threads=1, config=config),
     }
     runs: dict[str, list[ServingRun]] = {v: [] for v in VARIANTS}
     load = [load_average()]
-    for i in range(p["rounds"]):  # the order alternates, so that neither variant always runs first
-        for variant in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
+    for i in range(p["rounds"]):  # the order rotates, so that no variant always runs first
+        for variant in VARIANTS[i % 3 :] + VARIANTS[: i % 3]:
             runs[variant].append(serve[variant]())
             load.append(load_average())
     rounds = {v: [latency_table(run, kinds, p["slo"]) for run in runs[v]] for v in VARIANTS}
     results = {v: median_table(rounds[v]) for v in VARIANTS}
-    ratios = {}
-    for name in ("all", "short", "long"):
-        for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
-            ratios[f"{name}_{key}"] = results["disaggregated"][name][key] / results["colocated"][name][key]
-    good = results["colocated"]["goodput_req_per_s"]
-    ratios["goodput"] = results["disaggregated"]["goodput_req_per_s"] / good if good else float("inf")
+    ratios = {baseline: ratios_to(results["disaggregated"], results[baseline]) for baseline in VARIANTS[::2]}
     tokens = {v: [[r.token_ids for r in run.requests] for run in runs[v]] for v in VARIANTS}
     transfers = ServingRun([], {}, 0, [t for run in runs["disaggregated"] for t in run.transfers])
     return {
@@ -186,6 +198,7 @@ def run_disaggregation(device, quick: bool) -> dict:
             "block_size": 16,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "colocated": "one process, 2 torch threads",
+            "colocated_1_thread": "one process, 1 torch thread (a control with half the cores)",
             "disaggregated": "prefill and decode processes, 1 torch thread each",
             "ttft_counted_at": "the decode worker holds the first token (after the KV transfer)",
             "summary": "median over rounds of each number",
@@ -199,7 +212,7 @@ def run_disaggregation(device, quick: bool) -> dict:
         ),
         "results": results,
         "rounds": rounds,
-        "disaggregated_over_colocated": ratios,
+        "disaggregated_over": ratios,
         "transfer": transfer_table(transfers, kinds * p["rounds"], config.block_size),
         "note": "two processes on one machine over loopback; --device is recorded only",
         "machine_info": machine_info(device),
@@ -212,17 +225,17 @@ def format_table(result: dict) -> str:
     lines = [
         f"SLO: TTFT <= {slo['ttft_s']} s and every inter-token gap <= {slo['itl_ms']:.0f} ms; "
         f"same greedy tokens: {result['same_tokens']}; every block returned: {result['all_blocks_returned']}",
-        f"{'variant':14} {'kind':6} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'max':>7}  (ms)",
+        f"{'variant':18} {'kind':6} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'max':>7}  (ms)",
     ]
     for variant, r in result["results"].items():
         for kind in ("all", "short", "long"):
             row = r[kind]
             lines.append(
-                f"{variant:14} {kind:6} {row['p50_ttft_ms']:>9.0f} {row['p99_ttft_ms']:>7.0f} "
+                f"{variant:18} {kind:6} {row['p50_ttft_ms']:>9.0f} {row['p99_ttft_ms']:>7.0f} "
                 f"{row['p50_itl_ms']:>8.0f} {row['p99_itl_ms']:>7.0f} {row['max_itl_ms']:>7.0f}"
             )
         lines.append(
-            f"{variant:14} goodput {r['goodput_req_per_s']:.3f} req/s ({r['met_slo']:g}/{len(result['requests'])} met "
+            f"{variant:18} goodput {r['goodput_req_per_s']:.3f} req/s ({r['met_slo']:g}/{len(result['requests'])} met "
             f"the SLO), {r['output_tokens_per_s']:.1f} tok/s over {r['duration_s']:.1f} s"
         )
     t = result["transfer"]
