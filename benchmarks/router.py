@@ -4,7 +4,7 @@ replayed once per policy, with each replica's own prefix-cache counters.
 For each policy (round-robin, least-loaded, prefix) the script starts two fresh replicas (empty
 prefix caches: ``infra-lab serve`` in their own processes, the machine's cores shared out), puts the
 router in front (in this process, uvicorn on a thread), and replays the seeded workload of
-``infra_lib.serving.router_workload``: a few system prompts, conversations whose turns each resend
+``infra_lib.ops.router_workload``: a few system prompts, conversations whose turns each resend
 the whole history, ``concurrency`` users sending one turn at a time. Every request is greedy and
 produces the same number of tokens, so the policies differ only in where the prompts land.
 
@@ -27,10 +27,10 @@ from benchmark_cli import benchmark_main, load_average
 
 from infra_lib.hardware.probes import machine_info
 from infra_lib.ops.latency import summarize
+from infra_lib.ops.router_workload import chat_workload, replay
 from infra_lib.serving.observability import parse_metrics
 from infra_lib.serving.replicas import ReplicaSet
 from infra_lib.serving.router import POLICIES, Router, create_router_app, load_tokenizer, prompt_block_hashes
-from infra_lib.serving.router_workload import chat_workload, replay
 from infra_lib.serving.server import DEFAULT_MODEL_NAME, ServerThread
 
 SEED = 0

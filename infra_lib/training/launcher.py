@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -74,7 +75,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, resul
         return
     try:
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # Pickled here, by value: a tensor put on the queue as it is travels as a file descriptor of
+            # shared memory, which the parent can only pick up while this process still lives.
+            results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
@@ -141,7 +144,7 @@ def _run_once(fn, world_size: int, args: tuple, deadline: float, timeout_s: floa
                 raise _GroupDidNotForm(f"rank {rank}: {value.strip().splitlines()[-1]}")
             if status == "error":
                 raise WorkerError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)  # noqa: S301 - bytes from our own worker
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
     finally:
