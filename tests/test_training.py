@@ -288,7 +288,10 @@ def test_ddp_on_threads_launches_each_bucket_when_its_last_gradient_arrives_and_
             for got, param in zip(step_grads, single.parameters()):
                 torch.testing.assert_close(got, param.grad, atol=1e-6, rtol=1e-5)
         first_step = log[: next(i for i, e in enumerate(log) if e["event"] == "backward")]
-        order = [e["param"] if e["event"] == "ready" else ("launch", e["numel"]) for e in first_step]
+        # the background thread's "done" events interleave with these as the machine's load has it: left out
+        order = [
+            e["param"] if e["event"] == "ready" else ("launch", e["numel"]) for e in first_step if e["event"] != "done"
+        ]
         # each bucket starts right after its last gradient, before the next gradient arrives
         assert order == [5, 4, 3, ("launch", 4 + 64 + 16), 2, ("launch", 256), 1, 0, ("launch", 16 + 128)]
         assert sum(e["event"] == "done" for e in log) == 2 * len(buckets)
