@@ -321,11 +321,23 @@ def _cmd_release(args) -> int:
     return EXIT_OK
 
 
+def _replica_command(args) -> list[str]:
+    """One replica's ``infra-lab serve`` command line: this call's options but host, port and routing."""
+    command = [sys.executable, "-m", "course_tools.cli", "serve", "--engine", args.engine]
+    command += ["--capstone-dir", args.capstone_dir]
+    for option in ("model_path", "served_model_name", "native"):
+        if getattr(args, option):
+            command += [f"--{'model' if option == 'model_path' else option.replace('_', '-')}", getattr(args, option)]
+    for option in ("max_num_seqs", "kv_blocks", "max_num_batched_tokens", "max_queue_len", "max_tokens_default"):
+        command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    return command
+
+
 def _cmd_serve(args) -> int:
     from infra_lib.serving.server import serve_main
 
     pieces = None
-    if args.engine == "learner":
+    if args.engine == "learner" and args.replicas == 1 and not args.router:
         from course_tools.capstone import CapstoneError, load, report
 
         try:
@@ -334,8 +346,12 @@ def _cmd_serve(args) -> int:
             return _refuse("serve", str(exc))
         print(f"the learner's engine, built from {args.capstone_dir}:\n{report(rows)}", flush=True)
     try:
+        if args.replicas != 1 or args.router:  # each replica loads the learner's engine itself
+            from infra_lib.serving.router import router_main
+
+            return router_main(args, _replica_command(args))
         return serve_main(args, pieces)
-    except SystemExit as exc:  # serve_main's refusals: a bad option, a missing model, a port in use
+    except SystemExit as exc:  # refusals: a bad option, a missing model, a port in use
         if isinstance(exc.code, str):
             return _refuse("serve", exc.code)
         raise
@@ -446,6 +462,18 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--native",
         choices=("fp32", "bf16", "int8"),
         help="run the course's engine steps in C with these weights (default: PyTorch)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="serve this many engines, each in its own process, behind a router on --port (default 1: one "
+        "server, no router)",
+    )
+    parser.add_argument(
+        "--router",
+        choices=("round-robin", "least-loaded", "prefix"),
+        help="how the router picks a replica (default prefix, the prefix-cache-aware policy, with --replicas > 1)",
     )
 
 

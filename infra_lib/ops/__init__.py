@@ -4,6 +4,8 @@ latency.py    TTFT, TPOT, ITL, E2EL, percentiles and goodput from client timesta
 loadgen.py    an open-loop load generator (Poisson or gamma arrivals, a concurrency cap) for the server
 cost.py       cost per 1M tokens and replicas needed for a rate at a P99 SLO
 diagnose.py   busy versus idle, then the fault: KV pressure, head-of-line blocking, a slow dependency
+router_workload.py  seeded multi-turn chats over shared system prompts, replayed through a router (closed-loop
+              users, streamed turns, TTFT per request)
 """
 
 from infra_lib.ops.cost import cost_per_million_tokens, max_rate_under_slo, plan_capacity, replicas_needed

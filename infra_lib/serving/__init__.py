@@ -15,6 +15,14 @@ engine on its own thread, fed from asyncio) and server.py (the OpenAI-compatible
 import it from ``infra_lib.serving.server``, it pulls in FastAPI). The capstone (chapter 16): pieces.py
 assembles an engine with a learner's cached attention, block pool, scheduler step and acceptance
 rule in place of the course's, one seam each.
+
+Beyond one engine: router.py (an OpenAI-compatible router over N replica processes,
+round-robin, least-loaded or prefix-cache-aware; import it from ``infra_lib.serving.router``, it
+pulls in FastAPI) and replicas.py (starting and stopping them); disaggregated.py and
+disaggregated_workers.py (prefill and decode in two processes, the prompt's KV blocks handed over
+with pack_kv and install_kv over gloo); tensor_parallel_decode.py (SmolLM2 split over ranks by
+KV-head groups, row-parallel outputs all-reduced); moe.py (top-k gating with a capacity factor,
+experts across processes with all-to-all).
 """
 
 from infra_lib.serving.block_pool import BlockAllocator, BlockPool, OutOfBlocks
