@@ -103,11 +103,11 @@ def test_chapter_14_readings_of_the_census_hold_on_this_code():
     modules = census()
     by_path = {m.path: m for m in modules}
     assert all(m.package == "kernels" for m in modules if m.category == "kernel")
-    assert all(m.package == "training" for m in modules if m.category == "collective")
+    assert all(m.package in ("training", "serving") for m in modules if m.category == "collective")
     assert by_path["backends.py"].category == "device" and not by_path["device.py"].device_specific
-    assert 0.1 <= device_specific_fraction(modules) <= 1 / 3
+    assert 0.2 <= device_specific_fraction(modules) <= 1 / 3
     text = lesson_text("14")
-    assert "about a fifth of `infra_lib`'s lines" in text and "less than a fifth" not in text
+    assert "about a quarter of `infra_lib`'s lines" in text and "less than a fifth" not in text and "about a fifth" not in text
     assert "The device layer is one module" not in text
 
 
