@@ -161,6 +161,23 @@ READINGS: dict[str, tuple[str, list[str]]] = {
         "16_capstone",
         ["1 · Your engine, assembled from your labs", "2 · The race: one open-loop load, two engines"],
     ),
+    "lab17 task 1: PrefixRouter": ("17_serving_beyond_one_engine", ["2 · Routing by prefix, within a load bound"]),
+    "lab17 task 2: pack_kv": (
+        "17_serving_beyond_one_engine",
+        [
+            "4 · Prefill and decode on separate workers",
+            "5 · The KV handoff: its bytes, its time, and when the split pays",
+        ],
+    ),
+    "lab17 task 3: install_kv": (
+        "17_serving_beyond_one_engine",
+        [
+            "4 · Prefill and decode on separate workers",
+            "5 · The KV handoff: its bytes, its time, and when the split pays",
+        ],
+    ),
+    "lab17 task 4: shard_mlp and tp_mlp_forward": ("17_serving_beyond_one_engine", ["6 · Tensor-parallel decode"]),
+    "lab17 task 5: top_k_gating": ("17_serving_beyond_one_engine", ["7 · Experts across processes"]),
 }
 
 
