@@ -66,7 +66,7 @@ def tp_cases(rng: random.Random) -> list[dict]:
 
 
 def tp_edge_cases(rng: random.Random) -> list[dict]:
-    """One rank, one unit per rank, SmolLM2's MLP on 3 and 4 ranks, a single vector without batch dims."""
+    """One rank, one unit per rank, SmolLM2's MLP on 3 ranks, 1537 units on 4, and an x without leading dims."""
     return [
         _case(rng, 16, 12, 1, [3]),
         _case(rng, 9, 4, 4, [2]),
