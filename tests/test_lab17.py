@@ -352,6 +352,7 @@ def test_under_the_grader_a_call_of_the_course_handoff_is_a_shortcut(tmp_path, m
     assert "pack_kv" in rows[1]["error"]
 
 
+@pytest.mark.slow  # two worker processes start and import torch
 def test_the_labs_last_cells_race_the_policies_weigh_a_payload_and_split_the_mlp_over_two_processes(tmp_path, capsys):
     """The cells after the last test (grading never runs them), with QUICK: the learner's router beside the course's
     three policies in the simulator, a SmolLM2-shaped payload through the answers, and the answers' MLP split on a
