@@ -39,6 +39,7 @@ CHECK_MODULES = (
     "grading.checks.lab13",
     "grading.checks.lab15",
     "grading.checks.lab16",
+    "grading.checks.lab17",
 )
 
 

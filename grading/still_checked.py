@@ -212,6 +212,21 @@ _TEXTS: dict[str, str | None] = {
     "lab16.stream_equals_whole": None,
     "lab16.throughput_a_quarter": None,
     "lab16.throughput_half": None,
+    # lab 17
+    "lab17.router_rules": "random routing on 2 to 5 replicas (slack 0 to 1, memories of 6 and 10 hashes, forgets, "
+    "prefixes that part after a few blocks), the options the constructor refuses, one replica and an empty list of "
+    "loads",
+    "lab17.router_shared_prefix": "a hot prefix shared by every request, where the load bound must keep one replica "
+    "from taking them all, and a replica that dies mid-run",
+    "lab17.pack_kv": "bfloat16 and float16 stores, every block of a store in shuffled order, and six tables to refuse "
+    "with ValueError",
+    "lab17.install_kv": "bfloat16 and float16 stores, metadata of another head_dim, block size, layer count or dtype, "
+    "a payload cut short, and a pool one block short, each refused with nothing allocated or written",
+    "lab17.handoff_in_engines": "longer prompts prefilled in chunks over several steps, in blocks of 3 slots",
+    "lab17.tp_mlp": "one rank, one unit per rank, SmolLM2's MLP on 3 ranks, 1537 units on 4, and an x with no leading "
+    "dims",
+    "lab17.top_k_gating": "k = 1 and k = n_experts, float64 logits, a single token, logits near 10^4, and three inputs "
+    "to refuse with ValueError",
 }
 
 # Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).

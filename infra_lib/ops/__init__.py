@@ -6,6 +6,7 @@ cost.py       cost per 1M tokens and replicas needed for a rate at a P99 SLO
 diagnose.py   busy versus idle, then the fault: KV pressure, head-of-line blocking, a slow dependency
 router_workload.py  seeded multi-turn chats over shared system prompts, replayed through a router (closed-loop
               users, streamed turns, TTFT per request)
+router_sim.py routing policies raced on simulated replicas (LRU prefix caches, loads, replicas that die), no HTTP
 """
 
 from infra_lib.ops.cost import cost_per_million_tokens, max_rate_under_slo, plan_capacity, replicas_needed
