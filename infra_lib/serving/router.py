@@ -593,7 +593,7 @@ def router_main(args, replica_command: Sequence[str], block_size: int = 16) -> i
     import uvicorn
 
     from infra_lib.serving.replicas import ReplicaSet, ReplicaStartError
-    from infra_lib.serving.server import listen_problem
+    from infra_lib.serving.server import KEEP_ALIVE_S, listen_problem
 
     if args.replicas < 1:
         raise SystemExit(f"--replicas must be a positive integer, got {args.replicas}")
@@ -622,7 +622,13 @@ def router_main(args, replica_command: Sequence[str], block_size: int = 16) -> i
             + f"\n  from openai import OpenAI\n  client = OpenAI(base_url={base!r}, api_key='unused')",
             flush=True,
         )
-        uvicorn.run(create_router_app(router), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            create_router_app(router),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     except KeyboardInterrupt:
         pass
     except ReplicaStartError as exc:

@@ -512,6 +512,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# How long an idle keep-alive connection stays open on the server's side. Longer than the clients' own idle
+# expiry (httpx: 5 s, the same as uvicorn's default): with equal timeouts, a client under load can send a
+# request on a connection the server is closing at that instant, and get a transport error with no response
+# (a router or canary in front then takes a healthy upstream for a failed one). The server closing last
+# removes that race; 75 s is nginx's default for the same reason.
+KEEP_ALIVE_S = 75
+
+
 class ServerThread:
     """Serve an app with uvicorn on a background thread (notebooks, tests): ``with ServerThread(app) as s: s.url``.
 
@@ -526,7 +534,14 @@ class ServerThread:
 
         self.app, self.port = app, port or free_port()
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                timeout_graceful_shutdown=2,
+                timeout_keep_alive=KEEP_ALIVE_S,
+            )
         )
         self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.startup_timeout_s = startup_timeout_s
@@ -604,5 +619,5 @@ def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
         f"  client.chat.completions.create(model={name!r}, messages=[{{'role': 'user', 'content': 'Hi'}}])",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     return 0
