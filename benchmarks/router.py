@@ -29,6 +29,7 @@ from infra_lib.hardware.probes import machine_info
 from infra_lib.ops.latency import summarize
 from infra_lib.ops.router_workload import chat_workload, replay
 from infra_lib.serving.observability import parse_metrics
+from infra_lib.serving.prefix_cache import chained_block_hashes
 from infra_lib.serving.replicas import ReplicaSet
 from infra_lib.serving.router import POLICIES, Router, create_router_app, load_tokenizer, prompt_block_hashes
 from infra_lib.serving.server import DEFAULT_MODEL_NAME, ServerThread
@@ -116,7 +117,7 @@ def ideal_hit_rate(conversations, tokenizer) -> float:
             hashes = prompt_block_hashes(ids, 16)
             hits += 16 * next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
             total += len(ids)
-            seen.update(hashes)
+            seen.update(chained_block_hashes(ids, 16))  # a replica caches every full block of the prompt
     return hits / total
 
 
