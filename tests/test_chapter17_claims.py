@@ -113,7 +113,9 @@ def test_the_simulated_routing_figures_are_the_simulators(text):
     assert sim == {"conversations": 96, "turns": 6, "replicas": 8, "users": 32}
 
     def run(policy, system_prompts: int):
-        conversations = token_chat_workload(sim["conversations"], sim["turns"], seed=0, num_system_prompts=system_prompts)
+        conversations = token_chat_workload(
+            sim["conversations"], sim["turns"], seed=0, num_system_prompts=system_prompts
+        )
         return simulate_routing(policy, conversations, sim["replicas"], concurrency=sim["users"], seed=0)
 
     three = {name: run(make_policy(name), 3) for name in POLICIES}
