@@ -224,7 +224,8 @@ _SHARD = (
     "    return MLPShard(mlp.gate_proj.weight[start:end], mlp.up_proj.weight[start:end], "
     "mlp.down_proj.weight[:, start:end])"
 )
-_FORWARD = "    return all_reduce(F.linear(hidden, shard.down))"
+_FORWARD = "    partial = units @ shard.down.T  # [..., hidden]: this rank's share of the output, a partial sum\n"
+_FORWARD += "    return all_reduce(partial)"
 TP_MISTAKES = {
     "down split by rows": (
         (
@@ -245,18 +246,18 @@ TP_MISTAKES = {
     ),
     "the SiLU after the all-reduce": (
         (
-            "    hidden = F.silu(F.linear(x, shard.gate)) * F.linear(x, shard.up)  # [..., this rank's units]\n"
+            "    units = F.silu(x @ shard.gate.T) * (x @ shard.up.T)  # [..., this rank's slice of the intermediate]\n"
             + _FORWARD,
-            "    return F.silu(all_reduce(F.linear(F.linear(x, shard.gate) * F.linear(x, shard.up), shard.down)))",
+            "    return F.silu(all_reduce(((x @ shard.gate.T) * (x @ shard.up.T)) @ shard.down.T))",
         ),
         tp.SILU_HINT,
     ),
     "two all-reduces": (
-        (_FORWARD, "    return all_reduce(all_reduce(F.linear(hidden, shard.down)) / 2)"),
+        (_FORWARD, "    return all_reduce(all_reduce(units @ shard.down.T) / 2)"),
         tp.CALLS_HINT,
     ),
     "the partial returned": (
-        (_FORWARD, "    partial = F.linear(hidden, shard.down)\n    all_reduce(partial)\n    return partial"),
+        (_FORWARD, "    partial = units @ shard.down.T\n    all_reduce(partial)\n    return partial"),
         tp.RETURN_HINT,
     ),
     "the leftover units dropped": (
