@@ -37,6 +37,26 @@ def answer_cells(path: Path) -> dict[str, str]:
     return {grade_id(c): c.source for c in read_notebook(path).cells if is_solution_cell(c)}
 
 
+def run_cells_after_the_tests(solution: Path, tmp_path: Path) -> dict:
+    """Execute a lab's instructor notebook as a learner's kernel would with QUICK, every code cell but the
+    parameters, the progress panel and the test cells, each registered in ``linecache`` under a file name
+    of its own as IPython registers a cell (so that source-reading code, such as lab 05's ``answer_source``,
+    finds it). Returns the namespace the cells ran in; what they printed is the caller's to capture."""
+    import linecache
+
+    from grading.notebook import grade_id, read_notebook
+
+    namespace: dict = {"QUICK": True, "DEVICE": "auto"}
+    for index, cell in enumerate(read_notebook(solution).cells):
+        skipped = grade_id(cell) in ("parameters", "progress") or grade_id(cell).startswith("test")
+        if cell.cell_type != "code" or skipped:
+            continue
+        filename = str(tmp_path / f"cell-{index}.py")
+        linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(keepends=True), filename)
+        exec(compile(cell.source, filename, "exec"), namespace)  # noqa: S102 - the course's own notebook
+    return namespace
+
+
 def write_learner_notebook(path: Path, answers: dict[str, str], base: Path = LAB01) -> Path:
     """A copy of the released lab with some answer cells filled in (by grade_id)."""
     from grading.notebook import grade_id, read_notebook

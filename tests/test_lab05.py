@@ -459,22 +459,9 @@ def test_the_labs_last_cells_run_the_answers_on_a_process_group_and_under_torchr
     """The cells after the last test (grading never runs them): the ring's traffic on threads, the answers on a
     gloo group next to dist.all_reduce, then the answers' DDP and ZeroAdamW on two processes started by
     torchrun, equal to one process, and a run whose rank 1 raises, reported by torchrun."""
-    import linecache
+    from conftest import run_cells_after_the_tests
 
-    from grading.notebook import grade_id, read_notebook
-
-    notebook = read_notebook(SOLUTION)
-    namespace: dict = {"QUICK": True, "DEVICE": "auto"}
-    for index, cell in enumerate(notebook.cells):
-        if (
-            cell.cell_type != "code"
-            or grade_id(cell) in ("parameters", "progress")
-            or grade_id(cell).startswith("test")
-        ):
-            continue
-        filename = str(tmp_path / f"cell-{index}.py")  # as IPython registers a cell's source
-        linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(keepends=True), filename)
-        exec(compile(cell.source, filename, "exec"), namespace)
+    run_cells_after_the_tests(SOLUTION, tmp_path)
     out = capsys.readouterr().out
     (tmp_path / "out.txt").write_text(out)
     assert "2 (W - 1) / W" in out and "max |yours - dist.all_reduce|" in out

@@ -358,21 +358,9 @@ def test_the_labs_last_cells_race_the_policies_weigh_a_payload_and_split_the_mlp
     """The cells after the last test (grading never runs them), with QUICK: the learner's router beside the course's
     three policies in the simulator, a SmolLM2-shaped payload through the answers, and the answers' MLP split on a
     gloo group of two processes, equal to the unsplit MLP."""
-    import linecache
+    from conftest import run_cells_after_the_tests
 
-    from grading.notebook import grade_id, read_notebook
-
-    namespace: dict = {"QUICK": True, "DEVICE": "auto"}
-    for index, cell in enumerate(read_notebook(SOLUTION).cells):
-        if (
-            cell.cell_type != "code"
-            or grade_id(cell) in ("parameters", "progress")
-            or grade_id(cell).startswith("test")
-        ):
-            continue
-        filename = str(tmp_path / f"cell-{index}.py")  # as IPython registers a cell's source
-        linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(keepends=True), filename)
-        exec(compile(cell.source, filename, "exec"), namespace)  # noqa: S102 - the course's own notebook
+    run_cells_after_the_tests(SOLUTION, tmp_path)
     out = capsys.readouterr().out
     hit_rates = {}
     for name, rate in re.findall(r" (yours|prefix) +([0-9.]+) ", out):
