@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grading.readings import not_started_hint
-from grading.registry import Check, Mismatch, get_check
+from grading.registry import Check, Mismatch, ReferenceFailed, get_check
 
 RECORD_ENV = "INFRA_LAB_RECORD"
 SEED_ENV = "INFRA_LAB_SEED"
@@ -289,6 +289,8 @@ def judge(check: Check, learner: Outcome, expected: Outcome | None, inputs: Any)
         raise RuntimeError(f"the reference failed check {check.check_id}: {expected.error}")
     try:
         mismatch = check.compare(learner.data, expected.data, inputs)
+    except ReferenceFailed:
+        raise
     except Exception as exc:  # malformed learner data (wrong shapes, types)
         mismatch = Mismatch(f"your result has the wrong form ({type(exc).__name__}: {exc})")
     if mismatch is None:

@@ -61,6 +61,12 @@ class Mismatch:
     reason: str = ""
 
 
+class ReferenceFailed(RuntimeError):
+    """Raised by a comparison when the reference's own data is wrong: a fault of the course, never reported as
+    the learner's (``judge`` lets it through, where any other error in a comparison is the learner's malformed
+    data)."""
+
+
 @dataclass(frozen=True)
 class Check:
     """One registered check.

@@ -12,7 +12,7 @@ import pytest
 from grading import check
 from grading.check import RECORD_ENV, SEED_ENV, Outcome, drive, judge, to_plain
 from grading.checks.lab01 import SyntheticProfile
-from grading.registry import all_checks, get_check, seed_for
+from grading.registry import ReferenceFailed, all_checks, get_check, seed_for
 from infra_lib.kernels import profiling
 
 
@@ -229,6 +229,22 @@ def test_judge_reports_learner_errors_and_malformed_data():
     verdict = judge(registered, Outcome(data="oops"), expected, inputs)
     assert not verdict.passed
     assert judge(registered, expected, expected, inputs).passed
+
+
+def test_a_comparison_that_finds_the_reference_wrong_is_never_the_learners_fault():
+    """A comparison raising ReferenceFailed stops the grading as the course's fault; any other error it raises is
+    the learner's malformed data."""
+    import dataclasses
+
+    registered = get_check("lab01.gemm_flops")
+    inputs = registered.inputs(0)
+    expected = drive(registered, registered.reference(), inputs)
+
+    def reference_wrong(got, want, case):
+        raise ReferenceFailed("the course's side disagrees with itself")
+
+    with pytest.raises(ReferenceFailed, match="disagrees with itself"):
+        judge(dataclasses.replace(registered, compare=reference_wrong), expected, expected, inputs)
 
 
 def test_recording_mode_writes_data_and_never_judges(tmp_path, monkeypatch, capsys):

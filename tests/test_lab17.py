@@ -24,6 +24,7 @@ from grading.checks.lab17 import task3_install_kv as install
 from grading.checks.lab17 import task4_tp_mlp as tp
 from grading.checks.lab17 import task5_gating as gating
 from grading.checks.lab17.process_group import setup_names
+from grading.registry import get_check
 
 SOLUTION = REPO / "solutions" / "lab17_distributed_serving" / "lab17_distributed_serving.ipynb"
 SETUP = setup_names()  # what the lab's setup cell imports
@@ -216,6 +217,17 @@ def test_task3_blocks_that_never_come_back_are_counted():
     both = {"pack_kv": variant("task2_pack_kv")["pack_kv"], "install_kv": leaky}
     message = check_fails("lab17.handoff_in_engines", both)
     assert "blocks of the decode engine's pool were not returned" in message and engines.POOLS_HINT in message
+
+
+@pytest.mark.parametrize("seed", [18, 25])
+def test_task3_a_request_handed_off_to_a_full_decode_batch_waits_for_a_row(seed):
+    """With four requests and rows for three, the fourth handoff can arrive while the decode batch is full: it
+    waits, as on the decode worker, and the course's handoff still gives one engine's tokens."""
+    chunked = get_check("lab17.handoff_chunked")
+    case = chunked.inputs(seed)
+    record = engines.drive_engines(engines.course_handoff(), case)
+    assert record["waited"] > 0, "this case no longer fills the decode batch: pick another seed"
+    assert engines.compare_engines(record, record, case) is None
 
 
 # --- task 4: the split MLP ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import random
 
 from grading.checks.lab17.task1_router_rules import ROUTER_REFERENCE
 from grading.checks.lab17.tasks import ROUTING_SECTION, TASKS
-from grading.registry import Check, Mismatch, register
+from grading.registry import Check, Mismatch, ReferenceFailed, register
 
 HIT_MARGIN = 0.05  # the learner's hit rate may be this much below the course's
 SHARE_MARGIN = 0.05  # above (1 + slack) / N: the most of the requests one replica may serve
@@ -111,7 +111,7 @@ def share_bound(case: dict) -> float:
 def compare_workload(got: dict, expected: dict, case: dict) -> Mismatch | None:
     where = describe_case(case)
     if expected["invalid"]:
-        raise RuntimeError(f"the course's router made an invalid choice: {expected['invalid']}")
+        raise ReferenceFailed(f"the course's router made an invalid choice: {expected['invalid']}")
     if got["invalid"]:
         return Mismatch(
             "your router chose a replica out of rotation", f"on {where}: {got['invalid']}", hint=INVALID_HINT

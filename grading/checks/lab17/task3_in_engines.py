@@ -2,8 +2,9 @@
 learner's ``pack_kv`` and ``install_kv``.
 
 The prefill engine is the course's engine whose step is ``prefill_step``: every request that samples its first
-token is handed off (the learner's ``pack_kv`` on the prefill engine's store, the learner's ``install_kv`` into
-the decode engine's store and pool, then ``adopt``) and finished there. The decode engine is an ordinary engine
+token is handed off (the learner's ``pack_kv`` on the prefill engine's store; between its steps the decode engine
+takes each waiting request that fits, a free row of its batch and blocks for the prompt, with the learner's
+``install_kv`` into its store and pool, then ``adopt``) and finished there. The decode engine is an ordinary engine
 that continues each adopted request. The two engines step in turn, as two workers would, on the small random
 decoder. Every request's greedy tokens must be those of one ordinary engine serving the same requests, and at
 the end every block must be back in both pools.
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import random
+from collections import deque
 
 from grading.checks.common import one_thread, token_difference
 from grading.checks.lab17.tasks import SPLIT_SECTION, TASKS
 from grading.checks.model_cases import tiny_model, tiny_prompts
-from grading.registry import Check, Mismatch, register
+from grading.registry import Check, Mismatch, ReferenceFailed, register
 
 MAX_STEPS = 500
 TOKENS_HINT = (
@@ -106,7 +108,10 @@ def _scatter(engine, seed: int, held: int = 0) -> list[int]:
 def _serve_two_engines(answers: dict, model, case: dict) -> dict:
     from functools import partial
 
+    import torch
+
     from infra_lib.model.sampling import SamplingParams
+    from infra_lib.serving.block_table import blocks_needed
     from infra_lib.serving.disaggregated import Handoff, adopt, prefill_step
     from infra_lib.serving.engine import LLMEngine, engine_class
     from infra_lib.serving.scheduler_output import SchedulerConfig
@@ -114,20 +119,33 @@ def _serve_two_engines(answers: dict, model, case: dict) -> dict:
     config = SchedulerConfig(**case["config"])
     decode = LLMEngine.from_model(model, None, config)
     held = _scatter(decode, case["seed"] + 1, held=case["held"])  # the decode worker serves others too
-    watch, adopted, tables = _Watch(), {}, {}
+    watch, adopted, tables, pending = _Watch(), {}, {}, deque()
 
     def ship(engine, seq) -> None:
+        """The prefill side: pack the request's KV and send it (the wire copies the bytes)."""
         payload, metadata = watch.call(
             "pack_kv", answers["pack_kv"], engine.runner.store, list(seq.block_table.blocks), seq.num_computed_tokens
         )
-        table = watch.call(
-            "install_kv", answers["install_kv"], decode.runner.store, decode.scheduler.pool, payload, metadata
-        )
-        tables[str(seq.seq_id)] = {"prefill": list(seq.block_table.blocks), "decode": table}
+        if isinstance(payload, torch.Tensor):
+            payload = payload.clone()
         handoff = Handoff(
             seq.seq_id, tuple(seq.prompt_ids), seq.output_ids[0], seq.params.max_new_tokens, seq.metrics.arrival_time
         )
-        adopted[seq.seq_id] = adopt(decode, handoff, table)
+        pending.append((handoff, payload, metadata, list(seq.block_table.blocks)))
+
+    def receive() -> None:
+        """The decode side, between its steps: install each waiting request that fits (a free row of the batch and
+        enough free blocks for its prompt), as the decode worker does."""
+        while pending and len(decode.scheduler.running) < config.max_num_seqs:
+            handoff, payload, metadata, sent_table = pending[0]
+            if not decode.scheduler.pool.can_allocate(blocks_needed(len(handoff.prompt_ids), config.block_size)):
+                return
+            pending.popleft()
+            table = watch.call(
+                "install_kv", answers["install_kv"], decode.runner.store, decode.scheduler.pool, payload, metadata
+            )
+            tables[str(handoff.request_id)] = {"prefill": sent_table, "decode": table}
+            adopted[handoff.request_id] = adopt(decode, handoff, table)
 
     prefill = engine_class(partial(prefill_step, handoff=ship)).from_model(model, None, config)
     _scatter(prefill, case["seed"])
@@ -135,15 +153,19 @@ def _serve_two_engines(answers: dict, model, case: dict) -> dict:
         prefill.add_request(list(p), SamplingParams(max_new_tokens=n, stop_ids=()))
         for p, n in zip(case["prompts"], case["new_tokens"])
     ]
-    record = {"violation": None, "tokens": None, "pools": None, "tables": tables}
+    record = {"violation": None, "tokens": None, "pools": None, "tables": tables, "waited": 0}
     try:
         for _ in range(MAX_STEPS):
-            if not (prefill.has_unfinished() or decode.has_unfinished()):
+            if not (prefill.has_unfinished() or decode.has_unfinished() or pending):
                 break
             if prefill.has_unfinished():
                 prefill.step()
+            receive()
+            record["waited"] += bool(pending)
             if decode.has_unfinished():
                 decode.step()
+            elif pending and not prefill.has_unfinished():
+                raise RuntimeError("the idle decode engine has too few free blocks for the next handed-off request")
         else:
             raise RuntimeError(f"the requests did not finish within {MAX_STEPS} steps of each engine")
         record["tokens"] = [list(decode.sequences[adopted[i]].output_ids) if i in adopted else [] for i in ids]
@@ -182,7 +204,7 @@ def _describe(case: dict) -> str:
 def compare_engines(got: dict, expected: dict, case: dict) -> Mismatch | None:
     where = _describe(case)
     if expected["violation"] or expected["tokens"] != expected["one_engine"]:
-        raise RuntimeError(f"the course's handoff does not give one engine's tokens on {where}")
+        raise ReferenceFailed(f"the course's handoff does not give one engine's tokens on {where}")
     if got["violation"]:
         return Mismatch(
             "the two engines could not serve the requests", f"on {where}: {got['violation']}", hint=ENGINE_HINT

@@ -11,7 +11,7 @@ import random
 from grading.checks.common import reference
 from grading.checks.lab17.kv_cases import DTYPES, filled_store, layout, raised, store_blocks
 from grading.checks.lab17.tasks import HANDOFF_SECTION, TASKS, first_mismatch
-from grading.registry import Check, Mismatch, register
+from grading.registry import Check, Mismatch, ReferenceFailed, register
 
 POOL_HINT = (
     "the receiver's blocks come from its own pool: allocate takes metadata.num_blocks free blocks and holds each "
@@ -212,7 +212,7 @@ def _case_mismatch(got: dict, standard: dict, case: dict) -> Mismatch | None:
 
 def _judge(got: dict, expected: dict, case: dict) -> Mismatch | None:
     if _case_mismatch(expected, expected, case) is not None:
-        raise RuntimeError(f"the course's install_kv fails its own check on {_describe(case)}")
+        raise ReferenceFailed(f"the course's install_kv fails its own check on {_describe(case)}")
     return _case_mismatch(got, expected, case)
 
 
