@@ -3,6 +3,8 @@ gradients on ranks that are threads and on a gloo process group, and each sends 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,6 +139,15 @@ def test_traffic_per_rank_falls_with_the_world_for_ulysses_and_not_for_the_ring(
     assert ring == [2 * (w - 1) * 4096 // w * 32 * 128 * 4 for w in (2, 4, 8, 16)]  # -> 2 S H d elements
     assert ulysses == [(w - 1) * 4 * 4096 * 32 * 128 // (w * w) * 4 for w in (2, 4, 8, 16)]
     assert ring[-1] > ring[0] and all(a > b for a, b in zip(ulysses, ulysses[1:]))
+
+
+def test_the_ring_hides_its_traffic_from_the_slice_where_compute_equals_transfer():
+    t = cp.ring_hidden_slice(32, 8, 989e12, 450e9)  # an H100's bf16 peak, NVLink's 900 GB/s over both directions
+    assert round(t) == 549
+    compute, transfer = 4 * t * t * 32 * 128 / 989e12, 2 * t * 8 * 128 * 2 / 450e9
+    assert math.isclose(compute, transfer, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="positive"):
+        cp.ring_hidden_slice(32, 0, 989e12, 450e9)
 
 
 def test_the_step_and_the_sharding_refuse_bad_input():

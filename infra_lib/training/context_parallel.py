@@ -484,6 +484,21 @@ def ulysses_traffic(
     return _per_rank_and_total(forward, forward, world)
 
 
+def ring_hidden_slice(
+    n_heads: int, n_kv_heads: int, flops_per_s: float, link_bytes_per_s: float, element_size: int = 2
+) -> float:
+    """The slice length t = S / W from which the ring hides its traffic behind compute.
+
+    One full block's attention is 4 t^2 H d FLOPs (Q K^T and P V, two multiply-adds each); sending the next
+    K/V block is 2 t H_kv d elements. Compute lasts at least as long as the transfer when
+    t >= H_kv * element_size * flops / (2 H * link bandwidth); head_dim cancels. Peak FLOP/s make this a floor:
+    attention that runs below peak hides the transfer from shorter slices.
+    """
+    if min(n_heads, n_kv_heads, flops_per_s, link_bytes_per_s, element_size) <= 0:
+        raise ValueError("heads, FLOP/s, link bandwidth and element size must all be positive")
+    return n_kv_heads * element_size * flops_per_s / (2 * n_heads * link_bytes_per_s)
+
+
 def _per_rank_and_total(forward: int, backward: int, world: int) -> dict[str, int]:
     return {
         "forward_per_rank": forward,
@@ -524,10 +539,10 @@ def context_parallel_worker(
         out = attend(mine, comm)
         sent_forward = comm.bytes_sent
         out.backward(shard_sequence(grad_out, world_size, rank, layout))
-        wanted = [expected, *(x.grad for x in full)]
+        wanted = [expected.detach(), *(x.grad for x in full)]
         errors = [
             float((got - shard_sequence(want, world_size, rank, layout)).abs().max())
-            for got, want in zip([out, *(x.grad for x in mine)], wanted)
+            for got, want in zip([out.detach(), *(x.grad for x in mine)], wanted)
         ]
         row[name] = {
             "out_error": errors[0],

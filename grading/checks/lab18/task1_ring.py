@@ -813,7 +813,8 @@ def compare_backward(got, expected, cases) -> Mismatch | None:
     return None
 
 
-def _parts(name: str, drive) -> dict:
+def ring_parts(name: str, drive) -> dict:
+    """The fields every check of this task shares: the task, the course's function it compares with, the driver."""
     return {"task": TASK, "reference": reference("infra_lib.training.context_parallel", name), "drive": drive}
 
 
@@ -823,7 +824,7 @@ register(
         make_inputs=step_cases,
         compare=compare_step,
         hint=HINTS["no_rescale"],
-        **_parts("ring_attention_step", drive_step),
+        **ring_parts("ring_attention_step", drive_step),
     )
 )
 
@@ -833,7 +834,7 @@ register(
         make_inputs=step_edge_cases,
         compare=compare_step,
         hint=HINTS["no_rescale"] + "; scores near 10^2 overflow exp unless the max is subtracted first",
-        **_parts("ring_attention_step", drive_step),
+        **ring_parts("ring_attention_step", drive_step),
     )
 )
 
@@ -843,7 +844,7 @@ register(
         make_inputs=ring_cases,
         compare=compare_ring,
         hint=HINTS["values"],
-        **_parts("ring_attention", drive_ring),
+        **ring_parts("ring_attention", drive_ring),
     )
 )
 
@@ -853,7 +854,7 @@ register(
         make_inputs=ring_edge_cases,
         compare=compare_ring,
         hint=HINTS["values"] + "; one rank has no neighbour to exchange with, and a slice may hold one position",
-        **_parts("ring_attention", drive_ring),
+        **ring_parts("ring_attention", drive_ring),
     )
 )
 
@@ -863,7 +864,7 @@ register(
         make_inputs=traffic_cases,
         compare=compare_traffic,
         hint=HINTS["traffic"],
-        **_parts("ring_attention", drive_ring),
+        **ring_parts("ring_attention", drive_ring),
     )
 )
 
@@ -873,7 +874,7 @@ register(
         make_inputs=backward_cases,
         compare=compare_backward,
         hint=HINTS["backward"],
-        **_parts("ring_attention_backward", drive_backward),
+        **ring_parts("ring_attention_backward", drive_backward),
     )
 )
 
@@ -883,6 +884,6 @@ register(
         make_inputs=backward_edge_cases,
         compare=compare_backward,
         hint=HINTS["backward"] + "; one rank sends nothing",
-        **_parts("ring_attention_backward", drive_backward),
+        **ring_parts("ring_attention_backward", drive_backward),
     )
 )
