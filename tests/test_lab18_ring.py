@@ -94,6 +94,13 @@ def test_task1_a_state_of_another_form_is_named():
     assert "must return (row_max, row_sum, acc)" in message and ring.STATE_HINT in message
 
 
+def test_task1_a_step_that_accepts_any_causal_kind_fails_the_hidden_edges():
+    lax = variant(FORWARD, ('    if causal_kind not in ("diagonal", "full"):', "    if False:"))["ring_attention_step"]
+    check("lab18.ring_step", lax)
+    message = check_fails("lab18.ring_step_edges", lax)
+    assert "did not refuse a causal_kind" in message and "raised nothing" in message
+
+
 def test_task1_a_row_max_that_is_not_the_max_is_named():
     """A state whose row_max is not the largest score met may give the right output on small scores, but it is not
     the contract's state, and on scores near 10^2 exp overflows float32."""

@@ -108,9 +108,11 @@ HINTS = {
 # --- cases ----------------------------------------------------------------------------------------------------
 
 
-def _step_case(rng, batch, heads, t, head_dim, dtype, steps) -> dict:
-    """steps: [kind, key rows, magnitude] per block (magnitude scales the block's keys: a larger one raises the max)."""
+def _step_case(rng, batch, heads, t, head_dim, dtype, steps, refuse=None) -> dict:
+    """steps: [kind, key rows, magnitude] per block (magnitude scales the block's keys: a larger one raises the max);
+    refuse: a causal_kind the step must refuse with ValueError afterwards."""
     return {
+        "refuse": refuse,
         "batch": batch,
         "heads": heads,
         "t": t,
@@ -132,12 +134,13 @@ def step_cases(rng: random.Random) -> list[dict]:
 
 
 def step_edge_cases(rng: random.Random) -> list[dict]:
-    """head_dim 1, scores near 10^2 (exp overflows float32 without the max), six steps, key blocks of another length."""
+    """head_dim 1, scores near 10^2 (exp overflows float32 without the max), six steps, key blocks of another length,
+    and a causal_kind to refuse."""
     return [
         _step_case(rng, 1, 1, 6, 1, "float32", [["diagonal", 6, 1.0], ["full", 6, 2.0]]),
         _step_case(rng, 2, 2, 3, 16, "float32", [["diagonal", 3, 30.0], ["full", 3, 60.0], ["full", 3, 10.0]]),
         _step_case(rng, 1, 2, 4, 6, "float64", [["diagonal", 4, 1.0]] + [["full", 4, m] for m in (2, 0.5, 6, 1, 9)]),
-        _step_case(rng, 3, 1, 2, 3, "float64", [["full", 5, 1.0], ["full", 1, 7.0], ["diagonal", 2, 2.0]]),
+        _step_case(rng, 3, 1, 2, 3, "float64", [["full", 5, 1.0], ["full", 1, 7.0], ["diagonal", 2, 2.0]], "causal"),
     ]
 
 
@@ -463,6 +466,8 @@ def drive_step(step, cases: list[dict]) -> list[dict]:
             record["states"].append(_state_record(state))
             if record["states"][-1]["form"] != "ok":
                 break
+        if case.get("refuse") and "error" not in record:
+            record["refused"] = _refusal(step, q, blocks[0], state, case["refuse"])
         record["closed"] = [[x.tolist() for x in s] for s in state_sequence(q, blocks, kinds)]
         record["variants"] = {
             rule: [[x.tolist() for x in s] for s in state_sequence(q, blocks, kinds, rule)]
@@ -473,6 +478,17 @@ def drive_step(step, cases: list[dict]) -> list[dict]:
         ]
         records.append(record)
     return records
+
+
+def _refusal(step, q, block, state, kind: str) -> str:
+    """What the step did with a causal_kind outside the contract: the exception's type name, or "nothing"."""
+    try:
+        step(q.clone(), block[0].clone(), block[1].clone(), state, kind)
+    except (NotImplementedError, MemoryError):
+        raise
+    except Exception as exc:  # the learner's code may raise anything
+        return type(exc).__name__
+    return "nothing"
 
 
 def _rank_slice(x, case: dict, rank: int):
@@ -635,6 +651,12 @@ def compare_step(got, expected, cases) -> Mismatch | None:
                 "ring_attention_step raised an error",
                 f"on {where}, block {len(mine['states']) + 1}: {mine['error']}",
                 hint=STATE_HINT,
+            )
+        if case.get("refuse") and mine.get("refused") != "ValueError":
+            return Mismatch(
+                "ring_attention_step did not refuse a causal_kind outside the contract with ValueError",
+                f"on {where}: causal_kind={case['refuse']!r} raised {mine.get('refused')}",
+                hint="causal_kind is 'diagonal' or 'full'; anything else is a caller's mistake, refused (ValueError)",
             )
     return None
 
