@@ -178,6 +178,12 @@ READINGS: dict[str, tuple[str, list[str]]] = {
     ),
     "lab17 task 4: shard_mlp and tp_mlp_forward": ("17_serving_beyond_one_engine", ["6 · Tensor-parallel decode"]),
     "lab17 task 5: top_k_gating": ("17_serving_beyond_one_engine", ["7 · Experts across processes"]),
+    "lab18 task 1: ring_attention_step": ("18_training_at_scale", ["5 · Context parallelism: ring attention"]),
+    "lab18 task 2: the checkpoint and resume of a training loop": (
+        "18_training_at_scale",
+        ["3 · A killed rank, resumed under torchrun"],
+    ),
+    "lab18 task 3: LoRALinear": ("18_training_at_scale", ["7 · LoRA: fine-tuning a sliver of the model"]),
 }
 
 

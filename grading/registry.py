@@ -40,6 +40,7 @@ CHECK_MODULES = (
     "grading.checks.lab15",
     "grading.checks.lab16",
     "grading.checks.lab17",
+    "grading.checks.lab18",
 )
 
 

@@ -227,6 +227,15 @@ _TEXTS: dict[str, str | None] = {
     "dims",
     "lab17.top_k_gating": "k = 1 and k = n_experts, float64 logits, a single token, logits near 10^4, and three inputs "
     "to refuse with ValueError",
+    # lab 18
+    "lab18.ring_step": "head_dim 1, scores near 10², six blocks in a row, key blocks of 5 and 1 rows against 2 "
+    "queries, and a causal_kind to refuse",
+    "lab18.ring_forward": "one rank, one position per rank, five ranks, scores near 10² in float32, a non-causal "
+    "float64 ring of 3 heads",
+    "lab18.ring_traffic": None,
+    "lab18.ring_backward": "one rank, one position per rank in float64, a non-causal ring",
+    "lab18.resume_exact": "a job killed before its first checkpoint, and a job killed twice, the second time after "
+    "it had resumed and saved again",
 }
 
 # Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).
