@@ -90,6 +90,15 @@ def lora_cases(rng: random.Random) -> list[dict]:
     ]
 
 
+def lora_merge_cases(rng: random.Random) -> list[dict]:
+    """``lora_cases`` with a 96 -> 64 layer for SmolLM2's: the merge check records every weight five times."""
+    return [
+        _case(rng, 24, 40, 4, 8.0, True, [3, rng.randint(2, 5)]),
+        _case(rng, 96, 64, 8, 16.0, False, [2, rng.randint(3, 7)]),
+        _case(rng, 17, 9, 3, rng.choice([5.0, 7.0]), True, [rng.randint(2, 5)]),
+    ]
+
+
 def lora_edge_cases(rng: random.Random) -> list[dict]:
     """float64, rank 1, no bias, the rank equal to the smaller side, a 1-D and a 4-D input."""
     return [
@@ -565,7 +574,7 @@ register(
         check_id="lab18.lora_merge",
         task=TASKS[3],
         reference=course_lora,
-        make_inputs=lora_cases,
+        make_inputs=lora_merge_cases,
         drive=drive_merge,
         compare=compare_merge,
         hint=UNMERGE_HINT,
