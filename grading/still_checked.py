@@ -236,6 +236,10 @@ _TEXTS: dict[str, str | None] = {
     "lab18.ring_backward": "one rank, one position per rank in float64, a non-causal ring",
     "lab18.resume_exact": "a job killed before its first checkpoint, and a job killed twice, the second time after "
     "it had resumed and saved again",
+    "lab18.lora_forward": "float64, rank 1, no bias, the rank equal to the smaller side, an input with no leading "
+    "dimension and one with three",
+    "lab18.lora_grads": "the same in float64, rank 1, no bias, no leading dimension",
+    "lab18.lora_merge": "the float64 layers (restored within 1e-12), and ranks and alphas to refuse",
 }
 
 # Visible check id -> the line printed under its ✓ (None in _TEXTS: the cell has no hidden checks).

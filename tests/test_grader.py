@@ -221,7 +221,7 @@ def test_lab_is_inferred_from_the_cells_grade_ids_when_no_name_says_it(tmp_path)
     with pytest.raises(
         GradingError,
         match=r"none of its cells' grade_ids belong to a lab \(labs: lab01_gemm, .*"
-        r"lab17_distributed_serving\); pass --lab LAB_ID",
+        r"lab18_resilient_training\); pass --lab LAB_ID",
     ):
         infer_lab(tmp_path / "shared.ipynb")
 

@@ -6,18 +6,17 @@ The answer cell is read from the task's cell file until the lab notebook is asse
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-from conftest import check_fails
+from conftest import REPO, answer_cells, check_fails
 
 import grading.checks.lab18.task3_lora as lora
 from grading import check
 from grading.checks.lab18.tasks import LORA_SECTION, TASKS
 
-CELLS_FILE = Path("/work/helper_notes/lab18/task3.py")
+SOLUTION = REPO / "solutions" / "lab18_resilient_training" / "lab18_resilient_training.ipynb"
+SETUP_IMPORTS = "import math\n\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
 ANSWER = "task3_lora_linear"
 CHECKS = (
     "lab18.lora_forward",
@@ -29,22 +28,14 @@ CHECKS = (
 )
 
 
-def _cells():
-    spec = importlib.util.spec_from_file_location("lab18_task3_cells", CELLS_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def variant(*replacements: tuple[str, str]) -> type:
     """The lab's ``LoRALinear``, each (old, new) replacement made in its answer cell, run after the setup imports."""
-    cells = _cells()
-    source = next(src for _, grade_id, _, _, src in cells.CELLS if grade_id == ANSWER)
+    source = answer_cells(SOLUTION)[ANSWER]
     for old, new in replacements:
         assert source.count(old) == 1, f"the answer {ANSWER} no longer holds {old!r}"
         source = source.replace(old, new)
     namespace: dict = {}
-    exec(compile(cells.SETUP_IMPORTS + source, f"<{ANSWER}>", "exec"), namespace)  # noqa: S102 - the course's own
+    exec(compile(SETUP_IMPORTS + source, f"<{ANSWER}>", "exec"), namespace)  # noqa: S102 - the course's own
     return namespace["LoRALinear"]
 
 
@@ -159,11 +150,11 @@ def test_task3_the_hints_point_to_the_lesson_and_name_no_code():
 
 def test_task3_an_untouched_answer_fails_cleanly_naming_the_task():
     """The stub nbgrader leaves (every method's solution removed, its raise kept) fails each check by its task."""
-    source = next(src for _, grade_id, _, _, src in _cells().CELLS if grade_id == ANSWER)
+    source = answer_cells(SOLUTION)[ANSWER]
     stub = re.sub(r"[ \t]*### BEGIN SOLUTION.*?### END SOLUTION\n", "", source, flags=re.S)
     assert stub.count("raise NotImplementedError") == 4
     namespace: dict = {}
-    exec(compile(_cells().SETUP_IMPORTS + stub, "<stub>", "exec"), namespace)  # noqa: S102
+    exec(compile(SETUP_IMPORTS + stub, "<stub>", "exec"), namespace)  # noqa: S102
     for check_id in ("lab18.lora_forward", "lab18.lora_merge_edges"):
         message = check_fails(check_id, namespace["LoRALinear"])
         assert TASKS[3] in message and "Traceback" not in message, message

@@ -7,25 +7,22 @@ that should catch it. The answer is read from the lab's cell file until the lab 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import random
 
 import psutil
 import pytest
+from conftest import REPO, answer_cells
 
 from grading import check
 from grading.check import INTERACTIVE_SEED, drive, judge
 from grading.checks.lab18 import task2_resume as resume
 from grading.registry import get_check
 
-CELL_FILE = "/work/helper_notes/lab18/task2.py"
+SOLUTION = REPO / "solutions" / "lab18_resilient_training" / "lab18_resilient_training.ipynb"
 
 
 def _answer_source() -> str:
-    spec = importlib.util.spec_from_file_location("lab18_task2_cells", CELL_FILE)
-    cells = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cells)
-    return next(source for _, grade_id, _, _, source in cells.CELLS if grade_id == "task2_checkpoint")
+    return answer_cells(SOLUTION)["task2_checkpoint"]
 
 
 def variant(*replacements: tuple[str, str]) -> dict:

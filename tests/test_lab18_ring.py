@@ -7,29 +7,23 @@ The answer cells are read from the task's cell file until the lab notebook is as
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_fails
+from conftest import REPO, answer_cells, check_fails
 
 import grading.checks.lab18.task1_ring as ring
 from grading import check
-from grading.checks.lab18.tasks import RING_SECTION, TASKS
-from grading.readings import READINGS
+from grading.checks.lab18.tasks import TASKS
 
-CELLS_FILE = Path("/work/helper_notes/lab18/task1.py")
+SOLUTION = REPO / "solutions" / "lab18_resilient_training" / "lab18_resilient_training.ipynb"
 
 
 def _cells() -> dict[str, str]:
-    spec = importlib.util.spec_from_file_location("lab18_task1_cells", CELLS_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {grade_id: source for _, grade_id, _, solution, source in module.CELLS if solution}
+    return answer_cells(SOLUTION)
 
 
 def variant(cell: str, *replacements: tuple[str, str]) -> dict:
@@ -210,18 +204,11 @@ def test_task1_bonus_mistakes_are_named():
     assert "differs from full attention's gradient" in message and ring.HINTS["backward"] in message
 
 
-@pytest.fixture
-def lesson_readings(monkeypatch):
-    """Where an untouched task points the learner (the readings gain lab 18 when the chapter is assembled)."""
-    if TASKS[1] not in READINGS:
-        monkeypatch.setitem(READINGS, TASKS[1], ("18_training_at_scale", [RING_SECTION.split("“")[1].rstrip("”")]))
-
-
 @pytest.mark.parametrize(
     "check_id",
     ["lab18.ring_step", "lab18.ring_forward", "lab18.ring_traffic", "lab18.ring_backward", "lab18.ring_forward_edges"],
 )
-def test_task1_an_untouched_answer_fails_cleanly(check_id, lesson_readings):
+def test_task1_an_untouched_answer_fails_cleanly(check_id):
     def stub(*args, **kwargs):
         raise NotImplementedError(TASKS[1])
 

@@ -172,22 +172,61 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
+class TorchGroup:
+    """The loop's two collectives on the default ``torch.distributed`` group (gloo under ``torchrun``)."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+class StoreGroup:
+    """The loop's two collectives through a key-value store (torch's ``FileStore``), for ranks that cannot open a
+    socket: a sandbox with no network has no loopback for gloo. Every rank posts its tensor under the call's key
+    and reads every rank's, then reduces them in rank order, so every rank gets the same bits (for two ranks, the
+    bits gloo's sum gives)."""
+
+    def __init__(self, store, rank: int, world_size: int):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.calls = 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+        self.calls += 1
+        flat = tensor.detach().contiguous().view(-1)
+        self.store.set(f"reduce{self.calls}/{self.rank}", flat.numpy().tobytes())
+        parts = [
+            torch.frombuffer(bytearray(self.store.get(f"reduce{self.calls}/{r}")), dtype=flat.dtype)
+            for r in range(self.world_size)
+        ]
+        result = parts[0].clone()
+        for part in parts[1:]:
+            result = torch.maximum(result, part) if op == "max" else result + part
+        tensor.copy_(result.view_as(tensor))
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+
+def _all_reduce_mean(tensor: torch.Tensor, world_size: int, group) -> torch.Tensor:
+    if world_size > 1:
+        group.all_reduce(tensor)
         tensor /= world_size
     return tensor
 
 
-def _same_step_everywhere(run: TrainingRun) -> None:
+def _same_step_everywhere(run: TrainingRun, group) -> None:
     if run.world_size == 1:
         return
-    import torch.distributed as dist
-
     bounds = torch.tensor([run.step, -run.step])
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    group.all_reduce(bounds, op="max")
     if int(bounds[0]) != -int(bounds[1]):
         raise RuntimeError(
             f"the ranks resumed from different steps ({-int(bounds[1])} to {int(bounds[0])}): a job's checkpoint "
@@ -204,6 +243,7 @@ def train_loop(
     load: Callable,
     log: Callable[[dict], None] | None = None,
     kill_step: int | None = None,
+    group=None,
 ) -> list[dict]:
     """Resume from ``checkpoint`` (``load(checkpoint, run)``), train until ``run.step == total_steps``, saving
     (``save(checkpoint, run)``) after every ``every``-th step; returns one record per step trained here.
@@ -211,13 +251,15 @@ def train_loop(
     A record holds the step (counted from 1), digests of what the step starts from (``weights``, ``moments``:
     the optimizer's state, ``rng``: torch's global generator), the step's global ``batch`` of sample indices,
     the global ``loss`` and wall times ``t0``/``t1``. ``log`` also gets events: ``start`` (with the step
-    resumed from), ``checkpoint``, ``killed``. ``kill_step``: SIGKILL this process during that step.
+    resumed from), ``checkpoint``, ``killed``. ``kill_step``: SIGKILL this process during that step. ``group``: the
+    collectives between ranks (``TorchGroup``, the default, or ``StoreGroup``).
     """
     if every < 1 or total_steps < 0:
         raise ValueError(f"every must be >= 1 and total_steps >= 0, got every={every}, total_steps={total_steps}")
     log = log or (lambda record: None)
+    group = group or TorchGroup()
     load(checkpoint, run)
-    _same_step_everywhere(run)
+    _same_step_everywhere(run, group)
     log({"event": "start", "step": run.step, "t": time.time()})
     records = []
     while run.step < total_steps:
@@ -239,21 +281,19 @@ def train_loop(
             log({"event": "killed", "step": kill_step, "t": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
         grads = [p.grad for p in run.model.parameters()]
-        flat = _all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]), run.world_size)
+        flat = _all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]), run.world_size, group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
         run.optimizer.step()
         run.step += 1
-        record["loss"] = float(_all_reduce_mean(loss.detach().clone(), run.world_size))
+        record["loss"] = float(_all_reduce_mean(loss.detach().clone(), run.world_size, group))
         record["t1"] = time.time()
         log(record)
         records.append(record)
         if run.step % every == 0:
             save(checkpoint, run)
             if run.world_size > 1:
-                import torch.distributed as dist
-
-                dist.barrier()  # every rank's file holds this step before any rank goes on
+                group.barrier()  # every rank's file holds this step before any rank goes on
             log({"event": "checkpoint", "step": run.step, "t": time.time()})
     return records
 

@@ -50,11 +50,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed"]  # what the fork server imports once, so that no worker pays for it
+
+
+def also_preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (FSDP2's and DCP's modules take a second per worker to import).
+    Call it before this process's first ``run_workers``: the server reads the list when it first starts."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
 def _context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server first starts
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server first starts
     return ctx
 
 

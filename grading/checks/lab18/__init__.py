@@ -27,7 +27,16 @@ register_shortcuts(
         "infra_lib.training.context_parallel:ulysses_attention",
         "infra_lib.training.elastic:save_checkpoint",
         "infra_lib.training.elastic:load_checkpoint",
+        "infra_lib.model.lora:LoRALinear",
+        "infra_lib.model.lora:apply_lora",
+        "infra_lib.model.lora:merge_lora",
+        "infra_lib.model.lora:unmerge_lora",
+        "infra_lib.serving.multi_lora:MultiLoRALinear",
     ],
 )
 
-from . import task1_ring, task2_resume  # noqa: E402,F401  (each task's module registers its checks, in task order)
+from . import (  # noqa: E402,F401  (each task's module registers its checks, in task order)
+    task1_ring,
+    task2_resume,
+    task3_lora,
+)
