@@ -221,6 +221,7 @@ LONGEST_FIRST = (
     "tests/test_model.py::test_decode_benchmark_writes_json",
     "tests/test_disaggregation.py::test_disaggregation_benchmark_writes_every_variant",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[17_serving_beyond_one_engine]",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[18_training_at_scale]",
     "tests/test_model.py::test_decode_profile_benchmark_splits_each_step",
     "tests/test_model.py::test_bf16_and_int8_decode_layouts_stay_within_their_documented_tolerance",
     "tests/test_adversarial.py::test_batch_grading_a_class_with_a_cache",

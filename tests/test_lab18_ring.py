@@ -214,3 +214,17 @@ def test_task1_an_untouched_answer_fails_cleanly(check_id):
 
     message = check_fails(check_id, stub)
     assert "lab18 task 1 is not started yet" in message and "5 · Context parallelism: ring attention" in message
+
+
+def test_the_labs_last_cell_runs_the_ring_over_four_ranks_equal_to_full_attention(tmp_path, capsys):
+    """The cell after the last test: the answer's ring over four thread ranks, its rows against full attention and
+    each rank's bytes sent, three times its K/V block."""
+    import re
+
+    from conftest import run_cells_after_the_tests
+
+    run_cells_after_the_tests(SOLUTION, tmp_path)
+    out = capsys.readouterr().out
+    error = float(re.search(r"max \|yours - full attention\| = ([0-9.e+-]+)", out).group(1))
+    assert error < 1e-5, out
+    assert len(re.findall(r"rank \d sent [\d,]+ bytes = 3 x its K/V block", out)) == 4, out

@@ -190,10 +190,13 @@ def test_nbgrader_autograde_agrees_with_the_course_grader(tmp_path):
     assert ours == nbgrader_scores
 
 
-@pytest.mark.parametrize("lab", ["lab05_parallel", "lab15_serving_kernels", "lab17_distributed_serving"])
+@pytest.mark.parametrize(
+    "lab", ["lab05_parallel", "lab15_serving_kernels", "lab17_distributed_serving", "lab18_resilient_training"]
+)
 def test_nbgrader_grades_a_lab_as_the_course_grader_does(tmp_path, lab):
-    """Lab 15's Triton kernels, lab 05's trainer (the learner's autograd, DDP and ZeRO on threads) and
-    lab 17's router, KV handoff and tensor-parallel MLP under nbgrader's own run (the learner's code in
+    """Lab 15's Triton kernels, lab 05's trainer (the learner's autograd, DDP and ZeRO on threads),
+    lab 17's router, KV handoff and tensor-parallel MLP and lab 18's ring attention, killed-and-resumed training
+    loop and LoRA layer under nbgrader's own run (the learner's code in
     nbgrader's kernel, the hidden checks included): the instructor's answers get full marks and an
     untouched lab zero, the scores the course's grader gives them
     (test_solution_runs_top_to_bottom_and_scores_full_marks and
