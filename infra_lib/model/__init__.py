@@ -1,4 +1,5 @@
-"""A real LLM in readable torch (L4): model, KV cache, loaders, tokenizer, sampling, generation."""
+"""A real LLM in readable torch (L4): model, KV cache, loaders, tokenizer, sampling, generation; LoRA adapters for
+it in ``infra_lib.model.lora``."""
 
 from infra_lib.model.attention import cached_attention, causal_mask, repeat_kv
 from infra_lib.model.cache import DenseKVCache, DenseLayerCache, KVCache, LayerCache

@@ -22,7 +22,8 @@ pulls in FastAPI) and replicas.py (starting and stopping them); disaggregated.py
 disaggregated_workers.py (prefill and decode in two processes, the prompt's KV blocks handed over
 with pack_kv and install_kv over gloo); tensor_parallel_decode.py (SmolLM2 split over ranks by
 KV-head groups, row-parallel outputs all-reduced); moe.py (top-k gating with a capacity factor,
-experts across processes with all-to-all).
+experts across processes with all-to-all); multi_lora.py (several LoRA adapters in one engine step,
+the base projection once per batch and each row's low-rank delta by its adapter).
 """
 
 from infra_lib.serving.block_pool import BlockAllocator, BlockPool, OutOfBlocks

@@ -242,3 +242,18 @@ def merged_copy(model: nn.Module, adapter: LoRAAdapter | None) -> nn.Module:
         for layer_name in adapter.weights:
             modules[layer_name].weight += adapter.delta(layer_name).to(modules[layer_name].weight)
     return merged
+
+
+def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int = 16) -> tuple[float, list[str]]:
+    """The fraction of ``items`` whose greedy answer is exactly ``item["answer"]`` (surrounding spaces aside),
+    and the answers: every prompt served at once by the course's engine, so the evaluation runs as serving
+    would."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=64 * 5)
+    engine = LLMEngine.from_model(model, tokenizer, config)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    ids = [engine.add_request(item["prompt"], params) for item in items]
+    while engine.has_unfinished():
+        engine.step()
+    answers = [engine.output(i).text.strip() for i in ids]
+    hits = sum(answer == item["answer"] for answer, item in zip(answers, items))
+    return hits / len(items), answers

@@ -18,6 +18,17 @@ N processes on one machine.
                          on each rank's own shard, ZeroAdamW (stage 1 over them) and ZeroStage1Adam
     tensor_parallel.py   column- and row-parallel linear layers (Megatron's MLP split)
     pipeline.py          GPipe schedule and the bubble fraction
+    fsdp.py              FSDP2 (fully_shard per block) on the course's Llama, its bytes held and sent counted
+                         against the ZeRO stage-3 accounting; ZeRO-1 beside it
+    checkpointing.py     torch.distributed.checkpoint: sharded saves, blocking or async, loaded at another
+                         world size
+    elastic.py           a training loop whose checkpoint resumes it bit for bit; the Young/Daly interval and
+                         a failure simulation
+    elastic_train.py     that loop under torchrun with a rank killed, or on forked ranks restarted as torchrun
+                         restarts them
+    context_parallel.py  ring attention (contiguous and zigzag, with its ring backward) and Ulysses, over the
+                         course's exchange, with their traffic
+    lora_finetune.py     a LoRA fine-tune of SmolLM2 on the shipped date task, and its memory against a full one
 """
 
 from infra_lib.training.collectives import DistComm, ThreadComm, ThreadGroup, ring_all_reduce, ring_bytes_sent

@@ -14,8 +14,9 @@ per answer token (teacher-forced, the end-of-turn token included).
     load_date_items / encode_items      the items, as (prompt ids, answer ids + end of turn)
     answer_loss / mean_answer_log_likelihood      cross-entropy on the answer tokens only
     finetune                            seeded AdamW steps on the trainable parameters
-    exact_match                         the course's engine answers every held-out item greedily
     training_memory                     bytes of parameters, gradients and optimizer state, as allocated
+
+The evaluation by the engine, ``exact_match``, is serving's: it lives in ``infra_lib.serving.multi_lora``.
 
 Regenerate the data with ``python -m infra_lib.training.lora_finetune``.
 """
@@ -204,25 +205,6 @@ def finetune(
     finally:
         model.train(was_training)
     return FinetuneRun(losses, time.perf_counter() - start, sum(p.numel() for p in trainable))
-
-
-def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int = 16) -> tuple[float, list[str]]:
-    """The fraction of ``items`` whose greedy answer is exactly ``item["answer"]`` (surrounding spaces aside),
-    and the answers: every prompt served at once by the course's engine, so the evaluation runs as serving
-    would."""
-    from infra_lib.model.sampling import SamplingParams
-    from infra_lib.serving.engine import LLMEngine
-    from infra_lib.serving.scheduler_output import SchedulerConfig
-
-    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=64 * 5)
-    engine = LLMEngine.from_model(model, tokenizer, config)
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    ids = [engine.add_request(item["prompt"], params) for item in items]
-    while engine.has_unfinished():
-        engine.step()
-    answers = [engine.output(i).text.strip() for i in ids]
-    hits = sum(answer == item["answer"] for answer, item in zip(answers, items))
-    return hits / len(items), answers
 
 
 @dataclass(frozen=True)

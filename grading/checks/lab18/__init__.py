@@ -28,9 +28,6 @@ register_shortcuts(
         "infra_lib.training.elastic:save_checkpoint",
         "infra_lib.training.elastic:load_checkpoint",
         "infra_lib.model.lora:LoRALinear",
-        "infra_lib.model.lora:apply_lora",
-        "infra_lib.model.lora:merge_lora",
-        "infra_lib.model.lora:unmerge_lora",
         "infra_lib.serving.multi_lora:MultiLoRALinear",
     ],
 )
