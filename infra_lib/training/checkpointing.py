@@ -150,12 +150,15 @@ def resume_worker(rank: int, world_size: int, config: LlamaConfig, batches, path
     """``run_workers`` target: a fresh model (drawn from another ``seed``: the checkpoint must overwrite it) under
     FSDP2 on this group's ranks, loaded from ``path``, trained on the batches from the saved step on.
 
-    Returns the step it resumed at and the global losses of the steps after it.
+    Returns the step it resumed at, the seconds its load took (reading this rank's pieces of every shard file and
+    setting them) and the global losses of the steps after it.
     """
     from infra_lib.training.train_step import tiny_model
 
     model = shard_llama(tiny_model(config, seed=seed), world_size)
     optimizer = make_optimizer(model)
+    start = time.perf_counter()
     step = load(model, optimizer, path)
+    load_s = time.perf_counter() - start
     losses = [train_step(model, optimizer, inputs, targets, rank, world_size) for inputs, targets in batches[step:]]
-    return {"resumed_at": step, "losses": losses}
+    return {"resumed_at": step, "load_s": load_s, "losses": losses}
