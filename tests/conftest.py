@@ -79,6 +79,19 @@ def parameters_cell(path: Path) -> str:
     return cells[0].source
 
 
+def size_for_ci(notebook: Path) -> None:
+    """Set ``QUICK = True`` in the parameters cell of a copy of a lab's instructor notebook. nbgrader runs a lab
+    as its source says, with no parameters injected; the course's grader injects ``QUICK = True`` for CI, and a
+    course copied for a test is sized the same way (QUICK sizes only the cells after the graded ones)."""
+    from grading.notebook import read_notebook
+
+    nb = read_notebook(notebook)
+    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1 and cells[0].source.count("QUICK = False") == 1, f"{notebook}: no QUICK = False to set"
+    cells[0].source = cells[0].source.replace("QUICK = False", "QUICK = True")
+    nbformat.write(nb, notebook)
+
+
 def error_outputs(notebook) -> list[str]:
     """``ename: evalue`` of every error output in an executed notebook."""
     return [

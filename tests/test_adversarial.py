@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, size_for_ci
 
 from grading.batch import grade_batch
 from grading.grader import DEFAULT_SOURCE, grade_notebook
@@ -169,6 +169,7 @@ def _nbgrader_scores(names: list[str], course: Path) -> tuple[dict[str, float | 
 
     (course / "solutions").mkdir(parents=True)
     shutil.copytree(DEFAULT_SOURCE / "lab01_gemm", course / "solutions" / "lab01_gemm")
+    size_for_ci(course / "solutions" / "lab01_gemm" / "lab01_gemm.ipynb")  # the cells after the tests at CI's size
     (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
     # nbgrader's kernels fork from this worker's template (grading.run.warm), as nbgrader_config.py
     # has them fork from a template of nbgrader's own.

@@ -22,6 +22,7 @@ from conftest import (
     answer_cells,
     error_outputs,
     parameters_cell,
+    size_for_ci,
     write_learner_notebook,
 )
 
@@ -206,6 +207,7 @@ def test_nbgrader_grades_a_lab_as_the_course_grader_does(tmp_path, lab):
     course = tmp_path / "course"
     (course / "solutions").mkdir(parents=True)
     shutil.copytree(REPO / "solutions" / lab, course / "solutions" / lab)
+    size_for_ci(course / "solutions" / lab / f"{lab}.ipynb")  # the cells after the tests at CI's size
     (course / "nbgrader_config.py").write_text(f"load_subconfig({str(CONFIG)!r})\n")
     _nbgrader(course, "generate_assignment", lab, "--force")
     solution = REPO / "solutions" / lab / f"{lab}.ipynb"
