@@ -389,9 +389,14 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> None:
         help=f"seconds of processor time per check ({d.check_timeout:g})",
     )
     group.add_argument(
-        "--cell-timeout", type=float, default=d.cell_timeout, help=f"seconds per cell ({d.cell_timeout:g})"
+        "--cell-timeout",
+        type=float,
+        default=d.cell_timeout,
+        help=f"seconds of processor time per cell ({d.cell_timeout:g})",
     )
-    group.add_argument("--budget", type=float, default=d.budget, help=f"seconds per notebook ({d.budget:g})")
+    group.add_argument(
+        "--budget", type=float, default=d.budget, help=f"seconds of processor time per notebook ({d.budget:g})"
+    )
     group.add_argument("--memory-mb", type=int, default=d.memory_mb, help=f"address space in MiB ({d.memory_mb})")
     group.add_argument("--max-processes", type=int, default=d.max_processes, help=f"live processes ({d.max_processes})")
     group.add_argument(

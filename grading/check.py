@@ -16,6 +16,7 @@ from typing import Any
 
 from grading.readings import not_started_hint
 from grading.registry import Check, Mismatch, ReferenceFailed, get_check
+from grading.run.sandbox import WALL_FACTOR  # a check may wait this many times its processor time, as a cell
 
 RECORD_ENV = "INFRA_LAB_RECORD"
 SEED_ENV = "INFRA_LAB_SEED"
@@ -143,9 +144,6 @@ def drive(check: Check, implementation: Any, inputs: Any) -> Outcome:
         return Outcome(error=f"your code {_error_text(exc).split(': ', 1)[-1]}", kind=WRONG)
 
 
-WALL_FACTOR = 3  # a check may wait (a sleep, a lock, a child process) this many times its processor time
-
-
 class _Watch:
     """While a learner's implementation runs: a time limit, and a monitor of calls into the
     reference implementation (a shortcut). Both are per check and in-process: they catch honest
@@ -155,9 +153,13 @@ class _Watch:
     The limit is processor time, that of the thread running the check (the learner's Python
     code and the share of any parallel work it takes part in): time spent waiting for a core on
     a busy machine is not the learner's, and a grading run beside other jobs must give the
-    verdict a quiet one gives. A check that waits instead of computing is stopped after
-    ``WALL_FACTOR`` times the limit in wall time.
+    verdict a quiet one gives. A check that waits instead of computing (the thread asleep, no
+    process it started running or ready to run) is stopped after ``WALL_FACTOR`` times the limit
+    of such waiting.
     """
+
+    POLL_S = 0.05
+    IDLE_SHARE = 0.05  # an interval in which the thread used less of a core than this counts as waiting
 
     def __init__(self, lab: str, timeout: float, max_processes: int):
         from grading.call_monitor import CallMonitor
@@ -167,7 +169,7 @@ class _Watch:
         self.timeout = timeout
         self.max_processes = max_processes
         self._armed = False
-        self._spent = False  # the processor-time limit was reached (else the wall-time one)
+        self._spent = False  # the processor-time limit was reached (else the waiting one)
 
     @staticmethod
     def _children() -> dict:
@@ -202,15 +204,43 @@ class _Watch:
             f"little processor time: your code waits (a sleep, a lock, input, a child process?)"
         )
 
-    def _clock(self, done, clock_id: int, main_thread: int) -> None:
-        """Watch the checking thread's processor time; past the limit, signal that thread."""
+    def _working(self, native_id: int, before: dict) -> bool:
+        """Whether the checking thread, or a process the check started, runs or waits for a core."""
+        import psutil
+
+        try:
+            with open(f"/proc/self/task/{native_id}/stat", encoding="ascii") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("R", "D"):
+                    return True
+        except (OSError, IndexError):
+            pass
+        for pid, proc in self._children().items():
+            try:
+                if pid not in before and proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP):
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+    def _clock(self, done, clock_id: int, main_thread: int, native_id: int, before: dict) -> None:
+        """Watch the checking thread's processor time and its waiting; past a limit, signal that thread."""
         import signal
         import time
 
         started = time.clock_gettime(clock_id)
-        while not done.wait(0.05):
-            if time.clock_gettime(clock_id) - started > self.timeout:
+        waited, last = 0.0, (time.monotonic(), started)
+        while not done.wait(self.POLL_S):
+            now, cpu = time.monotonic(), time.clock_gettime(clock_id)
+            if cpu - started > self.timeout:
                 self._spent = True
+                signal.pthread_kill(main_thread, signal.SIGALRM)
+                return
+            if now - last[0] < 5 * self.POLL_S:
+                continue
+            if cpu - last[1] < self.IDLE_SHARE * (now - last[0]) and not self._working(native_id, before):
+                waited += now - last[0]
+            last = (now, cpu)
+            if waited > WALL_FACTOR * self.timeout:
                 signal.pthread_kill(main_thread, signal.SIGALRM)
                 return
 
@@ -224,13 +254,12 @@ class _Watch:
         thread_id = threading.get_ident()
         clock = threading.Thread(
             target=self._clock,
-            args=(done, time.pthread_getcpuclockid(thread_id), thread_id),
+            args=(done, time.pthread_getcpuclockid(thread_id), thread_id, threading.get_native_id(), before),
             name="check-clock",
             daemon=True,
         )
         previous = signal.signal(signal.SIGALRM, self._alarm)
         self._armed, self._spent = True, False
-        signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * self.timeout)
         clock.start()
         self.monitor.start()
         try:
@@ -242,7 +271,6 @@ class _Watch:
             intact = self.monitor.intact()
             self.monitor.stop()
             done.set()
-            signal.setitimer(signal.ITIMER_REAL, 0)
             clock.join()
             signal.signal(signal.SIGALRM, previous)
             started = self._stop_new_processes(before)

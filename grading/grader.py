@@ -504,7 +504,8 @@ def grade_notebook(
         spliced.neutralise(answer)
         spliced.notes.append(f"answer {answer} was not run: it {finding.detail} ({finding.kind})")
     params = {"QUICK": True} if parameters is None else parameters
-    deadline = started + limits.budget
+    cpu_left = limits.budget  # processor time, restarts included; the wall clock only stops what waits
+    deadline = started + WALL_FACTOR * limits.budget
     runs: list[Execution] = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab_id}-") as work:
         record_path = kernel_folder(Path(work), limits) / "answers.jsonl"  # where the kernel can write
@@ -528,11 +529,13 @@ def grade_notebook(
                 parameters=params,
                 env=env,
                 limits=limits,
-                budget=deadline - time.monotonic(),
+                budget=cpu_left,
+                wall_budget=deadline - time.monotonic(),
                 hidden=hidden,
                 first_cell=WATCH_CELL,
             )
             runs.append(run)
+            cpu_left -= run.cpu_seconds
             if run.complete or run.stopped_at is None or run.stop == STOP_BUDGET or time.monotonic() >= deadline - 1:
                 break
             # One cell stopped the run: skip it and the tests already answered, then run the
@@ -552,8 +555,9 @@ def grade_notebook(
         "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
         **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
         "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
-        f"in all), {limits.cell_timeout:g} s per cell, "
-        f"{limits.budget:g} s per notebook",
+        f"in all), {limits.cell_timeout:g} s of processor time per cell ({WALL_FACTOR * limits.cell_timeout:g} s in "
+        "all), "
+        f"{limits.budget:g} s of processor time per notebook ({WALL_FACTOR * limits.budget:g} s in all)",
     }
     if hidden:
         modules = sum(path.suffix == ".py" for path in hidden)

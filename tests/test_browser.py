@@ -28,7 +28,9 @@ from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENSHOT = REPO / "build" / "artifacts" / "browser_lab01.png"
-DEADLINE_S = 85  # everything, from starting JupyterLab to the last check
+# A guard against a hang, never a speed asserted: every wait, from starting JupyterLab to the last
+# check, ends by then (on a machine saturated by the rest of the suite the test once took 101 s).
+DEADLINE_S = 300
 
 
 def _free_port() -> int:
@@ -344,7 +346,6 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
                 driver.quit()
             _stop(lab)
             _stop(instructor)
-    assert time.monotonic() < deadline, f"the browser test took more than {DEADLINE_S} s"
 
 
 def _make_browser(**variables: str) -> subprocess.CompletedProcess:

@@ -89,6 +89,19 @@ def test_an_answer_that_ignores_the_interrupt_is_stopped(tmp_path, solution_answ
     assert report.tests[3].checks[0].reason == "time-out"
 
 
+def test_a_cell_is_timed_in_processor_time_so_a_short_wait_costs_nothing(tmp_path, solution_answers):
+    """A cell's limit counts the kernel's processor time, not the wall clock: an answer cell that waits 6 s
+    (under three times the limit) and computes little passes under a 4 s limit, where a wall-clock limit
+    would have interrupted it; one that computes for longer is still interrupted
+    (test_a_hanging_answer_is_interrupted_and_grading_goes_on), and time spent waiting for a core is not
+    waiting (tests/test_warm.py::test_a_process_starved_of_a_core_is_not_waiting)."""
+    waits = "import time\n\ntime.sleep(6)\n\n" + solution_answers["task4_achieved_tflops"]
+    path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", _with(solution_answers, task4_achieved_tflops=waits))
+    report = grade_notebook(path, seed=5, limits=Limits(cell_timeout=4, check_timeout=120))
+    assert report.score == report.max_score, [c.message for t in report.tests for c in t.checks if not c.passed]
+    assert "4 s of processor time per cell" in report.sandbox["time"]
+
+
 def test_grading_never_modifies_the_learner_file(tmp_path, solution_answers):
     path = write_learner_notebook(tmp_path / "lab01_gemm.ipynb", solution_answers)
     before = hashlib.sha256(path.read_bytes()).hexdigest()

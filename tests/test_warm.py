@@ -16,7 +16,7 @@ import pytest
 
 from grading.grader import grade_notebook
 from grading.run import warm
-from grading.run.execute import execute
+from grading.run.execute import STOP_BUDGET, execute
 from grading.run.sandbox import Limits
 
 CORPUS = Path(__file__).resolve().parent / "adversarial"
@@ -282,3 +282,91 @@ def test_the_template_refuses_to_fork_a_kernel_meant_to_run_as_another_user():
     with pytest.raises(ValueError, match="starts cold"):
         warm._valid({"cmd": cmd})
     warm._valid({"cmd": [a for a in cmd if a not in ("--user", "nobody")]})  # the same kernel as root forks
+
+
+def _notebook(*sources: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def test_a_cells_processor_time_counts_the_processes_it_starts(tmp_path):
+    """The kernel itself only waits here, while a process it started computes: the cell is interrupted
+    for its processor time (the child's counted), not after three times the limit of waiting."""
+    nb = _notebook(
+        "import subprocess, sys",
+        "subprocess.run([sys.executable, '-c', 'while True: pass'])",
+        "print('the next cell ran')",
+    )
+    limits = Limits(check_timeout=10, cell_timeout=3, budget=300, max_processes=16)
+    result = execute(nb, tmp_path, parameters={}, env={}, limits=limits, budget=120)
+    assert result.complete, result.reason
+    assert result.cell_error(1) == ("KeyboardInterrupt", "the grader interrupted it after 3 s of processor time")
+    assert "the next cell ran" in "".join(o.get("text", "") for o in result.notebook.cells[2].outputs)
+    assert result.cpu_seconds >= 3
+
+
+def test_the_notebooks_budget_is_processor_time(tmp_path):
+    """Six cells compute for 1 s each, each under the cell's limit; together they pass the run's budget of
+    3.5 s of processor time, which stops the run (the wall-clock budget, set far away, plays no part)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1:\n    pass"
+    nb = _notebook(*[burn] * 6)
+    result = execute(nb, tmp_path, parameters={}, env={}, limits=LIMITS, budget=3.5, wall_budget=600)
+    assert not result.complete and result.stop == STOP_BUDGET, (result.stop, result.reason)
+    assert result.reason == "the notebook used its budget of 3.5 s of processor time"
+    assert result.cpu_seconds > 3.5 and result.stopped_at is not None and result.stopped_at < 5
+
+
+class _Found:
+    """Stands for the forked kernel the clock follows: here, a process of the test's own."""
+
+    def __init__(self, pid: int):
+        self.proc = psutil.Process(pid)
+
+    def _find(self):
+        return self.proc
+
+
+def test_a_process_starved_of_a_core_is_not_waiting():
+    """A kernel ready to run that gets almost no core (three busy processes beside it on one core, at a
+    higher priority) is not waiting: however little processor time it gets, the clock counts no waiting
+    against its cell. A kernel asleep is waiting."""
+    import os
+    import subprocess
+
+    from grading.run.execute import CellClock, _process_tree
+
+    def start(code: str, nice: int = 0) -> subprocess.Popen:
+        def pin():
+            os.sched_setaffinity(0, {0})
+            os.nice(nice)
+
+        return subprocess.Popen([sys.executable, "-c", code], preexec_fn=pin, stdout=subprocess.PIPE, text=True)
+
+    # Each says it is ready once Python has started (starting, it reads files: it waits, and rightly so).
+    starved = start("print('ready', flush=True)\nwhile True: pass", nice=19)
+    asleep = start("import time; print('ready', flush=True); time.sleep(60)")
+    hogs = []
+    try:
+        assert starved.stdout.readline() == asleep.stdout.readline() == "ready\n"
+        hogs = [start("while True: pass") for _ in range(3)]
+        time.sleep(0.5)
+        clocks = {
+            name: CellClock(os.getpid(), _Found(p.pid), limit=100)
+            for name, p in (("starved", starved), ("asleep", asleep))
+        }
+        first = None
+        for _ in range(16):
+            tree = _process_tree()
+            for clock in clocks.values():
+                assert clock.tick(("cell", 1), tree) == ""
+            first = clocks["starved"].total if first is None else first
+            time.sleep(0.25)
+        assert clocks["starved"].waited < 0.5 < 3 < clocks["asleep"].waited, {n: c.waited for n, c in clocks.items()}
+        got = clocks["starved"].total - first
+        assert got < 0.05 * 3.75, got  # it got less of the core than counts as waiting: only its readiness did
+    finally:
+        for proc in (*hogs, starved, asleep):
+            proc.kill()
+            proc.wait()

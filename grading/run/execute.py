@@ -5,9 +5,15 @@ The child (``python -m grading.run.child IN OUT ...``, :mod:`grading.run.child`)
 not stop the rest) and a cap on each cell's output. The kernel is forked from the grading
 process's template (``grading.run.warm``), or started through the sandbox launcher
 (``grading.run.sandbox``); either way under the same limits (memory, file size, network). This parent process
-watches the run: the whole-notebook budget, a cell that ignores its interrupt, and the
-number of processes the kernel spawns; it kills the lot when one is exceeded and reports
+watches the run: each cell's time, the whole-notebook budget, a cell that ignores its interrupt,
+and the number of processes the kernel spawns; it kills the lot when one is exceeded and reports
 which cell was running.
+
+A cell's time is the processor time of the kernel and everything it started (``CellClock``), so
+that a graded notebook gets the same verdicts on a busy machine as on a quiet one; a cell that
+waits instead of computing (a sleep, a lock, input) is interrupted after ``WALL_FACTOR`` times the
+limit of waiting, where time spent waiting for a core does not count. The run's wall-clock budget
+is the backstop behind both.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,9 +33,11 @@ import psutil
 
 from grading.run import warm
 from grading.run.child import EXIT_COMPLETE, EXIT_KERNEL_DIED
-from grading.run.sandbox import Limits, remove_cgroup, write_kernelspec
+from grading.run.sandbox import WALL_FACTOR, Limits, remove_cgroup, write_kernelspec
 
 POLL_S = 0.25
+# After its interrupt a cell has this long to stop, in processor time (or WALL_FACTOR times as long
+# waiting) before the kernel is killed.
 INTERRUPT_GRACE_S = 5.0
 
 # Why a run stopped early; the grader turns these into per-check failure reasons.
@@ -51,6 +60,8 @@ class Execution:
     stopped_at: int | None = None  # index of the cell running when it stopped
     sandbox: dict = field(default_factory=dict)  # which kernel limits the OS let us apply
     truncated: list[int] = field(default_factory=list)  # cells whose output was cut
+    cpu_seconds: float = 0.0  # processor time the kernel and its processes used in this run
+    interrupted: dict[int, str] = field(default_factory=dict)  # cells the grader interrupted, and why
 
     def cell_error(self, index: int) -> tuple[str, str] | None:
         """(exception name, message) of a cell that raised, else None."""
@@ -58,7 +69,10 @@ class Execution:
             return None
         for output in self.notebook.cells[index].get("outputs", []):
             if output.get("output_type") == "error":
-                return str(output.get("ename")), str(output.get("evalue"))[:400]
+                ename, evalue = str(output.get("ename")), str(output.get("evalue"))[:400]
+                if ename == "KeyboardInterrupt" and index in self.interrupted:
+                    evalue = f"the grader interrupted it {self.interrupted[index]}"
+                return ename, evalue
         return None
 
 
@@ -68,6 +82,14 @@ class _CellWatch:
     def __init__(self, progress: Path, cell_ids: list[str]):
         self.progress = progress
         self.index_of = {cell_id: i for i, cell_id in enumerate(cell_ids)}
+
+    def started(self) -> tuple[str, float] | None:
+        """Which cell runs and when it started (its id and the progress file's time), or None."""
+        try:
+            stat = self.progress.stat()
+            return self.progress.read_text(encoding="utf-8").strip(), stat.st_mtime_ns
+        except FileNotFoundError:
+            return None
 
     def running(self) -> tuple[int | None, float]:
         """(index of the cell that started last, seconds since it started)."""
@@ -111,6 +133,105 @@ class _ForkedKernel:
         proc = self._find()
         if proc is not None:
             _kill_tree(proc.pid)
+
+
+def _cpu_and_runnable(pids: list[int]) -> tuple[float, bool]:
+    """Processor time of these processes (and of the children they reaped), and whether any of them
+    is running or waiting for a core (or in an uninterruptible wait, such as disk I/O)."""
+    total, runnable = 0.0, False
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            t = proc.cpu_times()
+            runnable = runnable or proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total, runnable
+
+
+def _tree_of(tree: dict[int, list[int]], pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.append(current)
+            stack.extend(tree.get(current, ()))
+    return found
+
+
+class CellClock:
+    """The running cell's time: the kernel's processor time since the cell started (the kernel's
+    process and every process below it), and the time it spent waiting (no process of the kernel's
+    running or ready to run, and little processor time used: a sleep, a lock, input). Time spent
+    waiting for a core on a busy machine is neither. When either passes its limit, the kernel is
+    interrupted as jupyter_client interrupts it (SIGINT to the process group it leads).
+
+    The kernel's top process is the forked kernel (``grading.run.warm``), else the runner's child
+    (the sandbox launcher, bubblewrap, or the kernel itself), which jupyter_client starts in a
+    session of its own.
+    """
+
+    IDLE_SHARE = 0.05  # a poll interval in which the kernel used less of a core than this, none ready to run
+
+    def __init__(self, runner_pid: int, forked: _ForkedKernel, limit: float):
+        self.runner_pid, self.forked, self.limit = runner_pid, forked, limit
+        self.cell: tuple | None = None
+        self.cpu_start = self.waited = 0.0
+        self.interrupted: tuple[float, float, str] | None = None  # (waited, cpu) when sent, and why
+        self.total = 0.0  # the kernel's processor time in this run, as last seen
+        self.reasons: dict[str, str] = {}  # cell id -> why it was interrupted
+        self.last: tuple[float, float] | None = None  # (monotonic time, processor time) at the last poll
+
+    def _tops(self, tree: dict[int, list[int]]) -> list[int]:
+        proc = self.forked._find()
+        return [proc.pid] if proc is not None else list(tree.get(self.runner_pid, ()))
+
+    def _interrupt(self, tree: dict[int, list[int]]) -> None:
+        own = {os.getpgid(0)}
+        try:
+            own.add(os.getpgid(self.runner_pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+        for top in self._tops(tree):
+            try:
+                group = os.getpgid(top)
+                if group not in own:
+                    os.killpg(group, signal.SIGINT)
+                else:
+                    os.kill(top, signal.SIGINT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def tick(self, cell: tuple | None, tree: dict[int, list[int]]) -> str:
+        """Follow the running cell; returns why the run must stop ('' while it may go on)."""
+        now = time.monotonic()
+        cpu, runnable = _cpu_and_runnable([pid for top in self._tops(tree) for pid in _tree_of(tree, top)])
+        cpu = self.total = max(self.total, cpu)
+        if self.last is not None and not runnable and cpu - self.last[1] < self.IDLE_SHARE * (now - self.last[0]):
+            self.waited += now - self.last[0]
+        self.last = (now, cpu)
+        if cell is None:
+            return ""
+        if cell != self.cell:  # a new cell started: its clocks start now
+            self.cell, self.cpu_start, self.waited, self.interrupted = cell, cpu, 0.0, None
+            return ""
+        used = max(0.0, cpu - self.cpu_start)
+        if self.interrupted is None:
+            if used > self.limit:
+                why = f"after {self.limit:g} s of processor time"
+            elif self.waited > WALL_FACTOR * self.limit:
+                why = f"after {WALL_FACTOR * self.limit:g} s of waiting (it used little processor time)"
+            else:
+                return ""
+            self._interrupt(tree)
+            self.interrupted = (self.waited, used, why)
+            self.reasons[cell[0]] = why
+            return ""
+        waited, cpu_then, why = self.interrupted
+        if used - cpu_then > INTERRUPT_GRACE_S or self.waited - waited > WALL_FACTOR * INTERRUPT_GRACE_S:
+            return f"it ignored the interrupt sent {why} and was stopped"
+        return ""
 
 
 def _process_tree() -> dict[int, list[int]]:
@@ -183,6 +304,7 @@ def execute(
     env: dict[str, str],
     limits: Limits,
     budget: float,
+    wall_budget: float | None = None,
     hidden: dict[Path, Path] | None = None,
     first_cell: str = "",
 ) -> Execution:
@@ -192,7 +314,9 @@ def execute(
         parameters: papermill parameters injected after the ``parameters`` cell.
         env: extra environment variables for the kernel.
         limits: the kernel's limits (cell time-out, memory, processes, output...).
-        budget: seconds this run may take before it is killed.
+        budget: seconds of processor time the kernel (and every process it started) may use in this
+            run before it is killed.
+        wall_budget: seconds of wall time this run may take (``WALL_FACTOR`` times ``budget`` if None).
         hidden: in bubblewrap, files the kernel sees replaced (real path -> file shown instead).
         first_cell: code the kernel runs before the notebook's first cell (the grader's watch on
             what the answers reach for, :func:`grading.tamper.watch`); it is not part of what comes back.
@@ -200,6 +324,7 @@ def execute(
     The kernel works in ``kernel_folder(workdir, limits)``.
     """
     workdir = Path(workdir)
+    wall = WALL_FACTOR * budget if wall_budget is None else wall_budget
     source, output = workdir / "graded.ipynb", workdir / "graded.out.ipynb"
     progress, status = workdir / "progress", workdir / "sandbox.json"
     notebook = copy.deepcopy(notebook)
@@ -235,8 +360,8 @@ def execute(
         str(output),
         "--kernel",
         kernel,
-        "--cell-timeout",
-        str(limits.cell_timeout),
+        "--cell-timeout",  # papermill's wall clock: no cell outlives the run (the cell clock below times it)
+        str(int(wall) + 1),
         "--output-kb",
         str(limits.output_kb),
         "--cwd",
@@ -268,20 +393,20 @@ def execute(
             proc = subprocess.Popen(command, env=child_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
         watch = _CellWatch(progress, [cell["id"] for cell in notebook.cells])
         forked = _ForkedKernel(status)
+        clock = CellClock(proc.pid, forked, limits.cell_timeout)
         stop, reason, stuck = "", "", None
         while proc.poll() is None:
-            index, running_for = watch.running()
+            index, _ = watch.running()
             tree = _process_tree()
             in_template = forked.processes(tree)
             spawned = _count_descendants(tree, proc.pid) + in_template
-            if time.monotonic() - started > budget:
-                stop, reason = STOP_BUDGET, f"the notebook ran past its time budget of {budget:.0f} s"
-            elif index is not None and running_for > limits.cell_timeout + INTERRUPT_GRACE_S:
-                stop, reason, stuck = (
-                    STOP_TIMEOUT,
-                    (f"it ignored the interrupt sent after {limits.cell_timeout:.0f} s and was stopped"),
-                    index,
-                )
+            ignored = clock.tick(watch.started(), tree)
+            if clock.total > budget:
+                stop, reason = STOP_BUDGET, f"the notebook used its budget of {budget:g} s of processor time"
+            elif time.monotonic() - started > wall:
+                stop, reason = STOP_BUDGET, f"the notebook ran past its budget of {wall:.0f} s of wall time"
+            elif index is not None and ignored:
+                stop, reason, stuck = STOP_TIMEOUT, ignored, index
             elif spawned > limits.max_processes + _OVERHEAD[limits.bwrap, bool(in_template)]:
                 stop, reason = STOP_PROCESSES, f"it started more than {limits.max_processes} processes"
             if stop:
@@ -306,7 +431,14 @@ def execute(
         ]
     sandbox = json.loads(status.read_text()) if status.exists() else {}
     remove_cgroup(sandbox.get("cgroup", ""))  # its processes are gone: the cgroup goes too
-    result = Execution(executed, complete=not stop and code == EXIT_COMPLETE, sandbox=sandbox, truncated=truncated)
+    result = Execution(
+        executed,
+        complete=not stop and code == EXIT_COMPLETE,
+        sandbox=sandbox,
+        truncated=truncated,
+        cpu_seconds=clock.total,
+        interrupted={watch.index_of[c]: why for c, why in clock.reasons.items() if c in watch.index_of},
+    )
     if result.complete:
         return result
     result.stopped_at = stuck if stuck is not None else watch.running()[0]

@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 KERNEL_NAME = "infra-lab-sandbox"
+# A limit counted in processor time (a check's, a cell's) also stops what waits instead of computing (a
+# sleep, a lock, input, a child process) after this many times the limit in wall time.
+WALL_FACTOR = 3
 # The kernel provisioner that forks graded kernels from a template (grading.run.warm), by the name
 # pyproject.toml registers it under.
 WARM_PROVISIONER = "infra-lab-warm"
@@ -40,10 +43,14 @@ class Limits:
     """What a learner's notebook may use while it is graded.
 
     Attributes:
-        cell_timeout: seconds one cell may run before the kernel is interrupted.
+        cell_timeout: seconds of processor time one cell may use (the kernel and every process it
+            started) before the kernel is interrupted, or ``WALL_FACTOR`` times as long in wall time.
+            Processor time, as for a check: a cell that waits for a core on a busy machine gets the
+            verdict it gets on a quiet one.
         check_timeout: seconds of processor time one check may spend in the learner's code
-            (``grading.check.WALL_FACTOR`` times as long in wall time).
-        budget: seconds for the whole notebook, restarts included.
+            (``WALL_FACTOR`` times as long in wall time).
+        budget: seconds of processor time for the whole notebook, restarts included (``WALL_FACTOR``
+            times as long in wall time).
         memory_mb: address space of the kernel.
         max_processes: processes the kernel may have alive at once (children included).
         file_size_mb: largest file the kernel may write.
