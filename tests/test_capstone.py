@@ -60,6 +60,7 @@ def solved_build(solved_labs, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("capstone_build")  # one worker builds the capstone from the solutions once
 def test_the_build_from_the_solutions_gives_every_piece_and_fills_the_capstone_notebook(solved_labs, solved_build):
     pieces, rows = capstone.load(solved_build)
     assert sorted(pieces) == sorted(PIECES)
@@ -194,6 +195,7 @@ def test_serving_the_learner_engine_needs_a_build(tmp_path):
 
 
 @SMOLLM2
+@pytest.mark.xdist_group("capstone_build")  # one worker builds the capstone from the solutions once
 def test_the_learner_engine_serves_the_openai_client_as_the_course_does(solved_build, tmp_path, smollm2):
     from openai import OpenAI
 

@@ -13,6 +13,9 @@ from infra_lib.training.fsdp import global_batches, train_single
 from infra_lib.training.launcher import run_workers
 from infra_lib.training.train_step import tiny_config
 
+# One worker runs the module: its fixture (a 4-rank save, a 2-rank resume) then runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("checkpointing")
+
 # Odd row counts, so the 4 ranks' shards (e.g. 19/19/19/18 rows of the MLP) are cut apart differently from the
 # 2 ranks' (38/37): the resume must read pieces that straddle the saved ones.
 CONFIG = tiny_config(256, 30, 2, 3, 1, 10, 75, 32)

@@ -25,6 +25,9 @@ from infra_lib.training.launcher import run_workers
 from infra_lib.training.train_step import tiny_config, tiny_model
 from infra_lib.training.zero import zero_memory_per_device
 
+# One worker runs the module: its 2-rank training fixture then runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 # Odd row counts (3 heads of 10, a 75-wide MLP) so that the two ranks' shards differ in size.
 CONFIG = tiny_config(256, 30, 2, 3, 1, 10, 75, 32)
 WORLD, STEPS = 2, 3

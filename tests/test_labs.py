@@ -128,6 +128,7 @@ def released(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("released")  # one worker: nbgrader generates every lab once, not once per worker
 @pytest.mark.parametrize("lab", LABS, ids=_ids(LABS))
 def test_labs_equal_what_nbgrader_generates(lab, released):
     fresh = released / lab.stem / lab.name

@@ -11,6 +11,9 @@ from infra_lib.ops.request_trace import LAYERS, SUM_TOLERANCE_S, RequestTrace, T
 from infra_lib.ops.stage_timers import FORWARD_RANGE, Stopwatch, TimedScheduler, kernel_self_times
 from infra_lib.serving import Scheduler, SchedulerConfig, Sequence
 
+# One worker runs the module: the traced request (fixture) then runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("request_trace")
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 6
 
