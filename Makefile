@@ -29,6 +29,7 @@ PYTEST_ARGS ?=
 # machine with AVX-512 the same day 11.4 to 12.9 min of tests, 11.8 to 13.6 min in all. On 2026-12-06, with
 # every lab rule checked and the lessons' patterns checked, 16.5 to 19.0 min of tests (17.1 to 19.8 in all);
 # with a class's statuses, flags and the edition's scan, 14.8 to 17.6 min of tests (15.3 to 18.0 in all).
+# With chapters 17 and 18 (processes, torchrun, FSDP2), 23.0 to 33.0 min of tests; the README lists each run.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 # Extra arguments for the site, e.g. `make site SITE_ARGS="--only 00,12"` or "--no-execute".
 SITE_ARGS ?=
