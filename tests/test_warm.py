@@ -370,3 +370,43 @@ def test_a_process_starved_of_a_core_is_not_waiting():
         for proc in (*hogs, starved, asleep):
             proc.kill()
             proc.wait()
+
+
+def test_a_template_outlives_no_killed_grading_process():
+    """The grading process is killed (SIGKILL: no clean-up runs) while a process it forked still holds the
+    template's stdin open, so no end of file reaches the template: it exits all the same, its parent gone."""
+    import os
+    import signal
+    import subprocess
+
+    helper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time\n"
+            "from grading.run import warm\n"
+            "template = warm.Template()\n"
+            "holder = os.fork()\n"  # a child of the grading process's own, holding every pipe it holds
+            "if holder == 0:\n"
+            "    time.sleep(120)\n"
+            "    os._exit(0)\n"
+            "print(template.process.pid, holder, flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    template, holder = (psutil.Process(int(pid)) for pid in helper.stdout.readline().split())
+    try:
+        helper.send_signal(signal.SIGKILL)
+        helper.wait()
+        assert holder.is_running() and holder.status() != psutil.STATUS_ZOMBIE, "the stdin holder must outlive it"
+        template.wait(timeout=90)  # the template imports torch first (seconds), then sees its parent gone
+    finally:
+        for proc in (template, holder):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        os.killpg(helper.pid, signal.SIGKILL) if psutil.pid_exists(helper.pid) else None

@@ -84,6 +84,7 @@ PRELOAD = [
 ]
 _READY_S = 60.0  # how long a runner waits for a template that is still importing
 _MAX_REQUEST = 1 << 20
+_PARENT_POLL_S = 1.0  # how often a template looks whether the grading process that started it is still there
 
 
 # --- the grading process's side: one template per process -----------------------------------------
@@ -99,7 +100,7 @@ class Template:
         env = {**os.environ, TOKEN_ENV: self.token}
         env.pop(SOCKET_ENV, None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grading.run.warm", str(self.socket_path)],
+            [sys.executable, "-m", "grading.run.warm", str(self.socket_path), str(os.getpid())],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
@@ -588,7 +589,9 @@ def _reseed() -> None:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
-def _serve(socket_path: str) -> int:
+def _serve(socket_path: str, parent: int) -> int:
+    """Fork kernels on request until the grading process (``parent``) closes this process's stdin or is
+    gone."""
     import importlib
     import select
 
@@ -606,9 +609,14 @@ def _serve(socket_path: str) -> int:
     os.rename(scratch, socket_path)  # the socket appears only once it accepts connections
     try:
         while True:
-            ready, _, _ = select.select([server, sys.stdin], [], [])
+            ready, _, _ = select.select([server, sys.stdin], [], [], _PARENT_POLL_S)
             if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
                 return 0  # the grading process closed our stdin, or died
+            if os.getppid() != parent:
+                # The grading process was killed (perhaps before this process even started serving)
+                # while a process forked from it still holds our stdin open: no end of file comes, but
+                # this process has another parent.
+                return 0
             if server not in ready:
                 continue
             conn, _ = server.accept()
@@ -639,4 +647,4 @@ def _serve(socket_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1]))
+    sys.exit(_serve(sys.argv[1], int(sys.argv[2])))
