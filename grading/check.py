@@ -16,7 +16,7 @@ from typing import Any
 
 from grading.readings import not_started_hint
 from grading.registry import Check, Mismatch, ReferenceFailed, get_check
-from grading.run.sandbox import WALL_FACTOR  # a check may wait this many times its processor time, as a cell
+from grading.run.sandbox import WALL_FACTOR, waiting  # a check waits as a cell does
 
 RECORD_ENV = "INFRA_LAB_RECORD"
 SEED_ENV = "INFRA_LAB_SEED"
@@ -159,7 +159,6 @@ class _Watch:
     """
 
     POLL_S = 0.05
-    IDLE_SHARE = 0.05  # an interval in which the thread used less of a core than this counts as waiting
 
     def __init__(self, lab: str, timeout: float, max_processes: int):
         from grading.call_monitor import CallMonitor
@@ -237,7 +236,7 @@ class _Watch:
                 return
             if now - last[0] < 5 * self.POLL_S:
                 continue
-            if cpu - last[1] < self.IDLE_SHARE * (now - last[0]) and not self._working(native_id, before):
+            if waiting(cpu - last[1], now - last[0], self._working(native_id, before)):
                 waited += now - last[0]
             last = (now, cpu)
             if waited > WALL_FACTOR * self.timeout:

@@ -554,10 +554,9 @@ def grade_notebook(
     sandbox = {
         "processes": f"at most {limits.max_processes}, enforced by the grader's watchdog",
         **{key: value for key, value in (runs[0].sandbox if runs else {}).items() if key != "cgroup"},
-        "time": f"{limits.check_timeout:g} s of processor time per check ({WALL_FACTOR * limits.check_timeout:g} s "
-        f"in all), {limits.cell_timeout:g} s of processor time per cell ({WALL_FACTOR * limits.cell_timeout:g} s in "
-        "all), "
-        f"{limits.budget:g} s of processor time per notebook ({WALL_FACTOR * limits.budget:g} s in all)",
+        "time": f"processor time: {limits.check_timeout:g} s per check, {limits.cell_timeout:g} s per cell, "
+        f"{limits.budget:g} s per notebook; code that waits is stopped after {WALL_FACTOR} times its limit of "
+        f"waiting, and the notebook after {WALL_FACTOR * limits.budget:g} s in all",
     }
     if hidden:
         modules = sum(path.suffix == ".py" for path in hidden)

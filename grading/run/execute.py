@@ -33,7 +33,7 @@ import psutil
 
 from grading.run import warm
 from grading.run.child import EXIT_COMPLETE, EXIT_KERNEL_DIED
-from grading.run.sandbox import WALL_FACTOR, Limits, remove_cgroup, write_kernelspec
+from grading.run.sandbox import WALL_FACTOR, Limits, remove_cgroup, waiting, write_kernelspec
 
 POLL_S = 0.25
 # After its interrupt a cell has this long to stop, in processor time (or WALL_FACTOR times as long
@@ -83,22 +83,17 @@ class _CellWatch:
         self.progress = progress
         self.index_of = {cell_id: i for i, cell_id in enumerate(cell_ids)}
 
-    def started(self) -> tuple[str, float] | None:
-        """Which cell runs and when it started (its id and the progress file's time), or None."""
+    def current(self) -> tuple[str, int] | None:
+        """The cell that started last: its id and when it started (the progress file's time), or None."""
         try:
             stat = self.progress.stat()
             return self.progress.read_text(encoding="utf-8").strip(), stat.st_mtime_ns
         except FileNotFoundError:
             return None
 
-    def running(self) -> tuple[int | None, float]:
-        """(index of the cell that started last, seconds since it started)."""
-        try:
-            stat = self.progress.stat()
-            cell_id = self.progress.read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            return None, 0.0
-        return self.index_of.get(cell_id), time.time() - stat.st_mtime
+    def index(self, cell: tuple[str, int] | None) -> int | None:
+        """The notebook index of a cell ``current()`` named (None for a cell of the grader's own)."""
+        return None if cell is None else self.index_of.get(cell[0])
 
 
 # Processes of the sandbox itself, not the learner's: (bubblewrap, a kernel forked from the template).
@@ -150,16 +145,6 @@ def _cpu_and_runnable(pids: list[int]) -> tuple[float, bool]:
     return total, runnable
 
 
-def _tree_of(tree: dict[int, list[int]], pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        if current not in found:
-            found.append(current)
-            stack.extend(tree.get(current, ()))
-    return found
-
-
 class CellClock:
     """The running cell's time: the kernel's processor time since the cell started (the kernel's
     process and every process below it), and the time it spent waiting (no process of the kernel's
@@ -171,8 +156,6 @@ class CellClock:
     (the sandbox launcher, bubblewrap, or the kernel itself), which jupyter_client starts in a
     session of its own.
     """
-
-    IDLE_SHARE = 0.05  # a poll interval in which the kernel used less of a core than this, none ready to run
 
     def __init__(self, runner_pid: int, forked: _ForkedKernel, limit: float):
         self.runner_pid, self.forked, self.limit = runner_pid, forked, limit
@@ -208,7 +191,7 @@ class CellClock:
         now = time.monotonic()
         cpu, runnable = _cpu_and_runnable([pid for top in self._tops(tree) for pid in _tree_of(tree, top)])
         cpu = self.total = max(self.total, cpu)
-        if self.last is not None and not runnable and cpu - self.last[1] < self.IDLE_SHARE * (now - self.last[0]):
+        if self.last is not None and waiting(cpu - self.last[1], now - self.last[0], runnable):
             self.waited += now - self.last[0]
         self.last = (now, cpu)
         if cell is None:
@@ -245,15 +228,20 @@ def _process_tree() -> dict[int, list[int]]:
     return children
 
 
-def _count_descendants(tree: dict[int, list[int]], pid: int) -> int:
-    count, stack, seen = 0, list(tree.get(pid, ())), {pid}
+def _tree_of(tree: dict[int, list[int]], pid: int) -> list[int]:
+    """``pid`` and its descendants in ``tree`` (a ``_process_tree()``)."""
+    found, stack, seen = [], [pid], set()
     while stack:
-        child = stack.pop()
-        if child not in seen:
-            seen.add(child)
-            count += 1
-            stack.extend(tree.get(child, ()))
-    return count
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            found.append(current)
+            stack.extend(tree.get(current, ()))
+    return found
+
+
+def _count_descendants(tree: dict[int, list[int]], pid: int) -> int:
+    return len(_tree_of(tree, pid)) - 1
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -396,11 +384,12 @@ def execute(
         clock = CellClock(proc.pid, forked, limits.cell_timeout)
         stop, reason, stuck = "", "", None
         while proc.poll() is None:
-            index, _ = watch.running()
+            cell = watch.current()
+            index = watch.index(cell)
             tree = _process_tree()
             in_template = forked.processes(tree)
             spawned = _count_descendants(tree, proc.pid) + in_template
-            ignored = clock.tick(watch.started(), tree)
+            ignored = clock.tick(cell, tree)
             if clock.total > budget:
                 stop, reason = STOP_BUDGET, f"the notebook used its budget of {budget:g} s of processor time"
             elif time.monotonic() - started > wall:
@@ -441,7 +430,7 @@ def execute(
     )
     if result.complete:
         return result
-    result.stopped_at = stuck if stuck is not None else watch.running()[0]
+    result.stopped_at = stuck if stuck is not None else watch.index(watch.current())
     if stop:
         result.stop, result.reason = stop, reason
     elif code == EXIT_KERNEL_DIED:

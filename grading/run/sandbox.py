@@ -30,8 +30,19 @@ from pathlib import Path
 
 KERNEL_NAME = "infra-lab-sandbox"
 # A limit counted in processor time (a check's, a cell's) also stops what waits instead of computing (a
-# sleep, a lock, input, a child process) after this many times the limit in wall time.
+# sleep, a lock, input) after this many times the limit of such waiting (``waiting``); a notebook's run
+# also ends at this many times its budget in wall time.
 WALL_FACTOR = 3
+IDLE_SHARE = 0.05  # an interval in which the code watched used less of a core than this may be waiting
+
+
+def waiting(cpu_seconds: float, seconds: float, working: bool) -> bool:
+    """Whether an interval of ``seconds`` counts as waiting: the code watched used under ``IDLE_SHARE`` of
+    a core (``cpu_seconds``) and nothing of it ran or was ready to run (``working``). A process waiting
+    for a core on a busy machine is working: such time never counts."""
+    return not working and cpu_seconds < IDLE_SHARE * seconds
+
+
 # The kernel provisioner that forks graded kernels from a template (grading.run.warm), by the name
 # pyproject.toml registers it under.
 WARM_PROVISIONER = "infra-lab-warm"
@@ -44,11 +55,11 @@ class Limits:
 
     Attributes:
         cell_timeout: seconds of processor time one cell may use (the kernel and every process it
-            started) before the kernel is interrupted, or ``WALL_FACTOR`` times as long in wall time.
-            Processor time, as for a check: a cell that waits for a core on a busy machine gets the
-            verdict it gets on a quiet one.
+            started) before the kernel is interrupted, or ``WALL_FACTOR`` times as long waiting
+            (``waiting``). Processor time, as for a check: a cell that waits for a core on a busy
+            machine gets the verdict it gets on a quiet one.
         check_timeout: seconds of processor time one check may spend in the learner's code
-            (``WALL_FACTOR`` times as long in wall time).
+            (``WALL_FACTOR`` times as long waiting).
         budget: seconds of processor time for the whole notebook, restarts included (``WALL_FACTOR``
             times as long in wall time).
         memory_mb: address space of the kernel.
