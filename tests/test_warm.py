@@ -33,10 +33,15 @@ torch._mark = os.getpid()
 """
 
 
-def _run(tmp_path: Path, name: str) -> tuple[dict, dict]:
+def _notebook(*sources: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("import json"), nbformat.v4.new_code_cell(PROBE)]
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _run(tmp_path: Path, name: str) -> tuple[dict, dict]:
+    nb = _notebook("import json", PROBE)
     workdir = tmp_path / name
     workdir.mkdir()
     result = execute(nb, workdir, parameters={}, env={}, limits=LIMITS, budget=120)
@@ -282,13 +287,6 @@ def test_the_template_refuses_to_fork_a_kernel_meant_to_run_as_another_user():
     with pytest.raises(ValueError, match="starts cold"):
         warm._valid({"cmd": cmd})
     warm._valid({"cmd": [a for a in cmd if a not in ("--user", "nobody")]})  # the same kernel as root forks
-
-
-def _notebook(*sources: str) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
 
 
 def test_a_cells_processor_time_counts_the_processes_it_starts(tmp_path):
