@@ -4,14 +4,15 @@ solutions/ is nbgrader's source directory (instructor notebooks with hidden test
 labs/ its release directory (what learners get). Run nbgrader from the repository root.
 """
 
-import os
-
-from grading.course import REPO_ROOT
+from course_tools.classroom import COURSE_ID, course_root, exchange_root
 
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
 
-c.CourseDirectory.course_id = "infra-course"
-c.CourseDirectory.root = os.environ.get("INFRA_COURSE_ROOT", str(REPO_ROOT))
+c.CourseDirectory.course_id = COURSE_ID
+c.CourseDirectory.root = str(course_root())
+# The exchange between the instructor and the learners (release, submit, collect, feedback):
+# exchange/ in the course folder unless INFRA_EXCHANGE_ROOT names another (course_tools.classroom).
+c.Exchange.root = str(exchange_root())
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "labs"
 

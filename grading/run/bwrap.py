@@ -86,6 +86,30 @@ def _bind_readonly(path: Path) -> list[str]:
     return ["--ro-bind", str(path), str(path)] if path.exists() else []
 
 
+def system_view(tmp_mode: str = "0755") -> list[str]:
+    """bubblewrap's options for the machine's programs and libraries and the Python installation,
+    read-only, with a ``/proc``, a ``/dev`` and a private ``/tmp`` (its mode ``tmp_mode``: ``"1777"``
+    where the view's process runs as another user than root): the part of a view every process the
+    course sandboxes needs. The virtual environment is not in it (bind ``sys.prefix`` where the view
+    wants it)."""
+    argv: list[str] = []
+    for path in _SYSTEM:
+        argv += _bind_readonly(Path(path))
+    for path in _LINKS:
+        link = Path(path)
+        if link.is_symlink():
+            argv += ["--symlink", os.readlink(link), path]
+        else:
+            argv += _bind_readonly(link)
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", tmp_mode, "--tmpfs", "/tmp"]
+    # The Python installation, wherever it lives (a pyenv under the instructor's home is bound on
+    # its own, not the home around it).
+    base = Path(sys.base_prefix).resolve()
+    if base != Path(sys.prefix):
+        argv += _bind_readonly(base)
+    return argv
+
+
 def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> list[str]:
     """The ``bwrap`` command (up to and including ``--``) that runs a graded kernel in ``scratch``.
 
@@ -109,20 +133,8 @@ def kernel_prefix(scratch: Path, *, hide: dict[Path, Path] | None = None) -> lis
         "--hostname",
         "graded-kernel",
     ]
-    for path in _SYSTEM:
-        argv += _bind_readonly(Path(path))
-    for path in _LINKS:
-        link = Path(path)
-        if link.is_symlink():
-            argv += ["--symlink", os.readlink(link), path]
-        else:
-            argv += _bind_readonly(link)
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    # The Python installation and the environment, wherever they live (a pyenv under the
-    # instructor's home is bound on its own, not the home around it).
-    prefixes = {Path(sys.base_prefix).resolve(), Path(sys.prefix)}
-    for prefix in sorted(prefixes, key=lambda p: len(p.parts)):
-        argv += _bind_readonly(prefix)
+    argv += system_view()
+    argv += _bind_readonly(Path(sys.prefix))
     for part in COURSE_PARTS:
         argv += _bind_readonly(REPO_ROOT / part)
     for real, shown in (hide or {}).items():
@@ -178,6 +190,8 @@ _ARITY = {
     "--chdir": 1,
     "--unsetenv": 1,
     "--remount-ro": 1,
+    "--perms": 1,
+    "--dir": 1,
 }
 _FLAGS = {
     "--die-with-parent",
