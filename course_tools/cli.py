@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from course_tools import hub
 from grading.course import DEFAULT_SOURCE, REPO_ROOT, lab_ids
 from grading.gradescope import ALLOW_UNSANDBOXED, KERNEL_USER
 
@@ -646,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap_build.set_defaults(func=_cmd_capstone)
 
     _add_gradescope(sub)
+    hub.add_parsers(sub)
     return parser
 
 
