@@ -19,6 +19,10 @@ LEARNER_CONFIG := $(CURDIR)/jupyter_config/learner:$(CURDIR)/jupyter_config/cour
 INSTRUCTOR_CONFIG := $(CURDIR)/jupyter_config/course
 JUPYTER_LAB = $(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
 with_config = JUPYTER_CONFIG_PATH="$(1)$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))"
+# Extra arguments for `make hub`, e.g. HUB_ARGS="--roster roster.txt --port 8010".
+HUB_ARGS ?=
+NPM ?= npm
+PROXY := hub/node_modules/.bin/configurable-http-proxy
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k grader"`.
 PYTEST_ARGS ?=
 # Test processes: two more than the cores, which keeps the cores busy while some tests wait on
@@ -53,7 +57,7 @@ INSTALL = $(UV) pip install --python $(BIN)/python --quiet --constraint $(CONSTR
 #   make lab TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: lab lab-instructor test test-fast lint fmt .venv labs doctor gpu-check site browser clean-venv
+.PHONY: lab lab-instructor hub test test-fast lint fmt .venv labs doctor gpu-check site browser clean-venv
 
 lab: $(STAMP)
 	$(call with_config,$(LEARNER_CONFIG)) $(JUPYTER_LAB)
@@ -62,7 +66,19 @@ lab: $(STAMP)
 lab-instructor: $(STAMP)
 	$(call with_config,$(INSTRUCTOR_CONFIG)) $(JUPYTER_LAB)
 
-test: $(STAMP) browser lint
+# A class on this machine: JupyterHub on 127.0.0.1 with one sandboxed server per learner (course_tools/hub.py;
+# the README's "Running a class on a JupyterHub"). As root; bubblewrap comes with `browser`. Without a roster,
+# a demo class (an instructor and three learners), e.g. `make hub HUB_ARGS="--roster roster.txt --port 8010"`.
+hub: $(STAMP) browser $(PROXY)
+	$(BIN)/infra-lab hub $(HUB_ARGS)
+
+# The hub's HTTP proxy, configurable-http-proxy, from the npm registry at the version hub/package-lock.json pins,
+# into hub/node_modules (nothing installed globally).
+$(PROXY): hub/package.json hub/package-lock.json
+	$(NPM) ci --prefix hub --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: $(STAMP) browser lint $(PROXY)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop: library, check API and grader units, without notebooks, whole gradings,
