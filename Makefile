@@ -19,7 +19,9 @@ LEARNER_CONFIG := $(CURDIR)/jupyter_config/learner:$(CURDIR)/jupyter_config/cour
 INSTRUCTOR_CONFIG := $(CURDIR)/jupyter_config/course
 JUPYTER_LAB = $(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/README.md $(ROOT_FLAG) $(LAB_ARGS)
 with_config = JUPYTER_CONFIG_PATH="$(1)$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))"
-# Extra arguments for `make hub`, e.g. HUB_ARGS="--roster roster.txt --port 8010".
+# The class `make hub` admits (one learner id per line, or the gradebook's CSV roster), and extra
+# arguments for it, e.g. `make hub ROSTER=roster.txt HUB_ARGS="--port 8020"`.
+ROSTER ?=
 HUB_ARGS ?=
 NPM ?= npm
 PROXY := hub/node_modules/.bin/configurable-http-proxy
@@ -68,9 +70,9 @@ lab-instructor: $(STAMP)
 
 # A class on this machine: JupyterHub on 127.0.0.1 with one sandboxed server per learner (course_tools/hub.py;
 # the README's "Running a class on a JupyterHub"). As root; bubblewrap comes with `browser`. Without a roster,
-# a demo class (an instructor and three learners), e.g. `make hub HUB_ARGS="--roster roster.txt --port 8010"`.
+# a demo class (an instructor and three learners); `make hub ROSTER=roster.txt` for a class.
 hub: $(STAMP) browser $(PROXY)
-	$(BIN)/infra-lab hub $(HUB_ARGS)
+	$(BIN)/infra-lab hub $(if $(ROSTER),--roster $(ROSTER)) $(HUB_ARGS)
 
 # The hub's HTTP proxy, configurable-http-proxy, from the npm registry at the version hub/package-lock.json pins,
 # into hub/node_modules (nothing installed globally).

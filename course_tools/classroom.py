@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from nbgrader.exchange.default.submit import ExchangeSubmit
+
 from grading.course import REPO_ROOT
 
 COURSE_ID = "infra-course"
@@ -55,3 +57,12 @@ def place_feedback(lab_id: str, grades: Path, submissions: Path, out: Path) -> t
             shutil.copyfile(path, target / path.name)
         placed.append(learner)
     return placed, skipped
+
+
+class PrivateSubmit(ExchangeSubmit):
+    """nbgrader's submit, with the submission readable by its learner alone (and the instructor, who
+    is root on the class's hub): nbgrader's own makes it readable by every user who learns its
+    folder's name. The learners' nbgrader on the hub uses it (``jupyter_config/hub_learner``)."""
+
+    def set_perms(self, dest, fileperms, dirperms):
+        super().set_perms(dest, fileperms & 0o700, dirperms & 0o700)

@@ -60,7 +60,6 @@ DEMO_LEARNERS = ("alice", "bob", "carol")
 HUB_FOLDER = REPO_ROOT / "hub"
 CONFIG_FILE = HUB_FOLDER / "jupyterhub_config.py"
 PROXY = HUB_FOLDER / "node_modules" / ".bin" / "configurable-http-proxy"
-DEFAULT_DIR = HUB_FOLDER / "class"
 DEFAULT_PORT = 8010
 UID_BASE = 61000  # learners' user ids: the first free ones from here (free: no account holds them)
 CLASS_ENV = "INFRA_HUB_CLASS"  # the class's folder, for hub/jupyterhub_config.py
@@ -179,11 +178,20 @@ def prepare(folder: ClassFolder, learners: list[str], exchange: Path) -> dict[st
     users.update(zip(new, _free_uids(set(users.values()), len(new))))
     users = {name: users[name] for name in learners}
     folder.users.write_text(json.dumps(users, indent=1) + "\n", encoding="utf-8")
+    accounts = folder.state / "accounts"
+    accounts.mkdir(exist_ok=True)
+    system = {name: Path(f"/etc/{name}").read_text(encoding="utf-8") for name in ("passwd", "group")}
     for name, uid in users.items():
         home = folder.home(name)
         home.mkdir(exist_ok=True)
         os.chown(home, uid, uid)
         os.chmod(home, 0o700)
+        # the machine's accounts and the learner's own, shown in the learner's view (tools such as
+        # nbgrader look the user up by id)
+        (accounts / f"{name}.passwd").write_text(
+            system["passwd"] + f"{name}:x:{uid}:{uid}:{name}:/home/{name}:/bin/bash\n", encoding="utf-8"
+        )
+        (accounts / f"{name}.group").write_text(system["group"] + f"{name}:x:{uid}:\n", encoding="utf-8")
     known = read_passwords(folder.passwords)
     passwords = {name: known.get(name) or secrets.token_urlsafe(9) for name in [INSTRUCTOR, *learners]}
     folder.passwords.touch(mode=0o600)
@@ -308,6 +316,12 @@ def learner_command(folder: ClassFolder, learner: str, program: str) -> list[str
         *early,
         *system,
         *late,
+        "--ro-bind",
+        str(folder.state / "accounts" / f"{learner}.passwd"),
+        "/etc/passwd",
+        "--ro-bind",
+        str(folder.state / "accounts" / f"{learner}.group"),
+        "/etc/group",
         # the edition at the course's own path: the environment's editable install finds the
         # library, the grader and the tooling there, and every default path of the course holds
         "--ro-bind",
@@ -422,7 +436,7 @@ def main(args) -> int:
     """``infra-lab hub``: prepare the class and serve it until Ctrl-C."""
     if not PROXY.exists():
         raise HubError(f"configurable-http-proxy is not installed at {PROXY}: run `make hub`, which installs it")
-    folder = ClassFolder(Path(args.dir).resolve())
+    folder = ClassFolder(Path(args.dir or course_root() / "hub" / "class").resolve())
     learners = roster_learners(Path(args.roster) if args.roster else None)
     exchange = exchange_root()
     print(f"preparing the class in {folder.root} (the learner edition, {len(learners)} homes, the exchange)...")
@@ -506,7 +520,7 @@ def add_parsers(sub) -> None:
         help="the class: one learner id per line, or the CSV roster the gradebook reads (default: a demo "
         "class of alice, bob and carol)",
     )
-    hub.add_argument("--dir", default=str(DEFAULT_DIR), help=f"the class's folders (default {DEFAULT_DIR})")
+    hub.add_argument("--dir", help="the class's folders (default hub/class in the course folder)")
     hub.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the hub's port (default {DEFAULT_PORT})")
     hub.add_argument("--ip", default="127.0.0.1", help="the address the hub listens on (default 127.0.0.1)")
     hub.add_argument(

@@ -70,6 +70,28 @@ def write_learner_notebook(path: Path, answers: dict[str, str], base: Path = LAB
     return path
 
 
+def course_copy(course: Path) -> Path:
+    """A copy of the course's tracked files in ``course``, sharing the course's installed venv (a link),
+    where the README's commands can run as written without touching this checkout."""
+    import shutil
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in filter(None, listed.stdout.split("\0")):
+        if (REPO / name).is_file():
+            (course / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, course / name)
+    (course / ".venv").symlink_to(REPO / ".venv")
+    # The copy's venv is the course's own, installed: its stamp is newer than what it was built from.
+    installed = (REPO / ".venv" / ".installed").stat().st_mtime
+    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
+        os.utime(course / name, (installed - 1, installed - 1))
+    # Never let the copy's make rebuild the shared venv (it would install the course from the copy).
+    fresh = subprocess.run(["make", "-q", ".venv/.installed"], cwd=course, capture_output=True, text=True)
+    assert fresh.returncode == 0, "the copy's make would rebuild the course's venv; run make in the course first"
+    return course
+
+
 def parameters_cell(path: Path) -> str:
     """The source of a notebook's one cell tagged ``parameters`` (papermill injects after it)."""
     from grading.notebook import read_notebook

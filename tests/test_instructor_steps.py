@@ -4,12 +4,10 @@ of three: they record the labs, grade everyone, write feedback and export a grad
 from __future__ import annotations
 
 import csv
-import os
 import re
-import shutil
 import subprocess
 
-from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+from conftest import REPO, SOLUTION01, answer_cells, course_copy, write_learner_notebook
 
 
 def _instructor_steps() -> str:
@@ -21,20 +19,7 @@ def _instructor_steps() -> str:
 def test_the_readme_instructor_steps_grade_a_class(tmp_path):
     steps = _instructor_steps()
     assert "make labs" in steps and "nbgrader autograde lab01_gemm" in steps and "nbgrader export" in steps
-    course = tmp_path / "course"
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in filter(None, listed.stdout.split("\0")):
-        if (REPO / name).is_file():
-            (course / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, course / name)
-    (course / ".venv").symlink_to(REPO / ".venv")
-    # The copy's venv is the course's own, installed: its stamp is newer than what it was built from.
-    installed = (REPO / ".venv" / ".installed").stat().st_mtime
-    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
-        os.utime(course / name, (installed - 1, installed - 1))
-    # Never let the copy's make rebuild the shared venv (it would install the course from the copy).
-    fresh = subprocess.run(["make", "-q", ".venv/.installed"], cwd=course, capture_output=True, text=True)
-    assert fresh.returncode == 0, "the copy's make would rebuild the course's venv; run make in the course first"
+    course = course_copy(tmp_path / "course")
     answers = answer_cells(SOLUTION01)
     learners = {
         "alice": answers,  # honest

@@ -5,3 +5,5 @@ from course_tools.classroom import COURSE_ID, exchange_root
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
 c.CourseDirectory.course_id = COURSE_ID
 c.Exchange.root = str(exchange_root())
+# A submission is readable by its learner and the instructor only (nbgrader's own is readable by all).
+c.ExchangeFactory.submit = "course_tools.classroom.PrivateSubmit"
