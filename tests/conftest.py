@@ -92,6 +92,30 @@ def course_copy(course: Path) -> Path:
     return course
 
 
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def headless_chromium():
+    """Debian's Chromium, headless, through Debian's chromedriver (never a downloaded one)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
 def parameters_cell(path: Path) -> str:
     """The source of a notebook's one cell tagged ``parameters`` (papermill injects after it)."""
     from grading.notebook import read_notebook

@@ -23,10 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import REPO, SOLUTION01, answer_cells, write_learner_notebook
+from conftest import CHROMEDRIVER, CHROMIUM, REPO, SOLUTION01, answer_cells, headless_chromium, write_learner_notebook
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENSHOT = REPO / "build" / "artifacts" / "browser_lab01.png"
 # A guard against a hang, never a speed asserted: every wait, from starting JupyterLab to the last
 # check, ends by then (on a machine saturated by the rest of the suite the test once took 101 s).
@@ -140,25 +138,6 @@ def _wait_for_server(proc: subprocess.Popen, port: int, token: str, deadline: fl
         except OSError:
             time.sleep(0.3)
     raise AssertionError("JupyterLab did not answer in time")
-
-
-def _browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=1400,1000",
-        "--no-first-run",
-        "--disable-extensions",
-    ):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -300,7 +279,7 @@ def test_lab01_runs_in_jupyterlab_and_renders_widgets_and_a_chart(tmp_path):
     driver = None
     try:
         _wait_for_server(lab, port, token, deadline)
-        driver = _browser()
+        driver = headless_chromium()
         driver.get(f"http://127.0.0.1:{port}/lab/tree/lab01_gemm.ipynb?token={token}")
         _run_all_cells(driver, deadline)
 
@@ -387,7 +366,7 @@ def test_site_formulas_render_as_mathml_in_chromium(tmp_path):
     (lesson,), _ = build_site(REPO / "notebooks", tmp_path, only={"02"}, execute=False, progress=False)
     screenshot = SCREENSHOT.with_name("browser_site_maths.png")
     screenshot.parent.mkdir(parents=True, exist_ok=True)
-    driver = _browser()
+    driver = headless_chromium()
     try:
         driver.get((tmp_path / lesson.page).as_uri())
         formulas = driver.find_elements(By.CSS_SELECTOR, "math[display='block']")

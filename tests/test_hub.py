@@ -28,12 +28,13 @@ from pathlib import Path
 import httpx
 import nbformat
 import pytest
-from conftest import LAB01, REPO, SOLUTION01, answer_cells, course_copy
+from conftest import CHROMEDRIVER, CHROMIUM, LAB01, REPO, SOLUTION01, answer_cells, course_copy, headless_chromium
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hub")]
 
 LAB = "lab01_gemm"
 HOSTILE = REPO / "tests" / "adversarial" / "answer_key_reader.ipynb"
+SCREENSHOT = REPO / "build" / "artifacts" / "browser_hub_lab01.png"
 MISTAKE = {"task1_gemm_flops": "def gemm_flops(m, n, k):\n    return m * n * k\n"}  # forgets the 2 of a multiply-add
 
 
@@ -404,3 +405,54 @@ def test_a_class_round_trip_on_the_hub(hub):
     report = {step: round(seconds, 1) for step, seconds in timings.items()}
     print("hub round trip, seconds:", json.dumps(report, indent=1))
     shutil.copy(hub["log"], course / "make_hub.log")
+
+
+def test_a_learner_signs_in_and_opens_the_lab_in_jupyterlab_through_the_hub(hub):
+    """In Chromium: alice signs in on the hub's page with her password, lands in her own JupyterLab
+    (served through the proxy from her sandbox), and the lab she fetched opens with a kernel."""
+    from selenium.webdriver.common.by import By
+
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), "make test installs Chromium and its driver"
+    url, folder = hub["url"], hub["folder"]
+    password = dict(csv.reader((folder / "passwords.csv").read_text().splitlines()[1:]))["alice"]
+    if not (folder / "homes" / "alice" / LAB / f"{LAB}.ipynb").is_file():  # run alone: release and fetch it first
+        bash(readme_blocks()[1], hub["course"], hub["env"])
+        server = Server(url, hub["admin"], "alice")
+        server.start(hub["admin"])
+        assert server.shell(f"nbgrader fetch_assignment {LAB}")["rc"] == 0
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + 240  # a guard against a hang, not a speed
+
+    def until(what, condition):
+        while time.monotonic() < deadline:
+            found = condition()
+            if found:
+                return found
+            time.sleep(0.25)
+        raise AssertionError(f"timed out waiting for {what} (screenshot: {SCREENSHOT})")
+
+    driver = headless_chromium()
+    try:
+        driver.get(f"{url}/hub/login")
+        until("the hub's sign-in page", lambda: driver.find_elements(By.ID, "username_input"))
+        driver.find_element(By.ID, "username_input").send_keys("alice")
+        driver.find_element(By.ID, "password_input").send_keys(password)
+        driver.find_element(By.ID, "login_submit").click()
+        until("alice's JupyterLab", lambda: "/user/alice/lab" in driver.current_url)
+        driver.get(f"{url}/user/alice/lab/tree/{LAB}/{LAB}.ipynb")
+        css = lambda selector: driver.find_elements(By.CSS_SELECTOR, selector)  # noqa: E731
+        until("the lab's first cell", lambda: css(".jp-NotebookPanel .jp-Cell"))
+        until(
+            "the kernel to start",
+            lambda: (
+                css(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                and "| Idle" in driver.find_element(By.ID, "jp-main-statusbar").text
+            ),
+        )
+        until(
+            "the lab's title",
+            lambda: "Lab 01: GEMM profiling" in driver.find_element(By.CSS_SELECTOR, ".jp-NotebookPanel").text,
+        )
+    finally:
+        driver.save_screenshot(str(SCREENSHOT))
+        driver.quit()
