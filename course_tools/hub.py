@@ -439,14 +439,14 @@ def main(args) -> int:
     folder = ClassFolder(Path(args.dir or course_root() / "hub" / "class").resolve())
     learners = roster_learners(Path(args.roster) if args.roster else None)
     exchange = exchange_root()
+    with socket.socket() as probe:
+        if probe.connect_ex((args.ip, args.port)) == 0:
+            raise HubError(f"something already listens on {args.ip}:{args.port}: stop it, or give the hub --port")
     print(f"preparing the class in {folder.root} (the learner edition, {len(learners)} homes, the exchange)...")
     passwords = prepare(folder, learners, exchange)
     env = hub_environment(folder, args.port, args.ip)
     if args.config:
         env["INFRA_HUB_EXTRA_CONFIG"] = str(Path(args.config).resolve())
-    with socket.socket() as probe:
-        if probe.connect_ex((args.ip, args.port)) == 0:
-            raise HubError(f"something already listens on {args.ip}:{args.port}: stop it, or give the hub --port")
     log = open(folder.state / "jupyterhub.log", "ab")
     process = subprocess.Popen(
         [str(Path(sys.prefix) / "bin" / "jupyterhub"), "-f", str(CONFIG_FILE)],

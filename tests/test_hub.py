@@ -158,6 +158,13 @@ class Server:
         )
         return json.loads(self.run(code).strip().splitlines()[-1])
 
+    def assignments(self, action: str) -> dict:
+        """What the Assignments tab does for ``action`` (fetch, submit), through nbgrader's server extension."""
+        form = {"course_id": "infra-course", "assignment_id": LAB}
+        answered = httpx.post(f"{self.base}/assignments/{action}", headers=self.headers, data=form, timeout=120)
+        result = answered.json() if answered.status_code == 200 else {"success": False, "value": answered.text}
+        return {"rc": 0 if result.get("success") else 1, "out": str(result.get("value"))[:2000], "err": ""}
+
     def answer(self, answers: dict[str, str]) -> dict:
         """Fill the fetched lab's answer cells (by grade_id) through the contents API; the notebook saved."""
         path = f"api/contents/{LAB}/{LAB}.ipynb"
@@ -290,7 +297,8 @@ def test_a_class_round_trip_on_the_hub(hub):
     fetch, grade, submit = blocks[2].strip().splitlines()
     for name, server in servers.items():
         began = time.monotonic()
-        done = server.shell(fetch)
+        # mallory uses the Assignments tab (nbgrader's server extension), the others a terminal
+        done = server.assignments("fetch") if name == "mallory" else server.shell(fetch)
         timings[f"{name}: fetch"] = time.monotonic() - began
         assert done["rc"] == 0, done
     home = {name: folder / "homes" / name for name in servers}
@@ -303,7 +311,7 @@ def test_a_class_round_trip_on_the_hub(hub):
     def submit_as(name: str, answers: dict) -> None:
         written[name] = servers[name].answer(answers)
         began = time.monotonic()
-        done = servers[name].shell(submit)
+        done = servers[name].assignments("submit") if name == "mallory" else servers[name].shell(submit)
         timings.setdefault(f"{name}: submit", time.monotonic() - began)
         assert done["rc"] == 0, done
 
@@ -372,6 +380,12 @@ def test_a_class_round_trip_on_the_hub(hub):
     assert scores["dave"]["status"] == "not submitted" and scores["mallory"]["status"] == "blocked", scores
     assert "the answer key (looked for not found" in scores["mallory"]["flags"], scores["mallory"]
     assert (course / "grades" / "gradebook.csv").is_file() and (course / "grades" / "canvas.csv").is_file()
+
+    # the instructor's server runs in the course folder with nbgrader's formgrader
+    instructor = Server(url, admin, "instructor")
+    instructor.start(admin)
+    formgrader = instructor.get("formgrader/api/assignments")
+    assert formgrader.status_code == 200 and LAB in formgrader.text, formgrader.text[:500]
 
     # the same notebooks graded from a folder give the same scores
     folder_class = course / "from_a_folder"
@@ -456,3 +470,38 @@ def test_a_learner_signs_in_and_opens_the_lab_in_jupyterlab_through_the_hub(hub)
     finally:
         driver.save_screenshot(str(SCREENSHOT))
         driver.quit()
+
+
+def test_a_roster_the_hub_cannot_use_is_refused_with_what_to_fix(tmp_path):
+    from course_tools.hub import DEMO_LEARNERS, HubError, roster_learners
+
+    assert roster_learners(None) == list(DEMO_LEARNERS)
+    roster = tmp_path / "roster.csv"
+    roster.write_text("learner,canvas_id\nalice,1001\nBob Smith,1002\ninstructor,1003\n", encoding="utf-8")
+    with pytest.raises(HubError, match=r"'Bob Smith', 'instructor'"):
+        roster_learners(roster)
+    with pytest.raises(HubError, match="no roster at"):
+        roster_learners(tmp_path / "missing.txt")
+    roster.write_text("# nobody yet\n", encoding="utf-8")
+    with pytest.raises(HubError, match="lists no learner"):
+        roster_learners(roster)
+
+
+def test_feedback_is_placed_for_collected_submissions_and_says_who_was_left_out(tmp_path):
+    from course_tools.classroom import place_feedback
+
+    grades, submitted, out = tmp_path / "grades", tmp_path / "submitted", tmp_path / "feedback"
+    with pytest.raises(FileNotFoundError, match="grade the lab first"):
+        place_feedback(LAB, grades, submitted, out)
+    for learner in ("alice", "bob"):
+        (grades / learner).mkdir(parents=True)
+        (grades / learner / "feedback.html").write_text(f"<p>{learner}</p>", encoding="utf-8")
+    (submitted / "alice" / LAB).mkdir(parents=True)
+    (submitted / "alice" / LAB / "timestamp.txt").write_text("2026-12-07 01:00:00 UTC", encoding="utf-8")
+    (submitted / "alice" / LAB / "submission_secret.txt").write_text("s3cret", encoding="utf-8")
+    (submitted / "bob" / LAB).mkdir(parents=True)  # graded from a folder, never collected
+    placed, skipped = place_feedback(LAB, grades, submitted, out)
+    assert placed == ["alice"] and len(skipped) == 1, skipped
+    assert skipped[0].startswith("bob: ") and "timestamp.txt" in skipped[0]
+    assert (out / "alice" / LAB / f"{LAB}.html").read_text() == "<p>alice</p>"
+    assert (out / "alice" / LAB / "submission_secret.txt").read_text() == "s3cret"
