@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import SMOLLM2
-from test_native_decode import _tiny, _weights_as_read
+from test_native_decode import _tiny, _weights_as_read, four_bit, vector_width  # noqa: F401 (a fixture)
 
 from infra_lib.model import SamplingParams, greedy_decode
 from infra_lib.model.native_decode import native_library
@@ -25,12 +25,14 @@ class BothRunners:
         self.max_position = reference.max_position
         self.logit_error = self.store_error = 0.0
         self.step_sizes: list[int] = []
+        self.step_errors: list[float] = []  # each step's largest logit difference
 
     def run(self, batch):
         expected, got = self.reference.forward(batch), self.native.forward(batch)
         self.step_sizes.append(sum(s.num_tokens for _, s in batch))
         assert got.shape == expected.shape
-        self.logit_error = max(self.logit_error, float((got - expected).abs().max()))
+        self.step_errors.append(float((got - expected).abs().max()))
+        self.logit_error = max(self.logit_error, self.step_errors[-1])
         for a, b in zip(self.reference.store.k + self.reference.store.v, self.native.store.k + self.native.store.v):
             self.store_error = max(self.store_error, float((a - b).abs().max()))
         samplers = [seq for seq, s in batch if s.samples]
@@ -44,9 +46,13 @@ def _config(budget: int) -> SchedulerConfig:
 def _both(model, weights: str, budget: int, max_tokens: int) -> tuple[LLMEngine, BothRunners]:
     config = _config(budget)
     stores = [PagedKVStore.for_model(model.config, config.num_blocks, config.block_size) for _ in range(2)]
+    if weights in ("q4_1", "int4"):
+        given, reference = four_bit(model, weights)
+    else:
+        given, reference = model, model if weights == "fp32" else _weights_as_read(model, weights)
     runner = BothRunners(
-        ModelRunner(model if weights == "fp32" else _weights_as_read(model, weights), stores[0]),
-        NativeModelRunner(model, stores[1], weights, max_tokens=max_tokens),
+        ModelRunner(reference, stores[0]),
+        NativeModelRunner(given, stores[1], weights, max_tokens=max_tokens, group_size=32),
     )
     return LLMEngine(runner, config), runner
 
@@ -56,6 +62,22 @@ def _serve(engine: LLMEngine, prompts, new_tokens) -> list[list[int]]:
     while engine.has_unfinished():
         engine.step()
     return [engine.output(i).token_ids for i in ids]
+
+
+NEW_TOKENS = [5, 3, 8, 4, 6, 2]
+
+
+def _ragged(model, weights: str) -> tuple[list[list[int]], list[list[int]], BothRunners]:
+    """Six ragged prompts served in steps of up to 6 tokens, each step through both runners: the
+    prompts, each request's tokens, and the runners (every step checked to have run in C)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (3, 11, 6, 17, 1, 9)]
+    engine, runner = _both(model, weights, budget=6, max_tokens=64)
+    tokens = _serve(engine, prompts, NEW_TOKENS)
+    assert runner.native.native_steps == len(runner.step_sizes) > 0 and runner.native.fallback_steps == 0
+    assert max(runner.step_sizes) > 4  # steps with a chunk beside decodes, not only decodes
+    assert [len(t) for t in tokens] == NEW_TOKENS
+    return prompts, tokens, runner
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
@@ -69,18 +91,30 @@ def test_native_runner_gives_the_pytorch_runners_logits_and_kv(tie, bias, interm
     tied or untied head, projections whose rows do not fill a panel. bf16 and int8 against the same
     model with its weights as the step reads them."""
     model = _tiny(tie, bias, intermediate)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (3, 11, 6, 17, 1, 9)]
-    new_tokens = [5, 3, 8, 4, 6, 2]
-    engine, runner = _both(model, weights, budget=6, max_tokens=64)
-    tokens = _serve(engine, prompts, new_tokens)
-    assert runner.native.native_steps == len(runner.step_sizes) > 0 and runner.native.fallback_steps == 0
-    assert max(runner.step_sizes) > 4  # steps with a chunk beside decodes, not only decodes
+    prompts, tokens, runner = _ragged(model, weights)
     assert runner.logit_error < 1e-4, f"logits differ by {runner.logit_error:.2e}"
     assert runner.store_error < 1e-5, f"K/V slots differ by {runner.store_error:.2e}"
-    assert [len(t) for t in tokens] == new_tokens
     if weights == "fp32":
-        assert tokens == [greedy_decode(model, p, n) for p, n in zip(prompts, new_tokens)]
+        assert tokens == [greedy_decode(model, p, n) for p, n in zip(prompts, NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "int4"])
+@pytest.mark.parametrize(
+    "tie, bias, vocab", [(True, False, 300), (False, True, 301)], ids=["tied", "untied-bias-odd-rows"]
+)
+@pytest.mark.usefixtures("vector_width")
+def test_four_bit_runner_gives_its_pytorch_paths_logits_and_kv(tie, bias, vocab, weights):
+    """The same ragged workload with Q4_1 (the file's blocks) and int4 (groups of 32) weights, on both
+    vector widths: each step's logits and every K/V slot equal ModelRunner's on the model with its
+    weights as the step reads them and each product's input rounded as the step rounds it (int8 per
+    block of 32), summed in another order, at three steps in four or more; rows of three blocks and
+    a head of 301 rows. An input within float noise of a rounding boundary rounds one value the other
+    way: that step's logits move by up to about 1% of their range (about 40 here), and the K/V it
+    wrote stays a little apart."""
+    _, _, runner = _ragged(_tiny(tie, bias and weights == "int4", 96, vocab), weights)
+    errors = sorted(runner.step_errors)
+    assert errors[len(errors) * 3 // 4] < 1e-4 and errors[-1] < 0.4, errors
+    assert runner.store_error < 0.05, f"K/V slots differ by {runner.store_error:.2e}"
 
 
 def test_steps_larger_than_max_tokens_run_in_pytorch_on_the_same_store():

@@ -36,12 +36,18 @@ import torch
 from infra_lib.kernels.paged_gather import block_table_tensor
 from infra_lib.model.model import Llama
 from infra_lib.model.native_decode import (
+    BLOCK,
     FORMAT_CODE,
+    INT4_GROUP,
+    QUANTISED,
     NativeUnavailable,
     check_native_model,
     data_pointer,
     fp32,
+    head_format,
     native_library,
+    stored_head,
+    stored_projection,
     stored_weight,
     take_shared_tensors,
 )
@@ -64,17 +70,22 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
 
 class PanelWeights:
     """A model's weights packed for the batched step, in format ``weights`` (fp32, bf16, int8 with
-    per-row scales), with q, k and v as one weight, and the per-layer pointer array the step takes
-    (``keys``/``values``: per layer, the paged store's tensors)."""
+    per-row scales: in panels; q4_1 and int4: in their rows of blocks, as ``NativeDecoder`` reads
+    them, the head in Q8_0), with q, k and v as one weight, and the per-layer pointer array the
+    step takes (each layer's pointers name its K/V tensors in the paged ``store``)."""
 
-    def __init__(self, model: Llama, weights: str, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    def __init__(self, model: Llama, weights: str, store: PagedKVStore, group_size: int = INT4_GROUP):
+        keys, values = store.k, store.v
         library = native_library()
         width = library.infra_native_panel_width()
 
-        def packed(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def packed(*linears) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            if weights in QUANTISED:  # each module's rows of blocks, in order
+                parts = [stored_projection(m, weights, group_size) for m in linears]
+                return tuple(None if p[0] is None else torch.cat(p).contiguous() for p in zip(*parts))
             weight = torch.cat([m.weight.detach().float() for m in linears])  # rows of each, in order
             stored, scale = stored_weight(weight, weights)
-            return pack_panels(stored, width), scale
+            return pack_panels(stored, width), scale, None
 
         self.keep: list[torch.Tensor] = []
         pointers = []
@@ -101,6 +112,11 @@ class PanelWeights:
                 down[1],
                 k_cache,
                 v_cache,
+                qkv[2],
+                o[2],
+                gate[2],
+                up[2],
+                down[2],
             ]
             self.keep += [t for t in tensors if t is not None]
             pointers += [data_pointer(t) for t in tensors]
@@ -108,7 +124,10 @@ class PanelWeights:
             raise NativeUnavailable("the C step and this module disagree on the batched step's parameters")
         self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         take_shared_tensors(self, model)
-        self.lm_head, self.lm_head_scale = packed(model.lm_head)
+        if weights in QUANTISED:
+            self.lm_head, self.lm_head_scale = stored_head(model.lm_head.weight, weights)
+        else:
+            self.lm_head, self.lm_head_scale, _ = packed(model.lm_head)
 
 
 class NativeModelRunner(ModelRunner):
@@ -117,11 +136,13 @@ class NativeModelRunner(ModelRunner):
     Args:
         model: an fp32 infra_lib ``Llama`` as loaded (``nn.Linear`` projections) on the CPU.
         store: the engine's paged K/V tensors (fp32, CPU), as for ``ModelRunner``.
-        weights: the C step's weight format: ``"fp32"`` (the model's own tensors), ``"bf16"`` or
-            ``"int8"`` (copies, as ``NativeDecoder`` makes them).
+        weights: the C step's weight format: ``"fp32"`` (the model's own tensors), ``"bf16"``,
+            ``"int8"``, ``"int4"`` (copies, as ``NativeDecoder`` makes them) or ``"q4_1"`` (the GGUF
+            file's blocks, from a model that ``load_gguf_q4_1`` loaded).
         max_tokens: the largest step (tokens over all its sequences) that runs in C.
         fallback: the model for larger steps (default ``model``); it must have ``model``'s shape.
         attention_backend: the fallback's attention, as for ``ModelRunner``.
+        group_size: the int4 step's weights per scale.
 
     ``native_steps`` and ``fallback_steps`` count the steps each path ran.
     """
@@ -134,8 +155,9 @@ class NativeModelRunner(ModelRunner):
         max_tokens: int = 512,
         fallback: Llama | None = None,
         attention_backend: str = "torch",
+        group_size: int = INT4_GROUP,
     ):
-        check_native_model(model, weights, "NativeModelRunner")
+        check_native_model(model, weights, "NativeModelRunner", group_size)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         fallback = model if fallback is None else fallback
@@ -153,7 +175,7 @@ class NativeModelRunner(ModelRunner):
         super().__init__(fallback, store, attention_backend)
         self.library = native_library()
         self.weights, self.max_tokens = weights, max_tokens
-        self.native = PanelWeights(model, weights, store.k, store.v)
+        self.native = PanelWeights(model, weights, store, group_size)
         config = model.config
         dims = [
             config.hidden_size,
@@ -170,6 +192,8 @@ class NativeModelRunner(ModelRunner):
             store.block_size,
             1,
             FORMAT_CODE[weights],
+            group_size // BLOCK,
+            FORMAT_CODE[head_format(weights)],
         ]
         if len(dims) != self.library.infra_native_batch_dim_count() or self.library.infra_native_row_fields() != 4:
             raise NativeUnavailable("the C step and this module disagree on the batched step's fields")

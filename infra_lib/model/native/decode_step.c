@@ -32,23 +32,26 @@
 #define THREAD_COUNT() 1
 #endif
 
-enum { FORMAT_FP32 = 0, FORMAT_BF16 = 1, FORMAT_INT8 = 2 };
+enum { FORMAT_FP32 = 0, FORMAT_BF16 = 1, FORMAT_INT8 = 2, FORMAT_Q4_1 = 3, FORMAT_INT4 = 4, FORMAT_Q8_0 = 5 };
 
 /* per-layer pointers, in this order (the Python side fills them) */
 enum {
     P_IN_NORM, P_Q, P_K, P_V, P_QB, P_KB, P_VB, P_O, P_OB, P_POST_NORM, P_GATE, P_UP, P_DOWN,
     P_KEYS, P_VALUES,
-    /* int8 only (NULL otherwise): one fp32 scale per output row of each projection */
-    P_Q_SCALE, P_K_SCALE, P_V_SCALE, P_O_SCALE, P_GATE_SCALE, P_UP_SCALE, P_DOWN_SCALE, P_COUNT
+    /* int8: one fp32 scale per output row of each projection; Q4_1 and int4: the block scales
+     * (NULL for fp32 and bf16) */
+    P_Q_SCALE, P_K_SCALE, P_V_SCALE, P_O_SCALE, P_GATE_SCALE, P_UP_SCALE, P_DOWN_SCALE,
+    /* Q4_1 only (NULL otherwise): the block minima */
+    P_Q_MIN, P_K_MIN, P_V_MIN, P_O_MIN, P_GATE_MIN, P_UP_MIN, P_DOWN_MIN, P_COUNT
 };
 
 /* dims[]: model shape and this step */
 enum {
     D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_LAYERS, D_CAPACITY, D_POS, D_TOKEN,
-    D_THREADS, D_FORMAT, D_COUNT
+    D_THREADS, D_FORMAT, D_GROUP, D_HEAD_FORMAT, D_COUNT
 };
 
-int infra_native_abi(void) { return 4; }
+int infra_native_abi(void) { return 5; }
 int infra_native_param_count(void) { return P_COUNT; }
 int infra_native_dim_count(void) { return D_COUNT; }
 /* 1 when built with OpenMP (products split over the threads), 0 when single-threaded */
@@ -149,6 +152,257 @@ static void rows_dot(const void *weight, const float *scale, int format, const f
     else ROWS_DOT(uint16_t, bf16_to_float);  /* an odd row length: one weight at a time */
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * 4-bit weights (and the 8-bit head beside them), read in their stored blocks of 32 weights.
+ *
+ * Q4_1 (the GGUF file's own format): per block an fp16 scale d, an fp16 minimum m and 16 bytes of
+ * nibbles (the low nibbles are weights 0-15, the high ones 16-31): w = d * q + m, q in 0..15.
+ * int4 (chapter 09's group-wise rule): nibbles u = q + 8 (byte j holds weights 2j and 2j + 1),
+ * one fp32 scale per `group` blocks: w = scale * (u - 8). Q8_0 (the file's embedding table, which
+ * is also its output head): per block an fp16 scale d and 32 int8 values: w = d * q.
+ *
+ * Turning every nibble into a float and multiplying it costs more instructions than the weight
+ * takes to arrive, so these products run on integers, as llama.cpp's do: the activation vector is
+ * quantised once per product to int8, per block of 32 (dx = max |x| / 127, qx = round(x / dx)),
+ * and each block's integer sum of q * qx (u8 x s8 products, four at a time into int32 lanes: one
+ * AVX-512 VNNI instruction per 64 weights) is scaled by d * dx. The minimum's part is
+ * m * dx * sum(qx), so a product is exactly the dequantised weights times the rounded activations
+ * (with the block's exact sum of x instead, Q4_1's error would be d * sum(q * e), e the rounding
+ * errors: q is 0..15, all of one sign, where w = d * q + m is centred). Q8_0's signed weights become
+ * unsigned by adding 128 (a flip of each byte's top bit), and int4's nibbles are u = q + 8: the
+ * integer sum then starts from -128 (or -8) times the sum of qx, which the quantiser also makes,
+ * so the offset cancels exactly in integers (cancelled in floats instead, as d * dx * sum(u * qx)
+ * minus 8 * d * dx * sum(qx), it cost a random 2-layer model's logits up to 0.7 in 80).
+ * ------------------------------------------------------------------------------------------- */
+#define QBLOCK 32
+#define MAX_Q_INPUT 16384  /* the longest row a 4-bit product takes (the Python side checks) */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define Q_VNNI 1  /* 512-bit integer products; otherwise the portable loops below */
+#else
+#define Q_VNNI 0
+#endif
+
+/* which 4-bit path this build runs: 512 (AVX-512 VNNI) or 0 (portable C, vectorised as the
+ * compiler can) */
+int infra_native_q4_path(void) { return Q_VNNI ? 512 : 0; }
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1f) v.u = sign | 0x7f800000u | (mantissa << 13);
+    else if (exponent) v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else { v.f = (float)mantissa * (1.0f / 16777216.0f); v.u |= sign; }  /* zero or subnormal */
+    return v.f;
+}
+
+/* A 4-bit (or Q8_0) weight: `q` its stored values row after row, `a` the scales (fp16 [rows, nb],
+ * int4: fp32 [rows, nb / group]), `m` Q4_1's minima (fp16 [rows, nb]). */
+typedef struct {
+    const uint8_t *q;
+    const void *a;
+    const uint16_t *m;
+    int format;
+    long nb, group;
+} qweight;
+
+/* An activation vector quantised for these products: `q` the int8 values, `d` each block's scale,
+ * `sq` d * the sum of its int8 values; with Q_VNNI, `offset` the integer sums' starting values
+ * (-8 or -128 times the sum of each int32 lane's four values; int4 and Q8_0). With Q_VNNI the values of blocks 2p and
+ * 2p + 1 sit in one 64-byte row laid out as the weights' bytes unpack (see quantise_x). */
+typedef struct {
+    int8_t *q;
+    float *d, *sq;
+    int32_t *offset;
+} qvec;
+
+/* bytes and floats one quantised vector of n inputs takes (an odd block count padded to even) */
+static inline long qvec_bytes(long n) { return (n / QBLOCK + 1) / 2 * 2 * QBLOCK; }
+static inline long qvec_floats(long n) { return (n / QBLOCK + 2) & ~1L; }
+
+static inline qvec qvec_at(char *base, long n) {
+    qvec v;
+    const long nb = qvec_floats(n);
+    v.d = (float *)base; v.sq = v.d + nb;
+    v.offset = (int32_t *)(v.sq + nb);
+    v.q = (int8_t *)(v.offset + qvec_bytes(n) / 4);
+    return v;
+}
+static inline long qvec_size(long n) { return 2 * qvec_floats(n) * (long)sizeof(float) + 2 * qvec_bytes(n); }
+
+/* where weight i of a block lands in the quantised vector: with Q_VNNI, a pair of blocks (h = 0, 1)
+ * fills 64 bytes in the order the weights unpack (the low nibbles of both blocks, then the high
+ * ones; Q8_0 plainly); without, every block plainly */
+static inline long qx_lane(int format, long b, long i) {
+#if Q_VNNI
+    const long h = b & 1, base = (b >> 1) * 64;
+    if (format == FORMAT_Q8_0) return base + h * 32 + i;
+    if (format == FORMAT_Q4_1) return base + (i / 16) * 32 + h * 16 + i % 16;
+    return base + (i % 2) * 32 + h * 16 + i / 2;  /* int4: byte j holds weights 2j and 2j + 1 */
+#else
+    (void)format;
+    return b * QBLOCK + i;
+#endif
+}
+
+static void quantise_x(const float *x, long n, int format, qvec v) {
+    const long nb = n / QBLOCK;
+    for (long b = 0; b < nb; b++) {
+        const float *xb = x + b * QBLOCK;
+        float top = 0.f;
+        for (int i = 0; i < QBLOCK; i++) top = fmaxf(top, fabsf(xb[i]));
+        const float d = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+        int total = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int q = (int)lrintf(xb[i] * inverse);
+            v.q[qx_lane(format, b, i)] = (int8_t)q;
+            total += q;
+        }
+        v.d[b] = d; v.sq[b] = d * (float)total;
+    }
+    if (nb & 1) {  /* the phantom partner of an odd last block: zeros, which add nothing */
+        for (int i = 0; i < QBLOCK; i++) v.q[qx_lane(format, nb, i)] = 0;
+        v.d[nb] = v.sq[nb] = 0.f;
+    }
+#if Q_VNNI
+    if (format != FORMAT_Q4_1) {
+        const int shift = format == FORMAT_Q8_0 ? 128 : 8;
+        for (long lane = 0; lane < (nb + 1) / 2 * 16; lane++) {
+            const int8_t *q = v.q + 4 * lane;
+            v.offset[lane] = -shift * (q[0] + q[1] + q[2] + q[3]);
+        }
+    }
+#endif
+}
+
+static inline float q_scale(const qweight *w, long r, long b) {
+    if (w->format == FORMAT_INT4) return ((const float *)w->a)[r * (w->nb / w->group) + b / w->group];
+    return half_to_float(((const uint16_t *)w->a)[r * w->nb + b]);
+}
+
+#if Q_VNNI
+/* A (the scale of each of 16 blocks from b0, c of them real) and B (Q4_1's minima) of row r */
+static inline __attribute__((always_inline)) void q_scales16(const qweight *w, long r, long b0, long c, __m512i group_index,
+                                                             __m512 *A, __m512 *B) {
+    const __mmask16 k = (__mmask16)((1u << c) - 1);
+    if (w->format == FORMAT_INT4) {
+        const long per_row = w->nb / w->group, count = (c + w->group - 1) / w->group;
+        const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1),
+                                               (const float *)w->a + r * per_row + b0 / w->group);
+        *A = _mm512_permutexvar_ps(group_index, s);
+    } else {
+        *A = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)w->a + r * w->nb + b0));
+        if (w->format == FORMAT_Q4_1) *B = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w->m + r * w->nb + b0));
+    }
+}
+
+/* y[0..R) = rows r..r+R of w against x: R rows against one read of each 64 inputs */
+static inline __attribute__((always_inline)) void q_dot_rows(const qweight *w, const qvec *x, long r, const int R,
+                                                             float *y) {
+    const long nb = w->nb;
+    const int plain = w->format == FORMAT_Q8_0, has_min = w->format == FORMAT_Q4_1;
+    const long row_bytes = nb * (plain ? 32 : 16), block_bytes = plain ? 32 : 16;
+    __m512 acc[4], acc_min[4];
+    for (int i = 0; i < R; i++) acc[i] = acc_min[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    /* the int32 lanes of a pair's products belong to blocks 2j and 2j + 1 in this pattern */
+    const __m512i pattern = plain ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                  : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const long g = w->format == FORMAT_INT4 ? w->group : 1;
+    const __m512i group_index = _mm512_set_epi32(15 / g, 14 / g, 13 / g, 12 / g, 11 / g, 10 / g, 9 / g, 8 / g, 7 / g,
+                                                 6 / g, 5 / g, 4 / g, 3 / g, 2 / g, 1 / g, 0);
+    for (long b0 = 0; b0 < nb; b0 += 16) {
+        const long c = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 k = (__mmask16)((1u << c) - 1);
+        const __m512 dx = _mm512_maskz_loadu_ps(k, x->d + b0), sx = _mm512_maskz_loadu_ps(k, x->sq + b0);
+        __m512 S[4];
+        for (int i = 0; i < R; i++) {
+            __m512 A, B = _mm512_setzero_ps();
+            q_scales16(w, r + i, b0, c, group_index, &A, &B);
+            S[i] = _mm512_mul_ps(A, dx);
+            if (has_min) acc_min[i] = _mm512_fmadd_ps(B, sx, acc_min[i]);
+        }
+        for (long j = 0; 2 * j < c; j++) {
+            const long b = b0 + 2 * j;
+            const int tail = b + 1 == nb;
+            const __m512i xv = _mm512_loadu_si512(x->q + b * QBLOCK);
+            const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_loadu_si512(x->offset + b * 8);
+            const __m512i index = _mm512_add_epi32(pattern, _mm512_set1_epi32((int)(2 * j)));
+            for (int i = 0; i < R; i++) {
+                const uint8_t *p = w->q + (r + i) * row_bytes + b * block_bytes;
+                __m512i wv;
+                if (plain) {
+                    wv = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p))
+                              : _mm512_loadu_si512(p);
+                    wv = _mm512_xor_si512(wv, flip);
+                } else {
+                    const __m256i bytes = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p))
+                                               : _mm256_loadu_si256((const __m256i *)p);
+                    wv = _mm512_and_si512(
+                        _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1), low);
+                }
+                const __m512i dot = _mm512_dpbusd_epi32(start, wv, xv);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, S[i]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(acc_min[i]);
+}
+#else
+static inline void q_dot_rows(const qweight *w, const qvec *x, long r, const int R, float *y) {
+    const long nb = w->nb;
+    for (int i = 0; i < R; i++) {
+        float acc = 0.f, acc_min = 0.f;
+        for (long b = 0; b < nb; b++) {
+            const int8_t *xq = x->q + b * QBLOCK;
+            int sum = 0;
+            const float a = q_scale(w, r + i, b);
+            if (w->format == FORMAT_Q8_0) {
+                const int8_t *q = (const int8_t *)w->q + ((r + i) * nb + b) * QBLOCK;
+                for (int k = 0; k < QBLOCK; k++) sum += q[k] * xq[k];
+            } else {
+                const uint8_t *q = w->q + ((r + i) * nb + b) * 16;
+                if (w->format == FORMAT_Q4_1)
+                    for (int k = 0; k < 16; k++) sum += (q[k] & 15) * xq[k] + (q[k] >> 4) * xq[k + 16];
+                else
+                    for (int k = 0; k < 16; k++) sum += ((q[k] & 15) - 8) * xq[2 * k] + ((q[k] >> 4) - 8) * xq[2 * k + 1];
+                if (w->format == FORMAT_Q4_1) acc_min += half_to_float(w->m[(r + i) * nb + b]) * x->sq[b];
+            }
+            acc += a * x->d[b] * (float)sum;
+        }
+        y[i] = acc + acc_min;
+    }
+}
+#endif
+
+/* y[r] = W[r, :] . x for rows r0..r1 of a 4-bit or Q8_0 weight, four rows at a time */
+static void q_rows_dot(const qweight *w, const qvec *x, float *y, long r0, long r1) {
+    const long row_bytes = w->nb * (w->format == FORMAT_Q8_0 ? 32 : 16);
+    long r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        prefetch_next_group((const char *)w->q, r, r1, row_bytes);
+        q_dot_rows(w, x, r, 4, y + r);
+    }
+    for (; r < r1; r++) q_dot_rows(w, x, r, 1, y + r);
+}
+
+static inline int is_quantised(int format) { return format >= FORMAT_Q4_1; }
+
+/* each thread's own quantised copy of the vector its next products read (the batch-1 step) */
+static __thread char thread_qvec[2 * (MAX_Q_INPUT / QBLOCK + 2) * sizeof(float) + 2 * (MAX_Q_INPUT + 64)]
+    __attribute__((aligned(64)));
+
+/* y[r] for rows r0..r1 in any format: quantised formats read `qx`, the others `x` */
+static void rows_dot_any(const void *weight, const void *scale, const void *min, int format, long group, const float *x,
+                         const qvec *qx, float *y, long r0, long r1, long n) {
+    if (is_quantised(format)) {
+        const qweight w = {(const uint8_t *)weight, scale, (const uint16_t *)min, format, n / QBLOCK, group};
+        q_rows_dot(&w, qx, y, r0, r1);
+    } else
+        rows_dot(weight, (const float *)scale, format, x, y, r0, r1, n);
+}
+
 /* rows in blocks of 16 (four groups of four), dealt out evenly to the threads */
 #define ROW_BLOCK 16
 
@@ -207,7 +461,8 @@ static void attend(const float *q, const float *K, const float *V, const long *t
 /* The step. `params` holds P_COUNT pointers per layer; `scratch` holds at least
  * 3 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 2 * inter + heads * capacity floats
  * (infra_native_scratch_floats). `embed` is the fp32 embedding table; the projections and
- * `lm_head` are in the step's format (int8: with `lm_head_scale` and the layers' scales).
+ * `lm_head` are in the step's format (int8: with `lm_head_scale` and the layers' scales), except
+ * that 4-bit steps read a Q8_0 head (dims[D_HEAD_FORMAT]; int4 scales cover dims[D_GROUP] blocks).
  * Writes the logits [vocab] and returns their argmax. */
 long infra_native_scratch_floats(const long *dims) {
     return 3 * dims[D_HIDDEN] + (2 * dims[D_HEADS] + 2 * dims[D_KV_HEADS]) * dims[D_HEAD_DIM]
@@ -220,9 +475,11 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
     const long d = dims[D_HIDDEN], H = dims[D_HEADS], KV = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
     const long inter = dims[D_INTER], vocab = dims[D_VOCAB], layers = dims[D_LAYERS];
     const long capacity = dims[D_CAPACITY], pos = dims[D_POS], token = dims[D_TOKEN];
-    const int threads = (int)dims[D_THREADS], format = (int)dims[D_FORMAT];
+    const int threads = (int)dims[D_THREADS], format = (int)dims[D_FORMAT], head_format = (int)dims[D_HEAD_FORMAT];
     const long q_rows = H * hd, kv_rows = KV * hd, qkv_rows = q_rows + 2 * kv_rows;
-    const long group = H / KV;
+    const long group = H / KV, qgroup = dims[D_GROUP];
+    const int quantised = is_quantised(format);
+    const long widest = d > inter ? (d > q_rows ? d : q_rows) : (inter > q_rows ? inter : q_rows);
     const float attn_scale = 1.0f / sqrtf((float)hd);
 
     float *x = scratch;                 /* residual stream [d] */
@@ -244,15 +501,20 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
         {
             const int t = THREAD_ID(), nt = THREAD_COUNT();
             long r0, r1;
+            qvec qx = qvec_at(thread_qvec, quantised ? widest : 0);
+            if (quantised) quantise_x(h, d, format, qx);
             /* q, k and v: one range of rows over the three weights */
             my_rows(qkv_rows, &r0, &r1, t, nt);
             long a = r0 < q_rows ? r0 : q_rows, b = r1 < q_rows ? r1 : q_rows;
-            if (a < b) rows_dot(p[P_Q], p[P_Q_SCALE], format, h, qkv, a, b, d);
+            if (a < b) rows_dot_any(p[P_Q], p[P_Q_SCALE], p[P_Q_MIN], format, qgroup, h, &qx, qkv, a, b, d);
             a = r0 > q_rows ? r0 : q_rows; b = r1 < q_rows + kv_rows ? r1 : q_rows + kv_rows;
-            if (a < b) rows_dot(p[P_K], p[P_K_SCALE], format, h, qkv + q_rows, a - q_rows, b - q_rows, d);
+            if (a < b)
+                rows_dot_any(p[P_K], p[P_K_SCALE], p[P_K_MIN], format, qgroup, h, &qx, qkv + q_rows, a - q_rows,
+                             b - q_rows, d);
             a = r0 > q_rows + kv_rows ? r0 : q_rows + kv_rows; b = r1;
-            if (a < b) rows_dot(p[P_V], p[P_V_SCALE], format, h, qkv + q_rows + kv_rows, a - q_rows - kv_rows,
-                                b - q_rows - kv_rows, d);
+            if (a < b)
+                rows_dot_any(p[P_V], p[P_V_SCALE], p[P_V_MIN], format, qgroup, h, &qx, qkv + q_rows + kv_rows,
+                             a - q_rows - kv_rows, b - q_rows - kv_rows, d);
             #pragma omp barrier
             #pragma omp single
             {
@@ -275,7 +537,8 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
             }
             #pragma omp barrier
             my_rows(d, &r0, &r1, t, nt);
-            rows_dot(p[P_O], p[P_O_SCALE], format, attn, tmp, r0, r1, q_rows);
+            if (quantised) quantise_x(attn, q_rows, format, qx);
+            rows_dot_any(p[P_O], p[P_O_SCALE], p[P_O_MIN], format, qgroup, attn, &qx, tmp, r0, r1, q_rows);
             #pragma omp barrier
             #pragma omp single
             {
@@ -284,12 +547,14 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
             }
             /* gate and up: the same rows of both, combined as they are made */
             my_rows(inter, &r0, &r1, t, nt);
-            rows_dot(p[P_GATE], p[P_GATE_SCALE], format, h, act, r0, r1, d);
-            rows_dot(p[P_UP], p[P_UP_SCALE], format, h, up, r0, r1, d);
+            if (quantised) quantise_x(h, d, format, qx);
+            rows_dot_any(p[P_GATE], p[P_GATE_SCALE], p[P_GATE_MIN], format, qgroup, h, &qx, act, r0, r1, d);
+            rows_dot_any(p[P_UP], p[P_UP_SCALE], p[P_UP_MIN], format, qgroup, h, &qx, up, r0, r1, d);
             for (long i = r0; i < r1; i++) act[i] = silu(act[i]) * up[i];
             #pragma omp barrier
             my_rows(d, &r0, &r1, t, nt);
-            rows_dot(p[P_DOWN], p[P_DOWN_SCALE], format, act, tmp, r0, r1, inter);
+            if (quantised) quantise_x(act, inter, format, qx);
+            rows_dot_any(p[P_DOWN], p[P_DOWN_SCALE], p[P_DOWN_MIN], format, qgroup, act, &qx, tmp, r0, r1, inter);
         }
         for (long i = 0; i < d; i++) x[i] += tmp[i];
     }
@@ -300,7 +565,9 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
         const int t = THREAD_ID(), nt = THREAD_COUNT();
         long r0, r1;
         my_rows(vocab, &r0, &r1, t, nt);
-        rows_dot(lm_head, lm_head_scale, format, h, logits, r0, r1, d);
+        qvec qx = qvec_at(thread_qvec, d);
+        if (is_quantised(head_format)) quantise_x(h, d, head_format, qx);
+        rows_dot_any(lm_head, lm_head_scale, 0, head_format, 1, h, &qx, logits, r0, r1, d);
     }
     long best = 0;
     for (long i = 1; i < vocab; i++) if (logits[i] > logits[best]) best = i;
@@ -360,13 +627,16 @@ int infra_native_panel_width(void) { return PANEL; }
 /* dims[] of the batched step */
 enum {
     B_HIDDEN, B_HEADS, B_KV_HEADS, B_HEAD_DIM, B_INTER, B_VOCAB, B_LAYERS, B_MAX_CONTEXT, B_ROWS, B_SAMPLES,
-    B_TABLE_WIDTH, B_BLOCK_SIZE, B_THREADS, B_FORMAT, B_COUNT
+    B_TABLE_WIDTH, B_BLOCK_SIZE, B_THREADS, B_FORMAT, B_GROUP, B_HEAD_FORMAT, B_COUNT
 };
-/* per-layer pointers of the batched step; every projection is packed in panels ([rows / PANEL
- * panels, rounded up][n][PANEL], the last panel zero-padded), q, k and v as one weight */
+/* per-layer pointers of the batched step; every projection in fp32, bf16 or int8 is packed in panels
+ * ([rows / PANEL panels, rounded up][n][PANEL], the last panel zero-padded); 4-bit ones stay in
+ * their rows of blocks, as the batch-1 step reads them (the *_MIN pointers: Q4_1's minima); q, k
+ * and v as one weight */
 enum {
     BP_IN_NORM, BP_QKV, BP_QKV_SCALE, BP_QB, BP_KB, BP_VB, BP_O, BP_O_SCALE, BP_OB, BP_POST_NORM, BP_GATE,
-    BP_GATE_SCALE, BP_UP, BP_UP_SCALE, BP_DOWN, BP_DOWN_SCALE, BP_KEYS, BP_VALUES, BP_COUNT
+    BP_GATE_SCALE, BP_UP, BP_UP_SCALE, BP_DOWN, BP_DOWN_SCALE, BP_KEYS, BP_VALUES,
+    BP_QKV_MIN, BP_O_MIN, BP_GATE_MIN, BP_UP_MIN, BP_DOWN_MIN, BP_COUNT
 };
 /* each token's row of `rows` [T, ROW_FIELDS] */
 enum { R_TOKEN, R_POSITION, R_SLOT, R_SEQUENCE, ROW_FIELDS };
@@ -450,13 +720,59 @@ static void panels_dot(const void *W, const float *scale, int format, const floa
     else panels_int8((const int8_t *)W, scale, X, ldx, T, Y, ldy, p0, p1, rows, n);
 }
 
+/* the batched step's 4-bit products: this thread's panels' worth of rows (as panels_dot splits
+ * them), four rows at a time, each group against every token's quantised input in turn (the
+ * group's bytes stay in the first-level cache meanwhile); token t's input is the qvec at
+ * qx + t * qx_size */
+static void q_rows_dot_tokens(const qweight *w, char *qx, long qx_size, long input, long T, float *Y, long ldy,
+                              long rows, int thread, int threads) {
+    const long panels = (rows + PANEL - 1) / PANEL;
+    const long r0 = panels * thread / threads * PANEL, r1e = panels * (thread + 1) / threads * PANEL;
+    const long r1 = r1e < rows ? r1e : rows;
+    const long row_bytes = w->nb * (w->format == FORMAT_Q8_0 ? 32 : 16);
+    long r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        prefetch_next_group((const char *)w->q, r, r1, row_bytes);
+        for (long t = 0; t < T; t++) {
+            const qvec x = qvec_at(qx + t * qx_size, input);
+            q_dot_rows(w, &x, r, 4, Y + t * ldy + r);
+        }
+    }
+    for (; r < r1; r++)
+        for (long t = 0; t < T; t++) {
+            const qvec x = qvec_at(qx + t * qx_size, input);
+            q_dot_rows(w, &x, r, 1, Y + t * ldy + r);
+        }
+}
+
+/* the widest input any product of the batched step takes */
+static long batch_widest(const long *dims) {
+    const long d = dims[B_HIDDEN], inter = dims[B_INTER], q_rows = dims[B_HEADS] * dims[B_HEAD_DIM];
+    return d > inter ? (d > q_rows ? d : q_rows) : (inter > q_rows ? inter : q_rows);
+}
+
+/* Y[t, r] = W[r, :] . X[t, :] in any format: panels for fp32, bf16 and int8; 4-bit weights and the
+ * Q8_0 head against the tokens' quantised inputs (qx, made beforehand) */
+static void batch_dot(const void *W, const void *scale, const void *min, int format, long group, const float *X,
+                      long ldx, long T, float *Y, long ldy, long rows, long n, char *qx, long qx_size, long widest,
+                      int thread, int threads) {
+    if (is_quantised(format)) {
+        const qweight w = {(const uint8_t *)W, scale, (const uint16_t *)min, format, n / QBLOCK, group};
+        q_rows_dot_tokens(&w, qx, qx_size, widest, T, Y, ldy, rows, thread, threads);
+    } else
+        panels_dot(W, (const float *)scale, format, X, ldx, T, Y, ldy, rows, n, thread, threads);
+}
+
 /* Scratch floats the batched step needs for dims[B_ROWS] tokens and dims[B_THREADS] threads:
  * per token 3 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 2 * inter, and per thread one
- * row of attention scores as long as the longest context */
+ * row of attention scores as long as the longest context; with 4-bit weights, per token one
+ * quantised input as wide as the widest product's */
 long infra_native_batch_scratch_floats(const long *dims) {
+    const long quantised = is_quantised((int)dims[B_FORMAT]) || is_quantised((int)dims[B_HEAD_FORMAT]);
     return dims[B_ROWS] * (3 * dims[B_HIDDEN] + (2 * dims[B_HEADS] + 2 * dims[B_KV_HEADS]) * dims[B_HEAD_DIM]
                            + 2 * dims[B_INTER])
-           + dims[B_THREADS] * dims[B_MAX_CONTEXT];
+           + dims[B_THREADS] * dims[B_MAX_CONTEXT]
+           + (quantised ? dims[B_ROWS] * (qvec_size(batch_widest(dims)) / 4 + 16) + 16 : 0);
 }
 
 /* One engine step over T tokens. `rows` [T, ROW_FIELDS]: each token's id, position, KV slot and
@@ -475,10 +791,12 @@ int infra_native_batch_step(const long *dims, float eps, void *const *params, co
     const long inter = dims[B_INTER], vocab = dims[B_VOCAB], layers = dims[B_LAYERS];
     const long max_context = dims[B_MAX_CONTEXT], T = dims[B_ROWS], S = dims[B_SAMPLES];
     const long width = dims[B_TABLE_WIDTH], block_size = dims[B_BLOCK_SIZE];
-    const int threads = (int)dims[B_THREADS], format = (int)dims[B_FORMAT];
+    const int threads = (int)dims[B_THREADS], format = (int)dims[B_FORMAT], head_format = (int)dims[B_HEAD_FORMAT];
     const long q_rows = H * hd, kv_rows = KV * hd, qkv_rows = q_rows + 2 * kv_rows;
-    const long group = H / KV;
+    const long group = H / KV, qgroup = dims[B_GROUP];
+    const int quantised = is_quantised(format);
     const float attn_scale = 1.0f / sqrtf((float)hd);
+    const long widest = batch_widest(dims), qx_size = (qvec_size(widest) + 63) / 64 * 64;
     for (long t = 0; t < T; t++)
         if (rows[t * ROW_FIELDS + R_POSITION] >= max_context || rows[t * ROW_FIELDS + R_POSITION] < 0) return -1;
 
@@ -490,6 +808,8 @@ int infra_native_batch_step(const long *dims, float eps, void *const *params, co
     float *up = act + T * inter;        /* up [T, inter] */
     float *tmp = up + T * inter;        /* o_proj / down_proj output [T, d] */
     float *scores = tmp + T * d;        /* [threads, max_context] */
+    /* the tokens' quantised inputs of the next 4-bit product [T][qx_size bytes], 64-byte aligned */
+    char *qx = (char *)(((uintptr_t)(scores + threads * max_context) + 63) & ~(uintptr_t)63);
 
     for (long t = 0; t < T; t++) memcpy(x + t * d, embed + rows[t * ROW_FIELDS + R_TOKEN] * d, d * sizeof(float));
 
@@ -501,9 +821,13 @@ int infra_native_batch_step(const long *dims, float eps, void *const *params, co
         for (long l = 0; l < layers; l++) {
             void *const *p = params + l * BP_COUNT;
             float *keys = (float *)p[BP_KEYS], *values = (float *)p[BP_VALUES];
-            for (long t = t0; t < t1; t++) rmsnorm(x + t * d, (const float *)p[BP_IN_NORM], h + t * d, (int)d, eps);
+            for (long t = t0; t < t1; t++) {
+                rmsnorm(x + t * d, (const float *)p[BP_IN_NORM], h + t * d, (int)d, eps);
+                if (quantised) quantise_x(h + t * d, d, format, qvec_at(qx + t * qx_size, widest));
+            }
             #pragma omp barrier
-            panels_dot(p[BP_QKV], p[BP_QKV_SCALE], format, h, d, T, qkv, qkv_rows, qkv_rows, d, tid, nt);
+            batch_dot(p[BP_QKV], p[BP_QKV_SCALE], p[BP_QKV_MIN], format, qgroup, h, d, T, qkv, qkv_rows, qkv_rows, d,
+                      qx, qx_size, widest, tid, nt);
             #pragma omp barrier
             /* biases, RoPE at each token's position, and every token's K/V into its slot */
             for (long t = t0; t < t1; t++) {
@@ -529,17 +853,26 @@ int infra_native_batch_step(const long *dims, float eps, void *const *params, co
                        attn + t * q_rows + g * hd);
             }
             #pragma omp barrier
-            panels_dot(p[BP_O], p[BP_O_SCALE], format, attn, q_rows, T, tmp, d, d, q_rows, tid, nt);
+            if (quantised) {
+                for (long t = t0; t < t1; t++)
+                    quantise_x(attn + t * q_rows, q_rows, format, qvec_at(qx + t * qx_size, widest));
+                #pragma omp barrier
+            }
+            batch_dot(p[BP_O], p[BP_O_SCALE], p[BP_O_MIN], format, qgroup, attn, q_rows, T, tmp, d, d, q_rows, qx,
+                      qx_size, widest, tid, nt);
             #pragma omp barrier
             for (long t = t0; t < t1; t++) {
                 float *xt = x + t * d, *ot = tmp + t * d;
                 for (long i = 0; i < d; i++) xt[i] += ot[i] + (p[BP_OB] ? ((const float *)p[BP_OB])[i] : 0.f);
                 rmsnorm(xt, (const float *)p[BP_POST_NORM], h + t * d, (int)d, eps);
+                if (quantised) quantise_x(h + t * d, d, format, qvec_at(qx + t * qx_size, widest));
             }
             #pragma omp barrier
             /* gate and up: the same panels of both, combined as they are made */
-            panels_dot(p[BP_GATE], p[BP_GATE_SCALE], format, h, d, T, act, inter, inter, d, tid, nt);
-            panels_dot(p[BP_UP], p[BP_UP_SCALE], format, h, d, T, up, inter, inter, d, tid, nt);
+            batch_dot(p[BP_GATE], p[BP_GATE_SCALE], p[BP_GATE_MIN], format, qgroup, h, d, T, act, inter, inter, d, qx,
+                      qx_size, widest, tid, nt);
+            batch_dot(p[BP_UP], p[BP_UP_SCALE], p[BP_UP_MIN], format, qgroup, h, d, T, up, inter, inter, d, qx,
+                      qx_size, widest, tid, nt);
             {
                 const long panels = (inter + PANEL - 1) / PANEL;
                 const long r0 = panels * tid / nt * PANEL, r1e = panels * (tid + 1) / nt * PANEL;
@@ -548,16 +881,26 @@ int infra_native_batch_step(const long *dims, float eps, void *const *params, co
                     for (long i = r0; i < r1; i++) act[t * inter + i] = silu(act[t * inter + i]) * up[t * inter + i];
             }
             #pragma omp barrier
-            panels_dot(p[BP_DOWN], p[BP_DOWN_SCALE], format, act, inter, T, tmp, d, d, inter, tid, nt);
+            if (quantised) {
+                for (long t = t0; t < t1; t++)
+                    quantise_x(act + t * inter, inter, format, qvec_at(qx + t * qx_size, widest));
+                #pragma omp barrier
+            }
+            batch_dot(p[BP_DOWN], p[BP_DOWN_SCALE], p[BP_DOWN_MIN], format, qgroup, act, inter, T, tmp, d, d, inter,
+                      qx, qx_size, widest, tid, nt);
             #pragma omp barrier
             for (long t = t0; t < t1; t++)
                 for (long i = 0; i < d; i++) x[t * d + i] += tmp[t * d + i];
             #pragma omp barrier
         }
         /* the final norm of the tokens that sample, packed into h, then the head over them */
-        for (long k = tid; k < S; k += nt) rmsnorm(x + samples[k] * d, final_norm, h + k * d, (int)d, eps);
+        for (long k = tid; k < S; k += nt) {
+            rmsnorm(x + samples[k] * d, final_norm, h + k * d, (int)d, eps);
+            if (is_quantised(head_format)) quantise_x(h + k * d, d, head_format, qvec_at(qx + k * qx_size, widest));
+        }
         #pragma omp barrier
-        panels_dot(lm_head, lm_head_scale, format, h, d, S, logits, vocab, vocab, d, tid, nt);
+        batch_dot(lm_head, lm_head_scale, 0, head_format, 1, h, d, S, logits, vocab, vocab, d, qx, qx_size, widest, tid,
+                  nt);
     }
     return 0;
 }
