@@ -27,6 +27,11 @@ TOOLS = {
 }
 
 
+# Imported by a benchmark only, from the optional bench extra, and measured only where installed
+# (benchmarks/decode.py says how to get it otherwise): module -> distribution.
+BENCH = {"llama_cpp": "llama-cpp-python"}
+
+
 def _name(requirement: str) -> str:
     return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
 
@@ -84,13 +89,18 @@ def test_every_imported_package_is_declared_and_pinned():
         for line in (REPO / "constraints.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
-    course = _distributions(_modules_used([*PACKAGES, "notebooks", "solutions", "benchmarks"]), runtime)
+    bench_extra = {_name(r) for r in project["optional-dependencies"]["bench"]}
+    assert set(BENCH.values()) == bench_extra, f"the bench extra declares {sorted(bench_extra)}"
+    used = _modules_used([*PACKAGES, "notebooks", "solutions", "benchmarks"])
+    assert set(BENCH) & _modules_used([*PACKAGES, "notebooks", "solutions"]) == set(), "only benchmarks use the extra"
+    course = _distributions(used - set(BENCH), runtime)
     assert course <= runtime, f"imported by the course but not in [project] dependencies: {sorted(course - runtime)}"
     tests = _distributions(_modules_used(["tests"]), runtime | test_extra)
     assert tests <= runtime | test_extra, f"imported by tests but not declared: {sorted(tests - runtime - test_extra)}"
     unused = runtime - course - set(TOOLS)
     assert not unused, f"declared but imported nowhere: {sorted(unused)} (drop them, or say in TOOLS why they stay)"
-    assert (runtime | test_extra) <= pinned, f"not pinned in constraints.txt: {sorted((runtime | test_extra) - pinned)}"
+    declared = runtime | test_extra | bench_extra
+    assert declared <= pinned, f"not pinned in constraints.txt: {sorted(declared - pinned)}"
     assert "accelerate" not in runtime, "accelerate is for one test (transformers reading GGUF): the test extra"
 
 
