@@ -12,8 +12,9 @@ drawn number of tokens, no stop token) is served three ways:
   any larger ones in PyTorch on the model's decode layout (``infra_lib.model.decode_layout``: the
   same fp32 weights, fused and packed for oneDNN's product). Once more at ``B``, every step in
   PyTorch on the decode layout, and once on the model as loaded (one ``nn.Linear`` product per
-  projection): each lever's effect, side by side. Where the C step cannot be built, the first row
-  runs in PyTorch too and the JSON says why;
+  projection): each lever's effect, side by side. Once more with the C step reading the GGUF file's
+  own Q4_1 blocks (and its Q8_0 head) instead of fp32 weights. Where the C step cannot be built, the
+  first row runs in PyTorch too, the Q4_1 row is left out, and the JSON says why;
 * **static batching**: the prompts cut once into batches of ``B`` in order; each batch runs on
   the same engine and layout (``max_num_seqs=B``) until its longest member finishes, and nothing joins a
   batch while it runs. Finished sequences drop out of the batch rather than being padded, so
@@ -52,6 +53,7 @@ from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
 from infra_lib.model import SamplingParams, load_default
 from infra_lib.model.decode_layout import decode_layout
 from infra_lib.model.native_decode import native_decode_available
+from infra_lib.model.quant import load_gguf_q4_1
 from infra_lib.serving import LLM, LLMEngine, PagedKVStore, SchedulerConfig
 from infra_lib.serving.native_runner import NativeModelRunner
 
@@ -107,13 +109,21 @@ def _row(seconds: float, tokens: int, token_ids: list[list[int]], steps: int | N
     }
 
 
-def engine_llm(model, fast, tokenizer, config: SchedulerConfig, native: bool) -> LLM:
-    """The benchmark's engine: steps of up to 512 tokens in C (``native``) and any larger in PyTorch on
-    ``fast`` (the decode layout); without ``native``, every step in PyTorch on ``fast``."""
+def timed_generate(llm: LLM, prompts, params) -> tuple[dict, list]:
+    """Serve the whole backlog with ``llm``: its row (wall time, tokens, steps) and its outputs."""
+    start = time.perf_counter()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return _row(seconds, sum(len(o.token_ids) for o in out), [o.token_ids for o in out], len(llm.engine.steps)), out
+
+
+def engine_llm(model, fast, tokenizer, config: SchedulerConfig, native: bool, weights: str = "fp32") -> LLM:
+    """The benchmark's engine: steps of up to 512 tokens in C (``native``, in format ``weights``) and any
+    larger in PyTorch on ``fast`` (the decode layout); without ``native``, every step in PyTorch on ``fast``."""
     if not native:
         return LLM(fast, tokenizer, config)
     store = PagedKVStore.for_model(model.config, config.num_blocks, config.block_size)
-    return LLM(engine=LLMEngine(NativeModelRunner(model, store, fallback=fast), config, tokenizer))
+    return LLM(engine=LLMEngine(NativeModelRunner(model, store, weights, fallback=fast), config, tokenizer))
 
 
 def sweep(engine, tokenizer, prompts, outputs, batches, budgets) -> list[dict]:
@@ -204,40 +214,21 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         llm.generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
 
     llm = engine(config)
-    start = time.perf_counter()
-    continuous_out = llm.generate(prompts, params, use_tqdm=False)
-    continuous = _row(
-        time.perf_counter() - start,
-        sum(len(o.token_ids) for o in continuous_out),
-        [o.token_ids for o in continuous_out],
-        len(llm.engine.steps),
-    )
+    continuous, continuous_out = timed_generate(llm, prompts, params)
     runner = llm.engine.runner
+    q4_1 = None
+    if native:  # the same engine, its C step reading the file's Q4_1 blocks (a prefill over 512 tokens: fp32)
+        q4_1_llm = engine_llm(load_gguf_q4_1(loaded.source).model, fast, tokenizer, config, True, "q4_1")
+        q4_1_llm.generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
+        q4_1, q4_1_out = timed_generate(q4_1_llm, prompts, params)
     native_steps = {
         "native_steps": getattr(runner, "native_steps", 0),
         "fallback_steps": getattr(runner, "fallback_steps", len(llm.engine.steps)),
         "max_tokens": getattr(runner, "max_tokens", None),
     }
 
-    torch_llm = LLM(fast, tokenizer, config)
-    start = time.perf_counter()
-    torch_out = torch_llm.generate(prompts, params, use_tqdm=False)
-    torch_step = _row(
-        time.perf_counter() - start,
-        sum(len(o.token_ids) for o in torch_out),
-        [o.token_ids for o in torch_out],
-        len(torch_llm.engine.steps),
-    )
-
-    loaded_llm = LLM(model, tokenizer, config)
-    start = time.perf_counter()
-    loaded_out = loaded_llm.generate(prompts, params, use_tqdm=False)
-    as_loaded = _row(
-        time.perf_counter() - start,
-        sum(len(o.token_ids) for o in loaded_out),
-        [o.token_ids for o in loaded_out],
-        len(loaded_llm.engine.steps),
-    )
+    torch_step, torch_out = timed_generate(LLM(fast, tokenizer, config), prompts, params)
+    as_loaded, loaded_out = timed_generate(LLM(model, tokenizer, config), prompts, params)
 
     static_llm = engine(config)
     static_out, start = [], time.perf_counter()
@@ -309,6 +300,7 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     bound_tokens_per_s = expected_tokens / bound_s
     engines = {
         "continuous batching": continuous,
+        **({"continuous batching, Q4_1 C step": q4_1} if q4_1 else {}),
         "continuous batching, PyTorch step": torch_step,
         "continuous batching, model as loaded": as_loaded,
         "static batching": static,
@@ -345,7 +337,9 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
             "(NativeModelRunner, the same fp32 weights packed in panels) and larger steps in PyTorch on the "
             "decode layout (the same fp32 weights fused and packed for oneDNN); 'continuous batching, "
             "PyTorch step' runs every step on the decode layout, 'continuous batching, model as loaded' on "
-            "the model's own nn.Linear products, both at the same batch limit",
+            "the model's own nn.Linear products, both at the same batch limit; 'continuous batching, Q4_1 C "
+            "step' runs the C step on the GGUF file's Q4_1 blocks and Q8_0 head (activations rounded to int8 "
+            "per block of 32, so a near tie may pick another token than fp32's)",
             "roofline: 2 x parameters FLOPs per computed token (prompt tokens + output tokens - 1 per request) "
             "at the measured GEMM peak; attention FLOPs left out: a lower bound on time",
         ],
@@ -365,6 +359,10 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
         "native_step": {"available": native, "reason": native_reason, "weights": "fp32", **native_steps},
         "continuous_over_static": continuous["tokens_per_s"] / static["tokens_per_s"],
         "native_step_over_pytorch_step": continuous["tokens_per_s"] / torch_step["tokens_per_s"],
+        "q4_1_over_fp32_native_step": q4_1["tokens_per_s"] / continuous["tokens_per_s"] if q4_1 else None,
+        "requests_same_tokens_q4_1_and_fp32": sum(a.token_ids == b.token_ids for a, b in zip(continuous_out, q4_1_out))
+        if q4_1
+        else None,
         "requests_same_tokens_native_and_pytorch_step": sum(
             a.token_ids == b.token_ids for a, b in zip(continuous_out, torch_out)
         ),
@@ -412,6 +410,11 @@ def format_table(result: dict) -> str:
         f"C step / PyTorch step {result['native_step_over_pytorch_step']:.2f}x (same tokens: "
         f"{result['requests_same_tokens_native_and_pytorch_step']}/{flags['num_prompts']} requests)"
     )
+    if result["q4_1_over_fp32_native_step"] is not None:
+        lines.append(
+            f"C step on the file's Q4_1 blocks / on fp32 weights {result['q4_1_over_fp32_native_step']:.2f}x "
+            f"(same tokens: {result['requests_same_tokens_q4_1_and_fp32']}/{flags['num_prompts']} requests)"
+        )
     lines.append(
         f"continuous / static {result['continuous_over_static']:.2f}x; continuous / padded static "
         f"{result['continuous_over_padded_static']:.2f}x; continuous / sequential "

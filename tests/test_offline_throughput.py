@@ -13,6 +13,7 @@ import offline_throughput  # noqa: E402  (a script in benchmarks/, importable on
 
 ENGINES = [
     "continuous batching",
+    "continuous batching, Q4_1 C step",
     "continuous batching, PyTorch step",
     "continuous batching, model as loaded",
     "static batching",
@@ -93,6 +94,11 @@ def test_offline_throughput_benchmark_writes_json(tmp_path):
     assert result["native_step_over_pytorch_step"] == pytest.approx(
         continuous["tokens_per_s"] / torch_step["tokens_per_s"]
     )
+    # The same engine on the GGUF file's Q4_1 blocks: every request its drawn number of tokens (checked
+    # above), greedy tokens that may part from fp32's at a near tie (activations rounded to int8)
+    q4_1 = engines["continuous batching, Q4_1 C step"]
+    assert result["q4_1_over_fp32_native_step"] == pytest.approx(q4_1["tokens_per_s"] / continuous["tokens_per_s"])
+    assert 0 <= result["requests_same_tokens_q4_1_and_fp32"] <= flags["num_prompts"]
 
 
 def test_the_backlog_is_seeded():
