@@ -66,7 +66,7 @@ AGREEMENT_PROMPTS = (
 )
 
 
-def _decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> dict:
+def decode_rate(generate_n, new_tokens: int, iters: int, warmup: int = 1) -> dict:
     """Seconds for 1 and for ``new_tokens`` tokens, and the decode rate from their difference.
 
     The two calls alternate (after ``warmup`` untimed calls of each), so a change in how busy the
@@ -110,7 +110,7 @@ def _transformers_model(model):
 
 def llama_cpp_worker(job: dict) -> dict:
     """In its own process: llama.cpp on the GGUF file, greedy from the prompt's token ids, timed as
-    every other row (``_decode_rate``); its tokens, and the time per token its own counters give
+    every other row (``decode_rate``); its tokens, and the time per token its own counters give
     (the C side of ``llama_decode``, without the Python loop around it)."""
     import llama_cpp
 
@@ -131,7 +131,7 @@ def llama_cpp_worker(job: dict) -> dict:
         return out
 
     tokens = greedy(job["new_tokens"])
-    row = _decode_rate(greedy, job["new_tokens"], job["iters"], job["warmup"])
+    row = decode_rate(greedy, job["new_tokens"], job["iters"], job["warmup"])
     llama_cpp.llama_perf_context_reset(llm.ctx)
     greedy(job["new_tokens"])
     perf = llama_cpp.llama_perf_context(llm.ctx)
@@ -315,18 +315,18 @@ def run_decode(device: torch.device, quick: bool) -> dict:
         }
     phase("llama.cpp (its own process)")
     engines = {
-        "infra_lib, KV cache": _decode_rate(ours, new_tokens, iters, warmup),
+        "infra_lib, KV cache": decode_rate(ours, new_tokens, iters, warmup),
         **{
             name: row
             for weights, laid_out in ((w, formats[w]) for w in timed)
             for name, row in (
                 (
                     f"infra_lib, decode layout {weights}",
-                    _decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup),
+                    decode_rate(lambda n, m=laid_out: ours(n, on=m), new_tokens, iters, warmup),
                 ),
                 (
                     f"infra_lib, compiled step {weights}",
-                    _decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup),
+                    decode_rate(lambda n, d=compiled[weights]: d.greedy(prompt, n), new_tokens, iters, warmup),
                 ),
             )
         },
@@ -334,19 +334,19 @@ def run_decode(device: torch.device, quick: bool) -> dict:
             {}
             if quick
             else {
-                "infra_lib, decode layout fp32 input-major": _decode_rate(
+                "infra_lib, decode layout fp32 input-major": decode_rate(
                     lambda n: ours(n, on=input_major), new_tokens, iters, warmup
                 )
             }
         ),
         **{
-            f"infra_lib, native step {w}": _decode_rate(
+            f"infra_lib, native step {w}": decode_rate(
                 lambda n, d=decoder: d.greedy(prompt, n), new_tokens, iters, warmup
             )
             for w, decoder in native.items()
         },
-        "infra_lib, no cache": _decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
-        "transformers generate": _decode_rate(theirs, new_tokens, iters, warmup),
+        "infra_lib, no cache": decode_rate(lambda n: ours(n, use_cache=False), new_tokens, iters, warmup),
+        "transformers generate": decode_rate(theirs, new_tokens, iters, warmup),
         **({LLAMA_CPP: llama["row"]} if llama["available"] else {}),
     }
     phase("timing every row")

@@ -9,6 +9,13 @@ overhead is what the step's wall time, measured without the profiler in the same
 ops' time is taken out; the profiler's own cost per op inflates the op times a little, so that figure
 is a lower bound.
 
+The C decode steps (``infra_lib.model.native_decode``, fp32 and the GGUF file's Q4_1 blocks) and
+llama.cpp on the same file are split another way, since no profiler sees inside them: the C step's
+phases come from a build of it with timing marks (``-DINFRA_PROFILE``: thread 0's wall time between
+marks, by phase), llama.cpp's time in ``llama_decode`` from its own counters; what the greedy loop
+around each takes beyond that (Python, sampling, the call) is the rest of its wall time per token.
+Beside them, the time streaming each step's weight bytes takes at the bandwidth the probe measures.
+
 Usage:
     python benchmarks/decode_profile.py [--quick] [--device cpu] [--out PATH]
 """
@@ -21,11 +28,15 @@ from collections import defaultdict
 
 import torch
 from benchmark_cli import benchmark_main, load_average
+from decode import decode_rate, gguf_bytes_per_step, run_llama_cpp
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from infra_lib.hardware.probes import machine_info
+from infra_lib.hardware.probes import machine_info, measure_memory_bandwidth
 from infra_lib.model import DenseKVCache, SamplingParams, load_default
 from infra_lib.model.attention import cached_attention
+from infra_lib.model.loaders import default_gguf_path
+from infra_lib.model.native_decode import NativeDecoder, native_decode_available, native_library, step_profile
+from infra_lib.model.quant import load_gguf_q4_1
 from infra_lib.model.sampling import sample
 from infra_lib.serving.engine import LLMEngine
 from infra_lib.serving.scheduler_output import SchedulerConfig
@@ -163,6 +174,46 @@ def engine_steps(model, tokenizer, batch: int):
     return reset, step
 
 
+def native_profiles(model, tokenizer, tokens: int, rounds: int, bandwidth_gbps: float) -> dict:
+    """ms per token of the C step (fp32 and Q4_1) by phase, and of llama.cpp on the same file, each
+    beside its wall time per token and the time its weight bytes take to stream."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    profiling = native_library(("-DINFRA_PROFILE",))
+    q4_1_model = load_gguf_q4_1(default_gguf_path()).model
+    out = {}
+    for weights, held in (("fp32", model), ("q4_1", q4_1_model)):
+        plain = NativeDecoder(held, capacity=len(prompt) + tokens, weights=weights)
+        wall = decode_rate(lambda n, d=plain: d.greedy(prompt, n), tokens, rounds)
+        marked = NativeDecoder(held, capacity=len(prompt) + tokens, weights=weights, library=profiling)
+        marked.greedy(prompt, tokens)
+        step_profile(profiling)  # from zero
+        marked.greedy(prompt, tokens)  # tokens - 1 steps in C (the prompt's pass is PyTorch)
+        phases = {k: v * 1000 / (tokens - 1) for k, v in step_profile(profiling).items()}
+        token_ms = 1000 / wall["decode_tokens_per_s"]
+        out[f"C step {weights}"] = {
+            "token_ms": token_ms,
+            "in_c_ms": sum(phases.values()),
+            "ms": {**phases, "outside C (Python loop, call)": max(0.0, token_ms - sum(phases.values()))},
+            "bytes_per_step": plain.bytes_per_step,
+            "stream_ms": plain.bytes_per_step / (bandwidth_gbps * 1e9) * 1000,
+        }
+    llama = run_llama_cpp(default_gguf_path(), prompt, tokens, rounds, 1)
+    if llama["available"]:
+        token_ms = 1000 / llama["row"]["decode_tokens_per_s"]
+        in_c = llama["eval_ms_per_token"]
+        bytes_per_step = gguf_bytes_per_step(default_gguf_path(), model)
+        out["llama.cpp"] = {
+            "token_ms": token_ms,
+            "in_c_ms": in_c,
+            "ms": {"llama_decode (its counters)": in_c, "outside C (Python loop, call)": max(0.0, token_ms - in_c)},
+            "bytes_per_step": bytes_per_step,
+            "stream_ms": bytes_per_step / (bandwidth_gbps * 1e9) * 1000,
+        }
+    else:
+        out["llama.cpp"] = {"available": False, "reason": llama["reason"]}
+    return out
+
+
 def run_profile(device: torch.device, quick: bool) -> dict:
     if device.type != "cpu":
         raise SystemExit("this benchmark profiles the CPU (the model runs on CPU in chapters 06-08); pass --device cpu")
@@ -179,6 +230,13 @@ def run_profile(device: torch.device, quick: bool) -> dict:
     results["batch 1 (generate)"]["batch"] = 1
     for row in results.values():
         row["tokens_per_s"] = row["batch"] * 1000 / row["step_ms"]
+    native_ok, native_reason = native_decode_available()
+    bandwidth = measure_memory_bandwidth(64 if quick else 256, iters=3 if quick else 5, quick=quick)
+    native = (
+        native_profiles(model, tokenizer, 8 if quick else 64, rounds, bandwidth["bandwidth_gbps"])
+        if native_ok
+        else {"available": False, "reason": native_reason}
+    )
     return {
         "benchmark": "decode_profile",
         "machine_info": machine_info(device),
@@ -196,6 +254,8 @@ def run_profile(device: torch.device, quick: bool) -> dict:
         },
         "categories": list(CATEGORIES),
         "steps": results,
+        "bandwidth": bandwidth,
+        "native": native,
     }
 
 
@@ -216,6 +276,16 @@ def format_table(result: dict) -> str:
         + "".join(f"{result['steps'][n]['step_ms']:8.2f} ms      ".rjust(26) for n in names)
     )
     lines.append(f"{'tokens/s':18s}" + "".join(f"{result['steps'][n]['tokens_per_s']:8.1f}".rjust(26) for n in names))
+    lines.append(
+        f"batch 1 in C and in llama.cpp, ms per token (streaming the weights at "
+        f"{result['bandwidth']['bandwidth_gbps']:.1f} GB/s takes the last column):"
+    )
+    for name, row in result["native"].items():
+        if not isinstance(row, dict) or "ms" not in row:
+            lines.append(f"  {name}: not measured ({row['reason'] if isinstance(row, dict) else row})")
+            continue
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in row["ms"].items())
+        lines.append(f"  {name}: {row['token_ms']:.2f} ms a token ({parts}); stream {row['stream_ms']:.2f} ms")
     return "\n".join(lines)
 
 

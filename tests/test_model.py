@@ -649,6 +649,21 @@ def test_decode_profile_benchmark_splits_each_step(tmp_path):
         assert sum(row["fraction"].values()) == pytest.approx(1.0)
         assert row["step_ms"] == min(row["step_ms_rounds"])
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / row["step_ms"])
+    # the C steps (this machine builds them) split by their timing marks, llama.cpp by its counters
+    from infra_lib.model.native_decode import PROFILE_PHASES
+
+    native = result["native"]
+    for name in ("C step fp32", "C step q4_1", *(["llama.cpp"] if "ms" in native["llama.cpp"] else [])):
+        row = native[name]
+        assert row["token_ms"] > 0 and all(v >= 0 for v in row["ms"].values()), (name, row)
+        assert row["stream_ms"] == pytest.approx(row["bytes_per_step"] / (result["bandwidth"]["bandwidth_gbps"] * 1e6))
+    for name in ("C step fp32", "C step q4_1"):
+        assert list(native[name]["ms"])[:-1] == list(PROFILE_PHASES)
+        assert native[name]["ms"]["products"] > 0 and native[name]["ms"]["head"] > 0
+        assert native[name]["in_c_ms"] == pytest.approx(sum(native[name]["ms"][k] for k in PROFILE_PHASES))
+    assert native["C step q4_1"]["bytes_per_step"] < native["C step fp32"]["bytes_per_step"] / 5
+    if "ms" not in native["llama.cpp"]:
+        assert "pip install -e '.[bench]'" in native["llama.cpp"]["reason"]
 
 
 # --- the dequantised-weights cache --------------------------------------------------------------

@@ -171,7 +171,22 @@ def _built_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     for name in ("infra_native_scratch_floats", "infra_native_batch_scratch_floats"):
         getattr(library, name).restype = ctypes.c_long
         getattr(library, name).argtypes = [ctypes.POINTER(ctypes.c_long)]
+    library.infra_native_profile.restype = ctypes.c_int
+    library.infra_native_profile.argtypes = [ctypes.POINTER(ctypes.c_double)]
     return library
+
+
+# the batch-1 step's phases in a profiling build (PROF_SERIAL... in C), in order
+PROFILE_PHASES = ("serial", "fork/join", "quantise", "products", "attention", "head", "argmax")
+
+
+def step_profile(library: ctypes.CDLL) -> dict[str, float] | None:
+    """Seconds thread 0 of the batch-1 step spent in each phase since the last call (``PROFILE_PHASES``),
+    from a library built with ``native_library(("-DINFRA_PROFILE",))``; None from any other build."""
+    seconds = (ctypes.c_double * len(PROFILE_PHASES))()
+    if library.infra_native_profile(seconds) != len(PROFILE_PHASES):
+        return None
+    return dict(zip(PROFILE_PHASES, seconds))
 
 
 def native_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -412,14 +427,22 @@ class NativeDecoder(StaticDecoder):
             file's blocks as stored) or ``"int4"`` (chapter 09's int4, ``group_size`` weights a
             scale); both 4-bit formats read the head in Q8_0, as the GGUF file stores the table.
         group_size: the int4 step's weights per scale (32, 64, 128, 256 or 512).
+        library: the compiled step to call (default ``native_library()``), e.g. a profiling build.
 
     ``greedy`` is ``StaticDecoder.greedy``: the prompt in PyTorch, then one C call per token.
     ``bytes_per_step`` is what one step's weights read.
     """
 
-    def __init__(self, model: Llama, capacity: int = 512, weights: str = "fp32", group_size: int = INT4_GROUP):
+    def __init__(
+        self,
+        model: Llama,
+        capacity: int = 512,
+        weights: str = "fp32",
+        group_size: int = INT4_GROUP,
+        library: ctypes.CDLL | None = None,
+    ):
         check_native_model(model, weights, "NativeDecoder", group_size)
-        self.library = native_library()
+        self.library = native_library() if library is None else library
         super().__init__(model, capacity, compile=False)
         config = model.config
         self.weights = weights

@@ -403,6 +403,35 @@ static void rows_dot_any(const void *weight, const void *scale, const void *min,
         rows_dot(weight, (const float *)scale, format, x, y, r0, r1, n);
 }
 
+/* Where the batch-1 step's time goes, in a build with -DINFRA_PROFILE (benchmarks/decode_profile.py
+ * makes one): thread 0's wall time between marks, added up by phase, read (and reset) by
+ * infra_native_profile. A product's phase ends after the barrier that follows it, so it holds the
+ * wait for the slower thread; fork/join is entering and leaving a parallel region. The plain build
+ * has no marks. */
+enum { PROF_SERIAL, PROF_FORK_JOIN, PROF_QUANTISE, PROF_PRODUCTS, PROF_ATTENTION, PROF_HEAD, PROF_ARGMAX, PROF_COUNT };
+#if defined(INFRA_PROFILE) && defined(_OPENMP)
+static double profile_seconds[PROF_COUNT], profile_last;
+#define MARK_START() (profile_last = omp_get_wtime())
+#define MARK(phase)                                                                                \
+    do {                                                                                           \
+        if (omp_get_thread_num() == 0) {                                                           \
+            const double now_ = omp_get_wtime();                                                   \
+            profile_seconds[phase] += now_ - profile_last;                                         \
+            profile_last = now_;                                                                   \
+        }                                                                                          \
+    } while (0)
+#define PROFILE_BARRIER() _Pragma("omp barrier")
+int infra_native_profile(double *out) {
+    for (int i = 0; i < PROF_COUNT; i++) { out[i] = profile_seconds[i]; profile_seconds[i] = 0.0; }
+    return PROF_COUNT;
+}
+#else
+#define MARK_START() ((void)0)
+#define MARK(phase) ((void)0)
+#define PROFILE_BARRIER()
+int infra_native_profile(double *out) { (void)out; return 0; }  /* not a profiling build */
+#endif
+
 /* rows in blocks of 16 (four groups of four), dealt out evenly to the threads */
 #define ROW_BLOCK 16
 
@@ -491,18 +520,22 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
     float *tmp = up + inter;            /* o_proj / down_proj output [d] */
     float *scores = tmp + d;            /* [H, capacity] */
 
+    MARK_START();
     memcpy(x, embed + token * d, d * sizeof(float));
 
     for (long l = 0; l < layers; l++) {
         void *const *p = params + l * P_COUNT;
         float *keys = (float *)p[P_KEYS], *values = (float *)p[P_VALUES];
         rmsnorm(x, (const float *)p[P_IN_NORM], h, (int)d, eps);
+        MARK(PROF_SERIAL);
         #pragma omp parallel num_threads(threads)
         {
             const int t = THREAD_ID(), nt = THREAD_COUNT();
             long r0, r1;
+            MARK(PROF_FORK_JOIN);
             qvec qx = qvec_at(thread_qvec, quantised ? widest : 0);
             if (quantised) quantise_x(h, d, format, qx);
+            MARK(PROF_QUANTISE);
             /* q, k and v: one range of rows over the three weights */
             my_rows(qkv_rows, &r0, &r1, t, nt);
             long a = r0 < q_rows ? r0 : q_rows, b = r1 < q_rows ? r1 : q_rows;
@@ -516,6 +549,7 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
                 rows_dot_any(p[P_V], p[P_V_SCALE], p[P_V_MIN], format, qgroup, h, &qx, qkv + q_rows + kv_rows,
                              a - q_rows - kv_rows, b - q_rows - kv_rows, d);
             #pragma omp barrier
+            MARK(PROF_PRODUCTS);
             #pragma omp single
             {
                 if (p[P_QB]) for (long i = 0; i < q_rows; i++) qkv[i] += ((const float *)p[P_QB])[i];
@@ -529,6 +563,7 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
                     memcpy(values + (g * capacity + pos) * hd, v, hd * sizeof(float));
                 }
             }
+            MARK(PROF_SERIAL);
             /* attention: query heads dealt out to the threads; each reads its K/V head's cache */
             for (long g = t; g < H; g += nt) {
                 const float *q = qkv + g * hd;
@@ -536,41 +571,58 @@ int infra_native_decode_step(const long *dims, float eps, void *const *params, c
                 attend(q, K, V, 0, 1, hd, pos, hd, attn_scale, scores + g * capacity, attn + g * hd);
             }
             #pragma omp barrier
+            MARK(PROF_ATTENTION);
             my_rows(d, &r0, &r1, t, nt);
             if (quantised) quantise_x(attn, q_rows, format, qx);
+            MARK(PROF_QUANTISE);
             rows_dot_any(p[P_O], p[P_O_SCALE], p[P_O_MIN], format, qgroup, attn, &qx, tmp, r0, r1, q_rows);
             #pragma omp barrier
+            MARK(PROF_PRODUCTS);
             #pragma omp single
             {
                 for (long i = 0; i < d; i++) x[i] += tmp[i] + (p[P_OB] ? ((const float *)p[P_OB])[i] : 0.f);
                 rmsnorm(x, (const float *)p[P_POST_NORM], h, (int)d, eps);
             }
+            MARK(PROF_SERIAL);
             /* gate and up: the same rows of both, combined as they are made */
             my_rows(inter, &r0, &r1, t, nt);
             if (quantised) quantise_x(h, d, format, qx);
+            MARK(PROF_QUANTISE);
             rows_dot_any(p[P_GATE], p[P_GATE_SCALE], p[P_GATE_MIN], format, qgroup, h, &qx, act, r0, r1, d);
             rows_dot_any(p[P_UP], p[P_UP_SCALE], p[P_UP_MIN], format, qgroup, h, &qx, up, r0, r1, d);
             for (long i = r0; i < r1; i++) act[i] = silu(act[i]) * up[i];
             #pragma omp barrier
+            MARK(PROF_PRODUCTS);
             my_rows(d, &r0, &r1, t, nt);
             if (quantised) quantise_x(act, inter, format, qx);
+            MARK(PROF_QUANTISE);
             rows_dot_any(p[P_DOWN], p[P_DOWN_SCALE], p[P_DOWN_MIN], format, qgroup, act, &qx, tmp, r0, r1, inter);
+            PROFILE_BARRIER();
+            MARK(PROF_PRODUCTS);
         }
+        MARK(PROF_FORK_JOIN);
         for (long i = 0; i < d; i++) x[i] += tmp[i];
     }
 
     rmsnorm(x, final_norm, h, (int)d, eps);
+    MARK(PROF_SERIAL);
     #pragma omp parallel num_threads(threads)
     {
         const int t = THREAD_ID(), nt = THREAD_COUNT();
         long r0, r1;
+        MARK(PROF_FORK_JOIN);
         my_rows(vocab, &r0, &r1, t, nt);
         qvec qx = qvec_at(thread_qvec, d);
         if (is_quantised(head_format)) quantise_x(h, d, head_format, qx);
+        MARK(PROF_QUANTISE);
         rows_dot_any(lm_head, lm_head_scale, 0, head_format, 1, h, &qx, logits, r0, r1, d);
+        PROFILE_BARRIER();
+        MARK(PROF_HEAD);
     }
+    MARK(PROF_FORK_JOIN);
     long best = 0;
     for (long i = 1; i < vocab; i++) if (logits[i] > logits[best]) best = i;
+    MARK(PROF_ARGMAX);
     return (int)best;
 }
 
