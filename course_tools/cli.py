@@ -329,6 +329,8 @@ def _replica_command(args) -> list[str]:
     for option in ("model_path", "served_model_name", "native"):
         if getattr(args, option):
             command += [f"--{'model' if option == 'model_path' else option.replace('_', '-')}", getattr(args, option)]
+    if getattr(args, "pytorch", False):
+        command.append("--pytorch")
     for option in ("max_num_seqs", "kv_blocks", "max_num_batched_tokens", "max_queue_len", "max_tokens_default"):
         command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     return command
@@ -467,7 +469,13 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--native",
         choices=("fp32", "bf16", "int8"),
-        help="run the course's engine steps in C with these weights (default: PyTorch)",
+        help="run the course's engine steps in C with these weights (default: in C with fp32 weights where the "
+        "C step builds here, else in PyTorch)",
+    )
+    parser.add_argument(
+        "--pytorch",
+        action="store_true",
+        help="run the course's engine steps in PyTorch (default: in C where the step builds here)",
     )
     parser.add_argument(
         "--replicas",

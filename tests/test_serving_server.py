@@ -454,9 +454,13 @@ def test_server_metrics_agree_with_what_the_client_measured(server):
     assert abs(client_itl - server_itl) < 0.25 * server_itl + 0.01, (client_itl, server_itl)
 
 
-def test_infra_lab_serve_answers_the_openai_client(tmp_path):
+def test_infra_lab_serve_answers_the_openai_client(tmp_path, smollm2):
+    """`infra-lab serve` as a learner starts it: its engine steps in C by default (this machine builds
+    the step), giving the PyTorch engine's greedy answer, and it says which at start."""
     from openai import OpenAI
 
+    from infra_lib.model import SamplingParams
+    from infra_lib.serving import LLM, SchedulerConfig
     from infra_lib.serving.server import free_port
 
     port = free_port()
@@ -486,11 +490,40 @@ def test_infra_lab_serve_answers_the_openai_client(tmp_path):
         assert [m.id for m in client.models.list().data] == [MODEL]
         answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
         assert "Paris" in answer.choices[0].message.content
-        assert "client = OpenAI(base_url=" in (tmp_path / "serve.log").read_text()
+        config = SchedulerConfig(max_num_seqs=4, num_blocks=128)
+        pytorch = LLM(smollm2.model, smollm2.tokenizer, config).generate(
+            [QUESTION], SamplingParams(max_new_tokens=12), use_tqdm=False
+        )[0]
+        assert answer.choices[0].message.content == pytorch.text
+        printed = (tmp_path / "serve.log").read_text()
+        assert "client = OpenAI(base_url=" in printed and "engine steps in C, the model's fp32 weights" in printed
     finally:
         process.terminate()
         process.wait(20)
         log.close()
+
+
+def test_serve_runs_its_steps_in_c_by_default_and_says_where_not(monkeypatch):
+    """The default is the C step with fp32 weights where it builds; where it cannot, PyTorch, saying why;
+    --pytorch and --native choose; a learner's engine runs its own pieces (in PyTorch)."""
+    import infra_lib.serving.server as server
+
+    assert server.choose_step(None, False, False) == (
+        "fp32",
+        "engine steps in C, the model's fp32 weights (the PyTorch engine's answers); --pytorch runs them in PyTorch",
+    )
+    assert server.choose_step(None, True, False) == (None, "engine steps in PyTorch (--pytorch)")
+    assert server.choose_step("int8", False, False) == ("int8", "engine steps in C, int8 weights (--native int8)")
+    assert server.choose_step(None, False, True) == (None, "")
+    with pytest.raises(SystemExit, match="give one or the other"):
+        server.choose_step("fp32", True, False)
+    monkeypatch.setattr(
+        server, "native_decode_available", lambda: (False, "no C compiler found (looked for $CC, cc)\nmore")
+    )
+    assert server.choose_step(None, False, False) == (
+        None,
+        "engine steps in PyTorch: the C step cannot be built here (no C compiler found (looked for $CC, cc))",
+    )
 
 
 def test_serve_rejects_bad_options():

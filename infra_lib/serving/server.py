@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from infra_lib.model.native_decode import NativeUnavailable
+from infra_lib.model.native_decode import NativeUnavailable, native_decode_available
 from infra_lib.model.sampling import SamplingParams
 from infra_lib.serving.async_engine import AsyncLLMEngine, EngineDead, QueueFull
 from infra_lib.serving.engine import LLMEngine
@@ -572,6 +572,31 @@ class ServerThread:
         self.stop()
 
 
+def choose_step(native: str | None, pytorch: bool, learner: bool) -> tuple[str | None, str]:
+    """Where ``infra-lab serve``'s engine runs its steps: ``(weight format of the C step, or None for
+    PyTorch; the sentence printed at start)``.
+
+    By default the course's engine runs its steps in C with the model's fp32 weights (the same answers
+    as in PyTorch, in about half the time a step), where the C step builds here; where it does not, in
+    PyTorch, saying why. ``--native FORMAT`` asks for the C step in that format (and fails where it
+    cannot be built), ``--pytorch`` for PyTorch; a learner's engine runs its own pieces in PyTorch."""
+    if native and pytorch:
+        raise SystemExit("--native runs the engine's steps in C, --pytorch in PyTorch: give one or the other")
+    if learner:
+        return None, ""
+    if pytorch:
+        return None, "engine steps in PyTorch (--pytorch)"
+    if native:
+        return native, f"engine steps in C, {native} weights (--native {native})"
+    ok, why = native_decode_available()
+    if not ok:
+        return None, f"engine steps in PyTorch: the C step cannot be built here ({why.splitlines()[0]})"
+    return (
+        "fp32",
+        "engine steps in C, the model's fp32 weights (the PyTorch engine's answers); --pytorch runs them in PyTorch",
+    )
+
+
 def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
     """``infra-lab serve``: load the model, print where to point a client, serve until Ctrl-C.
     ``pieces``: a learner's engine pieces (``--engine learner``), None for the course's engine."""
@@ -593,22 +618,35 @@ def serve_main(args: argparse.Namespace, pieces: dict | None = None) -> int:
             "--native runs the course's engine in C; a learner's engine (--engine learner) runs its "
             "own pieces: leave --native out"
         )
+    chosen, note = choose_step(native, getattr(args, "pytorch", False), bool(pieces))
     print("loading the model ...", flush=True)
-    try:
-        engine = build_engine(
+
+    def engine_on(step: str | None) -> AsyncLLMEngine:
+        return build_engine(
             model_path=args.model_path,
             max_num_seqs=args.max_num_seqs,
             kv_blocks=args.kv_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_queue_len=args.max_queue_len,
             pieces=pieces,
-            native=native,
+            native=step,
         )
-    except NativeUnavailable as exc:
-        raise SystemExit(
-            f"--native {native}: the engine's step in C is unavailable here: {exc}\n"
-            "serve without --native (the same engine in PyTorch)"
-        ) from None
+
+    try:
+        engine = engine_on(chosen)
+    except (NativeUnavailable, TypeError, ValueError) as exc:
+        if native:
+            raise SystemExit(
+                f"--native {native}: the engine's step in C is unavailable here: {exc}\n"
+                "serve without --native (the same engine in PyTorch)"
+            ) from None
+        if chosen is None:
+            raise
+        # the default, on a model the C step does not read: the same engine in PyTorch
+        note = f"engine steps in PyTorch: the C step cannot run this model ({str(exc).splitlines()[0]})"
+        engine = engine_on(None)
+    if note:
+        print(note, flush=True)
     name = args.served_model_name or (Path(args.model_path).stem if args.model_path else DEFAULT_MODEL_NAME)
     app = create_app(engine, name, max_tokens_default=args.max_tokens_default)
     base = f"http://{args.host}:{args.port}/v1"
