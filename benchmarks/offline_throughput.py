@@ -44,6 +44,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 from benchmark_cli import benchmark_main, load_average
@@ -52,6 +53,7 @@ from decode import _transformers_model
 from infra_lib.hardware.probes import machine_info, measure_peak_gemm_flops
 from infra_lib.model import SamplingParams, load_default
 from infra_lib.model.decode_layout import decode_layout
+from infra_lib.model.loaders import default_gguf_path
 from infra_lib.model.native_decode import native_decode_available
 from infra_lib.model.quant import load_gguf_q4_1
 from infra_lib.serving import LLM, LLMEngine, PagedKVStore, SchedulerConfig
@@ -217,7 +219,8 @@ def run_offline_throughput(device: torch.device, quick: bool, loaded=None) -> di
     continuous, continuous_out = timed_generate(llm, prompts, params)
     runner = llm.engine.runner
     q4_1 = None
-    if native:  # the same engine, its C step reading the file's Q4_1 blocks (a prefill over 512 tokens: fp32)
+    if native and Path(loaded.source) == default_gguf_path():  # the same engine, its C step on the file's Q4_1 blocks
+        # (a step over 512 tokens, a long prefill, runs in PyTorch on the fp32 decode layout: the same values)
         q4_1_llm = engine_llm(load_gguf_q4_1(loaded.source).model, fast, tokenizer, config, True, "q4_1")
         q4_1_llm.generate(prompts[:1], SamplingParams(max_new_tokens=2, stop_ids=()), use_tqdm=False)
         q4_1, q4_1_out = timed_generate(q4_1_llm, prompts, params)
