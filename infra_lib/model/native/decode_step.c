@@ -297,15 +297,25 @@ static inline __attribute__((always_inline)) void q_scales16(const qweight *w, l
     }
 }
 
-/* y[0..R) = rows r..r+R of w against x: R rows against one read of each 64 inputs */
-static inline __attribute__((always_inline)) void q_dot_rows(const qweight *w, const qvec *x, long r, const int R,
-                                                             float *y) {
+/* the 64 unpacked weights of block pair b / 2 of a nibble format's row (a lone last block: zeros beside it) */
+static inline __attribute__((always_inline)) __m512i q_unpack_pair(const uint8_t *p, int tail) {
+    const __m256i bytes =
+        tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1),
+                            _mm512_set1_epi8(0x0f));
+}
+
+/* y[0..R) = rows r..r+R of w against x: R rows against one read of each 64 inputs. `unpacked`, when
+ * not NULL, holds the R rows' nibbles already unpacked (q_unpack_rows), row after row */
+static inline __attribute__((always_inline)) void q_dot_rows_from(const qweight *w, const qvec *x, long r, const int R,
+                                                                  float *y, const __m512i *unpacked) {
     const long nb = w->nb;
     const int plain = w->format == FORMAT_Q8_0, has_min = w->format == FORMAT_Q4_1;
     const long row_bytes = nb * (plain ? 32 : 16), block_bytes = plain ? 32 : 16;
     __m512 acc[4], acc_min[4];
     for (int i = 0; i < R; i++) acc[i] = acc_min[i] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const long pairs = (nb + 1) / 2;
     /* the int32 lanes of a pair's products belong to blocks 2j and 2j + 1 in this pattern */
     const __m512i pattern = plain ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                   : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -336,12 +346,10 @@ static inline __attribute__((always_inline)) void q_dot_rows(const qweight *w, c
                     wv = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p))
                               : _mm512_loadu_si512(p);
                     wv = _mm512_xor_si512(wv, flip);
-                } else {
-                    const __m256i bytes = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p))
-                                               : _mm256_loadu_si256((const __m256i *)p);
-                    wv = _mm512_and_si512(
-                        _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1), low);
-                }
+                } else if (unpacked)
+                    wv = _mm512_load_si512(unpacked + i * pairs + b / 2);
+                else
+                    wv = q_unpack_pair(p, tail);
                 const __m512i dot = _mm512_dpbusd_epi32(start, wv, xv);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, S[i]), acc[i]);
             }
@@ -349,6 +357,25 @@ static inline __attribute__((always_inline)) void q_dot_rows(const qweight *w, c
     }
     for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(acc_min[i]);
 }
+
+static inline __attribute__((always_inline)) void q_dot_rows(const qweight *w, const qvec *x, long r, const int R,
+                                                             float *y) {
+    q_dot_rows_from(w, x, r, R, y, 0);
+}
+
+/* the nibbles of rows r..r+R unpacked once, for the batched step to read against every token: the
+ * shifts and masks then cost once per weight, not once per weight and token (a nibble format's rows
+ * of up to MAX_Q_INPUT weights) */
+static __thread __m512i thread_unpacked[4 * (MAX_Q_INPUT / 64 + 1)];
+static const __m512i *q_unpack_rows(const qweight *w, long r, int R) {
+    if (w->format == FORMAT_Q8_0) return 0;
+    const long nb = w->nb, pairs = (nb + 1) / 2;
+    for (int i = 0; i < R; i++)
+        for (long j = 0; j < pairs; j++)
+            thread_unpacked[i * pairs + j] = q_unpack_pair(w->q + ((r + i) * nb + 2 * j) * 16, 2 * j + 1 == nb);
+    return thread_unpacked;
+}
+#define Q_UNPACKS 1
 #else
 static inline void q_dot_rows(const qweight *w, const qvec *x, long r, const int R, float *y) {
     const long nb = w->nb;
@@ -785,10 +812,19 @@ static void q_rows_dot_tokens(const qweight *w, char *qx, long qx_size, long inp
     long r = r0;
     for (; r + 4 <= r1; r += 4) {
         prefetch_next_group((const char *)w->q, r, r1, row_bytes);
+#ifdef Q_UNPACKS
+        const __m512i *unpacked = T > 1 ? q_unpack_rows(w, r, 4) : 0;
+        for (long t = 0; t < T; t++) {
+            const qvec x = qvec_at(qx + t * qx_size, input);
+            if (unpacked) q_dot_rows_from(w, &x, r, 4, Y + t * ldy + r, unpacked);
+            else q_dot_rows(w, &x, r, 4, Y + t * ldy + r);
+        }
+#else
         for (long t = 0; t < T; t++) {
             const qvec x = qvec_at(qx + t * qx_size, input);
             q_dot_rows(w, &x, r, 4, Y + t * ldy + r);
         }
+#endif
     }
     for (; r < r1; r++)
         for (long t = 0; t < T; t++) {
