@@ -13,7 +13,9 @@ client streams every request and stamps each chunk:
 The open loop runs twice on the same arrival trace (same seed, prompts and hang-ups): **before**,
 the engine on the model as loaded (fp32, one product per projection), and **after**, the engine on
 the decode layout with int8 weights (``infra_lib.model.decode_layout``: fused q/k/v and gate/up
-products, a quarter of the bytes per step).
+products, a quarter of the bytes per step). Where the C step builds, it runs a third time,
+**served**: the engine as ``infra-lab serve`` runs it by default, its steps in C
+(``NativeModelRunner``) on the model's fp32 weights, the same answers as before.
 
 Reported per run: TTFT and TPOT (P50/P99), ITL P99, output tokens per second, goodput at the
 SLOs below (requests per second that met both), HTTP statuses, and the KV blocks still held once
@@ -35,6 +37,7 @@ from benchmark_cli import benchmark_main, load_average
 from infra_lib.hardware.probes import machine_info
 from infra_lib.model import load_default
 from infra_lib.model.decode_layout import bytes_per_step, decode_layout
+from infra_lib.model.native_decode import native_decode_available
 from infra_lib.ops import run_load
 from infra_lib.serving.server import DEFAULT_MODEL_NAME, ServerThread, build_engine, create_app
 
@@ -105,13 +108,21 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
     prompts = [f"In one sentence, why is the number {i} interesting?" for i in range(p["num_requests"])]
     hang_ups = {i: 2 for i in range(0, p["num_requests"], 10)}
     common = {"model": DEFAULT_MODEL_NAME, "max_tokens": p["max_tokens"], "slo_ms": SLO_MS, "seed": SEED}
+    # before and after: the engine in PyTorch, on the model as loaded and on its int8 decode layout;
+    # served: what `infra-lab serve` runs by default, its steps in C on the model's fp32 weights
+    # (where the C step builds here; otherwise the row says why it is missing)
+    native_ok, native_why = native_decode_available()
     models = {
-        "before": ("fp32, as loaded", loaded.model),
-        "after": ("int8, decode layout", decode_layout(loaded.model, "int8")),
+        "before": ("fp32, as loaded", loaded.model, None),
+        "after": ("int8, decode layout", decode_layout(loaded.model, "int8"), None),
     }
+    if native_ok:
+        models["served"] = ("fp32, steps in C (infra-lab serve's default)", loaded.model, "fp32")
     runs, alive, weights, slo_sweep = {}, {}, {}, {}
-    for when, (label, model) in models.items():
-        engine = build_engine(model, loaded.tokenizer, max_num_seqs=p["max_num_seqs"], kv_blocks=kv_blocks)
+    for when, (label, model, native) in models.items():
+        engine = build_engine(
+            model, loaded.tokenizer, max_num_seqs=p["max_num_seqs"], kv_blocks=kv_blocks, native=native
+        )
         weights[when] = {"weights": label, "bytes_per_step": bytes_per_step(model)}
         with ServerThread(create_app(engine, DEFAULT_MODEL_NAME)) as server:
             if when == "before":  # the baseline without batching, on the engine as loaded
@@ -122,7 +133,7 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
                     "leaked_blocks": leaked_blocks(engine),
                 }
             loaded_run = run_load(server.url, prompts, rate=p["rate"], disconnect_after=hang_ups, **common)
-            name = "open_loop" if when == "before" else "open_loop_after"
+            name = {"before": "open_loop", "after": "open_loop_after", "served": "open_loop_served"}[when]
             runs[name] = {
                 **{k: loaded_run.summary.get(k) for k in KEYS},
                 "status_counts": loaded_run.status_counts,
@@ -168,6 +179,11 @@ def run_serve_load(device: torch.device, quick: bool) -> dict:
             if at_slo["before"]["output_throughput"]
             else None
         ),
+        # the server's default against the same engine in PyTorch on the same weights, the same trace
+        "served_over_before": (
+            runs["open_loop_served"]["output_throughput"] / before["output_throughput"] if native_ok else None
+        ),
+        "served_missing": None if native_ok else f"the C step cannot be built here: {native_why.splitlines()[0]}",
         "engine_alive_after": all(alive.values()),
         "device": str(device),
         "note": "the engine and its KV pool run on the CPU",
@@ -196,6 +212,13 @@ def format_table(result: dict) -> str:
         f"same overload trace, {result['weights']['after']['weights']} over "
         f"{result['weights']['before']['weights']}: throughput {result['throughput_after_over_before']:.2f}x"
     )
+    if result["served_over_before"] is not None:
+        lines.append(
+            f"same overload trace, {result['weights']['served']['weights']} over "
+            f"{result['weights']['before']['weights']}: throughput {result['served_over_before']:.2f}x"
+        )
+    else:
+        lines.append(f"infra-lab serve's default (steps in C) not measured: {result['served_missing']}")
     slo = result["slo_ms"]
     lines.append(f"SLO sweep (P99 TTFT <= {slo['ttft']} ms and P99 TPOT <= {slo['tpot']} ms):")
     lines.append(

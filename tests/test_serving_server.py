@@ -551,7 +551,12 @@ def test_serve_load_benchmark_writes_json(tmp_path):
     result = run_benchmark("serve_load", tmp_path / "serve_load.json")
     runs = result["runs"]
     assert runs["sequential"]["completed"] == result["plan"]["sequential_requests"]
-    for name in ("open_loop", "open_loop_after"):  # before and after, on the same trace
+    from infra_lib.model.native_decode import native_decode_available
+
+    served = native_decode_available()[0]  # infra-lab serve's default, its steps in C, where they build
+    assert ("open_loop_served" in runs) == served and (result["served_over_before"] is not None) == served
+    assert result["served_missing"] is None if served else "cannot be built" in result["served_missing"]
+    for name in ("open_loop", "open_loop_after", *(["open_loop_served"] if served else [])):  # the same trace
         assert runs[name]["completed"] + runs[name]["disconnected"] == result["plan"]["num_requests"], name
         assert runs[name]["failed"] == 0 and runs[name]["disconnected"] >= 1, name
         assert runs[name]["leaked_blocks"] == 0, name
@@ -562,7 +567,7 @@ def test_serve_load_benchmark_writes_json(tmp_path):
     assert result["throughput_after_over_before"] == pytest.approx(
         runs["open_loop_after"]["output_throughput"] / runs["open_loop"]["output_throughput"]
     )
-    for when in ("before", "after"):  # the SLO sweep: the same rates for both engines
+    for when in ("before", "after", *(["served"] if served else [])):  # the SLO sweep: the same rates for each
         rows = result["slo_sweep"][when]
         assert [row["rate"] for row in rows] == result["plan"]["slo_rates"]
         for row in rows:
