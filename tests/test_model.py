@@ -408,6 +408,7 @@ def test_decode_benchmark_writes_json(tmp_path):
 
     result = run_benchmark("decode", tmp_path / "decode.json")
     formats = ("fp32", "bf16", "int8")
+    native_formats = (*formats, "q4_1", "int4")
     llama_name = "llama.cpp (llama-cpp-python), Q4_1 file"
     llama = result["llama_cpp"]
     # --quick times the fp32 layout and its compiled step beside every C step (the full run: every layout)
@@ -442,10 +443,14 @@ def test_decode_benchmark_writes_json(tmp_path):
             result["weight_formats"]["fp32, plain layout"]["perplexity"], rel=1e-4 if w == "fp32" else 0.05
         )
         assert 0 <= read["top1_agreement"] <= 1 and 0 <= read["same_greedy_prefix"] <= result["flags"]["new_tokens"]
+    # the 4-bit steps' rates over more tokens than the rest: 4 ms tokens beside a noisy prompt pass
+    quick_tokens = result["flags"]["new_tokens"]
+    assert result["flags"]["rate_tokens"] == {w: 64 if w in ("q4_1", "int4") else quick_tokens for w in native_formats}
     # the 4-bit C steps: q4_1 reads the file's blocks (the same values as the fp32 model) and its Q8_0 head;
     # int4 quantises those values again, in groups of 64: its perplexity rises by about a third here
     for w, tolerance in (("q4_1", 0.05), ("int4", 0.5)):
         row = result["engines"][f"infra_lib, native step {w}"]
+        assert row["new_tokens"] == result["flags"]["rate_tokens"][w] and row["decode_tokens_per_s"] > 0, (w, row)
         read = result["weight_formats"][f"{w}, native step"]
         assert row["weights"] == f"{w}, native step" and read["bytes_per_step"] == row["bytes_per_step"]
         assert row["bytes_per_step"] < result["model"]["weight_bytes"] / 5
