@@ -457,9 +457,12 @@ def main(args) -> int:
         start_new_session=True,
         preexec_fn=_stop_with_parent,
     )
-    # `kill` (or a closed terminal) stops the hub as Ctrl-C does, with everything it started
+    # `kill` (or a closed terminal) stops the hub as Ctrl-C does, with everything it started; Ctrl-C
+    # works even where this process was started with SIGINT ignored or blocked (both are inherited)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for number in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, _interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     url = f"http://{args.ip}:{args.port}"
     try:
         wait_until_up(url, process)

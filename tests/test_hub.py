@@ -203,6 +203,11 @@ def _processes_of(marker: str, uids: set[int]) -> list[str]:
     return found
 
 
+def _as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """The README's `make hub ROSTER=roster.txt` on a copy of the course, stopped as Ctrl-C stops it."""
@@ -225,7 +230,15 @@ def hub(tmp_path_factory):
     log = open(tmp / "make_hub.log", "w")
     began = time.monotonic()
     process = subprocess.Popen(
-        ["bash", "-c", start], cwd=course, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        ["bash", "-c", start],
+        cwd=course,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        # as in a terminal, where Ctrl-C interrupts: a test worker may run with SIGINT ignored or
+        # blocked, which every process it starts would inherit
+        preexec_fn=_as_in_a_terminal,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -256,13 +269,17 @@ def hub(tmp_path_factory):
         users = json.loads((folder / "users.json").read_text()) if (folder / "users.json").is_file() else {}
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in make hub's terminal
         try:
-            process.wait(60)
+            process.wait(120)  # a guard against a hang, not a speed
+            stopped = True
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            stopped = False
         log.close()
         time.sleep(1)
         left = _processes_of(str(folder), set(users.values()))
+        assert stopped, "make hub did not stop on Ctrl-C: " + (tmp / "make_hub.log").read_text()[-2000:]
+        assert "stopping the hub" in (tmp / "make_hub.log").read_text()
         assert not left, f"still running after Ctrl-C: {left}"
 
 
