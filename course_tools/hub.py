@@ -248,10 +248,11 @@ def configure(c, folder: ClassFolder) -> None:
         def get_env(self):
             env = super().get_env()
             name = self.user.name
-            home = str(course_root()) if name == INSTRUCTOR else f"/home/{name}"
+            # the instructor keeps the hub's own home; a learner's is the one in their view
+            home = os.environ.get("HOME", str(course_root())) if name == INSTRUCTOR else f"/home/{name}"
             configs = INSTRUCTOR_CONFIG if name == INSTRUCTOR else LEARNER_CONFIG
             env.update(
-                HOME=home if name != INSTRUCTOR else os.environ.get("HOME", home),
+                HOME=home,
                 USER=name,
                 PATH=f"{Path(sys.prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin",
                 JUPYTER_CONFIG_PATH=":".join(str(REPO_ROOT / part) for part in configs),
@@ -287,10 +288,6 @@ def configure(c, folder: ClassFolder) -> None:
         c.JupyterHub.load_roles = [{"name": "course-admin", "scopes": scopes, "services": ["course-admin"]}]
 
 
-def len_parts(path: Path) -> int:
-    return len(path.parts)
-
-
 def learner_command(folder: ClassFolder, learner: str, program: str) -> list[str]:
     """The command that runs ``program`` (a learner's server) in the learner's sandbox, as their id."""
     uid = folder.learners()[learner]
@@ -302,7 +299,9 @@ def learner_command(folder: ClassFolder, learner: str, program: str) -> list[str
     # bubblewrap makes the folders above what it binds for root alone (mode 0700); the learner's
     # id must pass through them, so they are made first (those on the private /tmp once it exists),
     # open to all and empty
-    above = sorted({up for path in shown for up in path.parents if up != Path("/") and up not in shown}, key=len_parts)
+    above = sorted(
+        {up for path in shown for up in path.parents if up != Path("/") and up not in shown}, key=lambda p: len(p.parts)
+    )
     early = [arg for up in above if not up.is_relative_to("/tmp") for arg in ("--perms", "0755", "--dir", str(up))]
     late = [arg for up in above if up.is_relative_to("/tmp") for arg in ("--perms", "0755", "--dir", str(up))]
     argv = [
@@ -497,7 +496,7 @@ def _cmd_hub(args) -> int:
 
 
 def _cmd_feedback(args) -> int:
-    from course_tools.classroom import course_root, place_feedback
+    from course_tools.classroom import place_feedback
 
     root = course_root()
     grades = Path(args.grades) if args.grades else root / "grades" / args.lab

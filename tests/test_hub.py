@@ -30,6 +30,8 @@ import nbformat
 import pytest
 from conftest import CHROMEDRIVER, CHROMIUM, LAB01, REPO, SOLUTION01, answer_cells, course_copy, headless_chromium
 
+from course_tools.hub import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hub")]
 
 LAB = "lab01_gemm"
@@ -69,14 +71,6 @@ def readme_blocks() -> list[str]:
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert len(blocks) == 5, "the section's commands: start, release, a learner's work, the instructor's, feedback"
     return blocks
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
